@@ -1,0 +1,42 @@
+# make test: set up a virtual environment with uv and run the whole suite.
+# make demo: set up the same environment and run the main job.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+UV        ?= uv
+FINDLINKS := $(if $(PIP_FIND_LINKS),$(foreach d,$(PIP_FIND_LINKS),--find-links $(d)),)
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo lint metrics-doc dashboards bench bench-quick clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) venv --quiet --allow-existing --python python3 $(VENV)
+	$(UV) pip install --quiet --python $(PY) $(FINDLINKS) -c constraints.txt -e ".[all]"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/obsckpt demo
+
+lint: setup
+	$(VENV)/bin/ruff check obsckpt tests benchmarks dashboards
+	$(VENV)/bin/ruff format --check obsckpt tests benchmarks dashboards
+
+metrics-doc: setup
+	$(PY) -m obsckpt.telemetry.metrics > docs/metrics.md
+
+dashboards: setup
+	$(PY) -m dashboards.build
+
+bench: setup
+	$(PY) benchmarks/run.py --json benchmarks/results.json
+
+bench-quick: setup
+	$(PY) benchmarks/run.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,304 @@
+"""Every Prometheus metric and OpenTelemetry span obsckpt emits, defined once.
+
+Dashboards, alert rules and users' own queries depend on these names; they
+change only deliberately. ``python -m obsckpt.telemetry.metrics`` prints the
+reference page ``docs/metrics.md`` from the definitions below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+KINDS = ("checkpoint", "state_dict")
+RESULTS = ("ok", "error")
+BACKENDS = ("nccl", "gloo")
+ROLES = ("trainer", "rollout")
+STRATEGIES = ("single_thread", "single_process", "single_node", "unrestricted")
+
+# Milliseconds to half an hour: snapshot copies take ms, multi-GB shard writes minutes.
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    type: str
+    labels: tuple[str, ...]
+    help: str
+    attr: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpanSpec:
+    name: str
+    where: str
+    help: str
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "obsckpt_save_duration_seconds",
+        "histogram",
+        ("slot", "kind"),
+        "Time one background save took, from admission to its files being fsynced.",
+        "save_duration",
+    ),
+    MetricSpec(
+        "obsckpt_saves_total",
+        "counter",
+        ("slot", "kind", "result"),
+        "Saves finished, by result (ok or error).",
+        "saves",
+    ),
+    MetricSpec(
+        "obsckpt_save_bytes_total",
+        "counter",
+        ("slot", "kind"),
+        "Bytes written by successful saves.",
+        "save_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_saves_in_flight",
+        "gauge",
+        ("kind",),
+        "Saves admitted by the monitor and not yet finished.",
+        "saves_in_flight",
+    ),
+    MetricSpec(
+        "obsckpt_thread_join_wait_seconds",
+        "histogram",
+        ("slot",),
+        "Time a new save waited for the previous save of the same slot to finish.",
+        "join_wait",
+    ),
+    MetricSpec(
+        "obsckpt_save_admission_wait_seconds",
+        "histogram",
+        ("strategy",),
+        "Time a save waited for admission under the save strategy.",
+        "admission_wait",
+    ),
+    MetricSpec(
+        "obsckpt_commit_lag_seconds",
+        "histogram",
+        ("kind",),
+        "From a step's first save start to its iteration file being committed.",
+        "commit_lag",
+    ),
+    MetricSpec(
+        "obsckpt_latest_step",
+        "gauge",
+        ("kind",),
+        "Step named by the iteration file (latest committed step).",
+        "latest_step",
+    ),
+    MetricSpec(
+        "obsckpt_last_commit_timestamp_seconds",
+        "gauge",
+        ("kind",),
+        "Unix time of the last commit; 0 before the first commit of this monitor.",
+        "last_commit_timestamp",
+    ),
+    MetricSpec(
+        "obsckpt_pending_steps",
+        "gauge",
+        ("kind",),
+        "Steps with saves started, registered or submitted that are not committed, failed or superseded.",
+        "pending_steps",
+    ),
+    MetricSpec(
+        "obsckpt_oldest_pending_step_start_timestamp_seconds",
+        "gauge",
+        ("kind",),
+        "Unix time the oldest pending step's first save started; 0 when nothing is pending.",
+        "oldest_pending_start",
+    ),
+    MetricSpec(
+        "obsckpt_step_failures_total",
+        "counter",
+        ("kind",),
+        "Steps that will never commit because one of their saves failed.",
+        "step_failures",
+    ),
+    MetricSpec(
+        "obsckpt_rank_last_save_duration_seconds",
+        "gauge",
+        ("rank", "slot"),
+        "Duration of each rank's last save per slot (find the slowest ranks).",
+        "rank_last_save_duration",
+    ),
+    MetricSpec(
+        "obsckpt_broadcast_duration_seconds",
+        "histogram",
+        ("backend",),
+        "Time one weight broadcast from trainer rank 0 to the rollout side took.",
+        "broadcast_duration",
+    ),
+    MetricSpec(
+        "obsckpt_broadcast_bytes_total",
+        "counter",
+        ("backend",),
+        "Bytes sent by weight broadcasts.",
+        "broadcast_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_state_dict_upload_duration_seconds",
+        "histogram",
+        (),
+        "Time one state dict upload to the Synchronizer took.",
+        "upload_duration",
+    ),
+    MetricSpec(
+        "obsckpt_model_version",
+        "gauge",
+        ("role",),
+        "Model version (training step) held by the trainer and by the rollout side.",
+        "model_version",
+    ),
+)
+
+SPANS: tuple[SpanSpec, ...] = (
+    SpanSpec("obsckpt.checkpoint", "trainer", "Root of a step's trace: dispatching the step's saves."),
+    SpanSpec("obsckpt.save", "worker thread", "One background save of one slot on one rank."),
+    SpanSpec("obsckpt.commit", "monitor", "Finalising a whole step and renaming its iteration file."),
+    SpanSpec("obsckpt.join_wait", "worker", "Waiting for the previous save of the same slot."),
+    SpanSpec("obsckpt.admission_wait", "worker thread", "Waiting for admission under the save strategy."),
+    SpanSpec("obsckpt.broadcast", "trainer rank 0 / rollout", "One weight broadcast."),
+    SpanSpec("obsckpt.upload", "trainer rank 0", "One state dict upload to the Synchronizer."),
+)
+
+SPAN_ATTRIBUTES = ("obsckpt.step", "obsckpt.slot", "obsckpt.kind", "obsckpt.rank", "obsckpt.bytes")
+
+_TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+# Label values known up front, so the series exist (at zero) from the first scrape.
+_KNOWN_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "kind": KINDS,
+    "strategy": STRATEGIES,
+    "backend": BACKENDS,
+    "role": ROLES,
+}
+
+
+class Metrics:
+    """The metric objects of one registry; the monitor owns one of these.
+
+    Args:
+        registry: where to register; tests pass a fresh ``CollectorRegistry()``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        for spec in METRICS:
+            cls = _TYPES[spec.type]
+            # prometheus_client appends _total itself; pass the stem.
+            name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+            kwargs = {"buckets": DURATION_BUCKETS} if spec.type == "histogram" else {}
+            metric = cls(name, spec.help, spec.labels, registry=self.registry, **kwargs)
+            setattr(self, spec.attr, metric)
+            self._zero_known_series(spec, metric)
+
+    @staticmethod
+    def _zero_known_series(spec: MetricSpec, metric) -> None:
+        if not spec.labels:
+            return
+        if not all(label in _KNOWN_LABELS for label in spec.labels):
+            return  # slot and rank values are only known once a worker reports them
+        (label,) = spec.labels
+        for value in _KNOWN_LABELS[label]:
+            metric.labels(value)
+
+    # Typed attributes, filled in by __init__ from METRICS.
+    save_duration: Histogram
+    saves: Counter
+    save_bytes: Counter
+    saves_in_flight: Gauge
+    join_wait: Histogram
+    admission_wait: Histogram
+    commit_lag: Histogram
+    latest_step: Gauge
+    last_commit_timestamp: Gauge
+    pending_steps: Gauge
+    oldest_pending_start: Gauge
+    step_failures: Counter
+    rank_last_save_duration: Gauge
+    broadcast_duration: Histogram
+    broadcast_bytes: Counter
+    upload_duration: Histogram
+    model_version: Gauge
+
+
+def reference_markdown() -> str:
+    """The text of docs/metrics.md, generated from METRICS and SPANS."""
+    lines = [
+        "# Metrics and spans reference",
+        "",
+        "Generated by `python -m obsckpt.telemetry.metrics` from",
+        "`obsckpt/telemetry/metrics.py`, the only place they are defined; a test fails",
+        "when this page is out of date (`make metrics-doc` rewrites it).",
+        "",
+        "All metrics are served by the job's monitor actor at `/metrics` (one scrape",
+        "target per job). Workers send their measurements to the monitor with the",
+        "notifications they already make. Histograms carry no `rank` or `step` label.",
+        f"Histogram buckets (seconds): {', '.join(f'{b:g}' for b in DURATION_BUCKETS)}.",
+        "",
+        "| name | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        labels = ", ".join(spec.labels) if spec.labels else "—"
+        lines.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.help} |")
+    lines += [
+        "",
+        "Label values: `kind` is " + ", ".join(f"`{k}`" for k in KINDS)
+        + "; `result` is " + ", ".join(f"`{r}`" for r in RESULTS)
+        + "; `backend` is " + ", ".join(f"`{b}`" for b in BACKENDS)
+        + "; `role` is " + ", ".join(f"`{r}`" for r in ROLES)
+        + "; `strategy` is " + ", ".join(f"`{s}`" for s in STRATEGIES) + ".",
+        "Series whose labels take only these values exist at zero from the first scrape;",
+        "`slot` and `rank` series appear with the first save that reports them.",
+        "",
+        "## Spans",
+        "",
+        "One trace per checkpointed step: `obsckpt.checkpoint` (trainer) →",
+        "`obsckpt.save` per slot and rank (worker threads) → `obsckpt.commit` (monitor).",
+        "Context crosses Ray calls as a W3C `traceparent` carrier dict passed explicitly.",
+        "",
+        "| span | where | meaning |",
+        "|---|---|---|",
+    ]
+    for span in SPANS:
+        lines.append(f"| `{span.name}` | {span.where} | {span.help} |")
+    lines += [
+        "",
+        "Attributes: " + ", ".join(f"`{a}`" for a in SPAN_ATTRIBUTES) + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -1,0 +1,249 @@
+"""OpenTelemetry tracing: setup from the standard ``OTEL_*`` variables, spans, carriers.
+
+Nothing here installs a tracer provider unless :func:`setup_tracing` is
+called; until then every span is OpenTelemetry's non-recording span and
+:func:`inject` returns an empty carrier, so the cost is a few attribute
+lookups. Exporter failures are logged and counted, never raised into
+training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+logger = logging.getLogger(__name__)
+
+TRACER_NAME = "obsckpt"
+_PROPAGATOR = TraceContextTextMapPropagator()
+_lock = threading.Lock()
+_enabled = False
+_memory: InMemorySpanExporter | None = None
+_safe_exporters: list[SafeExporter] = []
+
+
+class SafeExporter(SpanExporter):
+    """Wraps an exporter so that its failures are logged and counted, not raised."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner = inner
+        self.failures = 0
+
+    def export(self, spans) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:  # noqa: BLE001 - telemetry must never break training
+            result = SpanExportResult.FAILURE
+            if self.failures == 0:
+                logger.warning("obsckpt: span export to %r failed: %s", self.inner, exc)
+        if result is not SpanExportResult.SUCCESS:
+            self.failures += 1
+        return result
+
+    def shutdown(self) -> None:
+        try:
+            self.inner.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("obsckpt: span exporter shutdown failed: %s", exc)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return self.inner.force_flush(timeout_millis)
+        except Exception:  # noqa: BLE001
+            return False
+
+
+def _otlp_exporter() -> SpanExporter | None:
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+    )
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        logger.warning(
+            "obsckpt: OTEL_TRACES_EXPORTER asks for otlp but the exporter is not installed; "
+            "install obsckpt[otlp] to send traces"
+        )
+        return None
+    return OTLPSpanExporter()
+
+
+def setup_tracing(
+    service_name: str | None = None, *, exporter: SpanExporter | str | None = None
+) -> bool:
+    """Install a tracer provider configured by the standard ``OTEL_*`` variables.
+
+    ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turns tracing off.
+    ``OTEL_TRACES_EXPORTER`` takes ``otlp`` (the default), ``console`` and
+    ``memory`` (an in-process InMemorySpanExporter, for tests and debugging),
+    comma-separated. The OTLP exporter reads its endpoint, headers and
+    protocol from ``OTEL_EXPORTER_OTLP_*`` itself.
+
+    Args:
+        service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` is set.
+        exporter: an exporter object or exporter name to use instead of the variable.
+
+    Returns:
+        True when spans will be recorded in this process.
+    """
+    global _enabled, _memory
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if isinstance(exporter, SpanExporter):
+        names: list[str | SpanExporter] = [exporter]
+    else:
+        spec = exporter or os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+        names = [n.strip().lower() for n in spec.split(",") if n.strip()]
+    if not names or names == ["none"]:
+        return False
+    with _lock:
+        provider = trace.get_tracer_provider()
+        if not isinstance(provider, TracerProvider):
+            attrs = {}
+            if service_name and "OTEL_SERVICE_NAME" not in os.environ:
+                attrs["service.name"] = service_name
+            provider = TracerProvider(resource=Resource.create(attrs))
+            trace.set_tracer_provider(provider)
+        for name in names:
+            if isinstance(name, SpanExporter):
+                provider.add_span_processor(BatchSpanProcessor(_safe(name)))
+            elif name == "memory":
+                if _memory is None:
+                    _memory = InMemorySpanExporter()
+                    provider.add_span_processor(SimpleSpanProcessor(_memory))
+            elif name == "console":
+                provider.add_span_processor(SimpleSpanProcessor(_safe(ConsoleSpanExporter())))
+            elif name == "otlp":
+                otlp = _otlp_exporter()
+                if otlp is not None:
+                    provider.add_span_processor(BatchSpanProcessor(_safe(otlp)))
+            elif name != "none":
+                logger.warning("obsckpt: unknown OTEL_TRACES_EXPORTER value %r ignored", name)
+        _enabled = True
+    return True
+
+
+def _safe(exporter: SpanExporter) -> SafeExporter:
+    safe = SafeExporter(exporter)
+    _safe_exporters.append(safe)
+    return safe
+
+
+def enabled() -> bool:
+    """True when this process records spans (setup_tracing or an SDK provider installed)."""
+    return _enabled or isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def export_failures() -> int:
+    """How many span batches this process failed to export."""
+    return sum(e.failures for e in _safe_exporters)
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """The W3C trace-context carrier for ``ctx`` (default: the current context)."""
+    if not enabled():
+        return {}
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The context a carrier names, or None for an empty carrier."""
+    if not carrier:
+        return None
+    return _PROPAGATOR.extract(carrier)
+
+
+@contextmanager
+def span(
+    name: str,
+    *,
+    carrier: Mapping[str, str] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[trace.Span]:
+    """A span that is current inside the block; its parent comes from ``carrier`` if given.
+
+    Exceptions raised in the block are recorded on the span and re-raised.
+    """
+    if not enabled():
+        yield trace.INVALID_SPAN
+        return
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    with tracer().start_as_current_span(name, context=extract(carrier), attributes=attrs) as s:
+        yield s
+
+
+@contextmanager
+def checkpoint_span(step: int, *, is_state_dict: bool = False) -> Iterator[dict[str, str]]:
+    """Trainer side: the root ``obsckpt.checkpoint`` span of one step.
+
+    Yields the W3C carrier to pass to workers' saves (``trace_context=``);
+    :meth:`CheckpointCoordinator.register_and_monitor` called inside the block
+    passes it to the monitor, so the commit joins the same trace.
+    """
+    kind = "state_dict" if is_state_dict else "checkpoint"
+    with span("obsckpt.checkpoint", attributes={"obsckpt.step": step, "obsckpt.kind": kind}):
+        yield inject()
+
+
+def attach(carrier: Mapping[str, str] | None):
+    """Make the carrier's context current; returns a token for :func:`detach`."""
+    ctx = extract(carrier)
+    return otel_context.attach(ctx) if ctx is not None else None
+
+
+def detach(token) -> None:
+    if token is not None:
+        otel_context.detach(token)
+
+
+def finished_spans() -> list[dict[str, Any]]:
+    """Spans recorded by the ``memory`` exporter of this process, as plain dicts."""
+    if _memory is None:
+        return []
+    return [span_to_dict(s) for s in _memory.get_finished_spans()]
+
+
+def clear_finished_spans() -> None:
+    if _memory is not None:
+        _memory.clear()
+
+
+def span_to_dict(s: ReadableSpan) -> dict[str, Any]:
+    ctx = s.get_span_context()
+    return {
+        "name": s.name,
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(s.parent.span_id, "016x") if s.parent else None,
+        "attributes": dict(s.attributes or {}),
+        "status": s.status.status_code.name,
+        "start_time": s.start_time,
+        "end_time": s.end_time,
+    }
