@@ -181,11 +181,17 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 SPANS: tuple[SpanSpec, ...] = (
-    SpanSpec("obsckpt.checkpoint", "trainer", "Root of a step's trace: dispatching the step's saves."),
+    SpanSpec(
+        "obsckpt.checkpoint", "trainer", "Root of a step's trace: dispatching the step's saves."
+    ),
     SpanSpec("obsckpt.save", "worker thread", "One background save of one slot on one rank."),
-    SpanSpec("obsckpt.commit", "monitor", "Finalising a whole step and renaming its iteration file."),
+    SpanSpec(
+        "obsckpt.commit", "monitor", "Finalising a whole step and renaming its iteration file."
+    ),
     SpanSpec("obsckpt.join_wait", "worker", "Waiting for the previous save of the same slot."),
-    SpanSpec("obsckpt.admission_wait", "worker thread", "Waiting for admission under the save strategy."),
+    SpanSpec(
+        "obsckpt.admission_wait", "worker thread", "Waiting for admission under the save strategy."
+    ),
     SpanSpec("obsckpt.broadcast", "trainer rank 0 / rollout", "One weight broadcast."),
     SpanSpec("obsckpt.upload", "trainer rank 0", "One state dict upload to the Synchronizer."),
 )
@@ -273,11 +279,17 @@ def reference_markdown() -> str:
         lines.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.help} |")
     lines += [
         "",
-        "Label values: `kind` is " + ", ".join(f"`{k}`" for k in KINDS)
-        + "; `result` is " + ", ".join(f"`{r}`" for r in RESULTS)
-        + "; `backend` is " + ", ".join(f"`{b}`" for b in BACKENDS)
-        + "; `role` is " + ", ".join(f"`{r}`" for r in ROLES)
-        + "; `strategy` is " + ", ".join(f"`{s}`" for s in STRATEGIES) + ".",
+        "Label values: `kind` is "
+        + ", ".join(f"`{k}`" for k in KINDS)
+        + "; `result` is "
+        + ", ".join(f"`{r}`" for r in RESULTS)
+        + "; `backend` is "
+        + ", ".join(f"`{b}`" for b in BACKENDS)
+        + "; `role` is "
+        + ", ".join(f"`{r}`" for r in ROLES)
+        + "; `strategy` is "
+        + ", ".join(f"`{s}`" for s in STRATEGIES)
+        + ".",
         "Series whose labels take only these values exist at zero from the first scrape;",
         "`slot` and `rank` series appear with the first save that reports them.",
         "",

@@ -1,0 +1,44 @@
+"""obsckpt: crash-consistent, observable asynchronous checkpointing for Ray-based RL training."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from obsckpt.admission import SaveStrategy
+from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.errors import (
+    CheckpointDirError,
+    IterationFileError,
+    NotificationError,
+    SaveError,
+    SaveTimeoutError,
+    StepOrderError,
+)
+from obsckpt.monitor import CheckpointMonitor
+
+if TYPE_CHECKING:
+    from obsckpt.sync.synchronizer import Synchronizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCoordinator",
+    "CheckpointDirError",
+    "CheckpointMonitor",
+    "IterationFileError",
+    "NotificationError",
+    "SaveError",
+    "SaveStrategy",
+    "SaveTimeoutError",
+    "StepOrderError",
+    "Synchronizer",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The Synchronizer pulls in the weight-sync stack; load it on first use.
+    if name == "Synchronizer":
+        from obsckpt.sync.synchronizer import Synchronizer
+
+        return Synchronizer
+    raise AttributeError(f"module 'obsckpt' has no attribute {name!r}")

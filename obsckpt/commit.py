@@ -1,0 +1,302 @@
+"""The on-disk contract: step directories, iteration files, manifests, durable writes.
+
+Layout (compatible with verl and Trinity readers)::
+
+    <root>/latest_checkpointed_iteration.txt   one integer, written atomically at commit
+    <root>/latest_state_dict_iteration.txt     one integer, written atomically at commit
+    <root>/global_step_<N>/...                  the step's files
+    <root>/global_step_<N>/manifest.json        files, sizes and CRC32s, written at commit
+
+Every write that a commit depends on goes through :func:`atomic_write`:
+temp file, fsync, rename over the target, fsync of the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from obsckpt.errors import CheckpointDirError, IterationFileError
+
+ITERATION_FILES = {
+    "checkpoint": "latest_checkpointed_iteration.txt",
+    "state_dict": "latest_state_dict_iteration.txt",
+}
+KINDS = tuple(ITERATION_FILES)
+MANIFEST_NAME = "manifest.json"
+STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+_SLOT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CHUNK = 8 << 20
+# Iteration files hold a step number; anything longer than this is not one.
+_MAX_ITERATION_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One file of a step, as a manifest records it."""
+
+    path: str  # relative to the step directory
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "crc32": f"{self.crc32:08x}"}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> FileRecord:
+        return cls(path=obj["path"], size=int(obj["size"]), crc32=int(obj["crc32"], 16))
+
+
+def kind_of(is_state_dict: bool) -> str:
+    return "state_dict" if is_state_dict else "checkpoint"
+
+
+def validate_step(step: object, what: str = "global_step") -> int:
+    """Return ``step`` if it is a non-negative integer, else raise a ValueError naming it."""
+    # bool is an int subclass; True is not a step.
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f"{what} must be a non-negative integer, got {step!r} ({type(step).__name__}); "
+            "pass the training step as an int"
+        )
+    if step < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {step}")
+    return step
+
+
+def validate_slot(name: object) -> str:
+    """Return ``name`` if it is safe as a file-name component, else raise a ValueError."""
+    if not isinstance(name, str) or not _SLOT_RE.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"slot name {name!r} is not safe in file and thread names; use 1-128 characters "
+            "from letters, digits, '.', '_' and '-', starting with a letter or digit"
+        )
+    return name
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"global_step_{validate_step(step)}"
+
+
+def steps_on_disk(root: str | os.PathLike) -> list[int]:
+    """Step numbers of the ``global_step_<N>`` directories under ``root``, ascending."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for entry in entries:
+        m = STEP_DIR_RE.match(entry)
+        if m and os.path.isdir(os.path.join(root, entry)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new content."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def parse_iteration(text: str, path: str | os.PathLike) -> int:
+    stripped = text.strip()
+    if not stripped.isdigit() or not stripped.isascii():
+        raise IterationFileError(
+            f"{path} holds {text[:40]!r}, not a step number; it must hold one non-negative "
+            "integer. Restore it from a backup or remove it to start from no committed step"
+        )
+    return int(stripped)
+
+
+def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
+    """The step an iteration file names, None when there is no file.
+
+    Raises:
+        IterationFileError: the file exists but does not hold a step number.
+    """
+    path = Path(root) / ITERATION_FILES[kind]
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_ITERATION_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise IterationFileError(f"{path} is a directory, not an iteration file") from None
+    except OSError as exc:
+        raise IterationFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(raw) > _MAX_ITERATION_BYTES:
+        raise IterationFileError(
+            f"{path} is {os.path.getsize(path)} bytes long, not a step number; "
+            "it must hold one non-negative integer"
+        )
+    return parse_iteration(raw.decode("utf-8", errors="replace"), path)
+
+
+def write_iteration(root: str | os.PathLike, kind: str, step: int) -> None:
+    """Atomically make ``kind``'s iteration file name ``step``; it never goes backwards.
+
+    Raises:
+        ValueError: the file already names a later step.
+    """
+    validate_step(step)
+    current = read_iteration(root, kind)
+    if current is not None and current > step:
+        raise ValueError(
+            f"{ITERATION_FILES[kind]} names step {current}; refusing to move it back to {step}"
+        )
+    atomic_write(Path(root) / ITERATION_FILES[kind], f"{step}\n".encode())
+
+
+def ensure_root(root: str | os.PathLike) -> Path:
+    """Create ``root`` if needed and prove it is writable, or raise CheckpointDirError."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise CheckpointDirError(
+            f"checkpoint directory {str(path)!r} is a file, not a directory; "
+            "pass default_local_dir pointing at a directory"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".obsckpt-write-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointDirError(
+            f"checkpoint directory {str(path)!r} is not writable ({exc.strerror or exc}); "
+            "pass a default_local_dir this process can create files in"
+        ) from exc
+    return path
+
+
+def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
+    """(size, crc32) of a file, read in chunks."""
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def record_file(path: str | os.PathLike, base: str | os.PathLike) -> FileRecord:
+    size, crc = file_crc32(path)
+    return FileRecord(path=os.path.relpath(path, base), size=size, crc32=crc)
+
+
+def finalize_step(
+    sdir: str | os.PathLike, reported: dict[str, FileRecord] | None = None
+) -> list[FileRecord]:
+    """Make every file of a step durable and write its manifest; returns the records.
+
+    Files that workers reported (fsynced, with size and CRC) are only checked
+    for size; any other file under the step directory is fsynced and
+    checksummed here. Every directory is fsynced, then the manifest is
+    written atomically.
+    """
+    sdir = Path(sdir)
+    reported = reported or {}
+    records: dict[str, FileRecord] = {}
+    if sdir.is_dir():
+        for dirpath, dirnames, filenames in os.walk(sdir):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, sdir)
+                if rel == MANIFEST_NAME or ".tmp" in name:
+                    continue
+                known = reported.get(rel)
+                if known is not None and known.size == os.path.getsize(full):
+                    records[rel] = known
+                else:
+                    fsync_file(full)
+                    records[rel] = record_file(full, sdir)
+            fsync_dir(dirpath)
+    # A worker on another node may have reported files this process cannot see.
+    for rel, rec in reported.items():
+        records.setdefault(rel, rec)
+    ordered = [records[k] for k in sorted(records)]
+    if sdir.is_dir():
+        manifest = {
+            "version": 1,
+            "created": time.time(),
+            "files": [r.to_json() for r in ordered],
+        }
+        atomic_write(sdir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+        fsync_dir(sdir.parent)
+    return ordered
+
+
+def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
+    with open(Path(sdir) / MANIFEST_NAME, encoding="utf-8") as f:
+        data = json.load(f)
+    return [FileRecord.from_json(obj) for obj in data["files"]]
+
+
+def verify_step(sdir: str | os.PathLike) -> list[str]:
+    """Problems found checking a step against its manifest; empty when it is whole."""
+    sdir = Path(sdir)
+    try:
+        records = read_manifest(sdir)
+    except FileNotFoundError:
+        return [f"{sdir / MANIFEST_NAME}: missing manifest"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc})"]
+    problems = []
+    for rec in records:
+        full = sdir / rec.path
+        if not full.is_file():
+            problems.append(f"{full}: missing")
+            continue
+        size, crc = file_crc32(full)
+        if size != rec.size:
+            what = "truncated" if size < rec.size else "grown"
+            problems.append(f"{full}: {what} ({size} bytes, manifest says {rec.size})")
+        elif crc != rec.crc32:
+            problems.append(f"{full}: corrupted (crc32 {crc:08x}, manifest says {rec.crc32:08x})")
+    return problems

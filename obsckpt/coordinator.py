@@ -1,0 +1,470 @@
+"""CheckpointCoordinator: background saves per slot, reported to the monitor.
+
+Worker side (FSDP / Megatron ranks): each save runs in a named background
+thread per slot (``obsckpt-save-<slot>-step<N>``); a new save of a slot first
+joins the previous one, so two writes to one destination never overlap. The
+monitor is told when a save starts (admission under the save strategy) and
+when it ends, successfully or not, with its measurements. A failure is
+stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
+
+Trainer side: :meth:`CheckpointCoordinator.register_and_monitor` registers the
+expected saves of a step and submits it for commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from obsckpt import commit as disk
+from obsckpt.commit import FileRecord, validate_slot, validate_step
+from obsckpt.errors import SaveError, SaveTimeoutError
+from obsckpt.snapshot import StagingBuffers, write_torch_file
+from obsckpt.telemetry import tracing
+
+logger = logging.getLogger(__name__)
+
+
+def _ray_identity() -> tuple[str, str]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            return ctx.get_node_id(), ctx.get_job_id()
+    except Exception:  # noqa: BLE001 - identity is informational
+        pass
+    return "local", "local"
+
+
+def _default_rank() -> int | None:
+    for var in ("RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+@dataclass(slots=True)
+class _Save:
+    slot: str
+    step: int
+    kind: str
+    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    reported: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CheckpointCoordinator:
+    """Runs saves in background threads and coordinates them with the monitor.
+
+    Args:
+        checkpoint_monitor: the :class:`CheckpointMonitor` actor handle.
+        rank: this process's rank, reported with measurements (default: from
+            ``RANK`` or torch.distributed).
+        save_timeout: seconds after which a running save is reported failed (its
+            step never commits) and a join on its slot gives up; None waits forever.
+        rpc_timeout: seconds to wait for a monitor RPC that is not an admission.
+    """
+
+    def __init__(
+        self,
+        checkpoint_monitor: Any,
+        *,
+        rank: int | None = None,
+        save_timeout: float | None = None,
+        rpc_timeout: float = 300.0,
+    ) -> None:
+        if save_timeout is not None and not save_timeout > 0:
+            raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
+        self._monitor = checkpoint_monitor
+        self.rank = rank if rank is not None else _default_rank()
+        self.save_timeout = save_timeout
+        self.rpc_timeout = rpc_timeout
+        self._saves: dict[str, _Save] = {}
+        self._errors: list[SaveError] = []
+        self._lock = threading.Lock()
+        self._staging: dict[str, StagingBuffers] = {}
+        self.logger = logger
+
+    # ------------------------------------------------------------------
+    # Worker side
+    # ------------------------------------------------------------------
+
+    def save_async(
+        self,
+        name: str,
+        save_fn: Callable[[], Any],
+        global_step: int,
+        is_state_dict: bool = False,
+        *,
+        paths: Iterable[str | os.PathLike] | None = None,
+        trace_context: dict | None = None,
+    ) -> None:
+        """Run ``save_fn`` in a background thread, reported to the monitor.
+
+        Joins the previous save of slot ``name`` first. Files named in
+        ``paths`` are fsynced and checksummed here, so the monitor's commit
+        does not have to read them back.
+
+        Args:
+            name: the save slot (e.g. ``"model"``); safe in file names.
+            save_fn: zero-argument callable doing the I/O.
+            global_step: the training step.
+            is_state_dict: True for state-dict (weight sync) saves.
+            paths: files ``save_fn`` writes (optional).
+            trace_context: W3C carrier of the step's trace (default: the current context).
+        """
+        validate_slot(name)
+        validate_step(global_step)
+        path_list = [os.fspath(p) for p in paths] if paths is not None else None
+        self._submit(
+            name,
+            lambda: _run_and_record(save_fn, path_list),
+            global_step,
+            is_state_dict,
+            trace_context,
+        )
+
+    def save_sync(
+        self,
+        save_fn: Callable[[], Any],
+        global_step: int,
+        is_state_dict: bool = False,
+        *,
+        name: str = "sync",
+        paths: Iterable[str | os.PathLike] | None = None,
+        trace_context: dict | None = None,
+    ) -> None:
+        """Run ``save_fn`` on this thread with monitor notifications (for saves with barriers).
+
+        Raises the save's error (as :class:`SaveError`) after reporting it.
+        """
+        validate_slot(name)
+        validate_step(global_step)
+        path_list = [os.fspath(p) for p in paths] if paths is not None else None
+        save = _Save(name, global_step, disk.kind_of(is_state_dict))
+        carrier = trace_context if trace_context is not None else tracing.inject()
+        error = self._run(save, lambda: _run_and_record(save_fn, path_list), carrier, 0.0)
+        if error is not None:
+            with self._lock:
+                self._errors = [e for e in self._errors if e is not error]
+            raise error
+
+    def save_state_dict_async(
+        self,
+        name: str,
+        state_dict: Any,
+        path: str | os.PathLike,
+        global_step: int,
+        is_state_dict: bool = False,
+        *,
+        trace_context: dict | None = None,
+    ) -> None:
+        """Snapshot ``state_dict`` into staging buffers, then write it in the background.
+
+        Returns once every tensor is copied (pinned host buffers when CUDA is
+        present, reused across calls of the same slot), so the caller may
+        change its tensors right away. The background thread writes a file
+        ``torch.load`` reads, fsyncs it and renames it into place.
+        """
+        validate_slot(name)
+        validate_step(global_step)
+        path = os.fspath(path)
+        join_wait = self._join(name)
+        staging = self._staging.get(name)
+        if staging is None:
+            staging = self._staging[name] = StagingBuffers()
+        snapshot = staging.stage(state_dict)
+
+        def write() -> list[FileRecord]:
+            return [write_torch_file(snapshot, path)]
+
+        self._submit(name, write, global_step, is_state_dict, trace_context, join_wait=join_wait)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Join every slot; raise the first background failure (once), with slot and step.
+
+        Raises:
+            SaveTimeoutError: saves still running after ``timeout`` seconds.
+            SaveError: a background save failed since the last call.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            saves = list(self._saves.values())
+        for save in saves:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            save.done.wait(remaining)
+        running = [s for s in saves if not s.done.is_set()]
+        if running:
+            names = ", ".join(f"{s.slot!r} (step {s.step})" for s in running)
+            raise SaveTimeoutError(
+                f"{len(saves) - len(running)} of {len(saves)} saves finished after "
+                f"{timeout:.1f} s; still running: {names}",
+                slot=running[0].slot,
+                step=running[0].step,
+            )
+        with self._lock:
+            for name, save in list(self._saves.items()):
+                if save.done.is_set():
+                    del self._saves[name]
+            errors, self._errors = self._errors, []
+        if errors:
+            if len(errors) > 1:
+                self.logger.error("obsckpt: %d saves failed; raising the first", len(errors))
+            raise errors[0]
+
+    def pending_errors(self) -> list[SaveError]:
+        """Failures not yet raised by wait_all (without clearing them)."""
+        with self._lock:
+            return list(self._errors)
+
+    # ------------------------------------------------------------------
+    # Trainer side
+    # ------------------------------------------------------------------
+
+    async def register_and_monitor(
+        self,
+        global_step: int,
+        is_state_dict: bool = False,
+        state_dict_thread_count: int = 0,
+        checkpoint_thread_count: int = 0,
+    ) -> None:
+        """Register the step's expected saves and submit it; it commits when they finish.
+
+        Called inside :func:`obsckpt.telemetry.tracing.checkpoint_span`, the
+        commit joins that step's trace.
+        """
+        validate_step(global_step)
+        if state_dict_thread_count or checkpoint_thread_count:
+            await self._monitor.register_thread_count.remote(
+                global_step,
+                state_dict_thread_count=state_dict_thread_count,
+                checkpoint_thread_count=checkpoint_thread_count,
+            )
+        await self._monitor.monitor_step.remote(
+            global_step, is_state_dict=is_state_dict, trace_context=tracing.inject() or None
+        )
+
+    # ------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------
+
+    def _join(self, name: str) -> float:
+        """Wait for the previous save of ``name``; returns seconds waited."""
+        with self._lock:
+            prev = self._saves.get(name)
+        if prev is None or prev.done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        attrs = {"obsckpt.slot": name, "obsckpt.step": prev.step, "obsckpt.rank": self.rank}
+        with tracing.span("obsckpt.join_wait", attributes=attrs):
+            finished = prev.done.wait(self.save_timeout)
+        waited = time.perf_counter() - t0
+        if not finished:
+            raise SaveTimeoutError(
+                f"slot {name!r} is still busy with step {prev.step} after {waited:.1f} s "
+                f"(save_timeout); a new save cannot share its destination. Check the stuck save "
+                "(py-spy dump) or give this save another slot name",
+                slot=name,
+                step=prev.step,
+            )
+        return waited
+
+    def _submit(
+        self,
+        name: str,
+        fn: Callable[[], list[FileRecord]],
+        step: int,
+        is_state_dict: bool,
+        trace_context: dict | None,
+        *,
+        join_wait: float | None = None,
+    ) -> None:
+        if join_wait is None:
+            join_wait = self._join(name)
+        save = _Save(name, step, disk.kind_of(is_state_dict))
+        carrier = trace_context if trace_context is not None else tracing.inject()
+        thread = threading.Thread(
+            target=self._run,
+            args=(save, fn, carrier, join_wait),
+            name=f"obsckpt-save-{name}-step{step}",
+            daemon=True,
+        )
+        save.thread = thread
+        with self._lock:
+            self._saves[name] = save
+        thread.start()
+
+    def _run(
+        self,
+        save: _Save,
+        fn: Callable[[], list[FileRecord]],
+        carrier: dict,
+        join_wait: float,
+    ) -> SaveError | None:
+        """Body of a save: admission, I/O, report. Returns the error, also stored."""
+        import ray
+
+        attrs = {
+            "obsckpt.step": save.step,
+            "obsckpt.slot": save.slot,
+            "obsckpt.kind": save.kind,
+            "obsckpt.rank": self.rank,
+        }
+        node_id, job_id = _ray_identity()
+        ticket = None
+        timer = None
+        error: SaveError | None = None
+        try:
+            with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
+                with tracing.span("obsckpt.admission_wait", attributes=attrs):
+                    admitted = ray.get(
+                        self._monitor.notify_started.remote(
+                            node_id=node_id,
+                            job_id=job_id,
+                            step=save.step,
+                            slot=save.slot,
+                            kind=save.kind,
+                            rank=self.rank,
+                            pid=os.getpid(),
+                            trace_context=tracing.inject() or None,
+                        )
+                    )
+                ticket = admitted.get("ticket") if isinstance(admitted, dict) else None
+                if self.save_timeout is not None:
+                    timer = threading.Timer(self.save_timeout, self._on_timeout, (save, ticket))
+                    timer.daemon = True
+                    timer.name = f"obsckpt-watchdog-{save.slot}-step{save.step}"
+                    timer.start()
+                t0 = time.perf_counter()
+                try:
+                    records = fn() or []
+                except BaseException as exc:
+                    span.set_attribute("obsckpt.error", type(exc).__name__)
+                    raise
+                duration = time.perf_counter() - t0
+                nbytes = sum(r.size for r in records)
+                span.set_attribute("obsckpt.bytes", nbytes)
+            if timer is not None:
+                timer.cancel()
+            if self._claim_report(save):
+                ray.get(
+                    self._monitor.notify_finished.remote(
+                        save.step,
+                        save.kind == "state_dict",
+                        ticket=ticket,
+                        slot=save.slot,
+                        rank=self.rank,
+                        ok=True,
+                        duration_s=duration,
+                        nbytes=nbytes,
+                        join_wait_s=join_wait,
+                        files=[_relative(r, save.step) for r in records],
+                    ),
+                    timeout=self.rpc_timeout,
+                )
+        except BaseException as exc:  # noqa: BLE001 - stored and re-raised by wait_all
+            if timer is not None:
+                timer.cancel()
+            error = SaveError(
+                f"background save {save.slot!r} of step {save.step} ({save.kind}) failed: "
+                f"{type(exc).__name__}: {exc}",
+                slot=save.slot,
+                step=save.step,
+            )
+            error.__cause__ = exc
+            self.logger.error("obsckpt: %s", error, exc_info=exc)
+            if self._claim_report(save):
+                self._report_failure(save, ticket, exc, join_wait)
+            else:
+                error = None  # the watchdog already reported and stored a timeout
+        finally:
+            save.done.set()
+        if error is not None:
+            with self._lock:
+                self._errors.append(error)
+        return error
+
+    @staticmethod
+    def _claim_report(save: _Save) -> bool:
+        with save.lock:
+            if save.reported:
+                return False
+            save.reported = True
+            return True
+
+    def _report_failure(self, save: _Save, ticket, exc: BaseException, join_wait: float) -> None:
+        try:
+            import ray
+
+            ray.get(
+                self._monitor.notify_finished.remote(
+                    save.step,
+                    save.kind == "state_dict",
+                    ticket=ticket,
+                    slot=save.slot,
+                    rank=self.rank,
+                    ok=False,
+                    error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
+                    join_wait_s=join_wait,
+                ),
+                timeout=self.rpc_timeout,
+            )
+        except Exception as report_exc:  # noqa: BLE001 - the monitor may be gone
+            self.logger.error(
+                "obsckpt: could not report the failure of %r step %d to the monitor: %s",
+                save.slot,
+                save.step,
+                report_exc,
+            )
+
+    def _on_timeout(self, save: _Save, ticket) -> None:
+        if not self._claim_report(save):
+            return
+        exc = SaveTimeoutError(
+            f"background save {save.slot!r} of step {save.step} ({save.kind}) did not finish "
+            f"within save_timeout={self.save_timeout} s; the step will not be committed",
+            slot=save.slot,
+            step=save.step,
+        )
+        self.logger.error("obsckpt: %s", exc)
+        with self._lock:
+            self._errors.append(exc)
+        self._report_failure(save, ticket, exc, 0.0)
+
+
+def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[FileRecord]:
+    save_fn()
+    if not paths:
+        return []
+    records = []
+    for path in paths:
+        disk.fsync_file(path)
+        size, crc = disk.file_crc32(path)
+        records.append(FileRecord(path=os.path.abspath(path), size=size, crc32=crc))
+    for parent in {os.path.dirname(os.path.abspath(p)) for p in paths}:
+        disk.fsync_dir(parent)
+    return records
+
+
+def _relative(rec: FileRecord, step: int) -> dict:
+    """A record whose path is relative to its ``global_step_<step>`` directory, if inside one."""
+    marker = f"{os.sep}global_step_{step}{os.sep}"
+    path = rec.path
+    if marker in path:
+        path = path.split(marker, 1)[1]
+    return FileRecord(path=path, size=rec.size, crc32=rec.crc32).to_json()

@@ -1,0 +1,32 @@
+"""Domain exceptions; each refines the builtin a caller would already catch."""
+
+from __future__ import annotations
+
+
+class CheckpointDirError(OSError):
+    """The checkpoint root is missing, not a directory, or not writable."""
+
+
+class IterationFileError(ValueError):
+    """An iteration file exists but does not hold a step number."""
+
+
+class StepOrderError(ValueError):
+    """A step was submitted or notified out of the allowed order."""
+
+
+class NotificationError(ValueError):
+    """A notification does not match what the monitor knows (e.g. more finishes than registrations)."""
+
+
+class SaveError(RuntimeError):
+    """A background save failed; carries its slot and step."""
+
+    def __init__(self, message: str, *, slot: str, step: int) -> None:
+        super().__init__(message)
+        self.slot = slot
+        self.step = step
+
+
+class SaveTimeoutError(SaveError, TimeoutError):
+    """A save, a join or a wait did not finish within its timeout."""

@@ -1,0 +1,465 @@
+"""CheckpointMonitor: the Ray actor that admits saves, commits whole steps and serves /metrics.
+
+A thin shell around :class:`obsckpt.tracker.CommitTracker` (the state
+machine) and :class:`obsckpt.admission.Admission` (the save strategy). It
+keeps Trinity-RFT's RPC names and meanings, and adds what a crash-safe,
+observable job needs: failures reported as finishes, durable commits,
+measurements with every notification, status(), /metrics and file_sd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from obsckpt import commit as disk
+from obsckpt.admission import Admission, SaveStrategy
+from obsckpt.commit import KINDS, FileRecord, validate_step
+from obsckpt.telemetry import tracing
+from obsckpt.telemetry.metrics import Metrics
+from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
+from obsckpt.tracker import CommitTracker
+
+logger = logging.getLogger(__name__)
+
+ACTOR_NAME = "checkpoint_monitor"
+FILE_SD_ENV = "OBSCKPT_FILE_SD_PATH"
+
+
+@dataclass(slots=True)
+class _Ticket:
+    ticket: int
+    step: int | None
+    kind: str | None
+    slot: str | None
+    rank: int | None
+    node_id: str | None
+    pid: int | None
+    requested: float
+    admitted: float | None = None
+
+
+def _label(value: object, default: str = "unknown") -> str:
+    return default if value is None else str(value)
+
+
+class CheckpointMonitor:
+    """Commits steps once every registered save has finished; one per job.
+
+    Create it with :meth:`get_actor`; the constructor runs inside the actor.
+
+    Args:
+        save_strategy: a :class:`SaveStrategy` (or its name) governing admission.
+        default_local_dir: the checkpoint root holding the iteration files.
+        default_hdfs_dir: accepted for compatibility; remote upload is not done here.
+        metrics_port: port for /metrics; 0 picks a free one, None serves nothing.
+        metrics_host: interface to bind; a wildcard advertises the node's IP.
+        file_sd_path: where to write a Prometheus file_sd JSON naming the endpoint
+            (default: the ``OBSCKPT_FILE_SD_PATH`` variable, else none).
+        namespace: the job's Ray namespace, written as a label into file_sd.
+        trace_exporter: exporter name for this process's spans (default: ``OTEL_*``
+            variables; no tracing unless one of them asks for it).
+        registry: Prometheus registry (tests pass a fresh one).
+    """
+
+    def __init__(
+        self,
+        save_strategy: SaveStrategy | str = SaveStrategy.UNRESTRICTED,
+        default_local_dir: str | os.PathLike | None = None,
+        default_hdfs_dir: str | None = None,
+        *,
+        metrics_port: int | None = 0,
+        metrics_host: str = "0.0.0.0",
+        file_sd_path: str | os.PathLike | None = None,
+        namespace: str | None = None,
+        trace_exporter: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if default_local_dir is None:
+            raise ValueError("default_local_dir is required: the checkpoint root directory")
+        self.strategy = SaveStrategy.parse(save_strategy)
+        validate_port(metrics_port)
+        self.root = disk.ensure_root(default_local_dir)
+        self.default_hdfs_dir = default_hdfs_dir
+        self.namespace = namespace
+        latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
+        self.tracker = CommitTracker(latest)
+        self._mark_abandoned_on_disk()
+        self.admission = Admission(self.strategy)
+        self.metrics = Metrics(registry)
+        self._tickets: dict[int, _Ticket] = {}
+        self._ticket_ids = itertools.count(1)
+        self._commit_lock: asyncio.Lock | None = None
+        self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
+        self._setup_tracing(trace_exporter)
+        for kind, step in latest.items():
+            if step is not None:
+                self.metrics.latest_step.labels(kind).set(step)
+        self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
+        self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
+        if self.file_sd_path:
+            labels = {"obsckpt_namespace": namespace} if namespace else {}
+            try:
+                write_file_sd(self.file_sd_path, self.server.address, labels)
+            except OSError as exc:
+                logger.error("obsckpt: cannot write file_sd %s: %s", self.file_sd_path, exc)
+        logger.info(
+            "obsckpt monitor: root=%s strategy=%s latest=%s metrics=%s",
+            self.root,
+            self.strategy.name,
+            latest,
+            self.server.address or self.server.error or "off",
+        )
+
+    @staticmethod
+    def _setup_tracing(trace_exporter: str | None) -> None:
+        wanted = (
+            trace_exporter
+            or os.environ.get("OTEL_TRACES_EXPORTER")
+            or (
+                "otlp"
+                if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                else None
+            )
+        )
+        if wanted:
+            tracing.setup_tracing("obsckpt-monitor", exporter=wanted)
+
+    def _mark_abandoned_on_disk(self) -> None:
+        latest = self.tracker.latest["checkpoint"]
+        latest_sd = self.tracker.latest["state_dict"]
+        floor = max((s for s in (latest, latest_sd) if s is not None), default=-1)
+        for step in disk.steps_on_disk(self.root):
+            if step > floor:
+                self.tracker.mark_abandoned(
+                    step, "on disk but never committed (found when the monitor started)"
+                )
+
+    # ------------------------------------------------------------------
+    # Creation
+    # ------------------------------------------------------------------
+
+    @classmethod
+    def get_actor(
+        cls,
+        namespace: str | None = None,
+        save_strategy: SaveStrategy | str = SaveStrategy.UNRESTRICTED,
+        default_local_dir: str | os.PathLike | None = None,
+        default_hdfs_dir: str | None = None,
+        metrics_port: int | None = 0,
+        metrics_host: str = "0.0.0.0",
+        *,
+        file_sd_path: str | os.PathLike | None = None,
+        trace_exporter: str | None = None,
+        max_restarts: int = -1,
+    ):
+        """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
+
+        Arguments other than ``namespace`` only matter when the actor is created.
+        Ray restarts it if its process dies; it recovers the committed steps from disk.
+        """
+        import ray
+
+        strategy = SaveStrategy.parse(save_strategy)
+        validate_port(metrics_port)
+        if default_local_dir is not None:
+            default_local_dir = os.fspath(default_local_dir)
+        remote_cls = ray.remote(cls)
+        options: dict[str, Any] = dict(
+            name=ACTOR_NAME,
+            get_if_exists=True,
+            max_restarts=max_restarts,
+            max_concurrency=10_000,
+            num_cpus=0,
+        )
+        if namespace:
+            options["namespace"] = namespace
+        return remote_cls.options(**options).remote(
+            strategy,
+            default_local_dir,
+            default_hdfs_dir,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            file_sd_path=os.fspath(file_sd_path) if file_sd_path else None,
+            namespace=namespace,
+            trace_exporter=trace_exporter,
+        )
+
+    # ------------------------------------------------------------------
+    # Trinity's RPCs
+    # ------------------------------------------------------------------
+
+    async def register_thread_count(
+        self, step: int, *, state_dict_thread_count: int = 0, checkpoint_thread_count: int = 0
+    ) -> None:
+        """Expect this many more saves of each kind for ``step``."""
+        self.tracker.register(
+            step, state_dict_count=state_dict_thread_count, checkpoint_count=checkpoint_thread_count
+        )
+        await self._after_change()
+
+    async def monitor_step(
+        self, step: int, is_state_dict: bool = False, *, trace_context: dict | None = None
+    ) -> None:
+        """Mark ``step`` as submitted; it commits once its saves are all finished."""
+        kind = disk.kind_of(is_state_dict)
+        try:
+            failed = self.tracker.submit(step, kind, carrier=trace_context)
+        except Exception:
+            await self._after_change()
+            raise
+        self._count_failures(failed)
+        await self._after_change()
+
+    async def notify_started(
+        self,
+        node_id: str | None = None,
+        job_id: str | None = None,
+        *,
+        step: int | None = None,
+        slot: str | None = None,
+        kind: str | None = None,
+        rank: int | None = None,
+        pid: int | None = None,
+        trace_context: dict | None = None,
+    ) -> dict:
+        """Admit a save under the strategy; returns once it may run.
+
+        Trinity's callers pass only ``node_id`` and ``job_id``; obsckpt's
+        coordinator also passes the step, slot, kind and rank, and gets back
+        a ticket to hand to :meth:`notify_finished`.
+        """
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if step is not None:
+            validate_step(step)
+            self.tracker.start(step, kind or "checkpoint", carrier=trace_context)
+        tid = next(self._ticket_ids)
+        ticket = _Ticket(tid, step, kind, slot, rank, node_id, pid, time.time())
+        self._tickets[tid] = ticket
+        self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
+        key = self.admission.key_for(tid, _label(node_id), _label(job_id), pid)
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        if not self.admission.request(tid, key, lambda: admitted.set_result(None)):
+            try:
+                await admitted
+            except asyncio.CancelledError:
+                self.admission.release(tid)
+                raise
+        ticket.admitted = time.time()
+        wait = ticket.admitted - ticket.requested
+        self.metrics.admission_wait.labels(self.strategy.value).observe(wait)
+        await self._after_change()
+        return {"ticket": tid, "admission_wait_s": wait}
+
+    async def notify_finished(
+        self,
+        step: int,
+        is_state_dict: bool = False,
+        *,
+        ticket: int | None = None,
+        slot: str | None = None,
+        rank: int | None = None,
+        ok: bool = True,
+        error: str | None = None,
+        duration_s: float | None = None,
+        nbytes: int | None = None,
+        join_wait_s: float | None = None,
+        files: list[dict] | None = None,
+    ) -> None:
+        """A save ended, successfully (``ok``) or not; never leaves the step waiting."""
+        validate_step(step)
+        kind = disk.kind_of(is_state_dict)
+        info = self._release(ticket)
+        slot = slot or (info.slot if info else None)
+        started = info is not None and info.step is not None
+        records = [FileRecord.from_json(f) for f in files or ()]
+        self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info)
+        try:
+            failed = self.tracker.finish(
+                step, kind, ok=ok, error=error, files=records, started=started
+            )
+        except Exception:
+            await self._after_change()
+            raise
+        if not ok:
+            logger.error(
+                "obsckpt: save %r of step %d (%s) on rank %s failed: %s",
+                slot,
+                step,
+                kind,
+                rank,
+                error,
+            )
+        self._count_failures(failed)
+        await self._after_change()
+
+    def _release(self, ticket: int | None) -> _Ticket | None:
+        if ticket is None:
+            # Trinity's callers send no ticket: release the oldest save that
+            # told us nothing else, as their saving counter would.
+            anonymous = [t for t in self._tickets.values() if t.step is None and t.admitted]
+            if not anonymous:
+                return None
+            ticket = min(anonymous, key=lambda t: t.ticket).ticket
+        info = self._tickets.pop(ticket, None)
+        if info is None:
+            return None
+        self.admission.release(ticket)
+        self.metrics.saves_in_flight.labels(_label(info.kind, "checkpoint")).dec()
+        return info
+
+    def _observe_save(self, kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info) -> None:
+        m = self.metrics
+        slot_label = _label(slot)
+        m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
+        if duration_s is None and info is not None and info.admitted is not None:
+            duration_s = time.time() - info.admitted
+        if duration_s is not None:
+            m.save_duration.labels(slot_label, kind).observe(duration_s)
+            if rank is not None:
+                m.rank_last_save_duration.labels(str(rank), slot_label).set(duration_s)
+        if ok and nbytes:
+            m.save_bytes.labels(slot_label, kind).inc(nbytes)
+        if join_wait_s is not None:
+            m.join_wait.labels(slot_label).observe(join_wait_s)
+
+    def _count_failures(self, failed: list[tuple[int, str]]) -> None:
+        for _step, kind in failed:
+            self.metrics.step_failures.labels(kind).inc()
+
+    # ------------------------------------------------------------------
+    # Commit
+    # ------------------------------------------------------------------
+
+    async def _after_change(self) -> None:
+        if self._commit_lock is None:
+            self._commit_lock = asyncio.Lock()
+        async with self._commit_lock:
+            while ready := self.tracker.ready():
+                for step, kind in ready:
+                    await self._commit(step, kind)
+        self._refresh_gauges()
+
+    async def _commit(self, step: int, kind: str) -> None:
+        p = self.tracker.begin_commit(step, kind)
+        attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
+        try:
+            with tracing.span("obsckpt.commit", carrier=p.carrier, attributes=attrs):
+                await asyncio.to_thread(self._write_commit, step, kind, dict(p.files))
+        except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
+            msg = f"commit of step {step} ({kind}) failed: {exc}"
+            logger.error("obsckpt: %s", msg)
+            self.tracker.end_commit(step, kind, ok=False, error=msg)
+            self.metrics.step_failures.labels(kind).inc()
+            return
+        now = time.time()
+        self.tracker.end_commit(step, kind, ok=True)
+        kinds = ("checkpoint", "state_dict") if kind == "checkpoint" else ("state_dict",)
+        for k in kinds:
+            if self.tracker.latest[k] == step:
+                self.metrics.latest_step.labels(k).set(step)
+                self.metrics.last_commit_timestamp.labels(k).set(now)
+                self._last_commit[k] = now
+        started = p.started_at
+        if started is not None:
+            self.metrics.commit_lag.labels(kind).observe(max(0.0, now - started))
+        logger.info("obsckpt: committed step %d (%s)", step, kind)
+
+    def _write_commit(self, step: int, kind: str, files: dict[str, FileRecord]) -> None:
+        sdir = disk.step_dir(self.root, step)
+        disk.finalize_step(sdir, files)
+        disk.write_iteration(self.root, kind, step)
+        if kind == "checkpoint":
+            current = disk.read_iteration(self.root, "state_dict")
+            if current is None or current < step:
+                disk.write_iteration(self.root, "state_dict", step)
+
+    def _refresh_gauges(self) -> None:
+        for kind in KINDS:
+            pending = self.tracker.pending(kind)
+            self.metrics.pending_steps.labels(kind).set(len(pending))
+            oldest = self.tracker.oldest_pending_start(kind)
+            self.metrics.oldest_pending_start.labels(kind).set(oldest or 0)
+
+    # ------------------------------------------------------------------
+    # Weight-sync measurements (the monitor is the job's one scrape target)
+    # ------------------------------------------------------------------
+
+    async def record_broadcast(self, backend: str, seconds: float, nbytes: int) -> None:
+        self.metrics.broadcast_duration.labels(backend).observe(seconds)
+        self.metrics.broadcast_bytes.labels(backend).inc(nbytes)
+
+    async def record_upload(self, seconds: float) -> None:
+        self.metrics.upload_duration.observe(seconds)
+
+    async def record_model_version(self, role: str, version: int) -> None:
+        self.metrics.model_version.labels(role).set(version)
+
+    # ------------------------------------------------------------------
+    # Introspection
+    # ------------------------------------------------------------------
+
+    async def metrics_address(self) -> str | None:
+        """``host:port`` of /metrics, or None when not served (see status() for why)."""
+        return self.server.address
+
+    async def status(self) -> dict:
+        """Latest committed steps, pending, failed and abandoned steps, saves in flight."""
+        t = self.tracker
+        return {
+            "root": str(self.root),
+            "save_strategy": self.strategy.name,
+            "latest": dict(t.latest),
+            "last_commit_time": dict(self._last_commit),
+            "pending": [
+                {
+                    "step": step,
+                    "kind": kind,
+                    "started": p.started_at,
+                    "registered": p.registered,
+                    "finished": p.finished,
+                    "in_flight": p.in_flight,
+                    "submitted": p.submitted,
+                    "state": p.state,
+                }
+                for step, kind, p in t.pending()
+            ],
+            "failed": [
+                {"step": step, "kind": kind, "error": p.error, "at": p.resolved_at}
+                for step, kind, p in t.failed()
+            ],
+            "abandoned": [{"step": s, "reason": r} for s, r in sorted(t.abandoned.items())],
+            "in_flight": [
+                {
+                    "ticket": tk.ticket,
+                    "step": tk.step,
+                    "kind": tk.kind,
+                    "slot": tk.slot,
+                    "rank": tk.rank,
+                    "requested": tk.requested,
+                    "admitted": tk.admitted,
+                }
+                for tk in self._tickets.values()
+            ],
+            "admission_waiting": self.admission.waiting,
+            "metrics": {"address": self.server.address, "error": self.server.error},
+            "span_export_failures": tracing.export_failures(),
+        }
+
+    async def debug_spans(self) -> list[dict]:
+        """Spans this process recorded with the ``memory`` exporter (for tests)."""
+        return tracing.finished_spans()
+
+    async def shutdown(self) -> None:
+        """Stop serving /metrics (the actor itself is ended with ray.kill)."""
+        self.server.close()

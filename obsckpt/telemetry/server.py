@@ -1,0 +1,88 @@
+"""The /metrics HTTP endpoint and the Prometheus file_sd target file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from obsckpt.commit import atomic_write
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def validate_port(port: object, what: str = "metrics_port") -> int | None:
+    if port is None:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(
+            f"{what} must be an int from 0 to 65535 (0 picks a free port) or None for no "
+            f"endpoint; got {port!r}"
+        )
+    return port
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """A running (or failed) /metrics endpoint. ``address`` is None when not serving."""
+
+    address: str | None = None
+    error: str | None = None
+    _server: object = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def advertised_host(host: str) -> str:
+    """The host other machines reach a server bound to ``host`` by."""
+    if host not in _WILDCARD_HOSTS:
+        return host
+    try:
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray, loopback is the honest answer
+        return "127.0.0.1"
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer:
+    """Serve ``registry`` at http://host:port/metrics; never raises for a busy port.
+
+    A port already in use is logged and reported in ``MetricsServer.error``:
+    the job keeps running without an endpoint.
+    """
+    if port is None:
+        return MetricsServer()
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            msg = (
+                f"metrics port {port} on {host or '0.0.0.0'} is already in use; metrics are not "
+                "served. Pass another metrics_port, or 0 to pick a free one"
+            )
+        else:
+            msg = f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+        logger.error("obsckpt: %s", msg)
+        return MetricsServer(error=msg)
+    actual_port = server.server_address[1]
+    return MetricsServer(address=f"{advertised_host(host)}:{actual_port}", _server=server)
+
+
+def write_file_sd(path: str | os.PathLike, address: str | None, labels: dict[str, str]) -> None:
+    """Atomically write a Prometheus file_sd target list naming ``address`` (empty if None)."""
+    targets = [{"targets": [address], "labels": labels}] if address else []
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, (json.dumps(targets, indent=2) + "\n").encode())
