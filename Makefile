@@ -27,7 +27,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check obsckpt tests benchmarks dashboards
 
 metrics-doc: setup
-	$(PY) -m obsckpt.telemetry.metrics > docs/metrics.md
+	$(PY) -c 'from obsckpt.telemetry.metrics import reference_markdown as r; print(r(), end="")' > docs/metrics.md
 
 dashboards: setup
 	$(PY) -m dashboards.build

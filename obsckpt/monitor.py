@@ -170,8 +170,11 @@ class CheckpointMonitor:
 
         strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
-        if default_local_dir is not None:
-            default_local_dir = os.fspath(default_local_dir)
+        if default_local_dir is None:
+            raise ValueError("default_local_dir is required: the checkpoint root directory")
+        # Checked here too, so a bad root fails in the caller, not in a dead actor.
+        default_local_dir = os.fspath(default_local_dir)
+        disk.ensure_root(default_local_dir)
         remote_cls = ray.remote(cls)
         options: dict[str, Any] = dict(
             name=ACTOR_NAME,

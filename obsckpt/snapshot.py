@@ -34,7 +34,10 @@ class StagingBuffers:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: list[torch.Tensor] = []
         self._cursor = 0
-        self.bytes_allocated = 0
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def _buffer_for(self, t: torch.Tensor) -> torch.Tensor:
         i = self._cursor
@@ -42,9 +45,7 @@ class StagingBuffers:
         if i < len(self._buffers) and _signature(self._buffers[i]) == _signature(t):
             return self._buffers[i]
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
-        self.bytes_allocated += buf.numel() * buf.element_size()
         if i < len(self._buffers):
-            self.bytes_allocated -= self._buffers[i].numel() * self._buffers[i].element_size()
             self._buffers[i] = buf
         else:
             self._buffers.append(buf)

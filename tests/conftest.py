@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -18,13 +19,16 @@ def ray_cluster():
     """A local Ray cluster shared by every test that needs one."""
     import ray
 
+    # Worker processes import test helper modules (tests/workers.py) by name.
+    tests_dir = str(Path(__file__).resolve().parent)
+    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     if not ray.is_initialized():
         ray.init(
             address="local",
             num_cpus=32,
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}},
+            runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath}},
         )
     yield ray
     ray.shutdown()

@@ -1,0 +1,225 @@
+"""Weight-sync broadcast: bucketed vs per-tensor vs one raw broadcast of the same bytes.
+
+Two processes (sender rank 0, receiver rank 1) form a
+:class:`obsckpt.sync.broadcast.WeightSyncGroup` and broadcast a
+mixture-of-experts-like model: many small tensors (norms, biases, routers,
+some in float32) and a few large expert matrices carrying most of the bytes.
+Per repetition, after a one-element broadcast that lines both sides up, each
+of the three transfers is timed on both sides; a sample is the slower side.
+With CUDA and at least two GPUs the same runs on NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import random
+import time
+import traceback
+
+from benchmarks.common import Result, Sizes, median, rounded, skipped
+
+
+def moe_layout(ntensors: int, nbytes: int, seed: int = 0) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of ``ntensors`` tensors totalling about ``nbytes``.
+
+    About 3% of the tensors are experts holding 85% of the bytes; the rest are
+    small (1 KiB to 256 KiB, log-uniform), a few dozen of them float32.
+    """
+    rng = random.Random(seed)
+    n_large = max(1, ntensors * 3 // 100)
+    n_small = ntensors - n_large
+    small_total = nbytes * 0.15
+    raw = [math.exp(rng.uniform(math.log(1 << 10), math.log(256 << 10))) for _ in range(n_small)]
+    scale = small_total / sum(raw) if raw else 0.0
+    layout = []
+    for i, b in enumerate(raw):
+        fp32 = i % 60 == 0  # router / gate weights kept in float32
+        item = 4 if fp32 else 2
+        numel = max(1, int(b * scale) // item)
+        layout.append((f"layers.{i // 30}.small.{i}", "float32" if fp32 else "bfloat16", (numel,)))
+    large_total = nbytes - sum(math.prod(s) * (4 if d == "float32" else 2) for _, d, s in layout)
+    cols = 1024
+    rows = max(1, int(large_total // n_large // 2 // cols))
+    for j in range(n_large):
+        layout.append((f"layers.{j}.mlp.experts.{j}.w", "bfloat16", (rows, cols)))
+    rng.shuffle(layout)  # experts and small tensors interleave, as in a real model
+    return layout
+
+
+def _build(layout, fill: bool):
+    import torch
+
+    out = {}
+    for name, dtype, shape in layout:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        if fill:
+            t.uniform_()
+        out[name] = t
+    return out
+
+
+def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
+    try:
+        import torch
+
+        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        group = WeightSyncGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend)
+        device = group.device
+        state = _build(layout, fill=rank == 0)
+        if backend == "nccl":
+            state = {k: v.to(device) for k, v in state.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if rank == 0:
+            raw.random_(0, 255)
+        tick = torch.zeros(1, device=device)
+        bc = WeightBroadcaster(group, src=0)
+
+        def sync() -> None:
+            group.broadcast(tick, 0)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+
+        def timed(fn) -> float:
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        def op(kind: str):
+            if kind == "raw":
+                return lambda: group.broadcast(raw, 0)
+            if rank == 0:
+                return lambda: bc.send(state, mode=kind)
+            return lambda: bc.recv()
+
+        kinds = ("per_tensor", "bucketed", "raw")
+        for kind in kinds:  # warm-up: buffers, receive area, gloo pairs
+            timed(op(kind))
+        # One checked transfer: the receiver's tensors must equal the sender's.
+        sync()
+        received = bc.recv() if rank == 1 else bc.send(state, mode="bucketed")
+        sync()
+        samples = {k: [] for k in kinds}
+        for rep in range(reps):
+            order = kinds if rep % 2 == 0 else tuple(reversed(kinds))
+            for kind in order:
+                samples[kind].append(timed(op(kind)))
+        checksum = None
+        if rank == 1:
+            checksum = float(sum(float(t.float().sum()) for t in list(received.values())[:8]))
+        elif rank == 0:
+            checksum = float(sum(float(t.float().sum()) for t in list(state.values())[:8]))
+        q.put((rank, {"samples": samples, "nbytes": nbytes, "checksum": checksum, "buckets": bc.bucket_bytes}))
+        group.close()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put((rank, {"error": traceback.format_exc()}))
+
+
+def _run_pair(backend: str, layout, reps: int, timeout: float = 900.0) -> dict:
+    from obsckpt.sync.broadcast import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, backend, layout, reps, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < 2:
+            rank, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            if "error" in payload:
+                raise RuntimeError(f"broadcast rank {rank} failed:\n{payload['error']}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if abs(out[0]["checksum"] - out[1]["checksum"]) > 1e-3 * max(1.0, abs(out[0]["checksum"])):
+        raise RuntimeError("the receiver's tensors differ from the sender's")
+    return out
+
+
+def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) -> list[Result]:
+    kinds = ("per_tensor", "bucketed", "raw")
+    # A sample is the slower of the two sides.
+    per = {k: [max(a, b) for a, b in zip(out[0]["samples"][k], out[1]["samples"][k], strict=True)] for k in kinds}
+    med = {k: median(v) for k, v in per.items()}
+    nbytes = out[0]["nbytes"]
+    common = {
+        "backend": backend,
+        "tensors": ntensors,
+        "bytes": nbytes,
+        "bucket_bytes": out[0]["buckets"],
+        "reps": len(per["raw"]),
+        **{f"{k}_s": round(v, 6) for k, v in med.items()},
+        **{f"{k}_GBps": round(nbytes / v / 1e9, 3) for k, v in med.items()},
+        **{f"{k}_samples_s": rounded(per[k]) for k in kinds},
+    }
+    return [
+        Result(
+            f"{prefix}bucketed_vs_per_tensor",
+            med["per_tensor"] / med["bucketed"],
+            ">=",
+            2,
+            unit="x",
+            limit=limit,
+            details=common,
+        ),
+        Result(
+            f"{prefix}broadcast_vs_raw",
+            med["raw"] / med["bucketed"],
+            ">=",
+            0.8,
+            unit="x",
+            limit=limit,
+            details={k: v for k, v in common.items() if not k.endswith("_samples_s")},
+        ),
+    ]
+
+
+def run_broadcast(sizes: Sizes, log) -> list[Result]:
+    layout = moe_layout(sizes.bcast_tensors, sizes.bcast_bytes)
+    out = _run_pair("gloo", layout, sizes.bcast_reps)
+    res = _results("", "gloo", out, len(layout), "gloo over loopback TCP, sender and receiver sharing 2 cores")
+    for r in res:
+        log(f"  {r.name}: {r.value:.2f} (per-tensor {r.details['per_tensor_s']:.3f} s, bucketed {r.details['bucketed_s']:.3f} s, raw {r.details['raw_s']:.3f} s)")
+    return res
+
+
+def run_nccl_broadcast(sizes: Sizes, log) -> list[Result]:
+    import torch
+
+    names = ("nccl_bucketed_vs_per_tensor", "nccl_broadcast_vs_raw")
+    bounds = ((">=", 2.0), (">=", 0.8))
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "CUDA is not available"
+    elif torch.cuda.device_count() < 2:
+        reason = f"NCCL needs 2 GPUs for 2 ranks; {torch.cuda.device_count()} present"
+    elif not torch.distributed.is_nccl_available():
+        reason = "torch was built without NCCL"
+    if reason:
+        return [skipped(n, op, b, reason, unit="x") for n, (op, b) in zip(names, bounds, strict=True)]
+    layout = moe_layout(sizes.bcast_tensors, sizes.bcast_bytes)
+    out = _run_pair("nccl", layout, sizes.bcast_reps)
+    res = _results("nccl_", "nccl", out, len(layout), "NCCL between two GPUs (NVLink or PCIe)")
+    for r in res:
+        log(f"  {r.name}: {r.value:.2f}")
+    return res
+
+
+if __name__ == "__main__":  # pragma: no cover - manual check of the layout
+    lay = moe_layout(2000, 256 << 20)
+    total = sum(math.prod(s) * (4 if d == "float32" else 2) for _, d, s in lay)
+    print(len(lay), total / 2**20, "MiB", os.cpu_count())

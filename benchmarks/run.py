@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""obsckpt benchmarks: each measures the obsckpt path against its baseline or physical limit.
+
+    python benchmarks/run.py                 # full run (~10-15 min on 2 cores)
+    python benchmarks/run.py --quick         # smaller sizes, fewer repetitions
+    python benchmarks/run.py --json out.json # also write the results as JSON
+
+Every benchmark measures obsckpt and its reference in the same run, interleaved
+repetition by repetition, and reports the median (commit lag: the p99). See
+docs/performance.md for what limits each number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import SIZES, Result, loadavg, machine_info  # noqa: E402
+
+SMOKE_ENV = "OBSCKPT_BENCH_SMOKE"
+BENCHMARKS = ("save", "rss", "telemetry", "commit_lag", "broadcast", "gpu")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (a few minutes)")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="where to write checkpoints (default: a temporary directory; its filesystem is measured)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="NAMES",
+        help=f"comma-separated subset of: {', '.join(BENCHMARKS)}",
+    )
+    args = p.parse_args(argv)
+    if args.only:
+        unknown = set(args.only.split(",")) - set(BENCHMARKS)
+        if unknown:
+            p.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}")
+    return args
+
+
+def _start_ray(namespace: str):
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        address="local",
+        namespace=namespace,
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_DEDUP_LOGS": "0"}},
+    )
+    return ray
+
+
+def _format_value(r: Result) -> str:
+    if r.value is None:
+        return "—"
+    return f"{r.value:.3g}" if abs(r.value) < 1000 else f"{r.value:.0f}"
+
+
+def table(results: list[Result]) -> str:
+    rows = [("benchmark", "value", "unit", "target", "met")]
+    for r in results:
+        met = "skipped" if r.skipped else ("error" if r.details.get("error") else ("yes" if r.met else "NO"))
+        rows.append((r.name, _format_value(r), r.unit, r.target, met))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for r in results:
+        if r.skipped:
+            lines.append(f"  {r.name}: skipped: {r.skipped}")
+        elif r.details.get("error"):
+            lines.append(f"  {r.name}: error: {r.details['error'].strip().splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    mode = "smoke" if args.smoke or os.environ.get(SMOKE_ENV) == "1" else ("quick" if args.quick else "full")
+    sizes = SIZES[mode]
+    wanted = args.only.split(",") if args.only else list(BENCHMARKS)
+    own_dir = args.dir is None
+    bench_dir = tempfile.mkdtemp(prefix="obsckpt-bench-") if own_dir else os.path.abspath(args.dir)
+    os.makedirs(bench_dir, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    if mode != "full":
+        _log(f"obsckpt benchmarks: {mode} mode (smaller sizes, fewer repetitions; targets are set for the full run)")
+    else:
+        _log("obsckpt benchmarks: full run")
+    _log(f"  checkpoint directory: {bench_dir}")
+
+    results: list[Result] = []
+    errors = 0
+    t_start = time.time()
+    ray = None
+    try:
+        if {"save", "rss", "telemetry", "commit_lag"} & set(wanted):
+            ray = _start_ray(f"obsckpt-bench-{run_id}")
+        for name in wanted:
+            _log(f"[{name}]")
+            load_before = loadavg()
+            t0 = time.perf_counter()
+            try:
+                got = _run_one(name, sizes, bench_dir, run_id, ray)
+            except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
+                errors += 1
+                tb = traceback.format_exc()
+                _log(tb)
+                got = [Result(name, None, "<=", 0, details={"error": tb})]
+            elapsed = time.perf_counter() - t0
+            for r in got:
+                r.details.setdefault("seconds", round(elapsed, 1))
+                r.details.setdefault("loadavg_1m_before_after", [round(load_before, 2), round(loadavg(), 2)])
+            results.extend(got)
+    finally:
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        if own_dir:
+            shutil.rmtree(bench_dir, ignore_errors=True)
+
+    print(f"\nobsckpt benchmarks ({mode} run, {time.time() - t_start:.0f} s)")
+    print(table(results))
+    if args.json:
+        doc = {
+            "results": {r.name: r.to_json() for r in results},
+            "machine": machine_info(bench_dir),
+            "mode": mode,
+            "seconds": round(time.time() - t_start, 1),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2, default=str)
+            f.write("\n")
+        print(f"results written to {args.json}")
+    return 1 if errors else 0
+
+
+def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]:
+    if name == "save":
+        from benchmarks.save import run_save_benchmarks
+        from obsckpt import CheckpointMonitor
+
+        monitor = CheckpointMonitor.get_actor(
+            namespace=f"obsckpt-bench-{run_id}-save", default_local_dir=os.path.join(bench_dir, "save")
+        )
+        try:
+            return run_save_benchmarks(sizes, bench_dir, monitor, _log)
+        finally:
+            ray.kill(monitor)
+    if name == "rss":
+        from benchmarks.rss import run_peak_rss
+
+        address = ray.get_runtime_context().gcs_address
+        return [run_peak_rss(sizes, bench_dir, address, f"obsckpt-bench-{run_id}-rss", _log)]
+    if name == "telemetry":
+        from benchmarks.telemetry import run_telemetry_overhead
+
+        return [run_telemetry_overhead(sizes, bench_dir, f"obsckpt-bench-{run_id}-telemetry", _log)]
+    if name == "commit_lag":
+        from benchmarks.commit_lag import run_commit_lag
+
+        return [run_commit_lag(sizes, bench_dir, f"obsckpt-bench-{run_id}-commit", _log)]
+    if name == "broadcast":
+        from benchmarks.broadcast import run_broadcast, run_nccl_broadcast
+
+        return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
+    if name == "gpu":
+        from benchmarks.gpu import run_gpu_stall
+
+        return [run_gpu_stall(sizes, _log)]
+    raise ValueError(f"unknown benchmark {name!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""``promtool test rules`` cases for the alert rules, generated from the same code.
+
+Each alert gets a synthetic series that makes it fire and one (or more) healthy
+series where it must stay quiet. Series and evaluation times are derived from
+the thresholds, so the cases keep testing the edges when a default changes.
+Expected annotations are rendered here because promtool compares them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from dashboards.alerts import AlertThresholds, alert_rules
+
+JOB = "obsckpt"
+INSTANCE = "obsckpt:9400"
+_TARGET = f'job="{JOB}",instance="{INSTANCE}"'
+
+
+def _seconds(duration: str) -> int:
+    """Seconds in a Prometheus duration made of one unit: "90s", "2m", "1h"."""
+    match = re.fullmatch(r"(\d+)(s|m|h)", duration)
+    if not match:
+        raise ValueError(f"duration {duration!r} is not of the form <int>(s|m|h)")
+    return int(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def _render(template: str, labels: dict[str, str], value: float | None) -> str:
+    """Expand the two template forms the rules use: $labels.<name> and $value."""
+    out = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], template)
+    if value is not None:
+        out = out.replace('{{ $value | printf "%.0f" }}', f"{value:.0f}")
+    if "{{" in out:
+        raise ValueError(f"template form not supported by the test renderer: {template!r}")
+    return out
+
+
+def _expected(
+    alert: str, rules: dict[str, dict], labels: dict[str, str], value: float | None = None
+) -> dict:
+    rule = rules[alert]
+    return {
+        "exp_labels": {**labels, **rule["labels"]},
+        "exp_annotations": {k: _render(v, labels, value) for k, v in rule["annotations"].items()},
+    }
+
+
+def _check(eval_minutes: int, alert: str, *expected: dict) -> dict:
+    return {"eval_time": f"{eval_minutes}m", "alertname": alert, "exp_alerts": list(expected)}
+
+
+def _series(name: str, labels: str, values: str) -> dict:
+    return {"series": f"{name}{{{labels}}}", "values": values}
+
+
+def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str = "") -> dict:
+    """A promtool rule-test file exercising every alert of :func:`alert_rules`.
+
+    Args:
+        thresholds: the thresholds the rules file was generated with.
+        rules_file: path of the rules file, relative to the test file.
+    """
+    t = thresholds if thresholds is not None else AlertThresholds()
+    rules = {rule["alert"]: rule for rule in alert_rules(t)}
+    ckpt = {"job": JOB, "instance": INSTANCE, "kind": "checkpoint"}
+    ckpt_labels = f'{_TARGET},kind="checkpoint"'
+    sd_labels = f'{_TARGET},kind="state_dict"'
+
+    # ObsckptCommitStalled: a step starts at t=60 s and never commits.
+    start = 60
+    stall_min = math.ceil(t.commit_stall_seconds / 60)
+    stall_fire = stall_min + 2 + math.ceil(_seconds(t.commit_stall_for) / 60) + 1
+    stall_len = stall_fire + 5
+
+    # ObsckptNoRecentCommit: one commit at t=300 s, then none.
+    commit_at = 300
+    quiet_min = math.ceil((commit_at + t.no_commit_seconds) / 60) - 1
+    no_commit_fire = quiet_min + 2 + math.ceil(_seconds(t.no_commit_for) / 60) + 1
+
+    # ObsckptSaveFailures: one failure after minute 10.
+    window_min = math.ceil(_seconds(t.failure_window) / 60)
+
+    # ObsckptMonitorDown: target down from minute 6.
+    down_for_min = math.ceil(_seconds(t.monitor_down_for) / 60)
+
+    # ObsckptWeightSyncLagging: rollout falls behind after minute 10.
+    behind = int(t.weight_sync_max_lag) + 6
+    lag_fire = 11 + math.ceil(_seconds(t.weight_sync_for) / 60) + 3
+
+    tests = [
+        {
+            "name": "commit stalled: a pending step older than the threshold fires",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_pending_steps", ckpt_labels, f"1x{stall_len}"),
+                _series(
+                    "obsckpt_oldest_pending_step_start_timestamp_seconds",
+                    ckpt_labels,
+                    f"{start}x{stall_len}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(stall_min, "ObsckptCommitStalled"),
+                _check(
+                    stall_fire,
+                    "ObsckptCommitStalled",
+                    _expected("ObsckptCommitStalled", rules, ckpt, stall_fire * 60 - start),
+                ),
+            ],
+        },
+        {
+            "name": "commit stalled: steps that commit, and a 0 timestamp, stay quiet",
+            "interval": "1m",
+            "input_series": [
+                # A step pending for 4 minutes, then committed: gauges back to 0.
+                _series("obsckpt_pending_steps", ckpt_labels, f"1x4 0x{stall_len}"),
+                _series(
+                    "obsckpt_oldest_pending_step_start_timestamp_seconds",
+                    ckpt_labels,
+                    f"{start}x4 0x{stall_len}",
+                ),
+                # Pending reported before its start time is known: no fake age.
+                _series("obsckpt_pending_steps", sd_labels, f"1x{stall_len}"),
+                _series(
+                    "obsckpt_oldest_pending_step_start_timestamp_seconds",
+                    sd_labels,
+                    f"0x{stall_len}",
+                ),
+            ],
+            "alert_rule_test": [_check(stall_fire, "ObsckptCommitStalled")],
+        },
+        {
+            "name": "no recent commit: fires after the threshold, never for a kind not saved",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_last_commit_timestamp_seconds",
+                    ckpt_labels,
+                    f"0x4 {commit_at}x{no_commit_fire + 5}",
+                ),
+                _series(
+                    "obsckpt_last_commit_timestamp_seconds", sd_labels, f"0x{no_commit_fire + 5}"
+                ),
+            ],
+            "alert_rule_test": [
+                _check(quiet_min, "ObsckptNoRecentCommit"),
+                _check(
+                    no_commit_fire,
+                    "ObsckptNoRecentCommit",
+                    _expected(
+                        "ObsckptNoRecentCommit", rules, ckpt, no_commit_fire * 60 - commit_at
+                    ),
+                ),
+            ],
+        },
+        {
+            "name": "save failures: fire within the window, quiet before and after",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_step_failures_total", ckpt_labels, f"0x10 1x{window_min + 30}"),
+                _series(
+                    "obsckpt_saves_total",
+                    f'{ckpt_labels},slot="model",result="error"',
+                    f"0x10 1x{window_min + 30}",
+                ),
+                _series(
+                    "obsckpt_saves_total",
+                    f'{ckpt_labels},slot="model",result="ok"',
+                    f"0+1x{window_min + 40}",
+                ),
+                _series("obsckpt_step_failures_total", sd_labels, f"0x{window_min + 40}"),
+            ],
+            "alert_rule_test": [
+                _check(5, "ObsckptSaveFailures"),
+                _check(
+                    12,
+                    "ObsckptSaveFailures",
+                    _expected("ObsckptSaveFailures", rules, {"job": JOB, "kind": "checkpoint"}),
+                ),
+                _check(11 + window_min + 5, "ObsckptSaveFailures"),
+            ],
+        },
+        {
+            "name": "monitor down: a target that stops answering fires",
+            "interval": "1m",
+            "input_series": [_series("up", _TARGET, f"1x5 0x{down_for_min + 10}")],
+            "alert_rule_test": [
+                _check(5, "ObsckptMonitorDown"),
+                _check(
+                    6 + down_for_min + 1,
+                    "ObsckptMonitorDown",
+                    _expected("ObsckptMonitorDown", rules, {"job": JOB, "instance": INSTANCE}),
+                ),
+            ],
+        },
+        {
+            "name": "monitor down: a target that was never discovered fires",
+            "interval": "1m",
+            "input_series": [_series("up", 'job="other",instance="other:9100"', "1x20")],
+            "alert_rule_test": [
+                _check(
+                    down_for_min + 2,
+                    "ObsckptMonitorDown",
+                    _expected("ObsckptMonitorDown", rules, {"job": JOB}),
+                ),
+            ],
+        },
+        {
+            "name": "monitor down: a healthy target stays quiet",
+            "interval": "1m",
+            "input_series": [_series("up", _TARGET, "1x30")],
+            "alert_rule_test": [_check(down_for_min + 20, "ObsckptMonitorDown")],
+        },
+        {
+            "name": "weight sync lagging: a rollout side falling behind fires",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"20x{lag_fire + 5}"),
+                _series(
+                    "obsckpt_model_version",
+                    f'{_TARGET},role="rollout"',
+                    f"19x10 {20 - behind}x{lag_fire}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(10, "ObsckptWeightSyncLagging"),
+                _check(
+                    lag_fire,
+                    "ObsckptWeightSyncLagging",
+                    _expected("ObsckptWeightSyncLagging", rules, {"job": JOB}, behind),
+                ),
+            ],
+        },
+        {
+            "name": "weight sync lagging: a job with no rollout side stays quiet",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"20x{lag_fire + 5}"),
+                _series("obsckpt_model_version", f'{_TARGET},role="rollout"', f"0x{lag_fire + 5}"),
+            ],
+            "alert_rule_test": [_check(lag_fire, "ObsckptWeightSyncLagging")],
+        },
+    ]
+    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}

@@ -1,0 +1,190 @@
+"""Prometheus alert rules for obsckpt, generated from code.
+
+Thresholds are arguments of :func:`alert_rules`, so the committed rules file
+(production defaults) and the end-to-end test (seconds instead of minutes) come
+from the same expressions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RUNBOOK_PATH = "docs/runbook.md"
+DEFAULT_JOB = "obsckpt"
+
+
+@dataclass(kw_only=True, slots=True)
+class AlertThresholds:
+    """When each alert fires.
+
+    Attributes:
+        commit_stall_seconds: age of the oldest pending step beyond which a commit
+            counts as stalled.
+        commit_stall_for: how long the stall must persist before firing.
+        no_commit_seconds: time without any commit (after a first one) that is
+            worth a warning.
+        no_commit_for: how long that must persist.
+        failure_window: window over which failed saves and failed steps count.
+        monitor_down_for: how long the scrape target may be down or absent.
+        monitor_job: Prometheus job name of the monitor's scrape target.
+        weight_sync_max_lag: trainer minus rollout model version above which the
+            rollout side counts as lagging.
+        weight_sync_for: how long the lag must persist.
+        runbook_base: URL (or path) of docs/runbook.md; anchors are appended.
+    """
+
+    commit_stall_seconds: float = 900.0
+    commit_stall_for: str = "1m"
+    no_commit_seconds: float = 7200.0
+    no_commit_for: str = "5m"
+    failure_window: str = "15m"
+    monitor_down_for: str = "2m"
+    monitor_job: str = DEFAULT_JOB
+    weight_sync_max_lag: float = 4.0
+    weight_sync_for: str = "10m"
+    runbook_base: str = RUNBOOK_PATH
+
+    def __post_init__(self) -> None:
+        for name in ("commit_stall_seconds", "no_commit_seconds"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        if self.weight_sync_max_lag < 0:
+            raise ValueError(
+                f"weight_sync_max_lag must not be negative, got {self.weight_sync_max_lag!r}"
+            )
+        if not self.monitor_job:
+            raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
+
+
+def _num(value: float) -> str:
+    """A threshold as PromQL writes it: 900, not 900.0."""
+    return f"{value:g}"
+
+
+def runbook_anchor(alert: str) -> str:
+    """The anchor of an alert's section: GitHub's slug of the heading ``## <alert>``."""
+    return alert.lower()
+
+
+def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
+    """The alerting rules, as dicts in Prometheus' rule file format."""
+    t = thresholds if thresholds is not None else AlertThresholds()
+    stall = _num(t.commit_stall_seconds)
+    no_commit = _num(t.no_commit_seconds)
+    lag = _num(t.weight_sync_max_lag)
+    job = t.monitor_job
+
+    def runbook(alert: str) -> str:
+        return f"{t.runbook_base}#{runbook_anchor(alert)}"
+
+    return [
+        {
+            "alert": "ObsckptCommitStalled",
+            # The start timestamp is 0 when nothing is pending; without the guard
+            # time() - 0 would read as a 55-year-old step.
+            "expr": (
+                "(time() - obsckpt_oldest_pending_step_start_timestamp_seconds)"
+                f" > {stall}\n"
+                "and obsckpt_oldest_pending_step_start_timestamp_seconds > 0\n"
+                "and obsckpt_pending_steps > 0\n"
+            ),
+            "for": t.commit_stall_for,
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "Checkpoint commit stalled ({{ $labels.kind }}, job {{ $labels.job }})",
+                "description": (
+                    "The oldest pending {{ $labels.kind }} step of job {{ $labels.job }} "
+                    'started {{ $value | printf "%.0f" }} s ago and is not committed '
+                    f"(threshold {stall} s). A save is hung or never reported back; "
+                    "until it finishes, latest_*_iteration.txt stays on the previous step."
+                ),
+                "runbook_url": runbook("ObsckptCommitStalled"),
+            },
+        },
+        {
+            "alert": "ObsckptNoRecentCommit",
+            # Only after a first commit: a kind the job never saves keeps its
+            # timestamp at 0 and must not fire.
+            "expr": (
+                f"(time() - obsckpt_last_commit_timestamp_seconds) > {no_commit}\n"
+                "and obsckpt_last_commit_timestamp_seconds > 0\n"
+            ),
+            "for": t.no_commit_for,
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "No {{ $labels.kind }} commit recently (job {{ $labels.job }})",
+                "description": (
+                    "Job {{ $labels.job }} last committed a {{ $labels.kind }} step "
+                    '{{ $value | printf "%.0f" }} s ago '
+                    f"(threshold {no_commit} s). Training may have stopped "
+                    "checkpointing; a crash now loses everything since then."
+                ),
+                "runbook_url": runbook("ObsckptNoRecentCommit"),
+            },
+        },
+        {
+            "alert": "ObsckptSaveFailures",
+            "expr": (
+                "sum by (job, kind) ("
+                f"increase(obsckpt_step_failures_total[{t.failure_window}])) > 0\n"
+                "or sum by (job, kind) ("
+                f'increase(obsckpt_saves_total{{result="error"}}[{t.failure_window}])) > 0\n'
+            ),
+            "for": "0m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Checkpoint saves failing ({{ $labels.kind }}, job {{ $labels.job }})",
+                "description": (
+                    "Job {{ $labels.job }} had failed {{ $labels.kind }} saves or steps "
+                    f"in the last {t.failure_window}. A failed step is never committed; "
+                    "the iteration file stays on the last whole step."
+                ),
+                "runbook_url": runbook("ObsckptSaveFailures"),
+            },
+        },
+        {
+            "alert": "ObsckptMonitorDown",
+            "expr": f'up{{job="{job}"}} == 0\nor absent(up{{job="{job}"}})\n',
+            "for": t.monitor_down_for,
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": f"obsckpt monitor not scraped (job {job})",
+                "description": (
+                    f"Prometheus has no healthy target for job {job}: the checkpoint "
+                    "monitor actor is down, its /metrics endpoint is unreachable, or "
+                    "its file_sd file was never written. Checkpoint state is unobserved."
+                ),
+                "runbook_url": runbook("ObsckptMonitorDown"),
+            },
+        },
+        {
+            "alert": "ObsckptWeightSyncLagging",
+            # Guarded on a first sync, so jobs without a rollout side stay quiet.
+            "expr": (
+                'max by (job) (obsckpt_model_version{role="trainer"})\n'
+                '- max by (job) (obsckpt_model_version{role="rollout"})\n'
+                f"> {lag}\n"
+                'and on (job) max by (job) (obsckpt_model_version{role="rollout"}) > 0\n'
+            ),
+            "for": t.weight_sync_for,
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Rollout weights lag the trainer (job {{ $labels.job }})",
+                "description": (
+                    "The rollout side of job {{ $labels.job }} is "
+                    '{{ $value | printf "%.0f" }} model versions behind the trainer '
+                    f"(threshold {lag}). Rollouts are generated with stale weights."
+                ),
+                "runbook_url": runbook("ObsckptWeightSyncLagging"),
+            },
+        },
+    ]
+
+
+def rule_groups(thresholds: AlertThresholds | None = None) -> dict:
+    """A whole rule file: one group holding every alert."""
+    return {"groups": [{"name": "obsckpt", "rules": alert_rules(thresholds)}]}
+
+
+ALERT_NAMES = tuple(rule["alert"] for rule in alert_rules())

@@ -1,0 +1,41 @@
+"""Weight sync from the trainer to the rollout side: the Synchronizer actor and broadcast."""
+
+from __future__ import annotations
+
+from obsckpt.sync.broadcast import (
+    DEFAULT_BUCKET_BYTES,
+    BroadcastError,
+    BroadcastResult,
+    BroadcastTimeoutError,
+    TensorMeta,
+    WeightBroadcaster,
+    WeightSyncGroup,
+    WeightSyncTelemetry,
+    free_port,
+    plan_buckets,
+    tensor_meta,
+)
+from obsckpt.sync.synchronizer import (
+    StateDictLoadError,
+    Synchronizer,
+    load_sharded_state_dict,
+    merge_shards,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BroadcastError",
+    "BroadcastResult",
+    "BroadcastTimeoutError",
+    "StateDictLoadError",
+    "Synchronizer",
+    "TensorMeta",
+    "WeightBroadcaster",
+    "WeightSyncGroup",
+    "WeightSyncTelemetry",
+    "free_port",
+    "load_sharded_state_dict",
+    "merge_shards",
+    "plan_buckets",
+    "tensor_meta",
+]

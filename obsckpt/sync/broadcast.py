@@ -1,0 +1,833 @@
+"""Weight broadcast from trainer rank 0 to the rollout side over a group of its own.
+
+:class:`WeightSyncGroup` is a *stateless* process group: a ``TCPStore`` plus a
+``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) built directly on it.
+It is never registered with ``torch.distributed``'s global state, so it can be
+created in Ray actors that already run a default process group (the FSDP or
+Megatron trainer ranks, a vLLM engine) without touching it, and it can be
+created again after it breaks. Its collectives are called on the backend
+object, with every wait bounded by a deadline.
+
+:class:`WeightBroadcaster` sends a whole model as a few large flat buckets,
+one dtype per bucket: the sender packs tensors into two reusable buffers of
+``bucket_bytes`` with one ``torch.cat`` per bucket, while the previous bucket is
+still on the wire; the receiver gets the names, dtypes and shapes in a small
+header and rebuilds named tensors as views of the received buckets (or copies
+them into tensors it already holds, ``recv(into=...)``). Tensors larger than a
+bucket go alone, without a copy. ``mode="per_tensor"`` sends one collective per
+tensor, as the reference implementation does, for comparison.
+
+A broadcast that does not finish within its timeout raises
+:class:`BroadcastTimeoutError` on every side that waits for it, saying how far
+it got; the group is then marked broken (the peers' collective sequence is
+unknown) and must be closed and created again.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from obsckpt.telemetry import tracing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_TIMEOUT_S = 300.0
+MODES = ("bucketed", "per_tensor")
+_MAGIC = 0x0B5C_5EED
+_HEADER_VERSION = 1
+# Two buffers: one being packed while the other is on the wire.
+_SEND_BUFFERS = 2
+_RECV_BUFFERS = 2
+
+
+class BroadcastError(RuntimeError):
+    """A weight broadcast failed, or its group can no longer be used."""
+
+
+class BroadcastTimeoutError(BroadcastError, TimeoutError):
+    """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
+
+
+# ----------------------------------------------------------------------
+# Metadata and bucket plan
+# ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a receiver needs to rebuild one tensor."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def to_wire(self) -> tuple[str, str, tuple[int, ...]]:
+        return (self.name, str(self.dtype).removeprefix("torch."), self.shape)
+
+    @classmethod
+    def from_wire(cls, obj: tuple[str, str, tuple[int, ...]]) -> TensorMeta:
+        name, dtype, shape = obj
+        return cls(name, getattr(torch, dtype), tuple(int(d) for d in shape))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_meta(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    """Names, dtypes and shapes of ``(name, tensor)`` pairs, in order."""
+    return [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors]
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One collective: tensors of one dtype packed back to back, or one large tensor alone."""
+
+    dtype: torch.dtype
+    indices: tuple[int, ...]  # positions in the metadata list
+    offsets: tuple[int, ...]  # element offsets inside the bucket
+    numel: int
+    solo: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def plan_buckets(meta: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Buckets in the order the sender issues them, computed identically on every side.
+
+    Tensors are taken in order; each dtype fills its own open bucket until the
+    next tensor of that dtype does not fit. A tensor of at least
+    ``bucket_bytes`` goes alone. A bucket is issued as soon as its last tensor
+    arrives, so buckets are ordered by their last tensor.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    issued: list[Bucket] = []
+    open_: dict[torch.dtype, tuple[list[int], list[int], int]] = {}
+
+    def close(dtype: torch.dtype) -> None:
+        idx, offs, numel = open_.pop(dtype)
+        issued.append(Bucket(dtype, tuple(idx), tuple(offs), numel, solo=False))
+
+    for i, m in enumerate(meta):
+        if m.nbytes >= bucket_bytes:
+            issued.append(Bucket(m.dtype, (i,), (0,), m.numel, solo=True))
+            continue
+        cur = open_.get(m.dtype)
+        if cur is not None and (cur[2] + m.numel) * _itemsize(m.dtype) > bucket_bytes:
+            close(m.dtype)
+            cur = None
+        if cur is None:
+            cur = open_[m.dtype] = ([], [], 0)
+        idx, offs, numel = cur
+        idx.append(i)
+        offs.append(numel)
+        open_[m.dtype] = (idx, offs, numel + m.numel)
+    for dtype in list(open_):
+        close(dtype)
+    # The sender issues a bucket as soon as its last tensor is packed.
+    issued.sort(key=lambda b: b.indices[-1])
+    return issued
+
+
+# ----------------------------------------------------------------------
+# The process group
+# ----------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago, for the group's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA and NCCL are present, else ``gloo``."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+class WeightSyncGroup:
+    """A process group of its own between trainer rank 0 (rank ``src``) and the receivers.
+
+    Every member constructs it with the same ``host``, ``port`` and
+    ``world_size``; rank 0 hosts the store. Construction returns once all
+    members have joined, or raises :class:`BroadcastTimeoutError` after
+    ``timeout_s``.
+
+    Args:
+        host: address of rank 0's store, reachable by every member.
+        port: the store's port (see :func:`free_port`).
+        rank: this member's rank in the group (0 for the trainer).
+        world_size: number of members (1 + receivers).
+        backend: ``gloo`` or ``nccl``; default ``nccl`` with CUDA, else ``gloo``.
+        timeout_s: bound on the rendezvous and default bound on each broadcast.
+        group_name: prefix of the group's keys in the store.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        group_name: str = "obsckpt-weight-sync",
+    ) -> None:
+        backend = backend or default_backend()
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds, got {timeout_s!r}")
+        self.host, self.port = host, int(port)
+        self.rank, self.world_size = rank, world_size
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self._broken: str | None = None
+        timeout = timedelta(seconds=timeout_s)
+        t0 = time.monotonic()
+        try:
+            store = dist.TCPStore(
+                host, self.port, world_size, rank == 0, timeout, wait_for_workers=False
+            )
+            store = dist.PrefixStore(group_name, store)
+            if backend == "gloo":
+                self.device = torch.device("cpu")
+                self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            else:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        except (RuntimeError, dist.DistStoreError) as exc:
+            waited = time.monotonic() - t0
+            msg = (
+                f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend}) "
+                f"could not form after {waited:.1f} s: {exc}. Check that every member was "
+                "started with the same host, port and world_size and can reach rank 0"
+            )
+            if waited >= self.timeout_s * 0.9 or "timeout" in str(exc).lower():
+                raise BroadcastTimeoutError(msg) from exc
+            raise BroadcastError(msg) from exc
+        self._store = store
+
+    def __repr__(self) -> str:
+        state = f"broken: {self._broken}" if self._broken else "ok"
+        return (
+            f"WeightSyncGroup({self.host}:{self.port}, rank={self.rank}, "
+            f"world_size={self.world_size}, backend={self.backend}, {state})"
+        )
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer be used, or None."""
+        return self._broken
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
+        """Start broadcasting ``tensor`` from ``src``; returns the work handle."""
+        self._check()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        try:
+            return self._pg.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            self._break(f"broadcast could not start: {exc}")
+            raise BroadcastError(f"{self!r}: {exc}") from exc
+
+    def wait(self, work, deadline: float, progress: Callable[[], str]) -> None:
+        """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure."""
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            ok = work.wait(timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            timed_out = time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower()
+            self._break(str(exc))
+            cls = BroadcastTimeoutError if timed_out else BroadcastError
+            raise cls(f"{progress()}: {exc}") from exc
+        if ok is False:
+            self._break("wait timed out")
+            raise BroadcastTimeoutError(progress())
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        """Broadcast one tensor from ``src`` and wait for it (bounded)."""
+        work = self.broadcast_async(tensor, src)
+        self.wait(
+            work,
+            self.deadline(timeout_s),
+            lambda: f"broadcast of {tensor.numel() * tensor.element_size()} bytes on {self!r}",
+        )
+
+    def close(self) -> None:
+        """Release the group; collectives still in flight fail on the peers."""
+        if self._broken is None:
+            self._broken = "closed"
+        pg = getattr(self, "_pg", None)
+        self._pg = None
+        if pg is not None:
+            for method in ("shutdown", "abort"):
+                fn = getattr(pg, method, None)
+                if fn is None:
+                    continue
+                try:
+                    fn()
+                    break
+                except Exception:  # noqa: BLE001 - best effort on a dead group
+                    continue
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise BroadcastError(
+                f"{self!r} cannot be used: {self._broken}; close it and create a new group "
+                "with a fresh port on every member"
+            )
+
+    def _break(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
+            logger.error(
+                "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
+            )
+
+
+# ----------------------------------------------------------------------
+# Telemetry sink shared by the broadcaster and the synchronizer
+# ----------------------------------------------------------------------
+
+
+class WeightSyncTelemetry:
+    """Where weight-sync measurements go: a local :class:`Metrics`, the monitor actor, or both.
+
+    The monitor owns the job's registry (one scrape target); its RPCs are
+    fire-and-forget here. Failures are logged, never raised into training.
+    """
+
+    def __init__(self, *, metrics: Any = None, monitor: Any = None) -> None:
+        self.metrics = metrics
+        self.monitor = monitor
+        self._last_ref = None
+        self._warned = False
+
+    def __bool__(self) -> bool:
+        return self.metrics is not None or self.monitor is not None
+
+    def broadcast(self, backend: str, seconds: float, nbytes: int) -> None:
+        if self.metrics is not None:
+            self._safe(lambda: self.metrics.broadcast_duration.labels(backend).observe(seconds))
+            self._safe(lambda: self.metrics.broadcast_bytes.labels(backend).inc(nbytes))
+        self._rpc("record_broadcast", backend, seconds, nbytes)
+
+    def upload(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self._safe(lambda: self.metrics.upload_duration.observe(seconds))
+        self._rpc("record_upload", seconds)
+
+    def model_version(self, role: str, version: int) -> None:
+        if self.metrics is not None:
+            self._safe(lambda: self.metrics.model_version.labels(role).set(version))
+        self._rpc("record_model_version", role, version)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the monitor has applied every measurement sent so far."""
+        ref, self._last_ref = self._last_ref, None
+        if ref is None:
+            return
+        try:
+            import ray
+
+            ray.get(ref, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning(
+                "obsckpt: weight-sync measurements not confirmed by the monitor: %s", exc
+            )
+
+    def _rpc(self, method: str, *args: Any) -> None:
+        if self.monitor is None:
+            return
+        try:
+            # Calls from one caller run in order, so the last one confirms all.
+            self._last_ref = getattr(self.monitor, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+            self._warn(exc)
+
+    def _safe(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("obsckpt: recording a weight-sync measurement failed: %s", exc)
+
+
+# ----------------------------------------------------------------------
+# The broadcaster
+# ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastResult:
+    """What one broadcast moved and how long it took (on this side)."""
+
+    seconds: float
+    nbytes: int
+    tensors: int
+    collectives: int
+    backend: str
+    mode: str
+
+
+class WeightBroadcaster:
+    """Sends (rank ``src``) or receives (other ranks) whole models over a :class:`WeightSyncGroup`.
+
+    Keep one per group: its buffers are reused from one broadcast to the next.
+    Give ``metrics`` or ``monitor`` to the sending side only, so each broadcast
+    is counted once.
+
+    Args:
+        group: the weight-sync group.
+        src: the sending rank in the group.
+        bucket_bytes: bucket size; tensors of at least this size go alone.
+        mode: ``bucketed`` (default) or ``per_tensor``; receivers follow the sender.
+        timeout_s: bound on one whole broadcast (default: the group's timeout).
+        metrics: an :class:`obsckpt.telemetry.metrics.Metrics` to record into.
+        monitor: the monitor actor handle, to record through its RPCs.
+    """
+
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        *,
+        src: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        mode: str = "bucketed",
+        timeout_s: float | None = None,
+        metrics: Any = None,
+        monitor: Any = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds or None, got {timeout_s!r}")
+        self.group = group
+        self.src = src
+        self.bucket_bytes = int(bucket_bytes)
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
+        self._pool: list[torch.Tensor] = []  # raw byte buffers, one bucket each
+        self._send_cache: tuple[tuple, bytes, list[Bucket] | None] | None = None
+        self._recv_cache: tuple | None = None
+        self._recv_bucket_bytes = self.bucket_bytes
+        self._area: dict[int, torch.Tensor] = {}  # bucket index -> flat receive buffer
+        self._area_layout: tuple | None = None
+        self.last_step: int | None = None
+        self.last_seconds: float | None = None
+
+    @property
+    def is_sender(self) -> bool:
+        return self.group.rank == self.src
+
+    # -- sender --------------------------------------------------------
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        meta: list[TensorMeta] | None = None,
+        mode: str | None = None,
+        step: int | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> BroadcastResult:
+        """Broadcast every tensor to the receivers; returns once all are sent.
+
+        ``named_tensors`` may be a lazy generator (e.g. FSDP2 ``full_tensor()``
+        gathered one at a time) when ``meta`` gives its names, dtypes and
+        shapes up front; it must then yield exactly those, in that order.
+        """
+        if not self.is_sender:
+            raise BroadcastError(f"rank {self.group.rank} is not the sender (src={self.src})")
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if meta is None:
+            items = list(items)
+            meta = tensor_meta(items)
+        nbytes = sum(m.nbytes for m in meta)
+        attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": self.group.rank}
+        with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
+            sp.set_attribute("obsckpt.backend", self.group.backend)
+            sp.set_attribute("obsckpt.mode", mode)
+            t0 = time.perf_counter()
+            deadline = self.group.deadline(self.timeout_s)
+            plan = self._send_header(meta, mode, step, deadline)
+            if mode == "per_tensor":
+                count = self._send_per_tensor(items, meta, deadline)
+            else:
+                count = self._send_bucketed(items, meta, plan, deadline)
+            seconds = time.perf_counter() - t0
+        self.telemetry.broadcast(self.group.backend, seconds, nbytes)
+        return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
+
+    def _send_header(self, meta, mode, step, deadline) -> list[Bucket] | None:
+        key = (mode, self.bucket_bytes, meta)
+        cached = self._send_cache
+        if cached is not None and cached[0] == key:
+            payload, plan = cached[1], cached[2]
+        else:
+            header = {
+                "version": _HEADER_VERSION,
+                "mode": mode,
+                "bucket_bytes": self.bucket_bytes,
+                "meta": [m.to_wire() for m in meta],
+            }
+            payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+            plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
+            self._send_cache = (key, payload, plan)
+        # The step travels in the preamble, so an unchanged model reuses its header bytes.
+        preamble = torch.tensor(
+            [_MAGIC, len(payload), -1 if step is None else step], dtype=torch.int64
+        )
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._broadcast_now(preamble, deadline, "header")
+        self._broadcast_now(body, deadline, "header")
+        return plan
+
+    def _send_per_tensor(self, items, meta, deadline) -> int:
+        sent = 0
+        for i, (name, t) in enumerate(items):
+            self._check_item(i, name, t, meta)
+            src = t.detach().to(self.group.device).contiguous()
+            work = self.group.broadcast_async(src, self.src)
+            self.group.wait(
+                work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
+            )
+            sent += 1
+        self._check_count(sent, meta)
+        return sent
+
+    def _send_bucketed(self, items, meta, plan: list[Bucket], deadline) -> int:
+        where = {}  # tensor index -> bucket index
+        for b, bucket in enumerate(plan):
+            for i in bucket.indices:
+                where[i] = b
+        pending: dict[int, list[torch.Tensor]] = {}
+        inflight: deque[tuple[Any, torch.Tensor | None, int]] = deque()
+        free = list(self._pool)
+        issued = 0
+        seen = 0
+
+        def drain_one() -> None:
+            work, buf, b = inflight.popleft()
+            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
+            if buf is not None:
+                free.append(buf)
+
+        for i, (name, t) in enumerate(items):
+            self._check_item(i, name, t, meta)
+            seen += 1
+            b = where[i]
+            bucket = plan[b]
+            t = t.detach()
+            if t.device != self.group.device:
+                t = t.to(self.group.device)
+            if bucket.solo:
+                flat = t.contiguous().view(-1)
+                inflight.append((self.group.broadcast_async(flat, self.src), None, b))
+                issued += 1
+            else:
+                parts = pending.setdefault(b, [])
+                parts.append(t.reshape(-1))
+                if len(parts) < len(bucket.indices):
+                    continue
+                del pending[b]
+                while not free and len(self._pool) >= _SEND_BUFFERS and inflight:
+                    drain_one()
+                buf = free.pop() if free else self._new_buffer()
+                out = buf[: bucket.nbytes].view(bucket.dtype)
+                torch.cat(parts, out=out)
+                del parts
+                inflight.append((self.group.broadcast_async(out, self.src), buf, b))
+                issued += 1
+            while len(inflight) > _SEND_BUFFERS:
+                drain_one()
+        self._check_count(seen, meta)
+        while inflight:
+            drain_one()
+        return issued
+
+    def _new_buffer(self) -> torch.Tensor:
+        buf = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+        self._pool.append(buf)
+        return buf
+
+    def _check_item(self, i: int, name: str, t: torch.Tensor, meta: list[TensorMeta]) -> None:
+        if i >= len(meta):
+            raise BroadcastError(
+                f"tensor {name!r} is beyond the {len(meta)} tensors the header announced; "
+                "pass meta that lists every tensor the iterable yields"
+            )
+        m = meta[i]
+        if m.name != name or m.dtype != t.dtype or m.shape != tuple(t.shape):
+            self.group._break("sender's tensors did not match the header it sent")
+            raise BroadcastError(
+                f"tensor #{i} is {name!r} {t.dtype} {tuple(t.shape)}, but the header announced "
+                f"{m.name!r} {m.dtype} {m.shape}; the receivers cannot follow, so the group is "
+                "now broken"
+            )
+
+    def _check_count(self, seen: int, meta: list[TensorMeta]) -> None:
+        if seen != len(meta):
+            self.group._break("sender yielded fewer tensors than its header announced")
+            raise BroadcastError(
+                f"the iterable yielded {seen} tensors but the header announced {len(meta)}; "
+                "the group is now broken"
+            )
+
+    # -- receiver ------------------------------------------------------
+
+    def recv(
+        self,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        clone: bool = False,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Receive one broadcast; returns ``{name: tensor}`` in the sender's order.
+
+        By default the tensors are views of this broadcaster's receive area
+        (one flat buffer per bucket, kept while the model's layout is
+        unchanged): nothing is copied, and the next ``recv()`` overwrites
+        them in place, like a model's weights. ``clone=True`` returns tensors
+        of fresh storage instead (the tensors of one bucket share it). With
+        ``into``, the tensors named there are filled in place (through two
+        reused bucket buffers) and returned. A shape mismatch with ``into``
+        raises after the whole broadcast was received, so the group stays
+        usable.
+        """
+        if self.is_sender:
+            raise BroadcastError(f"rank {self.group.rank} is the sender; call send()")
+        with tracing.span(
+            "obsckpt.broadcast", carrier=trace_context, attributes={"obsckpt.rank": self.group.rank}
+        ) as sp:
+            t0 = time.perf_counter()
+            deadline = self.group.deadline(self.timeout_s)
+            mode, meta, plan, step = self._recv_header(deadline)
+            nbytes = sum(m.nbytes for m in meta)
+            sp.set_attribute("obsckpt.bytes", nbytes)
+            sp.set_attribute("obsckpt.backend", self.group.backend)
+            sp.set_attribute("obsckpt.mode", mode)
+            if step is not None:
+                sp.set_attribute("obsckpt.step", step)
+            mismatched: list[str] = []
+            if mode == "per_tensor":
+                out = self._recv_per_tensor(meta, into, mismatched, deadline)
+            else:
+                out = self._recv_bucketed(meta, plan, into, clone, mismatched, deadline)
+            self.last_step = step
+            self.last_seconds = time.perf_counter() - t0
+        if mismatched:
+            raise BroadcastError(
+                f"received {len(meta)} tensors, but {len(mismatched)} did not fit the tensors "
+                f"given in into= (e.g. {mismatched[0]}); the group is still usable"
+            )
+        return out
+
+    def _recv_header(
+        self, deadline
+    ) -> tuple[str, list[TensorMeta], list[Bucket] | None, int | None]:
+        preamble = torch.empty(3, dtype=torch.int64)
+        self._broadcast_now(preamble, deadline, "header")
+        magic, length, step = (int(x) for x in preamble.tolist())
+        if magic != _MAGIC:
+            self.group._break("received a header that is not obsckpt's")
+            raise BroadcastError(
+                f"the first message was not a weight-sync header (magic {magic:#x}); sender and "
+                "receivers disagree on the protocol, the group is now broken"
+            )
+        body = torch.empty(length, dtype=torch.uint8)
+        self._broadcast_now(body, deadline, "header")
+        raw = body.numpy().tobytes()
+        cached = self._recv_cache
+        if cached is None or cached[0] != raw:
+            header = pickle.loads(raw)
+            if header.get("version") != _HEADER_VERSION:
+                self.group._break("header version mismatch")
+                raise BroadcastError(
+                    f"unsupported weight-sync header version {header.get('version')}; "
+                    "run the same obsckpt version on both sides"
+                )
+            mode = header["mode"]
+            bucket_bytes = int(header["bucket_bytes"])
+            meta = [TensorMeta.from_wire(m) for m in header["meta"]]
+            plan = plan_buckets(meta, bucket_bytes) if mode == "bucketed" else None
+            cached = self._recv_cache = (raw, mode, bucket_bytes, meta, plan)
+            layout = (bucket_bytes, tuple(meta))
+            if mode == "bucketed" and layout != self._area_layout:
+                self._area = {}
+                self._area_layout = layout
+        _, mode, bucket_bytes, meta, plan = cached
+        if any(buf.numel() < bucket_bytes for buf in self._pool):
+            self._pool.clear()  # the sender's buckets grew
+        self._recv_bucket_bytes = bucket_bytes
+        return mode, meta, plan, (None if step < 0 else step)
+
+    def _target(self, m: TensorMeta, into, mismatched) -> torch.Tensor | None:
+        if into is None or m.name not in into:
+            return None
+        dst = into[m.name]
+        if tuple(dst.shape) != m.shape:
+            mismatched.append(f"{m.name!r}: sent {m.shape}, into= has {tuple(dst.shape)}")
+            return None
+        return dst
+
+    def _recv_per_tensor(self, meta, into, mismatched, deadline) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for i, m in enumerate(meta):
+            dst = self._target(m, into, mismatched)
+            direct = dst is not None and _receivable(dst, m, self.group.device)
+            buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
+            work = self.group.broadcast_async(buf, self.src)
+            self.group.wait(
+                work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
+            )
+            if dst is not None and not direct:
+                dst.copy_(buf)
+                buf = dst
+            out[m.name] = buf
+        return out
+
+    def _recv_bucketed(
+        self, meta, plan, into, clone, mismatched, deadline
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor | None] = {m.name: None for m in meta}
+        dests = [self._target(m, into, mismatched) for m in meta]
+        inflight: deque[tuple[Any, int, torch.Tensor, torch.Tensor | None, bool]] = deque()
+        free = list(self._pool)
+
+        def finish_one() -> None:
+            work, b, flat, raw, reuse = inflight.popleft()
+            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
+            bucket = plan[b]
+            for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+                m = meta[i]
+                if bucket.solo and out[m.name] is not None:
+                    continue  # received straight into its destination
+                view = flat[off : off + m.numel].view(m.shape)
+                dst = dests[i]
+                if dst is not None:
+                    dst.copy_(view)
+                    view = dst
+                out[m.name] = view
+            if raw is not None and reuse:
+                free.append(raw)
+
+        for b, bucket in enumerate(plan):
+            all_copied = all(dests[i] is not None for i in bucket.indices)
+            raw = None
+            if bucket.solo:
+                i = bucket.indices[0]
+                dst = dests[i]
+                if dst is not None and _receivable(dst, meta[i], self.group.device):
+                    flat = dst.view(-1)
+                    out[meta[i].name] = dst
+                else:
+                    flat = self._landing(b, bucket, clone)
+            elif all_copied:
+                # Every tensor of this bucket is copied out: receive into a reused buffer.
+                while not free and len(self._pool) >= _RECV_BUFFERS and inflight:
+                    finish_one()
+                raw = free.pop() if free else self._new_recv_buffer()
+                flat = raw[: bucket.nbytes].view(bucket.dtype)
+            else:
+                flat = self._landing(b, bucket, clone)
+            inflight.append((self.group.broadcast_async(flat, self.src), b, flat, raw, all_copied))
+            while len(inflight) > _RECV_BUFFERS:
+                finish_one()
+        while inflight:
+            finish_one()
+        return out  # type: ignore[return-value]
+
+    def _landing(self, b: int, bucket: Bucket, clone: bool) -> torch.Tensor:
+        """Where bucket ``b`` lands: fresh storage, or its slot in the receive area."""
+        if clone:
+            return torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
+        flat = self._area.get(b)
+        if flat is None or flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
+            self._area[b] = flat
+        return flat
+
+    def _new_recv_buffer(self) -> torch.Tensor:
+        buf = torch.empty(self._recv_bucket_bytes, dtype=torch.uint8, device=self.group.device)
+        self._pool.append(buf)
+        return buf
+
+    # -- shared --------------------------------------------------------
+
+    def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
+        work = self.group.broadcast_async(t, self.src)
+        self.group.wait(work, deadline, lambda: f"weight broadcast {what} on {self.group!r}")
+
+    def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta]) -> str:
+        budget = self.timeout_s if self.timeout_s is not None else self.group.timeout_s
+        mib = sum(m.nbytes for m in meta) / 2**20
+        role = "sending" if self.is_sender else "receiving"
+        return (
+            f"weight broadcast ({role}, {len(meta)} tensors, {mib:.1f} MiB, "
+            f"{self.group.backend}) did not finish within {budget:.1f} s: "
+            f"{at} of {total} {unit}s completed; the group is now broken"
+        )
+
+    def release_buffers(self) -> None:
+        """Drop the reusable buffers and the receive area (allocated again when needed)."""
+        self._pool.clear()
+        self._area = {}
+
+
+def _receivable(dst: torch.Tensor, m: TensorMeta, device: torch.device) -> bool:
+    return dst.is_contiguous() and dst.dtype == m.dtype and dst.device == device

@@ -1,0 +1,585 @@
+"""Synchronizer: the Ray actor that hands the trainer's latest weights to the rollout side.
+
+Two ways in, one version counter (the training step):
+
+* memory sync: trainer rank 0 calls :meth:`Synchronizer.set_model_state_dict`
+  with the full state dict;
+* checkpoint sync: the actor watches ``latest_state_dict_iteration.txt`` under
+  ``default_local_dir`` and, when it names a newer step, loads that step's
+  shards (``global_step_<N>/actor/model_world_size_<W>_rank_<R>.pt``), merges
+  them into a full state dict and publishes it. It reads only what the
+  iteration file names, which the monitor writes after every file of the step
+  is durable, so it never sees a partial step. A step that cannot be read
+  (missing rank, checksum mismatch, unpicklable file) is logged, counted in
+  :meth:`Synchronizer.status` and skipped; the watcher keeps going.
+
+The rollout side calls :meth:`Synchronizer.wait_new_model_state_dict` and
+:meth:`Synchronizer.get_model_state_dict`. Model versions, checkpoint-load
+durations (``obsckpt_state_dict_upload_duration_seconds``) and memory-upload
+durations reported by the trainer go to the job's monitor when one runs in
+the namespace (one scrape target), else to a registry of this actor
+(:meth:`Synchronizer.metrics_text`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import pickle
+import re
+import time
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from obsckpt import commit as disk
+from obsckpt.errors import IterationFileError
+from obsckpt.sync.broadcast import WeightSyncTelemetry
+from obsckpt.telemetry import tracing
+
+logger = logging.getLogger(__name__)
+
+ACTOR_NAME = "synchronizer"
+MONITOR_ACTOR_NAME = "checkpoint_monitor"
+MODEL_SUBDIR = "actor"
+_SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+# How often to look for a monitor that was not there yet.
+_MONITOR_RETRY_S = 5.0
+
+
+class StateDictLoadError(ValueError):
+    """A committed step's model shards cannot be read or merged."""
+
+
+# ----------------------------------------------------------------------
+# Reading a committed step (plain functions: usable without Ray)
+# ----------------------------------------------------------------------
+
+
+def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
+    """The world size and ``{rank: path}`` of the model shards in ``model_dir``.
+
+    Raises:
+        StateDictLoadError: no shards, several world sizes, or a missing rank.
+    """
+    model_dir = Path(model_dir)
+    found: dict[int, dict[int, Path]] = {}
+    try:
+        names = os.listdir(model_dir)
+    except FileNotFoundError:
+        raise StateDictLoadError(f"{model_dir} does not exist") from None
+    for name in names:
+        m = _SHARD_RE.match(name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = model_dir / name
+    if not found:
+        raise StateDictLoadError(f"{model_dir} holds no model_world_size_<W>_rank_<R>.pt files")
+    if len(found) > 1:
+        raise StateDictLoadError(
+            f"{model_dir} mixes shards of world sizes {sorted(found)}; remove the stale ones"
+        )
+    ((world, ranks),) = found.items()
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
+        raise StateDictLoadError(
+            f"{model_dir} lacks the shards of ranks {missing} (world size {world})"
+        )
+    return world, ranks
+
+
+def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord]:
+    try:
+        return {r.path: r for r in disk.read_manifest(sdir)}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateDictLoadError(f"{sdir / disk.MANIFEST_NAME} is unreadable: {exc}") from exc
+
+
+def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
+    data = path.read_bytes()
+    if record is not None:
+        if len(data) != record.size:
+            raise StateDictLoadError(
+                f"{path} is {len(data)} bytes, the step's manifest says {record.size}"
+            )
+        crc = zlib.crc32(data)
+        if crc != record.crc32:
+            raise StateDictLoadError(
+                f"{path} is corrupted (crc32 {crc:08x}, the step's manifest says {record.crc32:08x})"
+            )
+    return data
+
+
+def _torch_load(data: bytes, path: Path) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # Files from older writers may hold objects weights_only refuses.
+        pass
+    except Exception as exc:  # noqa: BLE001
+        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001
+        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def load_sharded_state_dict(
+    model_dir: str | os.PathLike, *, manifest_dir: str | os.PathLike | None = None
+) -> dict[str, torch.Tensor]:
+    """Load every rank's shard file in ``model_dir`` and merge them into a full state dict.
+
+    Files listed in the step's ``manifest.json`` (in ``manifest_dir``, the
+    ``global_step_<N>`` directory) are checked against its size and CRC32.
+
+    Raises:
+        StateDictLoadError: a shard is missing, corrupt, or cannot be merged.
+    """
+    model_dir = Path(model_dir)
+    world, paths = shard_files(model_dir)
+    records: dict[str, disk.FileRecord] = {}
+    if manifest_dir is not None:
+        records = _manifest_records(Path(manifest_dir))
+    shards: dict[int, Mapping[str, Any]] = {}
+    for rank in range(world):
+        path = paths[rank]
+        rel = os.path.relpath(path, manifest_dir) if manifest_dir is not None else None
+        data = _read_checked(path, records.get(rel) if rel else None)
+        obj = _torch_load(data, path)
+        if not isinstance(obj, Mapping):
+            raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
+        shards[rank] = obj
+    return merge_shards(shards)
+
+
+def merge_shards(shards: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Merge per-rank state dicts (DTensor shards or plain tensors) into full tensors.
+
+    A DTensor's pieces are placed by their rank's coordinate in the saved
+    device mesh: ``Shard(d)`` pieces are concatenated along ``d`` (innermost
+    mesh dimension first), ``Replicate`` ones are taken once. A plain tensor
+    is the same on every rank; rank 0's (the lowest rank's) is used.
+    """
+    from torch.distributed.tensor import DTensor
+
+    ranks = sorted(shards)
+    if not ranks:
+        return {}
+    names = list(shards[ranks[0]])
+    for r in ranks[1:]:
+        if set(shards[r]) != set(names):
+            diff = sorted(set(names) ^ set(shards[r]))[:3]
+            raise StateDictLoadError(
+                f"rank {r}'s shard holds different names than rank {ranks[0]}'s (e.g. {diff})"
+            )
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        first = shards[ranks[0]][name]
+        if isinstance(first, DTensor):
+            out[name] = _merge_dtensor(name, [(r, shards[r][name]) for r in ranks])
+        elif isinstance(first, torch.Tensor):
+            out[name] = first
+        elif type(first).__name__ == "ShardedTensor":
+            raise StateDictLoadError(
+                f"{name!r} is a ShardedTensor (FSDP1's default sharded state dict), which "
+                "cannot be merged without a process group; save with "
+                "ShardedStateDictConfig(_use_dtensor=True) as fsdp_save_state_dict does"
+            )
+        else:
+            out[name] = first  # non-tensor extras (e.g. _extra_state) pass through
+    return out
+
+
+def _merge_dtensor(name: str, pieces: list[tuple[int, Any]]) -> torch.Tensor:
+    first = pieces[0][1]
+    placements = tuple(first.placements)
+    mesh = first.device_mesh.mesh
+    for p in placements:
+        if type(p).__name__ == "_StridedShard" or not (p.is_shard() or p.is_replicate()):
+            raise StateDictLoadError(
+                f"{name!r} has placement {p}, which obsckpt cannot merge; only Shard and "
+                "Replicate placements (FSDP2, HSDP) are supported"
+            )
+    sharded = [(d, p.dim) for d, p in enumerate(placements) if p.is_shard()]
+    chunks: dict[tuple[int, ...], torch.Tensor] = {}
+    for rank, dt in pieces:
+        where = (mesh == rank).nonzero()
+        if where.numel() == 0:
+            raise StateDictLoadError(
+                f"{name!r}: rank {rank} is not in the saved device mesh {mesh.tolist()}"
+            )
+        coord = tuple(int(c) for c in where[0])
+        if any(coord[d] != 0 for d, p in enumerate(placements) if p.is_replicate()):
+            continue  # a replica of a piece another rank already holds
+        chunks[tuple(coord[d] for d, _ in sharded)] = dt.to_local()
+
+    def assemble(prefix: tuple[int, ...], level: int) -> torch.Tensor:
+        if level == len(sharded):
+            try:
+                return chunks[prefix]
+            except KeyError:
+                raise StateDictLoadError(
+                    f"{name!r}: no rank holds the piece at mesh coordinate {prefix}"
+                ) from None
+        mesh_dim, tensor_dim = sharded[level]
+        parts = [assemble(prefix + (c,), level + 1) for c in range(mesh.shape[mesh_dim])]
+        return torch.cat(parts, dim=tensor_dim)
+
+    full = assemble((), 0)
+    if tuple(full.shape) != tuple(first.shape):
+        raise StateDictLoadError(
+            f"{name!r}: merged shape {tuple(full.shape)} differs from the saved global shape "
+            f"{tuple(first.shape)}"
+        )
+    return full
+
+
+def state_dict_meta(state_dict: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every tensor, in order (dtype without ``torch.``)."""
+    return [
+        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        for name, t in state_dict.items()
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+# ----------------------------------------------------------------------
+# The actor
+# ----------------------------------------------------------------------
+
+
+class Synchronizer:
+    """Holds the latest model state dict and its version for the rollout side; one per job.
+
+    Create it with :meth:`get_actor`; the constructor runs inside the actor.
+
+    Args:
+        default_local_dir: the checkpoint root to watch; None disables checkpoint sync.
+        poll_interval_s: how often to read the state-dict iteration file.
+        trace_exporter: exporter name for this process's spans (default: ``OTEL_*``).
+        registry: Prometheus registry for the local fallback metrics (tests).
+    """
+
+    def __init__(
+        self,
+        default_local_dir: str | os.PathLike | None = None,
+        *,
+        poll_interval_s: float = 1.0,
+        trace_exporter: str | None = None,
+        registry: Any = None,
+    ) -> None:
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s must be positive seconds, got {poll_interval_s!r}")
+        self.root = Path(default_local_dir) if default_local_dir is not None else None
+        self.poll_interval_s = float(poll_interval_s)
+        self._state_dict: dict[str, torch.Tensor] | None = None
+        self._version: int | None = None
+        self._source: str | None = None
+        self._published_at: float | None = None
+        self._rollout_version: int | None = None
+        self._loaded_step: int | None = None
+        self._failed_steps: dict[int, str] = {}
+        self._load_failures = 0
+        self._last_error: str | None = None
+        self._changed: asyncio.Condition | None = None
+        self._watcher: asyncio.Task | None = None
+        self._poll_lock: asyncio.Lock | None = None
+        self._registry = registry
+        self._local_metrics = None
+        self._monitor = None
+        self._monitor_checked = 0.0
+        wanted = trace_exporter or os.environ.get("OTEL_TRACES_EXPORTER")
+        if wanted:
+            tracing.setup_tracing("obsckpt-synchronizer", exporter=wanted)
+
+    @classmethod
+    def get_actor(
+        cls,
+        namespace: str | None = None,
+        default_local_dir: str | os.PathLike | None = None,
+        *,
+        poll_interval_s: float = 1.0,
+        trace_exporter: str | None = None,
+        watch: bool = True,
+        **_ignored: Any,
+    ):
+        """The job's synchronizer actor, named ``synchronizer`` (created if absent).
+
+        Arguments other than ``namespace`` only matter when the actor is created.
+        With ``watch`` (and a ``default_local_dir``), checkpoint sync starts at once.
+        """
+        import ray
+
+        options: dict[str, Any] = dict(
+            name=ACTOR_NAME, get_if_exists=True, max_concurrency=1000, num_cpus=0
+        )
+        if namespace:
+            options["namespace"] = namespace
+        actor = (
+            ray.remote(cls)
+            .options(**options)
+            .remote(
+                os.fspath(default_local_dir) if default_local_dir is not None else None,
+                poll_interval_s=poll_interval_s,
+                trace_exporter=trace_exporter,
+            )
+        )
+        if watch:
+            ray.get(actor.start.remote())
+        return actor
+
+    # -- lifecycle -----------------------------------------------------
+
+    async def start(self) -> bool:
+        """Start watching the checkpoint root (idempotent); False when there is none."""
+        self._condition()
+        if self.root is None:
+            return False
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(
+                self._watch(), name="obsckpt-synchronizer-watch"
+            )
+        return True
+
+    async def stop(self) -> None:
+        """Stop watching; memory sync keeps working."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            try:
+                await self._watcher
+            except asyncio.CancelledError:
+                pass
+            self._watcher = None
+
+    # -- memory sync ---------------------------------------------------
+
+    async def set_model_state_dict(
+        self,
+        model_state_dict: dict[str, torch.Tensor] | None,
+        trainer_step: int,
+        *,
+        trace_context: dict | None = None,
+    ) -> bool:
+        """Publish the trainer's full state dict as version ``trainer_step``.
+
+        ``None`` publishes the version without weights (the rollout side's own
+        initial weights are current, as at the start of training). A step
+        older than the held version is ignored (returns False).
+        """
+        disk.validate_step(trainer_step, "trainer_step")
+        if self._version is not None and trainer_step < self._version:
+            logger.warning(
+                "obsckpt: ignoring the state dict of step %d: the synchronizer already holds "
+                "step %d and versions never go backwards",
+                trainer_step,
+                self._version,
+            )
+            return False
+        await self._publish(model_state_dict, trainer_step, "memory")
+        return True
+
+    async def get_model_state_dict(self) -> tuple[dict[str, torch.Tensor] | None, int | None]:
+        """``(state_dict, version)``; the caller is taken to be the rollout side."""
+        if self._version is not None:
+            self._report_rollout(self._version)
+        return self._state_dict, self._version
+
+    async def wait_new_model_state_dict(
+        self, current_version: int | None, timeout: float | None = None
+    ) -> int | None:
+        """Wait until a version newer than ``current_version`` is held; return the held version.
+
+        Returns at once if one is already held. After ``timeout`` seconds
+        (None waits forever, 0 does not wait) it returns the held version
+        anyway, which is then not newer: compare it with ``current_version``.
+        """
+        cond = self._condition()
+        floor = -1 if current_version is None else current_version
+
+        def newer() -> bool:
+            return self._version is not None and self._version > floor
+
+        async with cond:
+            if not newer() and timeout != 0:
+                try:
+                    await asyncio.wait_for(cond.wait_for(newer), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        return self._version
+
+    async def get_state_dict_meta(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
+        """``(name, dtype, shape)`` of the held state dict, or None when there is none."""
+        if self._state_dict is None:
+            return None
+        return state_dict_meta(self._state_dict)
+
+    async def get_version(self) -> int | None:
+        return self._version
+
+    # -- measurements ----------------------------------------------------
+
+    async def record_upload(self, seconds: float) -> None:
+        """The trainer reports how long a memory upload took (measured on its side)."""
+        self._telemetry().upload(seconds)
+
+    async def report_rollout_version(self, version: int) -> None:
+        """The rollout side reports the version it now runs (e.g. after a broadcast)."""
+        self._report_rollout(version)
+
+    async def metrics_text(self) -> str:
+        """This actor's local metrics (used only when no monitor runs in the namespace)."""
+        from prometheus_client import generate_latest
+
+        if self._local_metrics is None:
+            return ""
+        return generate_latest(self._local_metrics.registry).decode()
+
+    async def status(self) -> dict:
+        """Version held and where it came from, checkpoint-sync progress and failures."""
+        return {
+            "version": self._version,
+            "source": self._source,
+            "published_at": self._published_at,
+            "rollout_version": self._rollout_version,
+            "root": str(self.root) if self.root is not None else None,
+            "watching": self._watcher is not None and not self._watcher.done(),
+            "loaded_step": self._loaded_step,
+            "load_failures": self._load_failures,
+            "failed_steps": dict(self._failed_steps),
+            "last_error": self._last_error,
+            "telemetry": "monitor" if self._monitor is not None else "local",
+        }
+
+    async def debug_spans(self) -> list[dict]:
+        """Spans this process recorded with the ``memory`` exporter (for tests)."""
+        return tracing.finished_spans()
+
+    async def poll_once(self) -> int | None:
+        """Check the iteration file now (the watcher does this every ``poll_interval_s``)."""
+        await self._poll()
+        return self._version
+
+    # -- internals -------------------------------------------------------
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _publish(self, state_dict, version: int, source: str) -> None:
+        cond = self._condition()
+        async with cond:
+            self._state_dict = state_dict
+            self._version = version
+            self._source = source
+            self._published_at = time.time()
+            cond.notify_all()
+        self._telemetry().model_version("trainer", version)
+        logger.info("obsckpt: synchronizer holds step %d (%s sync)", version, source)
+
+    def _report_rollout(self, version: int) -> None:
+        if self._rollout_version is None or version >= self._rollout_version:
+            self._rollout_version = version
+            self._telemetry().model_version("rollout", version)
+
+    def _telemetry(self) -> WeightSyncTelemetry:
+        monitor = self._find_monitor()
+        if monitor is not None:
+            return WeightSyncTelemetry(monitor=monitor)
+        if self._local_metrics is None:
+            from prometheus_client import CollectorRegistry
+
+            from obsckpt.telemetry.metrics import Metrics
+
+            self._local_metrics = Metrics(self._registry or CollectorRegistry())
+        return WeightSyncTelemetry(metrics=self._local_metrics)
+
+    def _find_monitor(self):
+        if self._monitor is not None:
+            return self._monitor
+        now = time.monotonic()
+        if now - self._monitor_checked < _MONITOR_RETRY_S and self._monitor_checked:
+            return None
+        self._monitor_checked = now
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return None
+            namespace = ray.get_runtime_context().namespace
+            self._monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace)
+        except Exception:  # noqa: BLE001 - no monitor in this namespace (yet)
+            return None
+        return self._monitor
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self._poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the watcher must survive anything
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("obsckpt: synchronizer poll failed")
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll(self) -> None:
+        if self.root is None:
+            return
+        if self._poll_lock is None:
+            self._poll_lock = asyncio.Lock()
+        async with self._poll_lock:
+            await self._poll_locked()
+
+    async def _poll_locked(self) -> None:
+        try:
+            step = disk.read_iteration(self.root, "state_dict")
+        except IterationFileError as exc:
+            self._last_error = str(exc)
+            return
+        if step is None or step in self._failed_steps:
+            return
+        if self._version is not None and step <= self._version:
+            return
+        await self._load_step(step)
+
+    async def _load_step(self, step: int) -> None:
+        sdir = disk.step_dir(self.root, step)
+        model_dir = sdir / MODEL_SUBDIR
+        t0 = time.perf_counter()
+        try:
+            with tracing.span("obsckpt.upload", attributes={"obsckpt.step": step}) as sp:
+                state_dict = await asyncio.to_thread(
+                    load_sharded_state_dict, model_dir, manifest_dir=sdir
+                )
+                nbytes = sum(
+                    t.numel() * t.element_size()
+                    for t in state_dict.values()
+                    if isinstance(t, torch.Tensor)
+                )
+                sp.set_attribute("obsckpt.bytes", nbytes)
+        except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
+            msg = f"step {step}: {exc}"
+            self._failed_steps[step] = str(exc)
+            self._load_failures += 1
+            self._last_error = msg
+            logger.error(
+                "obsckpt: synchronizer skips committed step %d, its model shards in %s cannot "
+                "be used: %s",
+                step,
+                model_dir,
+                exc,
+            )
+            return
+        seconds = time.perf_counter() - t0
+        if self._version is not None and step <= self._version:
+            return  # a memory upload overtook this load
+        self._loaded_step = step
+        self._telemetry().upload(seconds)
+        await self._publish(state_dict, step, "checkpoint")

@@ -1,0 +1,184 @@
+"""Alert rules: promtool checks them and their unit tests; runbook links resolve.
+
+promtool comes from Debian's ``prometheus`` package; these tests fail, not
+skip, when it is missing, since the rules are untested without it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import ALERT_NAMES, AlertThresholds, alert_rules
+from dashboards.alert_tests import alert_unit_tests
+from dashboards.build import RULE_TESTS, RULES, rules_yaml, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+RUNBOOK = ROOT / "docs" / "runbook.md"
+CONTRACT_ALERTS = (
+    "ObsckptCommitStalled",
+    "ObsckptNoRecentCommit",
+    "ObsckptSaveFailures",
+    "ObsckptMonitorDown",
+    "ObsckptWeightSyncLagging",
+)
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool") or (
+        "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
+    )
+    if path is None:
+        pytest.fail(
+            "promtool not found: install Debian's `prometheus` package (apt-get install prometheus)"
+        )
+    return path
+
+
+def run_promtool(promtool: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return slug.replace(" ", "-")
+
+
+class TestPromtool:
+    """The committed rules and config pass promtool, and the rule unit tests pass."""
+
+    def test_check_rules(self, promtool):
+        result = run_promtool(promtool, "check", "rules", str(RULES))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"SUCCESS: {len(CONTRACT_ALERTS)} rules found" in result.stdout
+
+    def test_check_config(self, promtool):
+        result = run_promtool(promtool, "check", "config", str(PROMETHEUS_CONFIG))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "SUCCESS: 1 rule files found" in result.stdout
+
+    def test_rule_unit_tests_pass(self, promtool):
+        result = run_promtool(
+            promtool, "test", "rules", RULE_TESTS.name, cwd=ROOT / RULE_TESTS.parent
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "SUCCESS" in result.stdout
+
+
+class TestUnitTestsDiscriminate:
+    """The promtool cases fail against rules that never fire or always fire."""
+
+    def _run_against(self, promtool, tmp_path: Path, thresholds: AlertThresholds):
+        (tmp_path / "rules.yml").write_text(rules_yaml(thresholds))
+        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
+        return run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+
+    def test_rules_that_never_fire_fail_the_tests(self, promtool, tmp_path):
+        result = self._run_against(
+            promtool,
+            tmp_path,
+            AlertThresholds(
+                commit_stall_seconds=1e9,
+                no_commit_seconds=1e9,
+                monitor_down_for="1h",
+                weight_sync_max_lag=1e9,
+            ),
+        )
+        assert result.returncode != 0
+        out = result.stdout + result.stderr
+        for alert in ("ObsckptCommitStalled", "ObsckptNoRecentCommit", "ObsckptMonitorDown"):
+            assert alert in out
+
+    def test_rules_that_fire_early_fail_the_tests(self, promtool, tmp_path):
+        result = self._run_against(
+            promtool,
+            tmp_path,
+            AlertThresholds(commit_stall_seconds=60, no_commit_seconds=60, weight_sync_max_lag=0),
+        )
+        assert result.returncode != 0
+        out = result.stdout + result.stderr
+        for alert in ("ObsckptCommitStalled", "ObsckptNoRecentCommit", "ObsckptWeightSyncLagging"):
+            assert alert in out
+
+
+class TestRules:
+    """Every alert of the contract exists, is annotated and links to its runbook section."""
+
+    def test_alerts_are_the_contracts(self):
+        assert sorted(ALERT_NAMES) == sorted(CONTRACT_ALERTS)
+
+    def test_committed_file_holds_the_default_rules(self):
+        groups = yaml.safe_load((ROOT / RULES).read_text())["groups"]
+        assert [r["alert"] for g in groups for r in g["rules"]] == list(ALERT_NAMES)
+
+    def test_annotations(self):
+        for rule in alert_rules():
+            annotations = rule["annotations"]
+            for key in ("summary", "description", "runbook_url"):
+                assert annotations.get(key), f"{rule['alert']} has no {key}"
+            assert rule["labels"]["severity"] in ("warning", "critical")
+
+    def test_runbook_anchors_exist(self):
+        headings = re.findall(r"^#{1,6} (.+)$", RUNBOOK.read_text(), flags=re.MULTILINE)
+        anchors = {github_slug(h) for h in headings}
+        for rule in alert_rules():
+            path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+            assert path.endswith("docs/runbook.md"), path
+            assert anchor in anchors, f"{rule['alert']}: no heading for #{anchor} in {RUNBOOK}"
+
+    def test_runbook_mentions_the_tools(self):
+        text = RUNBOOK.read_text()
+        for needle in (
+            "obsckpt status DIR",
+            "obsckpt verify DIR",
+            "status.remote()",
+            "Ray dashboard",
+        ):
+            assert needle in text
+
+    def test_thresholds_are_parameters(self):
+        rules = {
+            r["alert"]: r
+            for r in alert_rules(
+                AlertThresholds(commit_stall_seconds=2, commit_stall_for="1s", monitor_job="test")
+            )
+        }
+        assert "> 2\n" in rules["ObsckptCommitStalled"]["expr"]
+        assert rules["ObsckptCommitStalled"]["for"] == "1s"
+        assert 'up{job="test"}' in rules["ObsckptMonitorDown"]["expr"]
+
+    def test_commit_stalled_is_guarded_against_the_zero_timestamp(self):
+        expr = next(r["expr"] for r in alert_rules() if r["alert"] == "ObsckptCommitStalled")
+        assert "obsckpt_oldest_pending_step_start_timestamp_seconds > 0" in expr
+        assert "obsckpt_pending_steps > 0" in expr
+
+    def test_monitor_down_covers_an_absent_target(self):
+        expr = next(r["expr"] for r in alert_rules() if r["alert"] == "ObsckptMonitorDown")
+        assert 'up{job="obsckpt"} == 0' in expr and 'absent(up{job="obsckpt"})' in expr
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [{"commit_stall_seconds": 0}, {"no_commit_seconds": -1}, {"weight_sync_max_lag": -1}],
+    )
+    def test_invalid_thresholds_name_the_field(self, kwargs):
+        (field,) = kwargs
+        with pytest.raises(ValueError, match=field):
+            AlertThresholds(**kwargs)
+
+    def test_every_alert_has_a_firing_and_a_quiet_case(self):
+        fired, quiet = set(), set()
+        for case in alert_unit_tests()["tests"]:
+            for check in case["alert_rule_test"]:
+                (fired if check["exp_alerts"] else quiet).add(check["alertname"])
+        assert fired == set(ALERT_NAMES)
+        assert quiet == set(ALERT_NAMES)

@@ -1,0 +1,333 @@
+"""Weight broadcast over a dedicated gloo group between real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from obsckpt.sync.broadcast import (
+    BroadcastError,
+    BroadcastTimeoutError,
+    TensorMeta,
+    WeightBroadcaster,
+    WeightSyncGroup,
+    free_port,
+    plan_buckets,
+)
+
+SMALL_BUCKET = 4 << 10  # forces many buckets and a few lone tensors
+
+
+def model_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Mixed dtypes and odd shapes, with values whose bits a lossy path would change."""
+    g = torch.Generator().manual_seed(seed)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    out = {
+        "embed.weight": torch.randn(37, 11, generator=g),
+        "scalar": torch.randn((), generator=g),
+        "layers.0.attn.bf16": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
+        "layers.0.specials": special,
+        "layers.0.bf16_specials": special.to(torch.bfloat16),
+        "positions": torch.randint(-(2**62), 2**62, (13,), generator=g, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "half": torch.randn(9, 3, generator=g).to(torch.float16),
+        "big.alone": torch.randn(40, 41, generator=g),  # 6,560 bytes > SMALL_BUCKET
+        "transposed": torch.randn(6, 9, generator=g).t(),  # not contiguous
+        "mask": torch.rand(17, generator=g) > 0.5,
+    }
+    for i in range(40):
+        out[f"layers.{i}.norm"] = torch.randn(1 + i % 7, generator=g)
+    return out
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in dtype, shape or any bit."""
+    bad = [n for n in a if n not in b]
+    for n, t in b.items():
+        ref = a.get(n)
+        if ref is None or ref.dtype != t.dtype or ref.shape != t.shape or bits(ref) != bits(t):
+            bad.append(n)
+    return bad
+
+
+# ----------------------------------------------------------------------
+# Child processes
+# ----------------------------------------------------------------------
+
+
+def _child(fn, rank, port, results):
+    try:
+        from obsckpt.telemetry import tracing
+
+        tracing.setup_tracing("test", exporter="memory")
+        torch.set_num_threads(1)
+        results.put((rank, "ok", fn(rank, port)))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int = 2, timeout: float = 120.0) -> dict[int, object]:
+    """Run ``fn(rank, port)`` in ``world_size`` spawned processes; their return values by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, port, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"ranks {sorted(set(range(world_size)) - set(out))} hung")
+            if status == "error":
+                pytest.fail(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _roundtrip(rank: int, port: int) -> dict:
+    from prometheus_client import CollectorRegistry
+
+    from obsckpt.telemetry import tracing
+    from obsckpt.telemetry.metrics import Metrics
+
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=60
+    )
+    first, second = model_tensors(1), model_tensors(2)
+    report: dict = {}
+    if rank == 0:
+        metrics = Metrics(CollectorRegistry())
+        b = WeightBroadcaster(group, bucket_bytes=SMALL_BUCKET, metrics=metrics)
+        r1 = b.send(first, step=7)
+        b.send(second, mode="per_tensor", step=8)
+        # A lazy generator with its metadata given up front, as FSDP2 gathering yields it.
+        meta = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in second.items()]
+        b.send(((n, t) for n, t in second.items()), meta=meta, step=9)
+        b.send(first, step=10)
+        b.send(second, step=11)
+        reg = metrics.registry
+        report["bytes_total"] = reg.get_sample_value(
+            "obsckpt_broadcast_bytes_total", {"backend": "gloo"}
+        )
+        report["duration_count"] = reg.get_sample_value(
+            "obsckpt_broadcast_duration_seconds_count", {"backend": "gloo"}
+        )
+        report["nbytes"] = r1.nbytes
+        report["collectives"] = r1.collectives
+    else:
+        b = WeightBroadcaster(group)
+        got = b.recv()
+        report["bucketed"] = same_bits(first, got)
+        report["step"] = b.last_step
+        report["per_tensor"] = same_bits(second, b.recv(clone=True))
+        report["lazy"] = same_bits(second, b.recv(clone=True))
+        # into=: the receiver's own tensors are filled in place.
+        into = {n: torch.zeros_like(t.contiguous()) for n, t in first.items()}
+        ids = {n: t.data_ptr() for n, t in into.items()}
+        out = b.recv(into=into)
+        report["into"] = same_bits(first, out)
+        report["into_in_place"] = all(out[n].data_ptr() == ids[n] for n in into if into[n].numel())
+        # The default receive area is overwritten in place by the next broadcast.
+        area = b.recv()
+        report["area_reused"] = area["embed.weight"].data_ptr() == got["embed.weight"].data_ptr()
+        report["area"] = same_bits(second, area)
+    report["spans"] = [
+        (s["name"], s["attributes"].get("obsckpt.bytes"), s["attributes"].get("obsckpt.step"))
+        for s in tracing.finished_spans()
+    ]
+    group.close()
+    return report
+
+
+def _silent_peers(rank: int, port: int) -> dict:
+    """Rank 1 joins but does not receive; then rank 0 does not send. Both must time out."""
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+    )
+    b = WeightBroadcaster(group, timeout_s=2.0)
+    report: dict = {}
+    tensors = {"w": torch.randn(1 << 20)}  # large enough that gloo waits for the receiver
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            b.send(tensors)
+            report["error"] = None
+        except BroadcastTimeoutError as exc:
+            report["error"] = str(exc)
+        report["elapsed"] = time.monotonic() - t0
+        try:
+            b.send(tensors)
+        except BroadcastError as exc:
+            report["after"] = str(exc)
+        time.sleep(6)  # stay away while rank 1 waits for a broadcast that never comes
+    else:
+        time.sleep(4)  # joined, but not receiving
+        t0 = time.monotonic()
+        try:
+            b.recv()
+            report["error"] = None
+        except BroadcastError as exc:
+            report["error"] = str(exc)
+        report["elapsed"] = time.monotonic() - t0
+    group.close()
+    return report
+
+
+def _speed(rank: int, port: int) -> dict:
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=120
+    )
+    n, total = 2000, 32 << 20
+    tensors = {f"t{i}": torch.full((total // 4 // n,), float(i)) for i in range(n)}
+    b = WeightBroadcaster(group)
+    times: dict[str, list[float]] = {"bucketed": [], "per_tensor": []}
+    for _ in range(3):
+        for mode in ("bucketed", "per_tensor"):
+            t0 = time.perf_counter()
+            if rank == 0:
+                b.send(tensors, mode=mode)
+            else:
+                b.recv()
+            times[mode].append(time.perf_counter() - t0)
+    group.close()
+    return {k: min(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roundtrip() -> dict[int, dict]:
+    return run_ranks(_roundtrip)  # type: ignore[return-value]
+
+
+class TestBitIdentical:
+    """Whatever the mode, the receiver ends up with the sender's exact bits, names and shapes."""
+
+    def test_bucketed(self, roundtrip):
+        assert roundtrip[1]["bucketed"] == []
+        assert roundtrip[1]["step"] == 7
+
+    def test_per_tensor(self, roundtrip):
+        assert roundtrip[1]["per_tensor"] == []
+
+    def test_lazy_generator_with_meta(self, roundtrip):
+        assert roundtrip[1]["lazy"] == []
+
+    def test_into_fills_in_place(self, roundtrip):
+        assert roundtrip[1]["into"] == []
+        assert roundtrip[1]["into_in_place"]
+
+    def test_receive_area_is_reused(self, roundtrip):
+        assert roundtrip[1]["area"] == []
+        assert roundtrip[1]["area_reused"]
+
+
+class TestTelemetry:
+    """The sender records each broadcast's duration and bytes; both sides trace it."""
+
+    def test_metrics(self, roundtrip):
+        sender = roundtrip[0]
+        expected = sum(t.numel() * t.element_size() for t in model_tensors(1).values())
+        assert sender["nbytes"] == expected
+        assert sender["duration_count"] == 5
+        per_call = [
+            expected,
+            *[sum(t.numel() * t.element_size() for t in model_tensors(2).values())] * 2,
+        ]
+        assert sender["bytes_total"] == sum(per_call) + expected + per_call[1]
+        assert sender["collectives"] > 3  # several buckets, not one per tensor
+
+    def test_spans(self, roundtrip):
+        for rank in (0, 1):
+            spans = [s for s in roundtrip[rank]["spans"] if s[0] == "obsckpt.broadcast"]
+            assert len(spans) == 5
+            assert spans[0][1] == roundtrip[0]["nbytes"]
+            assert spans[0][2] == 7
+
+
+class TestTimeouts:
+    """A broadcast that cannot finish raises within its timeout on every side; never hangs."""
+
+    def test_receiver_never_joins(self):
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastTimeoutError, match="could not form"):
+            WeightSyncGroup(
+                host="127.0.0.1", port=free_port(), rank=0, world_size=2, timeout_s=2.0
+            )
+        assert time.monotonic() - t0 < 10
+
+    def test_silent_peers(self):
+        out = run_ranks(_silent_peers, timeout=60)
+        sender, receiver = out[0], out[1]
+        assert sender["error"] and "did not finish within 2.0 s" in sender["error"]
+        assert sender["elapsed"] < 6
+        assert "broken" in sender["after"]
+        assert receiver["error"] is not None
+        assert receiver["elapsed"] < 6
+
+
+def test_bucketed_beats_per_tensor():
+    """2,000 tensors: a few large collectives beat one collective per tensor by at least 2x."""
+    out = run_ranks(_speed, timeout=180)
+    for rank in (0, 1):
+        assert out[rank]["per_tensor"] >= 2 * out[rank]["bucketed"], out
+
+
+class TestPlan:
+    """Buckets hold one dtype, never exceed the bucket size (except lone tensors), cover every tensor once."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+                st.integers(0, 300),
+            ),
+            max_size=40,
+        ),
+        st.integers(8, 1024),
+    )
+    def test_plan_properties(self, specs, bucket_bytes):
+        meta = [TensorMeta(f"t{i}", dt, (n,)) for i, (dt, n) in enumerate(specs)]
+        plan = plan_buckets(meta, bucket_bytes)
+        seen = sorted(i for b in plan for i in b.indices)
+        assert seen == list(range(len(meta)))
+        for b in plan:
+            assert all(meta[i].dtype == b.dtype for i in b.indices)
+            assert b.solo or b.nbytes <= bucket_bytes
+            assert sum(meta[i].numel for i in b.indices) == b.numel
+            assert list(b.offsets) == sorted(b.offsets)
+        lasts = [b.indices[-1] for b in plan]
+        assert lasts == sorted(lasts)
+
+    def test_group_arguments_are_validated(self):
+        with pytest.raises(ValueError, match="backend"):
+            WeightSyncGroup(host="127.0.0.1", port=1, rank=0, world_size=2, backend="mpi")
+        with pytest.raises(ValueError, match="rank"):
+            WeightSyncGroup(host="127.0.0.1", port=1, rank=2, world_size=2)

@@ -1,0 +1,323 @@
+"""CheckpointMonitor and CheckpointCoordinator on a real local Ray, real files, real scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import ray
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointDirError,
+    CheckpointMonitor,
+    SaveStrategy,
+    StepOrderError,
+)
+from obsckpt import commit as disk
+from obsckpt.telemetry.metrics import METRICS
+from workers import SaveWorker
+
+
+def make_monitor(namespace, root, strategy=SaveStrategy.UNRESTRICTED, **kw):
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace,
+        save_strategy=strategy,
+        default_local_dir=str(root),
+        metrics_port=kw.pop("metrics_port", 0),
+        metrics_host="127.0.0.1",
+        **kw,
+    )
+    ray.get(monitor.status.remote())  # created and answering
+    return monitor
+
+
+def submit(monitor, step, *, is_state_dict=False, sd=0, ck=0):
+    asyncio.run(
+        CheckpointCoordinator(monitor).register_and_monitor(
+            step,
+            is_state_dict=is_state_dict,
+            state_dict_thread_count=sd,
+            checkpoint_thread_count=ck,
+        )
+    )
+
+
+def scrape(monitor) -> dict[tuple[str, tuple], float]:
+    address = ray.get(monitor.metrics_address.remote())
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path / "ckpt"
+
+
+class TestCommitGating:
+    """The iteration file names a step only once every registered save of it finished."""
+
+    def test_full_checkpoint_with_two_ranks_and_two_slots(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+        ray.get([w.save.remote(str(root), 1, ["model", "optim"], gated=True) for w in workers])
+        submit(monitor, 1, ck=4)
+        gates = [(w, slot) for w in workers for slot in ("model", "optim")]
+        for w, slot in gates[:-1]:
+            ray.get(w.release.remote(slot, 1))
+        wait_for(
+            lambda: ray.get(monitor.status.remote())["pending"][0]["finished"] == 3,
+            what="three finishes",
+        )
+        assert disk.read_iteration(root, "checkpoint") is None
+        w, slot = gates[-1]
+        ray.get(w.release.remote(slot, 1))
+        assert ray.get([w.wait.remote() for w in workers]) == [None, None]
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        assert disk.read_iteration(root, "state_dict") == 1
+        manifest = disk.read_manifest(disk.step_dir(root, 1))
+        assert sorted(r.path for r in manifest) == sorted(
+            f"actor/{slot}_rank_{rank}.pt" for slot in ("model", "optim") for rank in range(2)
+        )
+        assert disk.verify_step(disk.step_dir(root, 1)) == []
+        status = ray.get(monitor.status.remote())
+        assert status["pending"] == [] and status["in_flight"] == []
+
+    def test_state_dict_only_step_leaves_checkpoint_file_alone(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+        ray.get([w.save.remote(str(root), 3, ["model"], is_state_dict=True) for w in workers])
+        submit(monitor, 3, is_state_dict=True, sd=2)
+        assert ray.get([w.wait.remote() for w in workers]) == [None, None]
+        wait_for(lambda: disk.read_iteration(root, "state_dict") == 3, what="state dict commit")
+        assert disk.read_iteration(root, "checkpoint") is None
+        assert not (root / "latest_checkpointed_iteration.txt").exists()
+
+    def test_snapshot_save_through_ray_is_loadable_and_unaffected_by_mutation(
+        self, namespace, root
+    ):
+        monitor = make_monitor(namespace, root)
+        worker = SaveWorker.remote(namespace, 0)
+        path = root / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt"
+        ray.get(worker.save_state_dict.remote(str(path), 2, 7.0))
+        submit(monitor, 2, is_state_dict=True, sd=1)
+        assert ray.get(worker.wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "state_dict") == 2, what="commit")
+        loaded = torch.load(path)
+        assert torch.equal(loaded["w"], torch.full((256, 256), 7.0)) and loaded["step"] == 2
+        assert disk.verify_step(disk.step_dir(root, 2)) == []
+
+
+@pytest.mark.parametrize("strategy", list(SaveStrategy))
+class TestStrategies:
+    """Every strategy admits with Trinity's meaning, and a failed save never deadlocks it."""
+
+    def test_admission_and_failure_recovery(self, namespace, root, strategy):
+        monitor = make_monitor(namespace, root, strategy)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+        # Step 1: one save of rank 0 fails; every other save still runs.
+        ray.get(
+            [
+                w.save.remote(str(root), 1, ["model", "optim"], sleep=0.15, fail_slots=fails)
+                for w, fails in zip(workers, [("optim",), ()])
+            ]
+        )
+        submit(monitor, 1, ck=4)
+        errors = ray.get([w.wait.remote() for w in workers])
+        assert errors[1] is None
+        assert "SaveError" in errors[0] and "'optim' of step 1" in errors[0]
+        assert "No space left on device" in errors[0]
+        # Step 2 commits normally after the failure.
+        ray.get([w.save.remote(str(root), 2, ["model", "optim"], sleep=0.15) for w in workers])
+        submit(monitor, 2, ck=4)
+        assert ray.get([w.wait.remote() for w in workers]) == [None, None]
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
+        status = ray.get(monitor.status.remote())
+        assert [(f["step"], f["kind"]) for f in status["failed"]] == [(1, "checkpoint")]
+        assert status["in_flight"] == [] and status["admission_waiting"] == 0
+        # What overlapped tells which strategy ran.
+        intervals = []
+        for rank, w in enumerate(workers):
+            intervals += [(rank, *iv) for iv in ray.get(w.get_intervals.remote())]
+        # monotonic clocks of two processes on one machine are comparable
+        overlaps = {
+            (a[0] == b[0])
+            for i, a in enumerate(intervals)
+            for b in intervals[i + 1 :]
+            if a[3] < b[4] and b[3] < a[4]
+        }
+        if strategy is SaveStrategy.SINGLE_THREAD:
+            assert overlaps == set()
+        elif strategy is SaveStrategy.SINGLE_PROCESS:
+            assert False not in overlaps  # never two processes at once
+        else:  # one node: SINGLE_NODE admits both ranks together, like UNRESTRICTED
+            assert False in overlaps
+        samples = scrape(monitor)
+        wait_hist = value(
+            samples, "obsckpt_save_admission_wait_seconds_count", strategy=strategy.value
+        )
+        assert wait_hist == 8
+
+
+class TestRestart:
+    """A fresh monitor on an existing directory picks up the committed steps."""
+
+    def test_fresh_monitor_recovers_and_refuses_older_steps(self, ray_cluster, root):
+        ns1, ns2 = f"a-{os.getpid()}-{time.time_ns()}", f"b-{os.getpid()}-{time.time_ns()}"
+        monitor = make_monitor(ns1, root)
+        worker = SaveWorker.remote(ns1, 0)
+        ray.get(worker.save.remote(str(root), 5, ["model"]))
+        submit(monitor, 5, ck=1)
+        assert ray.get(worker.wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 5, what="commit")
+        # A save of step 6 that never finishes leaves an uncommitted step dir.
+        ray.get(worker.save.remote(str(root), 6, ["model"], gated=True))
+        ray.kill(monitor, no_restart=True)
+        (root / "global_step_6" / "actor").mkdir(parents=True, exist_ok=True)
+
+        fresh = make_monitor(ns2, root)
+        status = ray.get(fresh.status.remote())
+        assert status["latest"] == {"checkpoint": 5, "state_dict": 5}
+        assert [a["step"] for a in status["abandoned"]] == [6]
+        assert value(scrape(fresh), "obsckpt_latest_step", kind="checkpoint") == 5
+        with pytest.raises(StepOrderError, match=r"step 4 was already committed \(latest is 5\)"):
+            ray.get(fresh.monitor_step.remote(4, False))
+        worker2 = SaveWorker.remote(ns2, 0)
+        ray.get(worker2.save.remote(str(root), 7, ["model"]))
+        submit(fresh, 7, ck=1)
+        assert ray.get(worker2.wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 7, what="commit of step 7")
+        ray.kill(worker)
+
+
+class TestMetrics:
+    """Measurements reach /metrics; every metric exists from the first scrape."""
+
+    def test_all_metrics_exported_from_start_and_promtool_is_happy(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        address = ray.get(monitor.metrics_address.remote())
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        for spec in METRICS:
+            assert f"# TYPE {spec.name} {spec.type}" in text, spec.name
+        samples = scrape(monitor)
+        for kind in ("checkpoint", "state_dict"):
+            assert value(samples, "obsckpt_pending_steps", kind=kind) == 0
+            assert value(samples, "obsckpt_saves_in_flight", kind=kind) == 0
+            assert value(samples, "obsckpt_step_failures_total", kind=kind) == 0
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is required (Debian package prometheus)"
+        result = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr
+
+    def test_worker_measurements_are_scraped(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+        ray.get([w.save.remote(str(root), 1, ["model"], fail_slots=()) for w in workers])
+        submit(monitor, 1, ck=2)
+        ray.get([w.wait.remote() for w in workers])
+        # A second save of the same slot joins the first: a join wait is recorded.
+        ray.get(workers[0].save.remote(str(root), 2, ["model"], sleep=0.2))
+        ray.get(workers[0].save.remote(str(root), 3, ["model"], fail_slots=("model",)))
+        ray.get(workers[0].wait.remote())
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit")
+        s = scrape(monitor)
+        assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="ok") == 3
+        assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="error") == 1
+        assert value(s, "obsckpt_save_bytes_total", slot="model", kind="checkpoint") > 0
+        assert value(s, "obsckpt_save_duration_seconds_count", slot="model", kind="checkpoint") == 4
+        assert value(s, "obsckpt_thread_join_wait_seconds_count", slot="model") == 4
+        assert value(s, "obsckpt_thread_join_wait_seconds_sum", slot="model") >= 0.1
+        assert value(s, "obsckpt_rank_last_save_duration_seconds", rank="1", slot="model") > 0
+        assert value(s, "obsckpt_commit_lag_seconds_count", kind="checkpoint") == 1
+        assert value(s, "obsckpt_latest_step", kind="checkpoint") == 1
+        assert value(s, "obsckpt_last_commit_timestamp_seconds", kind="checkpoint") > 1e9
+        assert value(s, "obsckpt_saves_in_flight", kind="checkpoint") == 0
+        # Steps 2 and 3 were started but never submitted: pending, with a start time.
+        assert value(s, "obsckpt_pending_steps", kind="checkpoint") == 1  # step 2 (3 failed)
+        assert (
+            value(s, "obsckpt_oldest_pending_step_start_timestamp_seconds", kind="checkpoint") > 1e9
+        )
+        assert value(s, "obsckpt_step_failures_total", kind="checkpoint") == 1
+
+    def test_file_sd_names_the_endpoint(self, namespace, root, tmp_path):
+        sd_path = tmp_path / "sd" / "obsckpt.json"
+        monitor = make_monitor(namespace, root, file_sd_path=str(sd_path))
+        address = ray.get(monitor.metrics_address.remote())
+        targets = json.loads(sd_path.read_text())
+        assert targets == [{"targets": [address], "labels": {"obsckpt_namespace": namespace}}]
+
+    def test_port_in_use_keeps_the_job_running(self, namespace, root):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            monitor = make_monitor(namespace, root, metrics_port=port)
+            assert ray.get(monitor.metrics_address.remote()) is None
+            status = ray.get(monitor.status.remote())
+            assert f"metrics port {port}" in status["metrics"]["error"]
+            assert "already in use" in status["metrics"]["error"]
+            worker = SaveWorker.remote(namespace, 0)
+            ray.get(worker.save.remote(str(root), 1, ["model"]))
+            submit(monitor, 1, ck=1)
+            assert ray.get(worker.wait.remote()) is None
+            wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit")
+
+
+class TestBadInput:
+    """Bad arguments get a clear error naming the value; nothing is committed."""
+
+    def test_unwritable_directory_is_refused_at_creation(self, namespace):
+        with pytest.raises(CheckpointDirError, match="/proc/obsckpt"):
+            CheckpointMonitor.get_actor(namespace=namespace, default_local_dir="/proc/obsckpt")
+
+    @pytest.mark.parametrize("port", [-1, 70000, "9400", True])
+    def test_bad_metrics_port(self, namespace, root, port):
+        with pytest.raises(ValueError, match="metrics_port"):
+            CheckpointMonitor.get_actor(
+                namespace=namespace, default_local_dir=str(root), metrics_port=port
+            )
+
+    def test_bad_strategy(self, namespace, root):
+        with pytest.raises(ValueError, match="save_strategy must be one of .* got 'fast'"):
+            CheckpointMonitor.get_actor(
+                namespace=namespace, default_local_dir=str(root), save_strategy="fast"
+            )
+
+    def test_bad_slot_and_step_fail_in_the_caller(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor)
+        with pytest.raises(ValueError, match=r"slot name '\.\./x'"):
+            coord.save_async("../x", lambda: None, 1)
+        with pytest.raises(ValueError, match="got -3"):
+            coord.save_async("model", lambda: None, -3)
+        with pytest.raises(ValueError, match=r"got 2\.5"):
+            asyncio.run(coord.register_and_monitor(2.5))
+        assert disk.read_iteration(root, "checkpoint") is None

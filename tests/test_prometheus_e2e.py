@@ -1,0 +1,288 @@
+"""End to end: a real Prometheus scrapes a real monitor actor and evaluates the rules.
+
+Prometheus (Debian's ``/usr/bin/prometheus``) runs on a free loopback port with
+a temporary copy of the project's scrape config: the ``obsckpt`` job finds its
+target through the file_sd file the monitor writes, everything is scraped and
+evaluated every second, and the alert rules are generated with thresholds of
+seconds. The tests fail, not skip, when Prometheus is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import AlertThresholds, expand, panel_queries
+from dashboards.build import rules_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+JOB = "obsckpt"
+RATE_INTERVAL = "1m"
+# Panels that must show data once a few steps have committed: latest step,
+# saves total, save duration quantiles, commit lag.
+CORE_PANELS = (
+    "Latest committed step",
+    "Saves by result",
+    "Save latency by slot and kind",
+    "Commit lag",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout: float, interval: float = 0.25):
+    """Poll ``probe`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except OSError as exc:  # Prometheus not listening yet
+            last = exc
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; last probe: {last!r}")
+
+
+class PrometheusServer:
+    """A Prometheus process and a small client for its HTTP API."""
+
+    def __init__(self, url: str, process: subprocess.Popen, log: Path) -> None:
+        self.url = url
+        self.process = process
+        self.log = log
+
+    def get(self, path: str, **params: str) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=5) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.get("/api/v1/query", query=expr)["result"]
+
+    def alerts(self, name: str) -> list[dict]:
+        return [a for a in self.get("/api/v1/alerts")["alerts"] if a["labels"]["alertname"] == name]
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+
+def prometheus_config(sd_file: Path, rules_file: Path) -> dict:
+    """The project's config, rewritten for the test: 1 s intervals, the test's files."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(rules_file)]
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == JOB]
+    job["file_sd_configs"] = [{"files": [str(sd_file)], "refresh_interval": "1s"}]
+    config["scrape_configs"] = [job]
+    return config
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def monitor(ray_cluster, namespace, ckpt_dir, tmp_path):
+    from obsckpt import CheckpointMonitor, SaveStrategy
+
+    actor = CheckpointMonitor.get_actor(
+        namespace=namespace,
+        save_strategy=SaveStrategy.UNRESTRICTED,
+        default_local_dir=str(ckpt_dir),
+        metrics_port=0,
+        metrics_host="127.0.0.1",
+        file_sd_path=str(tmp_path / "sd.json"),
+    )
+    try:
+        yield actor
+    finally:
+        try:
+            ray_cluster.get(actor.shutdown.remote(), timeout=10)
+        finally:
+            ray_cluster.kill(actor)
+
+
+@pytest.fixture
+def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
+    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
+    if not Path(binary).exists():
+        pytest.fail("prometheus not found: install Debian's `prometheus` package")
+    address = ray_cluster.get(monitor.metrics_address.remote(), timeout=30)
+    assert address and address.startswith("127.0.0.1:"), address
+    sd_file = tmp_path / "sd.json"
+    assert json.loads(sd_file.read_text())[0]["targets"] == [address]
+
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(
+        rules_yaml(AlertThresholds(commit_stall_seconds=2, commit_stall_for="1s", monitor_job=JOB))
+    )
+    config_file = tmp_path / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(prometheus_config(sd_file, rules_file)))
+
+    port = free_port()
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    server = PrometheusServer(f"http://127.0.0.1:{port}", process, log)
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                pytest.fail(f"prometheus exited with {process.returncode}:\n{server.log_tail()}")
+            with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as resp:
+                return resp.status == 200
+
+        wait_for("prometheus to be ready", ready, timeout=20)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def checkpoint(coord, step: int, save_fn: Callable[[], object]) -> None:
+    """One step the way a trainer does it: start the save, then register and submit."""
+    coord.save_async("model", save_fn, step, is_state_dict=False)
+    asyncio.run(coord.register_and_monitor(step, checkpoint_thread_count=1))
+
+
+def writer(ckpt_dir: Path, step: int) -> Callable[[], None]:
+    def save() -> None:
+        step_dir = ckpt_dir / f"global_step_{step}" / "actor"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        (step_dir / "model_world_size_1_rank_0.pt").write_bytes(b"\0" * 4096)
+        time.sleep(0.05)
+
+    return save
+
+
+def has_finite_value(result: list[dict]) -> bool:
+    return any(math.isfinite(float(sample["value"][1])) for sample in result)
+
+
+def test_dashboards_and_commit_stall_alert_against_real_prometheus(
+    prometheus, monitor, ckpt_dir, ray_cluster
+):
+    from obsckpt import CheckpointCoordinator
+
+    # 1. The monitor's own file_sd entry makes it a healthy target of job "obsckpt".
+    def target_up():
+        targets = prometheus.get("/api/v1/targets", state="active")["activeTargets"]
+        return [t for t in targets if t["labels"]["job"] == JOB and t["health"] == "up"]
+
+    wait_for("the obsckpt target to be up", target_up, timeout=20)
+
+    # 2. Saves. Slot series appear with their first save, and rate() needs two
+    # samples of a series, so later steps are saved once Prometheus has seen the first.
+    coord = CheckpointCoordinator(monitor, rank=0)
+    checkpoint(coord, 1, writer(ckpt_dir, 1))
+    coord.wait_all(timeout=30)
+    wait_for(
+        "Prometheus to scrape the first save",
+        lambda: prometheus.query(f'obsckpt_saves_total{{job="{JOB}",slot="model"}}'),
+        timeout=15,
+    )
+    for step in (2, 3):
+        checkpoint(coord, step, writer(ckpt_dir, step))
+        coord.wait_all(timeout=30)
+    ray_cluster.get(
+        [
+            monitor.record_broadcast.remote("gloo", 0.2, 1 << 20),
+            monitor.record_upload.remote(0.1),
+            monitor.record_model_version.remote("trainer", 3),
+            monitor.record_model_version.remote("rollout", 2),
+        ],
+        timeout=30,
+    )
+    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+    # 3. Every dashboard query evaluates; the core ones show data.
+    queries = [(q, expand(q.expr, job=JOB, rate_interval=RATE_INTERVAL)) for q in panel_queries()]
+    core = [(q, expr) for q, expr in queries if q.panel in CORE_PANELS]
+    assert {q.panel for q, _ in core} == set(CORE_PANELS)
+
+    def core_panels_without_data():
+        return [
+            f"{q.panel} ({q.ref_id}): {expr}"
+            for q, expr in core
+            if not has_finite_value(prometheus.query(expr))
+        ]
+
+    deadline = time.monotonic() + 15
+    while (missing := core_panels_without_data()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not missing, "core panels without data:\n" + "\n".join(missing)
+    for _, expr in queries:
+        prometheus.query(expr)  # fails the test on a PromQL error
+    assert prometheus.query(f'obsckpt_latest_step{{job="{JOB}",kind="checkpoint"}} == 3')
+
+    # 4. A save that never finishes stalls step 4; the alert goes pending, then firing.
+    release = threading.Event()
+    checkpoint(coord, 4, lambda: release.wait(60))
+    try:
+        firing = wait_for(
+            "ObsckptCommitStalled to fire",
+            lambda: [
+                a for a in prometheus.alerts("ObsckptCommitStalled") if a["state"] == "firing"
+            ],
+            timeout=25,
+        )
+        assert firing[0]["labels"]["kind"] == "checkpoint"
+        assert firing[0]["labels"]["job"] == JOB
+        assert firing[0]["annotations"]["runbook_url"].endswith("#obsckptcommitstalled")
+        status = ray_cluster.get(monitor.status.remote(), timeout=10)
+        assert [p["step"] for p in status["pending"]] == [4]
+    finally:
+        release.set()
+    coord.wait_all(timeout=30)
+
+    # 5. The step commits and the alert resolves.
+    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    wait_for(
+        "ObsckptCommitStalled to resolve",
+        lambda: not prometheus.alerts("ObsckptCommitStalled"),
+        timeout=15,
+    )
+    assert not [a for a in prometheus.alerts("ObsckptMonitorDown") if a["state"] == "firing"]
+    assert prometheus.process.poll() is None, prometheus.log_tail()

@@ -1,0 +1,299 @@
+"""The commit state machine, without Ray: examples for each rule and a randomised search."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from obsckpt.errors import NotificationError, StepOrderError
+from obsckpt.tracker import COMMITTED, FAILED, SUPERSEDED, CommitTracker
+
+
+def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
+    """What the monitor does: commit everything ready, in order, until nothing is."""
+    done = []
+    while ready := t.ready():
+        for step, kind in ready:
+            t.begin_commit(step, kind)
+            t.end_commit(step, kind, ok=True)
+            done.append((step, kind))
+    return done
+
+
+class TestCommitRule:
+    """A step commits once submitted, every registered save finished, none failed."""
+
+    def test_full_checkpoint_waits_for_every_save_of_both_kinds(self):
+        t = CommitTracker()
+        t.register(5, state_dict_count=2, checkpoint_count=2)
+        for _ in range(2):
+            t.start(5, "state_dict")
+            t.start(5, "checkpoint")
+        t.submit(5, "checkpoint")
+        t.finish(5, "checkpoint")
+        t.finish(5, "checkpoint")
+        t.finish(5, "state_dict")
+        assert commit_ready(t) == []
+        t.finish(5, "state_dict")
+        assert commit_ready(t) == [(5, "checkpoint")]
+        # Committing a full checkpoint also commits its state dict.
+        assert t.latest == {"checkpoint": 5, "state_dict": 5}
+
+    def test_finish_before_registration_is_fine(self):
+        t = CommitTracker()
+        t.start(1, "state_dict")
+        t.finish(1, "state_dict")
+        t.register(1, state_dict_count=1)
+        assert commit_ready(t) == []  # not submitted yet
+        t.submit(1, "state_dict")
+        assert commit_ready(t) == [(1, "state_dict")]
+        assert t.latest == {"checkpoint": None, "state_dict": 1}
+
+    def test_in_flight_save_blocks_commit_even_if_counts_balance(self):
+        t = CommitTracker()
+        t.start(3, "state_dict")
+        t.submit(3, "state_dict")  # nothing registered, but a save is running
+        assert commit_ready(t) == []
+        t.register(3, state_dict_count=1)
+        t.finish(3, "state_dict")
+        assert commit_ready(t) == [(3, "state_dict")]
+
+
+class TestFailures:
+    """A failed save fails its step, which never commits; later steps still do."""
+
+    def test_failed_step_never_commits_and_later_step_does(self):
+        t = CommitTracker()
+        t.register(1, checkpoint_count=2)
+        t.start(1, "checkpoint")
+        t.start(1, "checkpoint")
+        assert t.finish(1, "checkpoint", ok=False, error="disk full") == [(1, "checkpoint")]
+        t.finish(1, "checkpoint")
+        t.submit(1, "checkpoint")
+        assert commit_ready(t) == []
+        assert [(s, k) for s, k, _ in t.failed()] == [(1, "checkpoint")]
+        t.register(2, checkpoint_count=1)
+        t.start(2, "checkpoint")
+        t.finish(2, "checkpoint")
+        t.submit(2, "checkpoint")
+        assert commit_ready(t) == [(2, "checkpoint")]
+
+    def test_state_dict_failure_fails_the_full_checkpoint_of_that_step(self):
+        t = CommitTracker()
+        t.register(4, state_dict_count=1, checkpoint_count=1)
+        t.start(4, "state_dict")
+        t.start(4, "checkpoint")
+        t.finish(4, "checkpoint")
+        failed = t.finish(4, "state_dict", ok=False, error="boom")
+        assert (4, "state_dict") in failed and (4, "checkpoint") in failed
+        t.submit(4, "checkpoint")
+        assert commit_ready(t) == []
+        assert t.latest["checkpoint"] is None
+
+    def test_more_finishes_than_registrations_is_an_error_that_fails_the_step(self):
+        t = CommitTracker()
+        t.register(2, checkpoint_count=1)
+        t.finish(2, "checkpoint")
+        t.finish(2, "checkpoint")
+        with pytest.raises(NotificationError, match=r"2 saves finished but only 1 were registered"):
+            t.submit(2, "checkpoint")
+        assert t.progress(2, "checkpoint").state == FAILED
+
+    def test_failed_commit_io_fails_the_step(self):
+        t = CommitTracker()
+        t.submit(7, "state_dict")
+        [(step, kind)] = t.ready()
+        t.begin_commit(step, kind)
+        t.end_commit(step, kind, ok=False, error="EIO")
+        assert t.progress(7, "state_dict").state == FAILED
+        assert t.latest["state_dict"] is None
+
+
+class TestOrder:
+    """The committed step never goes backwards; bad steps are refused with the value named."""
+
+    def test_out_of_order_completion_supersedes_the_older_step(self):
+        t = CommitTracker()
+        for step in (10, 20):
+            t.register(step, checkpoint_count=1)
+            t.start(step, "checkpoint")
+            t.submit(step, "checkpoint")
+        t.finish(20, "checkpoint")
+        assert commit_ready(t) == [(20, "checkpoint")]
+        t.finish(10, "checkpoint")
+        assert commit_ready(t) == []
+        assert t.progress(10, "checkpoint").state == SUPERSEDED
+        assert t.latest["checkpoint"] == 20
+
+    def test_submit_older_than_committed_names_both_steps(self):
+        t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
+        with pytest.raises(StepOrderError, match=r"step 7 was already committed \(latest is 9\)"):
+            t.submit(7, "checkpoint")
+
+    def test_resubmitting_the_committed_step_is_a_no_op(self):
+        t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
+        t.submit(9, "state_dict")
+        assert commit_ready(t) == []
+
+    def test_save_into_committed_step_is_refused(self):
+        t = CommitTracker(latest={"checkpoint": 4, "state_dict": 4})
+        with pytest.raises(StepOrderError, match="already committed"):
+            t.start(4, "state_dict")
+
+    @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
+    def test_bad_steps_are_named(self, bad):
+        t = CommitTracker()
+        with pytest.raises(ValueError, match=repr(bad) if not isinstance(bad, int) else str(bad)):
+            t.submit(bad, "checkpoint")
+
+    def test_bad_counts_are_named(self):
+        t = CommitTracker()
+        with pytest.raises(ValueError, match="checkpoint_thread_count .* got -2"):
+            t.register(1, checkpoint_count=-2)
+
+
+class TestViews:
+    """Pending steps and their start times are what the gauges and status() show."""
+
+    def test_pending_and_oldest_start(self):
+        clock = iter(range(100, 200)).__next__
+        t = CommitTracker(clock=lambda: float(clock()))
+        t.start(1, "checkpoint")
+        t.start(2, "checkpoint")
+        assert [s for s, _, _ in t.pending("checkpoint")] == [1, 2]
+        assert t.oldest_pending_start("checkpoint") == t.progress(1, "checkpoint").first_start
+        t.register(1, checkpoint_count=1)
+        t.finish(1, "checkpoint")
+        t.submit(1, "checkpoint")
+        commit_ready(t)
+        assert [s for s, _, _ in t.pending("checkpoint")] == [2]
+        assert t.oldest_pending_start("state_dict") is None
+
+
+# ---------------------------------------------------------------------------
+# Randomised interleavings
+# ---------------------------------------------------------------------------
+
+STEPS = st.integers(min_value=0, max_value=6)
+KIND = st.sampled_from(["checkpoint", "state_dict"])
+
+
+class CommitMachine(RuleBasedStateMachine):
+    """Whatever the interleaving, only whole steps commit and nothing goes backwards.
+
+    The model keeps, per (step, kind), the saves that were registered,
+    started, finished and failed, independently of the tracker. After every
+    commit the invariant checks that the committed step was whole in the
+    model at that moment.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.t = CommitTracker()
+        self.registered: dict[tuple[int, str], int] = {}
+        self.started: dict[tuple[int, str], int] = {}
+        self.finished: dict[tuple[int, str], int] = {}
+        self.failed: set[tuple[int, str]] = set()
+        self.submitted: set[tuple[int, str]] = set()
+        self.history: dict[str, list[int]] = {"checkpoint": [], "state_dict": []}
+
+    def _whole(self, step: int, kind: str) -> bool:
+        key = (step, kind)
+        ok = (
+            key in self.submitted
+            and key not in self.failed
+            and self.finished.get(key, 0) == self.registered.get(key, 0)
+            and self.started.get(key, 0) <= self.finished.get(key, 0)
+        )
+        if kind == "checkpoint":
+            sd = (step, "state_dict")
+            ok = ok and sd not in self.failed
+            ok = ok and self.finished.get(sd, 0) == self.registered.get(sd, 0)
+            ok = ok and self.started.get(sd, 0) <= self.finished.get(sd, 0)
+        return ok
+
+    def _commit(self):
+        while ready := self.t.ready():
+            for step, kind in ready:
+                assert self._whole(step, kind), f"step {step} ({kind}) committed while not whole"
+                self.t.begin_commit(step, kind)
+                self.t.end_commit(step, kind, ok=True)
+                self.history[kind].append(step)
+                if kind == "checkpoint" and (
+                    not self.history["state_dict"] or self.history["state_dict"][-1] < step
+                ):
+                    self.history["state_dict"].append(step)
+
+    @rule(step=STEPS, kind=KIND, n=st.integers(1, 3))
+    def register(self, step, kind, n):
+        try:
+            self.t.register(
+                step,
+                state_dict_count=n if kind == "state_dict" else 0,
+                checkpoint_count=n if kind == "checkpoint" else 0,
+            )
+        except NotificationError:
+            return
+        self.registered[(step, kind)] = self.registered.get((step, kind), 0) + n
+        self._commit()
+
+    @rule(step=STEPS, kind=KIND)
+    def start(self, step, kind):
+        try:
+            self.t.start(step, kind)
+        except StepOrderError:
+            return
+        self.started[(step, kind)] = self.started.get((step, kind), 0) + 1
+
+    @precondition(
+        lambda self: any(self.started.get(k, 0) > self.finished.get(k, 0) for k in self.started)
+    )
+    @rule(data=st.data(), ok=st.booleans())
+    def finish(self, data, ok):
+        open_keys = sorted(k for k in self.started if self.started[k] > self.finished.get(k, 0))
+        step, kind = data.draw(st.sampled_from(open_keys))
+        self.finished[(step, kind)] = self.finished.get((step, kind), 0) + 1
+        try:
+            self.t.finish(step, kind, ok=ok, error=None if ok else "injected")
+        except NotificationError:
+            # Raised for a finish after commit (the step stays committed) or for
+            # more finishes than registrations (the step fails).
+            if self.t.progress(step, kind).state == FAILED:
+                self.failed.add((step, kind))
+            return
+        if not ok:
+            self.failed.add((step, kind))
+            if kind == "state_dict":
+                self.failed.add((step, "checkpoint"))
+        self._commit()
+
+    @rule(step=STEPS, kind=KIND)
+    def submit(self, step, kind):
+        try:
+            self.t.submit(step, kind)
+        except StepOrderError:
+            latest = self.t.latest[kind]
+            assert latest is not None and step < latest
+            return
+        except NotificationError:
+            self.failed.add((step, kind))
+            return
+        self.submitted.add((step, kind))
+        self._commit()
+
+    @invariant()
+    def never_backwards(self):
+        for kind, steps in self.history.items():
+            assert steps == sorted(steps) and len(set(steps)) == len(steps), (kind, steps)
+            assert self.t.latest[kind] == (steps[-1] if steps else None)
+
+    @invariant()
+    def failed_steps_never_committed(self):
+        for step, kind in self.failed:
+            assert step not in self.history[kind], (step, kind, self.history)
+
+
+CommitMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestCommitMachine = CommitMachine.TestCase

@@ -1,0 +1,99 @@
+"""Test-side Ray actors: trainer ranks that save through a CheckpointCoordinator."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import ray
+
+
+@ray.remote(max_concurrency=8)
+class SaveWorker:
+    """One trainer rank. Saves can be gated (blocked until released) or made to fail."""
+
+    def __init__(self, namespace: str, rank: int, *, trace: bool = False, save_timeout=None):
+        from obsckpt import CheckpointCoordinator
+        from obsckpt.telemetry import tracing
+
+        if trace:
+            tracing.setup_tracing("test-worker", exporter="memory")
+        self.rank = rank
+        self.monitor = ray.get_actor("checkpoint_monitor", namespace=namespace)
+        self.coord = CheckpointCoordinator(self.monitor, rank=rank, save_timeout=save_timeout)
+        self.gates: dict[tuple[str, int], threading.Event] = {}
+        self.intervals: list[tuple[str, int, float, float]] = []
+        self._lock = threading.Lock()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save(
+        self,
+        root: str,
+        step: int,
+        slots: list[str],
+        *,
+        is_state_dict: bool = False,
+        gated: bool = False,
+        fail_slots: tuple[str, ...] = (),
+        sleep: float = 0.0,
+        carrier: dict | None = None,
+    ) -> None:
+        for slot in slots:
+            path = os.path.join(root, f"global_step_{step}", "actor", f"{slot}_rank_{self.rank}.pt")
+            gate = None
+            if gated:
+                gate = self.gates[(slot, step)] = threading.Event()
+            self.coord.save_async(
+                slot,
+                self._save_fn(path, slot, step, gate, slot in fail_slots, sleep),
+                step,
+                is_state_dict=is_state_dict,
+                paths=[path],
+                trace_context=carrier,
+            )
+
+    def _save_fn(self, path, slot, step, gate, fail, sleep):
+        def save():
+            start = time.monotonic()
+            if gate is not None:
+                gate.wait(60)
+            if sleep:
+                time.sleep(sleep)
+            if fail:
+                raise OSError(28, "No space left on device (injected)")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(f"{slot} rank {self.rank} step {step}\n".encode() * 100)
+            with self._lock:
+                self.intervals.append((slot, step, start, time.monotonic()))
+
+        return save
+
+    def save_state_dict(self, path: str, step: int, value: float, is_state_dict: bool = True):
+        import torch
+
+        sd = {"w": torch.full((256, 256), value), "step": step}
+        self.coord.save_state_dict_async("model", sd, path, step, is_state_dict=is_state_dict)
+        sd["w"].fill_(-1.0)  # must not reach the file
+
+    def release(self, slot: str, step: int) -> None:
+        self.gates[(slot, step)].set()
+
+    def wait(self, timeout: float = 60.0) -> str | None:
+        """wait_all(); returns the raised error's text (None when nothing failed)."""
+        try:
+            self.coord.wait_all(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def get_intervals(self):
+        return list(self.intervals)
+
+    def spans(self) -> list[dict]:
+        from obsckpt.telemetry import tracing
+
+        return tracing.finished_spans()
