@@ -20,13 +20,19 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Status, StatusCode
 
 from obsckpt import commit as disk
 from obsckpt.commit import FileRecord, validate_slot, validate_step
 from obsckpt.errors import SaveError, SaveTimeoutError
-from obsckpt.snapshot import StagingBuffers, write_torch_file
 from obsckpt.telemetry import tracing
+
+if TYPE_CHECKING:
+    # torch takes seconds to import; the monitor process (which imports this
+    # package) never needs it, and a restarted monitor should be back quickly.
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ class CheckpointCoordinator:
         self._saves: dict[str, _Save] = {}
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
-        self._staging: dict[str, StagingBuffers] = {}
+        self._staging: dict[str, Any] = {}  # slot -> snapshot.StagingBuffers
         self.logger = logger
 
     # ------------------------------------------------------------------
@@ -181,10 +187,14 @@ class CheckpointCoordinator:
         change its tensors right away. The background thread writes a file
         ``torch.load`` reads, fsyncs it and renames it into place.
         """
+        # torch is imported here, not at module load: the monitor actor never needs it.
+        from obsckpt.snapshot import StagingBuffers, write_torch_file
+
         validate_slot(name)
         validate_step(global_step)
         path = os.fspath(path)
         join_wait = self._join(name)
+
         staging = self._staging.get(name)
         if staging is None:
             staging = self._staging[name] = StagingBuffers()
@@ -341,7 +351,9 @@ class CheckpointCoordinator:
                             kind=save.kind,
                             rank=self.rank,
                             pid=os.getpid(),
-                            trace_context=tracing.inject() or None,
+                            # The step's context, so the monitor's commit span joins the
+                            # step's trace even if the trainer never submits one.
+                            trace_context=carrier or tracing.inject() or None,
                         )
                     )
                 ticket = admitted.get("ticket") if isinstance(admitted, dict) else None
@@ -356,6 +368,12 @@ class CheckpointCoordinator:
                 except BaseException as exc:
                     span.set_attribute("obsckpt.error", type(exc).__name__)
                     raise
+                if save.reported:
+                    # The watchdog already reported this save as timed out; the trace agrees.
+                    span.set_attribute("obsckpt.error", SaveTimeoutError.__name__)
+                    span.set_status(
+                        Status(StatusCode.ERROR, f"exceeded save_timeout={self.save_timeout} s")
+                    )
                 duration = time.perf_counter() - t0
                 nbytes = sum(r.size for r in records)
                 span.set_attribute("obsckpt.bytes", nbytes)

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,16 @@ class _Ticket:
     pid: int | None
     requested: float
     admitted: float | None = None
+
+
+def _was_restarted() -> bool:
+    """True inside an actor that Ray restarted after its process died."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # noqa: BLE001 - outside an actor there is nothing to recover
+        return False
 
 
 def _label(value: object, default: str = "unknown") -> str:
@@ -91,17 +102,22 @@ class CheckpointMonitor:
         self.namespace = namespace
         latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
         self.tracker = CommitTracker(latest)
+        self.tracker.restarted = _was_restarted()
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
         self.metrics = Metrics(registry)
         self._tickets: dict[int, _Ticket] = {}
-        self._ticket_ids = itertools.count(1)
+        # Tickets are unique across restarts, so a finish carrying a ticket from an
+        # earlier incarnation is recognised instead of releasing someone else's.
+        self._ticket_base = secrets.randbits(31) << 32
+        self._ticket_ids = itertools.count(self._ticket_base + 1)
         self._commit_lock: asyncio.Lock | None = None
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
         self._setup_tracing(trace_exporter)
         for kind, step in latest.items():
             if step is not None:
                 self.metrics.latest_step.labels(kind).set(step)
+        self._refresh_gauges()
         self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
         self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
         if self.file_sd_path:
@@ -287,6 +303,19 @@ class CheckpointMonitor:
         started = info is not None and info.step is not None
         records = [FileRecord.from_json(f) for f in files or ()]
         self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info)
+        if info is None and ticket is not None and not self._issued_here(ticket):
+            # Admitted by this monitor's previous incarnation: the step's registrations
+            # and earlier finishes are gone, so it can never be known whole.
+            reason = f"a save was admitted before the monitor restarted (ticket {ticket})"
+            if self.tracker.lose(step, reason):
+                logger.warning(
+                    "obsckpt: step %d (%s) abandoned: a save admitted before the monitor "
+                    "restarted finished; the step cannot be known whole",
+                    step,
+                    kind,
+                )
+            await self._after_change()
+            return
         try:
             failed = self.tracker.finish(
                 step, kind, ok=ok, error=error, files=records, started=started
@@ -305,6 +334,11 @@ class CheckpointMonitor:
             )
         self._count_failures(failed)
         await self._after_change()
+
+    def _issued_here(self, ticket: object) -> bool:
+        if isinstance(ticket, bool) or not isinstance(ticket, int):
+            return False
+        return self._ticket_base < ticket < self._ticket_base + (1 << 32)
 
     def _release(self, ticket: int | None) -> _Ticket | None:
         if ticket is None:
@@ -393,6 +427,7 @@ class CheckpointMonitor:
             self.metrics.pending_steps.labels(kind).set(len(pending))
             oldest = self.tracker.oldest_pending_start(kind)
             self.metrics.oldest_pending_start.labels(kind).set(oldest or 0)
+        self.metrics.abandoned_steps.set(len(self.tracker.abandoned))
 
     # ------------------------------------------------------------------
     # Weight-sync measurements (the monitor is the job's one scrape target)
@@ -442,6 +477,7 @@ class CheckpointMonitor:
                 for step, kind, p in t.failed()
             ],
             "abandoned": [{"step": s, "reason": r} for s, r in sorted(t.abandoned.items())],
+            "restarted": t.restarted,
             "in_flight": [
                 {
                     "ticket": tk.ticket,

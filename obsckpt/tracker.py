@@ -85,6 +85,8 @@ class CommitTracker:
         self.clock = clock
         self.steps: dict[int, dict[str, Progress]] = {}
         self.abandoned: dict[int, str] = {}
+        # True in a monitor that Ray restarted: registrations made before are gone.
+        self.restarted = False
 
     # -- helpers ---------------------------------------------------------
 
@@ -142,7 +144,7 @@ class CommitTracker:
                     "calling monitor_step"
                 )
             p.registered += count
-            self.abandoned.pop(step, None)
+            self._revive(step)
 
     def submit(self, step: int, kind: str, carrier: dict | None = None) -> list[tuple[int, str]]:
         """``monitor_step``: the trainer has dispatched every save of this step.
@@ -160,7 +162,7 @@ class CommitTracker:
                 "backwards. Submit steps in increasing order"
             )
         p = self.progress(step, kind)
-        if carrier and not p.carrier:
+        if carrier:  # the trainer's step span wins over any worker's context
             p.carrier = dict(carrier)
         if latest is not None and step == latest:
             p.submitted = True
@@ -168,7 +170,16 @@ class CommitTracker:
                 p.state = COMMITTED
             return []
         p.submitted = True
-        self.abandoned.pop(step, None)
+        self._revive(step)
+        if self.restarted and p.state == PENDING and p.registered == 0:
+            # Its registrations went to the monitor's previous incarnation: how many
+            # saves to wait for is unknown, so committing could name a partial step.
+            self.lose(
+                step,
+                "submitted to the restarted monitor with no registered saves; they were "
+                "registered before the restart",
+            )
+            return []
         if p.finished > p.registered and p.state in _OPEN:
             msg = (
                 f"step {step} ({kind}): {p.finished} saves finished but only {p.registered} "
@@ -194,7 +205,7 @@ class CommitTracker:
             p.first_start = now
         if carrier and not p.carrier:
             p.carrier = dict(carrier)
-        self.abandoned.pop(step, None)
+        self._revive(step)
 
     def finish(
         self,
@@ -321,5 +332,33 @@ class CommitTracker:
         return min(starts) if starts else None
 
     def mark_abandoned(self, step: int, reason: str) -> None:
-        """A step found on disk (or forgotten by a restart) that will never commit."""
+        """A step found on disk uncommitted; new saves into it take it up again."""
         self.abandoned[step] = reason
+
+    def lose(self, step: int, reason: str) -> list[tuple[int, str]]:
+        """This monitor lost track of ``step`` (it restarted while the step was open).
+
+        The step will never commit: its open kinds become abandoned and leave
+        the pending views; later notifications about it are accepted and change
+        nothing. A step at or below the committed one is left as it is.
+        Returns the (step, kind) pairs newly abandoned.
+        """
+        validate_step(step)
+        newly = []
+        for kind in KINDS:
+            latest = self.latest[kind]
+            if latest is not None and step <= latest:
+                continue
+            p = self.progress(step, kind)
+            if p.state in _OPEN:
+                p.state, p.error, p.resolved_at = ABANDONED, reason, self.clock()
+                newly.append((step, kind))
+        if any(p.state == ABANDONED for p in self.steps.get(step, {}).values()):
+            self.abandoned[step] = reason
+        return newly
+
+    def _revive(self, step: int) -> None:
+        # A step found on disk at startup is taken up again by new saves; one this
+        # monitor lost track of stays abandoned.
+        if not any(p.state == ABANDONED for p in self.steps.get(step, {}).values()):
+            self.abandoned.pop(step, None)

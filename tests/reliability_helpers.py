@@ -145,13 +145,21 @@ class RankWorker:
     """
 
     def __init__(self, monitor, root: str, rank: int, world: int, numel: int, **coord_kwargs):
+        import obsckpt.snapshot  # noqa: F401 - import torch's distributed parts now, not mid-save
         from obsckpt import CheckpointCoordinator
 
         self.root, self.rank, self.world, self.numel = root, rank, world, numel
+        self.coord_kwargs = coord_kwargs
         self.coord = CheckpointCoordinator(monitor, rank=rank, **coord_kwargs)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def attach(self, monitor) -> None:
+        """Report to another monitor from now on (the job was restarted around this rank)."""
+        from obsckpt import CheckpointCoordinator
+
+        self.coord = CheckpointCoordinator(monitor, rank=self.rank, **self.coord_kwargs)
 
     def save(self, step: int) -> float:
         """Snapshot this rank's state for ``step`` and write it in the background."""

@@ -811,16 +811,21 @@ class WeightBroadcaster:
 
     def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
         work = self.group.broadcast_async(t, self.src)
-        self.group.wait(work, deadline, lambda: f"weight broadcast {what} on {self.group!r}")
+        self.group.wait(work, deadline, lambda: self._progress(what, 0, 1, None))
 
-    def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta]) -> str:
+    def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta] | None) -> str:
         budget = self.timeout_s if self.timeout_s is not None else self.group.timeout_s
-        mib = sum(m.nbytes for m in meta) / 2**20
         role = "sending" if self.is_sender else "receiving"
+        if meta is None:
+            what = f"{role}, {self.group.backend}"
+            done = f"the {unit} was not {'taken' if self.is_sender else 'sent'} by the peers"
+        else:
+            mib = sum(m.nbytes for m in meta) / 2**20
+            what = f"{role}, {len(meta)} tensors, {mib:.1f} MiB, {self.group.backend}"
+            done = f"{at} of {total} {unit}s completed"
         return (
-            f"weight broadcast ({role}, {len(meta)} tensors, {mib:.1f} MiB, "
-            f"{self.group.backend}) did not finish within {budget:.1f} s: "
-            f"{at} of {total} {unit}s completed; the group is now broken"
+            f"weight broadcast ({what}) on {self.group.host}:{self.group.port} did not finish "
+            f"within {budget:.1f} s: {done}; the group is now broken"
         )
 
     def release_buffers(self) -> None:

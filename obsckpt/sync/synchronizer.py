@@ -262,6 +262,7 @@ class Synchronizer:
     Args:
         default_local_dir: the checkpoint root to watch; None disables checkpoint sync.
         poll_interval_s: how often to read the state-dict iteration file.
+        namespace: the job's Ray namespace, where the monitor is looked up.
         trace_exporter: exporter name for this process's spans (default: ``OTEL_*``).
         registry: Prometheus registry for the local fallback metrics (tests).
     """
@@ -271,6 +272,7 @@ class Synchronizer:
         default_local_dir: str | os.PathLike | None = None,
         *,
         poll_interval_s: float = 1.0,
+        namespace: str | None = None,
         trace_exporter: str | None = None,
         registry: Any = None,
     ) -> None:
@@ -278,6 +280,7 @@ class Synchronizer:
             raise ValueError(f"poll_interval_s must be positive seconds, got {poll_interval_s!r}")
         self.root = Path(default_local_dir) if default_local_dir is not None else None
         self.poll_interval_s = float(poll_interval_s)
+        self.namespace = namespace
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._version: int | None = None
         self._source: str | None = None
@@ -327,6 +330,7 @@ class Synchronizer:
             .remote(
                 os.fspath(default_local_dir) if default_local_dir is not None else None,
                 poll_interval_s=poll_interval_s,
+                namespace=namespace,
                 trace_exporter=trace_exporter,
             )
         )
@@ -512,7 +516,8 @@ class Synchronizer:
 
             if not ray.is_initialized():
                 return None
-            namespace = ray.get_runtime_context().namespace
+            # An actor's runtime namespace is its job's, not the one it is named in.
+            namespace = self.namespace or ray.get_runtime_context().namespace
             self._monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace)
         except Exception:  # noqa: BLE001 - no monitor in this namespace (yet)
             return None

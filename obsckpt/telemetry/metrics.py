@@ -140,6 +140,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "oldest_pending_start",
     ),
     MetricSpec(
+        "obsckpt_abandoned_steps",
+        "gauge",
+        (),
+        "Steps that will never commit: found on disk uncommitted when the monitor started, "
+        "or open when it restarted (their saves were registered with its previous incarnation).",
+        "abandoned_steps",
+    ),
+    MetricSpec(
         "obsckpt_step_failures_total",
         "counter",
         ("kind",),
@@ -252,6 +260,7 @@ class Metrics:
     last_commit_timestamp: Gauge
     pending_steps: Gauge
     oldest_pending_start: Gauge
+    abandoned_steps: Gauge
     step_failures: Counter
     rank_last_save_duration: Gauge
     broadcast_duration: Histogram

@@ -160,8 +160,17 @@ def export_failures() -> int:
     return sum(e.failures for e in _safe_exporters)
 
 
+_tracer: tuple[object, trace.Tracer] | None = None
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """obsckpt's tracer from the current provider (kept: making one costs more than a span)."""
+    global _tracer
+    provider = trace.get_tracer_provider()
+    cached = _tracer
+    if cached is None or cached[0] is not provider:
+        cached = _tracer = (provider, provider.get_tracer(TRACER_NAME))
+    return cached[1]
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:

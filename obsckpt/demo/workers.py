@@ -1,0 +1,444 @@
+"""The demo's Ray actors: FSDP2 trainer ranks and a rollout stand-in.
+
+:class:`TrainerRank` is one rank of a small FSDP2 job (``fully_shard`` on
+every decoder layer and the root; gloo on CPU, NCCL on GPU). It saves full
+checkpoints (model, optimizer, extra state) in the background through a
+:class:`obsckpt.CheckpointCoordinator`, using obsckpt's verl integration
+(``obsckpt.integrations.fsdp_checkpoint_manager.FSDPCheckpointManager``)
+when it is installed, else an equivalent writer with verl's file layout.
+
+:class:`Rollout` stands in for an inference engine: it holds the weights it
+was last sent and the version (training step) they belong to, and checks
+each new version against the one the trainer says it sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODEL_SUBDIR = "actor"
+# Small buckets: the demo's model is a few MB, the library default is 256 MiB.
+BUCKET_BYTES = 4 << 20
+
+
+def _setup_worker_tracing(service: str) -> None:
+    from obsckpt.telemetry import tracing
+
+    if (
+        os.environ.get("OTEL_TRACES_EXPORTER")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        tracing.setup_tracing(service)
+
+
+def _flush_tracing() -> None:
+    try:
+        from opentelemetry import trace
+
+        provider = trace.get_tracer_provider()
+        flush = getattr(provider, "force_flush", None)
+        if flush is not None:
+            flush(5000)
+    except Exception:  # noqa: BLE001 - telemetry never breaks the job
+        pass
+
+
+def shard_name(kind: str, world_size: int, rank: int) -> str:
+    """verl's per-rank file name, e.g. ``model_world_size_2_rank_0.pt``."""
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+class CoordinatedCheckpointer:
+    """verl's FSDP checkpoint layout, written in the background through the coordinator.
+
+    Used when obsckpt's verl integration is not importable. Writes, per rank,
+    ``model_``, ``optim_`` and ``extra_state_world_size_<W>_rank_<R>.pt``
+    (one background slot each) and, on rank 0, the model config under
+    ``huggingface/``. Returns after the tensors are staged.
+    """
+
+    SLOTS = ("model", "optim", "extra_state")
+
+    def __init__(self, model, optimizer, lr_scheduler, coordinator, *, rank: int, world_size: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.coordinator = coordinator
+        self.rank = rank
+        self.world_size = world_size
+
+    def saves_per_checkpoint(self) -> int:
+        return len(self.SLOTS)
+
+    def save_checkpoint(self, local_path: str, global_step: int, trace_context=None) -> int:
+        os.makedirs(local_path, exist_ok=True)
+        if self.rank == 0:
+            # Small and written before the step is submitted, so the commit's
+            # manifest includes it.
+            self.model.config.save_pretrained(os.path.join(local_path, "huggingface"))
+        extra = {
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "rng": {"cpu": torch.get_rng_state()},
+        }
+        parts = {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "extra_state": extra,
+        }
+        for slot in self.SLOTS:
+            path = os.path.join(local_path, shard_name(slot, self.world_size, self.rank))
+            self.coordinator.save_state_dict_async(
+                slot, parts[slot], path, global_step, trace_context=trace_context
+            )
+        return len(self.SLOTS)
+
+    def load_checkpoint(self, local_path: str) -> None:
+        def load(kind: str):
+            path = os.path.join(local_path, shard_name(kind, self.world_size, self.rank))
+            return torch.load(path, map_location="cpu", weights_only=False)
+
+        self.model.load_state_dict(load("model"))
+        self.optimizer.load_state_dict(load("optim"))
+        extra = load("extra_state")
+        if extra.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        rng = extra.get("rng") or {}
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+
+
+def _integration_manager(model, optimizer, lr_scheduler, coordinator, rank, world_size):
+    """obsckpt's verl-based manager, or None when it is not available here."""
+    try:
+        from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
+    except ImportError:
+        return None
+    try:
+        return FSDPCheckpointManager(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            coordinator=coordinator,
+        )
+    except TypeError as exc:
+        logger.warning("obsckpt demo: the verl integration's manager cannot be used: %s", exc)
+        return None
+
+
+class TrainerRank:
+    """One FSDP2 rank of the demo job (a Ray actor; see :func:`obsckpt.demo.job.run_demo`)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        namespace: str,
+        spec: dict,
+        lr: float,
+        seed: int,
+        device: str,
+        threads: int,
+    ) -> None:
+        from obsckpt.demo.model import ModelSpec
+
+        torch.set_num_threads(max(1, threads))
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self.spec = ModelSpec(**spec)
+        self.lr = lr
+        self.seed = seed
+        self.device = torch.device(device)
+        self.model = None
+        self.checkpointer: Any = None
+        self.sync_group = None
+        self.broadcaster = None
+        self.uses_integration = False
+        _setup_worker_tracing("obsckpt-demo-trainer")
+
+    def node_address(self) -> str:
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from obsckpt.sync.broadcast import free_port
+
+        return free_port("0.0.0.0")
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the job's process group, build and shard the model; returns its description."""
+        import ray
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from obsckpt import CheckpointCoordinator
+        from obsckpt.demo.model import build_model, count_parameters
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)
+        os.environ["RANK"] = str(self.rank)
+        os.environ["WORLD_SIZE"] = str(self.world_size)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        model = build_model(self.spec, seed=self.seed).to(self.device)
+        params = count_parameters(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / 5)
+        )
+        monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
+        self.monitor = monitor
+        self.coordinator = CheckpointCoordinator(monitor, rank=self.rank)
+        manager = _integration_manager(
+            model, self.optimizer, self.lr_scheduler, self.coordinator, self.rank, self.world_size
+        )
+        if manager is not None:
+            self.checkpointer = manager
+            self.uses_integration = True
+        else:
+            self.checkpointer = CoordinatedCheckpointer(
+                model,
+                self.optimizer,
+                self.lr_scheduler,
+                self.coordinator,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        return {
+            "parameters": params,
+            "backend": backend,
+            "checkpointer": "obsckpt.integrations FSDPCheckpointManager"
+            if self.uses_integration
+            else "CoordinatedCheckpointer (verl layout)",
+        }
+
+    # -- training --------------------------------------------------------
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step on this rank's synthetic batch; returns the mean loss over ranks."""
+        import torch.distributed as dist
+
+        from obsckpt.demo.model import synthetic_batch
+
+        tokens = synthetic_batch(self.spec, step, self.rank, seed=self.seed).to(self.device)
+        out = self.model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = out.loss.detach().reshape(1).clone()
+        dist.all_reduce(loss)
+        return float(loss.item()) / self.world_size
+
+    # -- checkpoints -----------------------------------------------------
+
+    def save_checkpoint(self, root: str, step: int, trace_context: dict | None) -> int:
+        """Start a full checkpoint of ``step`` in the background; returns how many saves began."""
+        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        if self.uses_integration:
+            self.checkpointer.save_checkpoint(
+                path, global_step=step, **_trace_kw(self.checkpointer, trace_context)
+            )
+            return int(self.checkpointer.saves_per_checkpoint())
+        return self.checkpointer.save_checkpoint(path, step, trace_context)
+
+    def save_model_state_dict(self, root: str, step: int, trace_context: dict | None) -> int:
+        """Start a state-dict save (model shard only) of ``step``; returns 1."""
+        path = os.path.join(
+            root, f"global_step_{step}", MODEL_SUBDIR, shard_name("model", self.world_size, self.rank)
+        )
+        self.coordinator.save_state_dict_async(
+            "model",
+            self.model.state_dict(),
+            path,
+            step,
+            is_state_dict=True,
+            trace_context=trace_context,
+        )
+        return 1
+
+    def load_checkpoint(self, root: str, step: int) -> None:
+        import torch.distributed as dist
+
+        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        self.checkpointer.load_checkpoint(path)
+        dist.barrier()
+
+    def wait_saves(self, timeout: float) -> str | None:
+        """Join every background save; the first failure's text, or None."""
+        try:
+            self.coordinator.wait_all(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - reported by the driver
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # -- weight sync -----------------------------------------------------
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        # Every rank takes part in each gather, in the same order.
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for name, value in self.model.state_dict().items():
+            out[name] = value.full_tensor() if isinstance(value, DTensor) else value
+        return out
+
+    def fingerprint(self) -> str | None:
+        """CRC32 of the full weights (rank 0); every rank must call it."""
+        from obsckpt.demo.model import fingerprint
+
+        full = self._full_state_dict()
+        return fingerprint(full.items()) if self.rank == 0 else None
+
+    def join_weight_sync(self, host: str, port: int, backend: str) -> None:
+        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+
+        self.sync_group = WeightSyncGroup(
+            host=host, port=port, rank=0, world_size=2, backend=backend, timeout_s=120.0
+        )
+        self.broadcaster = WeightBroadcaster(
+            self.sync_group, bucket_bytes=BUCKET_BYTES, monitor=self.monitor
+        )
+
+    def broadcast_weights(self, step: int, trace_context: dict | None) -> str | None:
+        """Send the full weights to the rollout (rank 0); every rank must call it."""
+        from obsckpt.demo.model import fingerprint
+
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return None
+        self.broadcaster.send(full, step=step, trace_context=trace_context)
+        return fingerprint(full.items())
+
+    def upload_weights(self, step: int, synchronizer) -> str | None:
+        """Memory sync: hand the full weights to the Synchronizer (rank 0); every rank calls it."""
+        import ray
+
+        from obsckpt.demo.model import fingerprint
+
+        full = self._full_state_dict()
+        if self.rank != 0:
+            return None
+        t0 = time.perf_counter()
+        ray.get(synchronizer.set_model_state_dict.remote(full, step))
+        synchronizer.record_upload.remote(time.perf_counter() - t0)
+        return fingerprint(full.items())
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.broadcaster is not None:
+            self.broadcaster.telemetry.flush(10.0)
+        if self.sync_group is not None:
+            self.sync_group.close()
+        _flush_tracing()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _trace_kw(manager, trace_context) -> dict:
+    import inspect
+
+    try:
+        params = inspect.signature(manager.save_checkpoint).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"trace_context": trace_context} if "trace_context" in params else {}
+
+
+class Rollout:
+    """Holds the weights it was last sent and their version; checks each new version."""
+
+    def __init__(self, *, namespace: str, device: str) -> None:
+        self.namespace = namespace
+        self.device = torch.device(device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.versions: list[int] = []
+        self.sync_group = None
+        self.broadcaster = None
+        self._monitor = None
+        _setup_worker_tracing("obsckpt-demo-rollout")
+
+    def _report(self, version: int) -> None:
+        import ray
+
+        if self._monitor is None:
+            self._monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
+        self._monitor.record_model_version.remote("rollout", version)
+
+    def _accept(self, got: int | None, expected: int) -> tuple[int, str]:
+        from obsckpt.demo.model import fingerprint
+
+        if got != expected:
+            raise RuntimeError(
+                f"the rollout received model version {got}, but the trainer sent step {expected}"
+            )
+        self.version = got
+        self.versions.append(got)
+        self._report(got)
+        return got, fingerprint(self.weights.items())
+
+    def join_weight_sync(self, host: str, port: int, backend: str) -> None:
+        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+
+        self.sync_group = WeightSyncGroup(
+            host=host, port=port, rank=1, world_size=2, backend=backend, timeout_s=120.0
+        )
+        self.broadcaster = WeightBroadcaster(self.sync_group, bucket_bytes=BUCKET_BYTES)
+
+    def receive_broadcast(self, expected: int) -> tuple[int, str]:
+        """Receive one broadcast into the held weights; returns (version, fingerprint)."""
+        got = self.broadcaster.recv(into=self.weights or None, clone=not self.weights)
+        if not self.weights:
+            self.weights = {k: v.to(self.device) for k, v in got.items()}
+        return self._accept(self.broadcaster.last_step, expected)
+
+    def pull(self, synchronizer, expected: int, timeout: float) -> tuple[int, str]:
+        """Wait for the Synchronizer to hold ``expected`` (or newer), take its weights."""
+        import ray
+
+        current = self.version
+        deadline = time.monotonic() + timeout
+        held = None
+        while time.monotonic() < deadline:
+            held = ray.get(synchronizer.wait_new_model_state_dict.remote(current, 1.0))
+            if held is not None and held >= expected:
+                break
+        state_dict, version = ray.get(synchronizer.get_model_state_dict.remote())
+        if state_dict is not None:
+            self.weights = {k: v.to(self.device) for k, v in state_dict.items()}
+        if version is None or version < expected:
+            raise RuntimeError(
+                f"the synchronizer holds version {version} after {timeout:.0f} s; the trainer "
+                f"is at step {expected} (is the step's commit stuck? see `obsckpt status`)"
+            )
+        return self._accept(version, expected)
+
+    def received_versions(self) -> list[int]:
+        return list(self.versions)
+
+    def close(self) -> None:
+        if self.sync_group is not None:
+            self.sync_group.close()
+        _flush_tracing()

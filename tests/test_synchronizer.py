@@ -1,0 +1,226 @@
+"""Synchronizer actor: memory sync, checkpoint sync of committed steps only, bad steps skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import pytest
+import ray
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
+from obsckpt import commit as disk
+from obsckpt.snapshot import write_torch_file
+from obsckpt.sync.synchronizer import StateDictLoadError, load_sharded_state_dict, merge_shards
+
+
+def state_dict(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(8, 4, generator=g),
+        "norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+        "step_count": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(monitor) -> dict[tuple[str, tuple], float]:
+    address = ray.get(monitor.metrics_address.remote())
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return samples(text)
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def write_step(root, step: int, shards: dict[int, dict], *, commit: bool = True) -> None:
+    """Write a step's per-rank model files, then (optionally) commit it as the monitor does."""
+    sdir = disk.step_dir(root, step)
+    world = len(shards)
+    for rank, sd in shards.items():
+        write_torch_file(sd, sdir / "actor" / f"model_world_size_{world}_rank_{rank}.pt")
+    if commit:
+        disk.finalize_step(sdir)
+        disk.write_iteration(root, "state_dict", step)
+
+
+class TestMemorySync:
+    """Versions only move forward; waiters wake on a newer version or return at their timeout."""
+
+    def test_set_get_wait_meta_and_local_metrics(self, namespace):
+        sync = Synchronizer.get_actor(namespace=namespace)
+        assert ray.get(sync.get_model_state_dict.remote()) == (None, None)
+        assert ray.get(sync.get_state_dict_meta.remote()) is None
+
+        first, second = state_dict(1), state_dict(2)
+        assert ray.get(sync.set_model_state_dict.remote(first, 3))
+        got, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 3 and equal(got, first)
+        assert ray.get(sync.get_state_dict_meta.remote()) == [
+            ("embed.weight", "float32", (8, 4)),
+            ("norm.weight", "bfloat16", (4,)),
+            ("step_count", "int64", (1,)),
+        ]
+
+        # Already newer: returns at once. Not newer: returns the held version at the timeout.
+        assert ray.get(sync.wait_new_model_state_dict.remote(1, timeout=30)) == 3
+        t0 = time.monotonic()
+        assert ray.get(sync.wait_new_model_state_dict.remote(3, timeout=0.3)) == 3
+        assert 0.25 <= time.monotonic() - t0 < 10
+
+        waiter = sync.wait_new_model_state_dict.remote(3, timeout=60)
+        time.sleep(0.3)
+        assert ray.get(sync.set_model_state_dict.remote(second, 5))
+        assert ray.get(waiter, timeout=30) == 5
+
+        # Older steps are refused; the held version is unchanged.
+        assert not ray.get(sync.set_model_state_dict.remote(first, 4))
+        got, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 5 and equal(got, second)
+
+        # None publishes a version without weights (the rollout's own weights are current).
+        assert ray.get(sync.set_model_state_dict.remote(None, 6))
+        assert ray.get(sync.get_model_state_dict.remote()) == (None, 6)
+
+        # No monitor in this namespace: the synchronizer keeps the measurements itself.
+        ray.get(sync.record_upload.remote(0.42))
+        status = ray.get(sync.status.remote())
+        assert status["telemetry"] == "local" and status["source"] == "memory"
+        m = samples(ray.get(sync.metrics_text.remote()))
+        assert m[("obsckpt_model_version", (("role", "trainer"),))] == 6
+        assert m[("obsckpt_model_version", (("role", "rollout"),))] == 6
+        assert m[("obsckpt_state_dict_upload_duration_seconds_count", ())] == 1
+
+    def test_get_actor_returns_the_named_actor(self, namespace):
+        a = Synchronizer.get_actor(namespace=namespace, watch=False)
+        b = Synchronizer.get_actor(namespace=namespace, watch=False)
+        ray.get(a.set_model_state_dict.remote(None, 1))
+        assert ray.get(b.get_version.remote()) == 1
+
+
+class TestCheckpointSync:
+    """Only committed steps are read; the newest committed step becomes the version."""
+
+    def test_commit_through_the_monitor(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=SaveStrategy.UNRESTRICTED,
+            default_local_dir=str(root),
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+        )
+        ray.get(monitor.status.remote())
+        sync = Synchronizer.get_actor(
+            namespace=namespace, default_local_dir=str(root), poll_interval_s=0.1
+        )
+        full = state_dict(7)
+        # Two ranks, each saving its own rows of the embedding (plain tensors: the
+        # rank-0 copy of every name is used; DTensor shards are merged in test_verl_fsdp).
+        coords = [CheckpointCoordinator(monitor, rank=r) for r in (0, 1)]
+        for r, coord in enumerate(coords):
+            path = disk.step_dir(root, 4) / "actor" / f"model_world_size_2_rank_{r}.pt"
+            coord.save_state_dict_async("model", full, path, 4, is_state_dict=True)
+        for coord in coords:
+            coord.wait_all(timeout=60)
+        # Saved but not yet submitted: nothing is committed, so nothing is read.
+        time.sleep(0.5)
+        assert ray.get(sync.get_version.remote()) is None
+
+        coord = CheckpointCoordinator(monitor)
+        asyncio.run(coord.register_and_monitor(4, is_state_dict=True, state_dict_thread_count=2))
+        assert ray.get(sync.wait_new_model_state_dict.remote(None, timeout=60)) == 4
+        got, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 4 and equal(got, full)
+        status = ray.get(sync.status.remote())
+        assert status["source"] == "checkpoint" and status["telemetry"] == "monitor"
+
+        def exported():
+            m = scrape(monitor)
+            ok = (
+                m.get(("obsckpt_model_version", (("role", "trainer"),))) == 4
+                and m.get(("obsckpt_model_version", (("role", "rollout"),))) == 4
+                and m.get(("obsckpt_state_dict_upload_duration_seconds_count", ())) == 1
+            )
+            return ok
+
+        wait_for(exported, what="the monitor to export the synchronizer's measurements")
+
+    def test_bad_steps_are_reported_and_skipped(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        sync = Synchronizer.get_actor(namespace=namespace, default_local_dir=str(root), watch=False)
+        write_step(root, 2, {0: state_dict(2), 1: state_dict(2)})
+        assert ray.get(sync.poll_once.remote()) == 2
+
+        # On disk but not committed: never read.
+        write_step(root, 3, {0: state_dict(3), 1: state_dict(3)}, commit=False)
+        assert ray.get(sync.poll_once.remote()) == 2
+
+        # Committed, then corrupted in place (same size): the manifest's CRC catches it.
+        write_step(root, 4, {0: state_dict(4), 1: state_dict(4)})
+        victim = disk.step_dir(root, 4) / "actor" / "model_world_size_2_rank_1.pt"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        assert ray.get(sync.poll_once.remote()) == 2
+        status = ray.get(sync.status.remote())
+        assert status["load_failures"] == 1 and "corrupted" in status["failed_steps"][4]
+
+        # Committed with a rank missing and no manifest.
+        write_step(root, 5, {0: state_dict(5), 1: state_dict(5)}, commit=False)
+        (disk.step_dir(root, 5) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        disk.write_iteration(root, "state_dict", 5)
+        assert ray.get(sync.poll_once.remote()) == 2
+        status = ray.get(sync.status.remote())
+        assert status["load_failures"] == 2 and "ranks [1]" in status["failed_steps"][5]
+
+        # A later good step is picked up; the bad ones are not retried.
+        write_step(root, 6, {0: state_dict(6), 1: state_dict(6)})
+        assert ray.get(sync.poll_once.remote()) == 6
+        got, _ = ray.get(sync.get_model_state_dict.remote())
+        assert equal(got, state_dict(6))
+        assert ray.get(sync.status.remote())["load_failures"] == 2
+
+
+class TestShardFiles:
+    """Plain-file checks that need no Ray."""
+
+    def test_truncated_file_is_a_load_error(self, tmp_path):
+        write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
+        path = disk.step_dir(tmp_path, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        path.write_bytes(path.read_bytes()[:100])
+        with pytest.raises(StateDictLoadError, match="cannot be loaded"):
+            load_sharded_state_dict(path.parent)
+
+    def test_mixed_world_sizes_are_refused(self, tmp_path):
+        write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
+        write_step(tmp_path, 1, {0: state_dict(1), 1: state_dict(1)}, commit=False)
+        with pytest.raises(StateDictLoadError, match="mixes shards"):
+            load_sharded_state_dict(disk.step_dir(tmp_path, 1) / "actor")
+
+    def test_ranks_must_hold_the_same_names(self):
+        with pytest.raises(StateDictLoadError, match="different names"):
+            merge_shards({0: {"a": torch.zeros(1)}, 1: {"b": torch.zeros(1)}})

@@ -1,0 +1,123 @@
+"""Spans: one trace per step across trainer, worker threads and the monitor actor."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import ray
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt import commit as disk
+from obsckpt.telemetry import tracing
+from obsckpt.telemetry.tracing import SafeExporter
+from workers import SaveWorker
+
+
+def by_name(spans, name):
+    return [s for s in spans if s["name"] == name]
+
+
+class TestTraceAcrossRay:
+    """The monitor's commit and every rank's save are children of the trainer's step span."""
+
+    def test_parent_child_across_ray_calls(self, namespace, tmp_path):
+        assert tracing.setup_tracing("test-trainer", exporter="memory")
+        tracing.clear_finished_spans()
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            default_local_dir=str(root),
+            metrics_port=None,
+            trace_exporter="memory",
+        )
+        workers = [SaveWorker.remote(namespace, rank, trace=True) for rank in range(2)]
+        coord = CheckpointCoordinator(monitor)
+        with tracing.checkpoint_span(3) as carrier:
+            assert "traceparent" in carrier
+            ray.get([w.save.remote(str(root), 3, ["model"], carrier=carrier) for w in workers])
+            asyncio.run(coord.register_and_monitor(3, checkpoint_thread_count=2))
+        assert ray.get([w.wait.remote() for w in workers]) == [None, None]
+        assert disk.read_iteration(root, "checkpoint") == 3
+
+        [step_span] = by_name(tracing.finished_spans(), "obsckpt.checkpoint")
+        assert step_span["attributes"] == {"obsckpt.step": 3, "obsckpt.kind": "checkpoint"}
+        worker_spans = [s for w in workers for s in ray.get(w.spans.remote())]
+        saves = by_name(worker_spans, "obsckpt.save")
+        assert len(saves) == 2
+        for save in saves:
+            assert save["trace_id"] == step_span["trace_id"]
+            assert save["parent_span_id"] == step_span["span_id"]
+            attrs = save["attributes"]
+            assert attrs["obsckpt.step"] == 3 and attrs["obsckpt.slot"] == "model"
+            assert attrs["obsckpt.kind"] == "checkpoint" and attrs["obsckpt.bytes"] > 0
+        assert sorted(s["attributes"]["obsckpt.rank"] for s in saves) == [0, 1]
+        admissions = by_name(worker_spans, "obsckpt.admission_wait")
+        assert {a["parent_span_id"] for a in admissions} == {s["span_id"] for s in saves}
+
+        [commit_span] = by_name(ray.get(monitor.debug_spans.remote()), "obsckpt.commit")
+        assert commit_span["trace_id"] == step_span["trace_id"]
+        assert commit_span["parent_span_id"] == step_span["span_id"]
+        assert commit_span["attributes"] == {"obsckpt.step": 3, "obsckpt.kind": "checkpoint"}
+
+    def test_failed_save_span_has_error_status(self, namespace, tmp_path):
+        tracing.setup_tracing("test-trainer", exporter="memory")
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(root), metrics_port=None
+        )
+        worker = SaveWorker.remote(namespace, 0, trace=True)
+        ray.get(worker.save.remote(str(root), 1, ["optim"], fail_slots=("optim",)))
+        assert "No space left" in ray.get(worker.wait.remote())
+        [save] = by_name(ray.get(worker.spans.remote()), "obsckpt.save")
+        assert save["status"] == "ERROR"
+        [failed] = ray.get(monitor.status.remote())["failed"]
+        assert failed["step"] == 1 and "No space left" in failed["error"]
+
+
+class TestNoTracing:
+    """Without setup_tracing no provider is installed and spans cost next to nothing."""
+
+    def test_fresh_process_has_no_provider(self):
+        code = (
+            "from opentelemetry import trace\n"
+            "from opentelemetry.trace import ProxyTracerProvider\n"
+            "from obsckpt.telemetry import tracing\n"
+            "import obsckpt\n"
+            "assert not tracing.enabled()\n"
+            "assert tracing.inject() == {}\n"
+            "with tracing.span('obsckpt.save') as s: assert not s.is_recording()\n"
+            "assert isinstance(trace.get_tracer_provider(), ProxyTracerProvider)\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    def test_disabled_by_environment(self):
+        code = (
+            "import os\n"
+            "os.environ['OTEL_SDK_DISABLED'] = 'true'\n"
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing() is False and not tracing.enabled()\n"
+            "os.environ['OTEL_SDK_DISABLED'] = ''\n"
+            "os.environ['OTEL_TRACES_EXPORTER'] = 'none'\n"
+            "assert tracing.setup_tracing() is False and not tracing.enabled()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class TestExporterFailures:
+    """An exporter that raises is logged and counted, never raised into training."""
+
+    def test_safe_exporter_swallows_and_counts(self):
+        class Broken:
+            def export(self, spans):
+                raise ConnectionError("collector unreachable")
+
+            def shutdown(self):
+                raise ConnectionError("still unreachable")
+
+        safe = SafeExporter(Broken())
+        assert safe.export([]).name == "FAILURE"
+        assert safe.export([]).name == "FAILURE"
+        assert safe.failures == 2
+        safe.shutdown()  # does not raise
