@@ -3,7 +3,9 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 UV        ?= uv
-FINDLINKS := $(if $(PIP_FIND_LINKS),$(foreach d,$(PIP_FIND_LINKS),--find-links $(d)),)
+# Local wheel folders (PIP_FIND_LINKS) carry the CPU build of torch; uv does not read that variable.
+LINKDIRS  := $(or $(PIP_FIND_LINKS),$(wildcard /opt/wheels))
+FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 PYTEST_ARGS ?=
 
 .PHONY: setup test demo lint metrics-doc dashboards bench bench-quick clean
