@@ -35,6 +35,8 @@ _SLOT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
 # Iteration files hold a step number; anything longer than this is not one.
 _MAX_ITERATION_BYTES = 64
+# Readers hold steps in an int64; a larger number in an iteration file is not a step.
+MAX_STEP = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ def validate_step(step: object, what: str = "global_step") -> int:
         )
     if step < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"{what} must be at most 2**63 - 1, got {step}")
     return step
 
 
@@ -145,7 +149,13 @@ def parse_iteration(text: str, path: str | os.PathLike) -> int:
             f"{path} holds {text[:40]!r}, not a step number; it must hold one non-negative "
             "integer. Restore it from a backup or remove it to start from no committed step"
         )
-    return int(stripped)
+    value = int(stripped)
+    if value > MAX_STEP:
+        raise IterationFileError(
+            f"{path} names step {stripped[:40]}..., beyond 2**63 - 1: not a step number. "
+            "Restore it from a backup or remove it to start from no committed step"
+        )
+    return value
 
 
 def read_iteration(root: str | os.PathLike, kind: str) -> int | None:

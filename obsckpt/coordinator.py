@@ -94,7 +94,11 @@ class CheckpointCoordinator:
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
     ) -> None:
-        if save_timeout is not None and not save_timeout > 0:
+        if save_timeout is not None and (
+            isinstance(save_timeout, bool)
+            or not isinstance(save_timeout, (int, float))
+            or not save_timeout > 0
+        ):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
         self._monitor = checkpoint_monitor
         self.rank = rank if rank is not None else _default_rank()

@@ -381,6 +381,12 @@ class CheckpointMonitor:
     async def _after_change(self) -> None:
         if self._commit_lock is None:
             self._commit_lock = asyncio.Lock()
+        if self._commit_lock.locked():
+            # The running committer re-checks ready() before it lets go of the
+            # lock (with no await in between), so nothing is missed; waiting here
+            # would only hold admissions behind commit I/O.
+            self._refresh_gauges()
+            return
         async with self._commit_lock:
             while ready := self.tracker.ready():
                 for step, kind in ready:

@@ -144,9 +144,22 @@ class RankWorker:
     imports without Ray.
     """
 
-    def __init__(self, monitor, root: str, rank: int, world: int, numel: int, **coord_kwargs):
+    def __init__(
+        self,
+        monitor,
+        root: str,
+        rank: int,
+        world: int,
+        numel: int,
+        trace: bool = False,
+        **coord_kwargs,
+    ):
         import obsckpt.snapshot  # noqa: F401 - import torch's distributed parts now, not mid-save
         from obsckpt import CheckpointCoordinator
+        from obsckpt.telemetry import tracing
+
+        if trace:  # configured by this process's OTEL_* variables
+            tracing.setup_tracing("obsckpt-rank")
 
         self.root, self.rank, self.world, self.numel = root, rank, world, numel
         self.coord_kwargs = coord_kwargs

@@ -105,13 +105,13 @@ class TestInjectedFailures:
         address = ray.get(monitor.metrics_address.remote())
         coord = CheckpointCoordinator(monitor, save_timeout=SAVE_TIMEOUT, rpc_timeout=60)
         memory_spans.clear_finished_spans()
-        n_steps = trials(6)
+        n_steps = max(trials(8), len(FAULTS) + 2)
         injected = {k: 0 for k in FAULTS}
         failed_steps, ok_steps = [], []
         t0 = time.monotonic()
         for step in range(1, n_steps + 1):
-            # Every fault kind shows up; the last step is clean so the job ends committed.
-            if step == n_steps:
+            # Every fault kind shows up; a clean step follows them, and the last step is clean.
+            if step in (n_steps, len(FAULTS) + 1):
                 plan = ["ok"] * len(SLOTS)
             elif step <= len(FAULTS):
                 plan = [FAULTS[step - 1]] + ["ok"] * (len(SLOTS) - 1)
@@ -119,7 +119,7 @@ class TestInjectedFailures:
             else:
                 plan = [rng.choice(("ok", "ok") + FAULTS) for _ in SLOTS]
             asyncio.run(coord.register_and_monitor(step, checkpoint_thread_count=len(SLOTS)))
-            for slot, kind in zip(SLOTS, plan):
+            for slot, kind in zip(SLOTS, plan, strict=True):
                 fn = _ok_save(root, step, slot) if kind == "ok" else _fault_save(kind, full, ro, real, step, slot)
                 coord.save_async(slot, fn, step)
             faults = [k for k in plan if k != "ok"]
@@ -134,7 +134,7 @@ class TestInjectedFailures:
                 coord.wait_all(timeout=30)
                 ok_steps.append(step)
                 wait_for(
-                    lambda: ray.get(monitor.status.remote())["latest"]["checkpoint"] == step,
+                    lambda step=step: ray.get(monitor.status.remote())["latest"]["checkpoint"] == step,
                     30,
                     f"clean step {step} to commit under {strategy.name}",
                 )

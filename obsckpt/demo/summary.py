@@ -141,8 +141,12 @@ def _hist_row(what: str, h: Histogram, note: str = "") -> Row:
     )
 
 
-def summarize(scrape: Scrape) -> dict:
-    """The summary as plain data: rows of the table and the headline counts."""
+def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) -> dict:
+    """The summary as plain data: rows of the table and the headline counts.
+
+    ``committed`` (the monitor's ``status()["latest"]``) tells "no commit yet"
+    apart from step 0, which the ``obsckpt_latest_step`` gauge cannot.
+    """
     rows: list[Row] = []
     durations = scrape.histograms("obsckpt_save_duration_seconds", by="slot")
     for slot in sorted(durations):
@@ -154,10 +158,14 @@ def summarize(scrape: Scrape) -> dict:
             note += f", {errors:.0f} failed"
         rows.append(_hist_row(f"save {slot}", h, note))
     for slot, h in sorted(scrape.histograms("obsckpt_thread_join_wait_seconds", by="slot").items()):
+        if h.count <= 0:
+            continue
         rows.append(_hist_row(f"join wait {slot}", h))
     for strategy, h in sorted(
         scrape.histograms("obsckpt_save_admission_wait_seconds", by="strategy").items()
     ):
+        if h.count <= 0:
+            continue
         rows.append(_hist_row(f"admission wait ({strategy})", h))
     for backend, h in sorted(
         scrape.histograms("obsckpt_broadcast_duration_seconds", by="backend").items()
@@ -187,6 +195,8 @@ def summarize(scrape: Scrape) -> dict:
             if n == "obsckpt_latest_step" and lab.get("kind") == kind
         ]
         latest[kind] = int(present[0]) if present else None
+        if committed is not None:
+            latest[kind] = committed.get(kind)
     versions = {}
     for role in ("trainer", "rollout"):
         present = [

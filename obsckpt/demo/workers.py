@@ -2,10 +2,12 @@
 
 :class:`TrainerRank` is one rank of a small FSDP2 job (``fully_shard`` on
 every decoder layer and the root; gloo on CPU, NCCL on GPU). It saves full
-checkpoints (model, optimizer, extra state) in the background through a
-:class:`obsckpt.CheckpointCoordinator`, using obsckpt's verl integration
-(``obsckpt.integrations.fsdp_checkpoint_manager.FSDPCheckpointManager``)
-when it is installed, else an equivalent writer with verl's file layout.
+checkpoints (model, optimizer, extra state) in the background with obsckpt's
+verl integration (:class:`obsckpt.integrations.FSDPCheckpointManager`, which
+saves through a :class:`obsckpt.CheckpointCoordinator` and registers each
+save with the monitor), and sends its weights to the rollout side with
+:func:`obsckpt.integrations.fsdp_sync_weight_nccl` (broadcast) or the
+manager's ``upload_state_dict`` (memory sync).
 
 :class:`Rollout` stands in for an inference engine: it holds the weights it
 was last sent and the version (training step) they belong to, and checks
@@ -56,83 +58,6 @@ def shard_name(kind: str, world_size: int, rank: int) -> str:
     return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
 
 
-class CoordinatedCheckpointer:
-    """verl's FSDP checkpoint layout, written in the background through the coordinator.
-
-    Used when obsckpt's verl integration is not importable. Writes, per rank,
-    ``model_``, ``optim_`` and ``extra_state_world_size_<W>_rank_<R>.pt``
-    (one background slot each) and, on rank 0, the model config under
-    ``huggingface/``. Returns after the tensors are staged.
-    """
-
-    SLOTS = ("model", "optim", "extra_state")
-
-    def __init__(self, model, optimizer, lr_scheduler, coordinator, *, rank: int, world_size: int):
-        self.model = model
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.coordinator = coordinator
-        self.rank = rank
-        self.world_size = world_size
-
-    def saves_per_checkpoint(self) -> int:
-        return len(self.SLOTS)
-
-    def save_checkpoint(self, local_path: str, global_step: int, trace_context=None) -> int:
-        os.makedirs(local_path, exist_ok=True)
-        if self.rank == 0:
-            # Small and written before the step is submitted, so the commit's
-            # manifest includes it.
-            self.model.config.save_pretrained(os.path.join(local_path, "huggingface"))
-        extra = {
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "rng": {"cpu": torch.get_rng_state()},
-        }
-        parts = {
-            "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
-            "extra_state": extra,
-        }
-        for slot in self.SLOTS:
-            path = os.path.join(local_path, shard_name(slot, self.world_size, self.rank))
-            self.coordinator.save_state_dict_async(
-                slot, parts[slot], path, global_step, trace_context=trace_context
-            )
-        return len(self.SLOTS)
-
-    def load_checkpoint(self, local_path: str) -> None:
-        def load(kind: str):
-            path = os.path.join(local_path, shard_name(kind, self.world_size, self.rank))
-            return torch.load(path, map_location="cpu", weights_only=False)
-
-        self.model.load_state_dict(load("model"))
-        self.optimizer.load_state_dict(load("optim"))
-        extra = load("extra_state")
-        if extra.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        rng = extra.get("rng") or {}
-        if "cpu" in rng:
-            torch.set_rng_state(rng["cpu"])
-
-
-def _integration_manager(model, optimizer, lr_scheduler, coordinator, rank, world_size):
-    """obsckpt's verl-based manager, or None when it is not available here."""
-    try:
-        from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
-    except ImportError:
-        return None
-    try:
-        return FSDPCheckpointManager(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            coordinator=coordinator,
-        )
-    except TypeError as exc:
-        logger.warning("obsckpt demo: the verl integration's manager cannot be used: %s", exc)
-        return None
-
-
 class TrainerRank:
     """One FSDP2 rank of the demo job (a Ray actor; see :func:`obsckpt.demo.job.run_demo`)."""
 
@@ -159,10 +84,9 @@ class TrainerRank:
         self.seed = seed
         self.device = torch.device(device)
         self.model = None
-        self.checkpointer: Any = None
+        self.manager: Any = None
         self.sync_group = None
         self.broadcaster = None
-        self.uses_integration = False
         _setup_worker_tracing("obsckpt-demo-trainer")
 
     def node_address(self) -> str:
@@ -183,6 +107,7 @@ class TrainerRank:
 
         from obsckpt import CheckpointCoordinator
         from obsckpt.demo.model import build_model, count_parameters
+        from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
@@ -205,31 +130,17 @@ class TrainerRank:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / 5)
         )
-        monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
-        self.monitor = monitor
-        self.coordinator = CheckpointCoordinator(monitor, rank=self.rank)
-        manager = _integration_manager(
-            model, self.optimizer, self.lr_scheduler, self.coordinator, self.rank, self.world_size
+        self.monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
+        self.coordinator = CheckpointCoordinator(self.monitor, rank=self.rank)
+        self.manager = FSDPCheckpointManager(
+            model=model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            ray_namespace=self.namespace,
+            monitor=self.monitor,
+            coordinator=self.coordinator,
         )
-        if manager is not None:
-            self.checkpointer = manager
-            self.uses_integration = True
-        else:
-            self.checkpointer = CoordinatedCheckpointer(
-                model,
-                self.optimizer,
-                self.lr_scheduler,
-                self.coordinator,
-                rank=self.rank,
-                world_size=self.world_size,
-            )
-        return {
-            "parameters": params,
-            "backend": backend,
-            "checkpointer": "obsckpt.integrations FSDPCheckpointManager"
-            if self.uses_integration
-            else "CoordinatedCheckpointer (verl layout)",
-        }
+        return {"parameters": params, "backend": backend}
 
     # -- training --------------------------------------------------------
 
@@ -252,63 +163,58 @@ class TrainerRank:
 
     # -- checkpoints -----------------------------------------------------
 
-    def save_checkpoint(self, root: str, step: int, trace_context: dict | None) -> int:
-        """Start a full checkpoint of ``step`` in the background; returns how many saves began."""
+    def save_checkpoint(
+        self, root: str, step: int, trace_context: dict | None, keep: int | None
+    ) -> dict[str, int]:
+        """Start a full checkpoint of ``step`` in the background; returns the saves it registered."""
+        from obsckpt.telemetry import tracing
+
         path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
-        if self.uses_integration:
-            self.checkpointer.save_checkpoint(
-                path, global_step=step, **_trace_kw(self.checkpointer, trace_context)
+        # The manager's saves take the current context: make it the step's trace.
+        token = tracing.attach(trace_context)
+        try:
+            return self.manager.save_checkpoint(
+                path, global_step=step, max_ckpt_to_keep=keep or None
             )
-            return int(self.checkpointer.saves_per_checkpoint())
-        return self.checkpointer.save_checkpoint(path, step, trace_context)
+        finally:
+            tracing.detach(token)
 
     def save_model_state_dict(self, root: str, step: int, trace_context: dict | None) -> int:
-        """Start a state-dict save (model shard only) of ``step``; returns 1."""
-        path = os.path.join(
-            root, f"global_step_{step}", MODEL_SUBDIR, shard_name("model", self.world_size, self.rank)
-        )
-        self.coordinator.save_state_dict_async(
-            "model",
-            self.model.state_dict(),
-            path,
-            step,
-            is_state_dict=True,
-            trace_context=trace_context,
-        )
-        return 1
-
-    def load_checkpoint(self, root: str, step: int) -> None:
-        import torch.distributed as dist
+        """Start a state-dict save (this rank's model shard) of ``step``; returns how many."""
+        from obsckpt.telemetry import tracing
 
         path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
-        self.checkpointer.load_checkpoint(path)
-        dist.barrier()
+        token = tracing.attach(trace_context)
+        try:
+            return self.manager.save_state_dict(path, global_step=step)
+        finally:
+            tracing.detach(token)
+
+    def load_checkpoint(self, root: str, step: int) -> None:
+        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        self.manager.load_checkpoint(path)
 
     def wait_saves(self, timeout: float) -> str | None:
         """Join every background save; the first failure's text, or None."""
         try:
-            self.coordinator.wait_all(timeout=timeout)
+            self.manager.wait_on_save_thread(timeout)
         except Exception as exc:  # noqa: BLE001 - reported by the driver
             return f"{type(exc).__name__}: {exc}"
         return None
 
     # -- weight sync -----------------------------------------------------
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        # Every rank takes part in each gather, in the same order.
+    def fingerprint(self) -> str | None:
+        """CRC32 of the full weights, on rank 0 (every rank must call it: it gathers)."""
         from torch.distributed.tensor import DTensor
 
-        out = {}
-        for name, value in self.model.state_dict().items():
-            out[name] = value.full_tensor() if isinstance(value, DTensor) else value
-        return out
-
-    def fingerprint(self) -> str | None:
-        """CRC32 of the full weights (rank 0); every rank must call it."""
         from obsckpt.demo.model import fingerprint
 
-        full = self._full_state_dict()
-        return fingerprint(full.items()) if self.rank == 0 else None
+        full = [
+            (name, value.full_tensor() if isinstance(value, DTensor) else value)
+            for name, value in self.model.state_dict().items()
+        ]
+        return fingerprint(full) if self.rank == 0 else None
 
     def join_weight_sync(self, host: str, port: int, backend: str) -> None:
         from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
@@ -320,29 +226,22 @@ class TrainerRank:
             self.sync_group, bucket_bytes=BUCKET_BYTES, monitor=self.monitor
         )
 
-    def broadcast_weights(self, step: int, trace_context: dict | None) -> str | None:
-        """Send the full weights to the rollout (rank 0); every rank must call it."""
-        from obsckpt.demo.model import fingerprint
+    def broadcast_weights(self, step: int, trace_context: dict | None) -> None:
+        """Send the full weights to the rollout from rank 0; every rank must call it."""
+        from types import SimpleNamespace
 
-        full = self._full_state_dict()
-        if self.rank != 0:
-            return None
-        self.broadcaster.send(full, step=step, trace_context=trace_context)
-        return fingerprint(full.items())
+        from obsckpt.integrations.verl_fsdp import fsdp_sync_weight_nccl
 
-    def upload_weights(self, step: int, synchronizer) -> str | None:
-        """Memory sync: hand the full weights to the Synchronizer (rank 0); every rank calls it."""
-        import ray
+        fsdp_sync_weight_nccl(
+            SimpleNamespace(module=self.model),
+            self.broadcaster,
+            step=step,
+            trace_context=trace_context,
+        )
 
-        from obsckpt.demo.model import fingerprint
-
-        full = self._full_state_dict()
-        if self.rank != 0:
-            return None
-        t0 = time.perf_counter()
-        ray.get(synchronizer.set_model_state_dict.remote(full, step))
-        synchronizer.record_upload.remote(time.perf_counter() - t0)
-        return fingerprint(full.items())
+    def upload_weights(self, step: int) -> float | None:
+        """Memory sync: hand the full weights to the Synchronizer; every rank must call it."""
+        return self.manager.upload_state_dict(step)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -354,16 +253,6 @@ class TrainerRank:
         _flush_tracing()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _trace_kw(manager, trace_context) -> dict:
-    import inspect
-
-    try:
-        params = inspect.signature(manager.save_checkpoint).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"trace_context": trace_context} if "trace_context" in params else {}
 
 
 class Rollout:

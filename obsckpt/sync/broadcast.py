@@ -529,10 +529,11 @@ class WeightBroadcaster:
             plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
             self._send_cache = (key, payload, plan)
         # The step travels in the preamble, so an unchanged model reuses its header bytes.
+        device = self.group.device  # NCCL moves only device tensors
         preamble = torch.tensor(
             [_MAGIC, len(payload), -1 if step is None else step], dtype=torch.int64
-        )
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        ).to(device)
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         self._broadcast_now(preamble, deadline, "header")
         self._broadcast_now(body, deadline, "header")
         return plan
@@ -680,18 +681,19 @@ class WeightBroadcaster:
     def _recv_header(
         self, deadline
     ) -> tuple[str, list[TensorMeta], list[Bucket] | None, int | None]:
-        preamble = torch.empty(3, dtype=torch.int64)
+        device = self.group.device
+        preamble = torch.empty(3, dtype=torch.int64, device=device)
         self._broadcast_now(preamble, deadline, "header")
-        magic, length, step = (int(x) for x in preamble.tolist())
+        magic, length, step = (int(x) for x in preamble.cpu().tolist())
         if magic != _MAGIC:
             self.group._break("received a header that is not obsckpt's")
             raise BroadcastError(
                 f"the first message was not a weight-sync header (magic {magic:#x}); sender and "
                 "receivers disagree on the protocol, the group is now broken"
             )
-        body = torch.empty(length, dtype=torch.uint8)
+        body = torch.empty(length, dtype=torch.uint8, device=device)
         self._broadcast_now(body, deadline, "header")
-        raw = body.numpy().tobytes()
+        raw = body.cpu().numpy().tobytes()
         cached = self._recv_cache
         if cached is None or cached[0] != raw:
             header = pickle.loads(raw)

@@ -1,0 +1,403 @@
+"""The ``obsckpt`` command: run the demo job, inspect and verify checkpoint directories.
+
+::
+
+    obsckpt demo [--steps N] [--save-every N] [--world-size N] [...]
+    obsckpt status DIR [--json]
+    obsckpt verify DIR [--step N | --all]
+
+Exit codes: 0 success; 1 a check failed (``verify``) or the demo failed;
+2 bad usage, or a directory that is missing, is not a checkpoint root, or
+holds an unreadable iteration file; 130 the demo was interrupted (SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from obsckpt import commit as disk
+from obsckpt.errors import IterationFileError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+TEMP_MARKER = ".tmp"
+
+
+class CliError(Exception):
+    """A problem reported as one line on stderr with exit code 2."""
+
+
+# ----------------------------------------------------------------------
+# Reading a checkpoint root
+# ----------------------------------------------------------------------
+
+
+def open_root(path: str) -> tuple[Path, dict[str, int | None]]:
+    """The root and its committed steps; CliError when it cannot be used."""
+    root = Path(path)
+    if not root.exists():
+        raise CliError(f"{path}: no such directory")
+    if not root.is_dir():
+        raise CliError(f"{path}: not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise CliError(f"{path}: permission denied")
+    latest: dict[str, int | None] = {}
+    for kind in disk.KINDS:
+        try:
+            latest[kind] = disk.read_iteration(root, kind)
+        except IterationFileError as exc:
+            raise CliError(str(exc)) from None
+    if all(v is None for v in latest.values()) and not disk.steps_on_disk(root):
+        raise CliError(
+            f"{path}: not a checkpoint root (no {disk.ITERATION_FILES['checkpoint']}, "
+            f"no {disk.ITERATION_FILES['state_dict']} and no global_step_<N> directories)"
+        )
+    return root, latest
+
+
+def _walk_files(sdir: Path) -> list[tuple[str, int, float]]:
+    files = []
+    for dirpath, _dirs, names in os.walk(sdir):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            files.append((os.path.relpath(full, sdir), st.st_size, st.st_mtime))
+    return files
+
+
+def describe_step(root: Path, step: int, latest: dict[str, int | None], now: float) -> dict:
+    """What is known of one step directory: committed or not (and why), size, age."""
+    sdir = disk.step_dir(root, step)
+    files = _walk_files(sdir)
+    temps = [f for f, _s, _m in files if TEMP_MARKER in os.path.basename(f)]
+    data = [f for f in files if TEMP_MARKER not in os.path.basename(f[0])]
+    nbytes = sum(s for _f, s, _m in files)
+    mtime = max((m for _f, _s, m in files), default=sdir.stat().st_mtime)
+    has_manifest = (sdir / disk.MANIFEST_NAME).is_file()
+    names = {os.path.basename(f) for f, _s, _m in data}
+    full = any(n.startswith(("optim_", "extra_state_")) for n in names)
+    ck, sd = latest.get("checkpoint"), latest.get("state_dict")
+    newest = max((s for s in (ck, sd) if s is not None), default=None)
+    note = ""
+    if has_manifest or step in (ck, sd):
+        state = "committed"
+        if step == ck:
+            note = "latest checkpoint"
+        elif step == sd:
+            note = "latest state dict"
+        if not has_manifest:
+            note = (note + "; " if note else "") + "no manifest (not written by obsckpt)"
+        kind = "checkpoint" if full or step == ck else "state_dict"
+    else:
+        state = "uncommitted"
+        kind = "checkpoint" if full else "state_dict"
+        if newest is None or step > newest:
+            note = "never committed: still being written, or abandoned by an interrupted save"
+        else:
+            note = "never committed: a save failed or the job stopped before it was whole"
+        if temps:
+            note += f"; {len(temps)} partly written temp file(s)"
+    return {
+        "step": step,
+        "state": state,
+        "kind": kind,
+        "files": len(data),
+        "temp_files": len(temps),
+        "bytes": nbytes,
+        "mtime": mtime,
+        "age_s": max(0.0, now - mtime),
+        "manifest": has_manifest,
+        "note": note,
+    }
+
+
+def root_status(root: Path, latest: dict[str, int | None]) -> dict:
+    now = time.time()
+    steps = [describe_step(root, s, latest, now) for s in disk.steps_on_disk(root)]
+    problems = []
+    on_disk = {s["step"] for s in steps}
+    for kind, step in latest.items():
+        if step is not None and step not in on_disk:
+            problems.append(f"{disk.ITERATION_FILES[kind]} names step {step}, which is not on disk")
+    return {
+        "root": str(root.resolve()),
+        "latest": latest,
+        "committed": [s["step"] for s in steps if s["state"] == "committed"],
+        "uncommitted": [s["step"] for s in steps if s["state"] == "uncommitted"],
+        "steps": steps,
+        "problems": problems,
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+def format_status(st: dict) -> str:
+    latest = st["latest"]
+    lines = [
+        f"root: {st['root']}",
+        f"latest checkpoint: {_opt(latest['checkpoint'])}    "
+        f"latest state dict: {_opt(latest['state_dict'])}",
+    ]
+    if st["steps"]:
+        header = ("step", "state", "kind", "files", "size", "age", "")
+        rows = [header] + [
+            (
+                str(s["step"]),
+                s["state"],
+                s["kind"],
+                str(s["files"]),
+                _size(s["bytes"]),
+                _age(s["age_s"]),
+                s["note"],
+            )
+            for s in st["steps"]
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        right = {0, 3, 4}
+        for r in rows:
+            cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
+            lines.append("  ".join(cells).rstrip())
+    else:
+        lines.append("no step directories")
+    for p in st["problems"]:
+        lines.append(f"problem: {p}")
+    return "\n".join(lines)
+
+
+def _opt(v) -> str:
+    return "none" if v is None else str(v)
+
+
+# ----------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------
+
+
+def cmd_status(args, out: TextIO) -> int:
+    root, latest = open_root(args.dir)
+    st = root_status(root, latest)
+    if args.json:
+        out.write(json.dumps(st, indent=2) + "\n")
+    else:
+        out.write(format_status(st) + "\n")
+    return EXIT_OK
+
+
+def cmd_verify(args, out: TextIO, err: TextIO) -> int:
+    root, latest = open_root(args.dir)
+    if args.all:
+        steps = [s for s in disk.steps_on_disk(root) if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()]
+        if not steps:
+            raise CliError(f"{args.dir}: no step with a manifest to verify")
+    elif args.step is not None:
+        if not disk.step_dir(root, args.step).is_dir():
+            raise CliError(f"{args.dir}: step {args.step} is not on disk (global_step_{args.step})")
+        steps = [args.step]
+    else:
+        step = latest["checkpoint"] if latest["checkpoint"] is not None else latest["state_dict"]
+        if step is None:
+            raise CliError(f"{args.dir}: no committed step to verify (no iteration file); pass --step")
+        steps = [step]
+    failed = 0
+    for step in steps:
+        sdir = disk.step_dir(root, step)
+        if not sdir.is_dir():
+            err.write(f"step {step}: {sdir} is missing (named by the iteration file)\n")
+            failed += 1
+            continue
+        problems = disk.verify_step(sdir)
+        if problems:
+            failed += 1
+            for p in problems:
+                err.write(f"step {step}: {p}\n")
+            out.write(f"step {step}: FAILED, {len(problems)} problem(s)\n")
+        else:
+            records = disk.read_manifest(sdir)
+            total = sum(r.size for r in records)
+            out.write(f"step {step}: OK, {len(records)} files, {_size(total)} match the manifest\n")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_demo(args, out: TextIO, err: TextIO) -> int:
+    from obsckpt.demo import DemoConfig, DemoError, run_demo
+
+    try:
+        cfg = DemoConfig(
+            steps=args.steps,
+            save_every=args.save_every,
+            world_size=args.world_size,
+            sync_method=args.sync_method,
+            ckpt_dir=args.ckpt_dir,
+            resume=args.resume,
+            duration=args.duration,
+            metrics_port=None if args.no_metrics else args.metrics_port,
+            metrics_host=args.metrics_host,
+            file_sd=args.file_sd,
+            otlp_endpoint=args.otlp_endpoint,
+            address=args.address,
+            namespace=args.namespace,
+            save_strategy=args.save_strategy,
+            keep=args.keep,
+            device=args.device,
+            seed=args.seed,
+            progress=not args.no_progress,
+            verbose=args.verbose,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        result = run_demo(cfg, out=out, err=err)
+    except DemoError as exc:
+        raise CliError(str(exc)) from None
+    if args.result_json:
+        from dataclasses import asdict
+
+        data = asdict(result)
+        if data.get("summary"):
+            data["summary"]["rows"] = [asdict(r) for r in result.summary["rows"]]
+        Path(args.result_json).write_text(json.dumps(data, indent=2, default=str) + "\n")
+    err.write(
+        f"demo {result.stop_reason}: steps {result.first_step}-{result.last_step}, committed "
+        f"checkpoint {_opt(result.committed.get('checkpoint'))}, {result.elapsed_s:.1f} s\n"
+    )
+    return result.exit_code
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from obsckpt import __version__
+
+    p = argparse.ArgumentParser(
+        prog="obsckpt",
+        description="Crash-consistent, observable async checkpointing for Ray RL training.",
+    )
+    p.add_argument("--version", action="version", version=f"obsckpt {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo",
+        help="run a small FSDP2 job that checkpoints through obsckpt",
+        description="Train a tiny causal LM with FSDP2 on Ray ranks, checkpoint it in the "
+        "background through obsckpt, sync weights to a rollout actor, serve metrics and "
+        "print a summary. See docs/demo.md.",
+    )
+    d.add_argument("--steps", type=int, default=40, help="training steps; 0 runs until stopped (default 40)")
+    d.add_argument("--save-every", type=int, default=10, help="full checkpoint every N steps (default 10)")
+    d.add_argument("--world-size", type=int, default=2, help="trainer ranks (default 2)")
+    d.add_argument(
+        "--sync-method",
+        choices=("broadcast", "checkpoint", "memory"),
+        default="broadcast",
+        help="how weights reach the rollout each step (default broadcast)",
+    )
+    d.add_argument(
+        "--ckpt-dir",
+        default=os.path.join("obsckpt-demo", "ckpt"),
+        help="checkpoint root (default ./obsckpt-demo/ckpt)",
+    )
+    d.add_argument("--resume", action="store_true", help="continue from the newest committed step")
+    d.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
+    d.add_argument("--metrics-port", type=_port, default=0, help="/metrics port; 0 picks a free one (default)")
+    d.add_argument("--metrics-host", default="0.0.0.0", help="interface for /metrics (default 0.0.0.0)")
+    d.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoint (no summary)")
+    d.add_argument("--file-sd", default=None, metavar="PATH", help="write a Prometheus file_sd target file")
+    d.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send traces by OTLP/HTTP to URL (or set the OTEL_* variables)",
+    )
+    d.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    d.add_argument("--namespace", default=None, help="Ray namespace (default: a fresh one)")
+    d.add_argument(
+        "--save-strategy",
+        default="unrestricted",
+        choices=("single_thread", "single_process", "single_node", "unrestricted"),
+        help="admission of concurrent saves (default unrestricted)",
+    )
+    d.add_argument("--keep", type=int, default=3, help="full checkpoints to keep; 0 keeps all (default 3)")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true", help="no progress line")
+    d.add_argument("--verbose", action="store_true", help="show the Ray workers' logs and tracebacks")
+    d.add_argument("--result-json", default=None, metavar="PATH", help="write the run's result as JSON")
+
+    s = sub.add_parser("status", help="committed and uncommitted steps of a checkpoint directory")
+    s.add_argument("dir", metavar="DIR", help="the checkpoint root")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+
+    v = sub.add_parser("verify", help="check a committed step against its manifest")
+    v.add_argument("dir", metavar="DIR", help="the checkpoint root")
+    g = v.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, default=None, help="step to check (default: the latest committed)")
+    g.add_argument("--all", action="store_true", help="check every step that has a manifest")
+    return p
+
+
+def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Entry point of the ``obsckpt`` command; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its usage message
+        return int(exc.code or 0)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "status":
+            return cmd_status(args, out)
+        if args.command == "verify":
+            return cmd_verify(args, out, err)
+        return cmd_demo(args, out, err)
+    except CliError as exc:
+        err.write(f"obsckpt {args.command}: error: {exc}\n")
+        return EXIT_USAGE
+    except OSError as exc:
+        err.write(f"obsckpt {args.command}: error: {exc}\n")
+        return EXIT_USAGE if args.command != "demo" else EXIT_FAILED
+    except Exception as exc:  # noqa: BLE001 - one line unless asked for the traceback
+        if getattr(args, "verbose", False):
+            raise
+        err.write(f"obsckpt {args.command}: error: {type(exc).__name__}: {exc}\n")
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

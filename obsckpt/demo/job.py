@@ -1,0 +1,603 @@
+"""The demo job's driver: train, save in the background, sync weights, report.
+
+:func:`run_demo` starts (or joins) a Ray cluster, starts the job's
+:class:`~obsckpt.CheckpointMonitor` (which serves /metrics), ``world_size``
+FSDP2 trainer ranks and a rollout actor, and runs the training loop:
+
+* every step: one optimizer step on every rank, then the weights go to the
+  rollout (``broadcast``: a gloo/NCCL group of trainer rank 0 and the
+  rollout; ``memory``: through the Synchronizer actor; ``checkpoint``: a
+  state-dict save per step that the Synchronizer loads once committed). The
+  rollout checks that the version it got is the trainer's step and that the
+  weights are bit-identical to the trainer's;
+* every ``save_every`` steps (and at the last step): a full checkpoint
+  (model, optimizer, extra state) written in the background by every rank
+  through the coordinator, registered and submitted inside
+  ``tracing.checkpoint_span`` so each step is one trace.
+
+A first SIGINT or SIGTERM stops the loop after the current step; saves in
+flight then finish and commit (or, if they fail, are left uncommitted: an
+iteration file never names a partial step). A second SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from obsckpt import commit as disk
+from obsckpt.demo.model import ModelSpec
+from obsckpt.demo.progress import Progress
+from obsckpt.demo.summary import Scrape, format_table, summarize
+from obsckpt.errors import CheckpointDirError, IterationFileError
+
+SYNC_METHODS = ("broadcast", "checkpoint", "memory")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_CKPT_DIR = os.path.join("obsckpt-demo", "ckpt")
+MARKER = "obsckpt-demo.json"
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start or continue; the message says why and what to do."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """Settings of one demo run (the ``obsckpt demo`` flags)."""
+
+    steps: int = 40
+    save_every: int = 10
+    world_size: int = 2
+    sync_method: str = "broadcast"
+    ckpt_dir: str = DEFAULT_CKPT_DIR
+    resume: bool = False
+    duration: float | None = None
+    metrics_port: int | None = 0
+    metrics_host: str = "0.0.0.0"
+    file_sd: str | None = None
+    otlp_endpoint: str | None = None
+    address: str | None = None
+    namespace: str | None = None
+    save_strategy: str = "unrestricted"
+    keep: int = 3
+    device: str = "auto"
+    seed: int = 0
+    lr: float = 1e-2
+    progress: bool = True
+    verbose: bool = False
+    commit_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        for name in ("save_every", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.sync_method not in SYNC_METHODS:
+            raise ValueError(f"sync_method must be one of {SYNC_METHODS}, got {self.sync_method!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"duration must be positive seconds or None, got {self.duration!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0-65535 or None, got {self.metrics_port!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if not self.commit_timeout > 0:
+            raise ValueError(f"commit_timeout must be positive seconds, got {self.commit_timeout!r}")
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """What a run did, as the tests and the CLI read it."""
+
+    exit_code: int = EXIT_OK
+    stop_reason: str = "completed"
+    first_step: int = 1
+    last_step: int = 0
+    resumed_from: int | None = None
+    checkpoint_steps: list[int] = field(default_factory=list)
+    committed: dict[str, int | None] = field(default_factory=dict)
+    rollout_versions: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    metrics_address: str | None = None
+    summary: dict[str, Any] | None = None
+    save_errors: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    root: str = ""
+
+
+class _Stop:
+    """Signal-driven stop request; a second SIGINT raises KeyboardInterrupt."""
+
+    def __init__(self, notify) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._notify = notify
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        if self.event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        self._notify(
+            f"received {signal.Signals(signum).name}: stopping after this step; saves in flight "
+            "will finish and commit (Ctrl-C again to stop at once, leaving them uncommitted)"
+        )
+
+
+# ----------------------------------------------------------------------
+# The checkpoint root
+# ----------------------------------------------------------------------
+
+
+def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int]:
+    """Create or check the checkpoint root; returns it and the step to resume after (0: none)."""
+    root = Path(cfg.ckpt_dir).expanduser().resolve()
+    try:
+        disk.ensure_root(root)
+        latest = disk.read_iteration(root, "checkpoint")
+    except (CheckpointDirError, IterationFileError) as exc:
+        raise DemoError(str(exc)) from exc
+    on_disk = disk.steps_on_disk(root)
+    marker = root / MARKER
+    if cfg.resume:
+        if latest is None:
+            say(f"--resume: {root} holds no committed checkpoint; starting at step 1")
+            _clear(root, on_disk)
+            latest = 0
+        else:
+            model = disk.step_dir(root, latest) / "actor"
+            want = model / f"model_world_size_{cfg.world_size}_rank_0.pt"
+            if not want.is_file():
+                sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
+                raise DemoError(
+                    f"step {latest} in {root} was not saved by {cfg.world_size} ranks "
+                    f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
+                )
+            stale = [s for s in on_disk if s > latest]
+            if stale:
+                say(f"--resume: ignoring uncommitted steps {stale} (left by an earlier run)")
+                _clear(root, stale, iteration_files=False)
+    else:
+        latest = 0
+        if on_disk or disk.read_iteration(root, "state_dict") is not None:
+            if not marker.is_file():
+                raise DemoError(
+                    f"{root} already holds checkpoints that the demo did not write; pass "
+                    "--resume to continue from them, or --ckpt-dir with an empty directory"
+                )
+            say(
+                f"starting over in {root}: removing {len(on_disk)} step directories of an "
+                "earlier demo run (pass --resume to continue from it instead)"
+            )
+            _clear(root, on_disk)
+    disk.atomic_write(
+        marker,
+        (json.dumps({"world_size": cfg.world_size, "model": asdict(ModelSpec())}) + "\n").encode(),
+    )
+    return root, latest
+
+
+def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> None:
+    for step in steps:
+        shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+    if iteration_files:
+        for name in disk.ITERATION_FILES.values():
+            try:
+                os.unlink(root / name)
+            except FileNotFoundError:
+                pass
+
+
+def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
+    """Remove state-dict-only steps below both committed steps (checkpoint sync leaves one a step).
+
+    Full checkpoints are the manager's to keep or remove (``max_ckpt_to_keep``).
+    """
+    if any(s is None for s in latest.values()):
+        return
+    floor = min(latest.values())
+    full = set(full_steps)
+    for step in disk.steps_on_disk(root):
+        if step < floor and step not in full:
+            shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------
+# Ray
+# ----------------------------------------------------------------------
+
+
+def _otel_env(cfg: DemoConfig) -> dict[str, str]:
+    if cfg.otlp_endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
+        os.environ.setdefault("OTEL_TRACES_EXPORTER", "otlp")
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+
+
+def _tracing_wanted(env: dict[str, str]) -> bool:
+    return bool(
+        env.get("OTEL_TRACES_EXPORTER")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
+    """Initialise Ray unless the caller already did; returns True when this call did."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = dict(
+        namespace=namespace,
+        log_to_driver=cfg.verbose,
+        logging_level="INFO" if cfg.verbose else "WARNING",
+        include_dashboard=False,
+    )
+    if env:
+        kwargs["runtime_env"] = {"env_vars": env}
+    if cfg.address:
+        kwargs["address"] = cfg.address
+    else:
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, cfg.world_size + 1)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(**kwargs)
+    return True
+
+
+def _pick_device(cfg: DemoConfig) -> str:
+    import ray
+
+    if cfg.device != "auto":
+        return cfg.device
+    # NCCL needs a GPU per trainer rank plus one for the rollout.
+    gpus = ray.cluster_resources().get("GPU", 0)
+    return "cuda" if gpus >= cfg.world_size + 1 else "cpu"
+
+
+# ----------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------
+
+
+def run_demo(
+    cfg: DemoConfig,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    handle_signals: bool = True,
+) -> DemoResult:
+    """Run the demo job; returns what it did. The summary table goes to ``out``.
+
+    Works with a Ray that is already initialised (the caller's cluster and
+    namespace are used; nothing is shut down at the end).
+
+    Raises:
+        DemoError: the checkpoint root or the cluster cannot be used.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
+    result = DemoResult()
+    t_start = time.monotonic()
+    root, resumed = prepare_root(cfg, progress.note)
+    result.root = str(root)
+    result.resumed_from = resumed or None
+    env = _otel_env(cfg)
+
+    import ray
+
+    from obsckpt import CheckpointCoordinator, CheckpointMonitor
+    from obsckpt.telemetry import tracing
+
+    namespace = cfg.namespace or f"obsckpt-demo-{uuid.uuid4().hex[:8]}"
+    owns_ray = _start_ray(cfg, namespace, env)
+    if _tracing_wanted(env):
+        tracing.setup_tracing("obsckpt-demo")
+    stop = _Stop(progress.note)
+    actors: list[Any] = []
+    monitor = None
+    loop = asyncio.new_event_loop()
+    try:
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=cfg.save_strategy,
+            default_local_dir=str(root),
+            metrics_port=cfg.metrics_port,
+            metrics_host=cfg.metrics_host,
+            file_sd_path=cfg.file_sd,
+        )
+        status = ray.get(monitor.status.remote())
+        address = ray.get(monitor.metrics_address.remote())
+        result.metrics_address = address
+        if address:
+            progress.note(f"metrics: http://{address}/metrics")
+        elif cfg.metrics_port is not None:
+            progress.note(f"metrics: not served ({status['metrics']['error']})")
+        if cfg.file_sd:
+            progress.note(f"file_sd: {cfg.file_sd}")
+        if _tracing_wanted(env):
+            where = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_TRACES_EXPORTER")
+            progress.note(f"traces: {where}")
+        if handle_signals:
+            stop.install()  # after ray.init, which installs handlers of its own
+
+        device = _pick_device(cfg)
+        trainers, rollout, synchronizer, info = _start_actors(cfg, namespace, device, env)
+        actors += [*trainers, rollout] + ([synchronizer] if synchronizer is not None else [])
+        progress.note(
+            f"obsckpt demo: {cfg.world_size} FSDP2 ranks ({info['backend']}, {device}), "
+            f"Qwen2 with {info['parameters'] / 1e6:.2f} M parameters, weight sync "
+            f"{cfg.sync_method}, full checkpoint every {cfg.save_every} steps"
+        )
+        progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {root}`)")
+        if resumed:
+            ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
+            progress.note(f"resumed from committed step {resumed}")
+        coord = CheckpointCoordinator(monitor)
+        _train(
+            cfg, root, resumed, trainers, rollout, synchronizer, monitor, coord, loop,
+            progress, stop, result, t_start,
+        )
+        progress.close()
+        _drain(cfg, trainers, monitor, progress, result)
+        if stop.signum is not None:
+            result.stop_reason = "interrupted" if stop.signum == signal.SIGINT else "terminated"
+            if stop.signum == signal.SIGINT:
+                result.exit_code = EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        progress.close()
+        progress.note("stopped at once: saves still in flight are left uncommitted")
+        result.stop_reason = "aborted"
+        result.exit_code = EXIT_INTERRUPTED
+    finally:
+        stop.restore()
+        loop.close()
+        if monitor is not None and result.stop_reason != "aborted":
+            _report(monitor, result, out, progress)
+        _shutdown(actors, monitor, owns_ray)
+        result.elapsed_s = time.monotonic() - t_start
+    return result
+
+
+def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, str]):
+    import ray
+
+    from obsckpt.demo.workers import Rollout, TrainerRank
+
+    gpu = 1 if device == "cuda" else 0
+    options: dict[str, Any] = dict(num_cpus=1, num_gpus=gpu, namespace=namespace)
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    threads = max(1, (os.cpu_count() or 1) // cfg.world_size)
+    cls = ray.remote(TrainerRank).options(**options)
+    trainers = [
+        cls.remote(
+            rank=r,
+            world_size=cfg.world_size,
+            namespace=namespace,
+            spec=asdict(ModelSpec()),
+            lr=cfg.lr,
+            seed=cfg.seed,
+            device=device,
+            threads=threads,
+        )
+        for r in range(cfg.world_size)
+    ]
+    master = ray.get(trainers[0].node_address.remote())
+    port = ray.get(trainers[0].free_port.remote())
+    infos = ray.get([t.setup.remote(master, port) for t in trainers])
+    rollout_opts = dict(options, num_cpus=0)
+    rollout = ray.remote(Rollout).options(**rollout_opts).remote(namespace=namespace, device=device)
+    synchronizer = None
+    backend = infos[0]["backend"]
+    if cfg.sync_method == "broadcast":
+        sync_port = ray.get(trainers[0].free_port.remote())
+        ray.get(
+            [
+                trainers[0].join_weight_sync.remote(master, sync_port, backend),
+                rollout.join_weight_sync.remote(master, sync_port, backend),
+            ]
+        )
+    else:
+        from obsckpt.sync.synchronizer import Synchronizer
+
+        synchronizer = Synchronizer.get_actor(
+            namespace=namespace,
+            default_local_dir=cfg.ckpt_dir if cfg.sync_method == "checkpoint" else None,
+            poll_interval_s=0.1,
+            watch=cfg.sync_method == "checkpoint",
+        )
+    return trainers, rollout, synchronizer, infos[0]
+
+
+def _train(
+    cfg, root, resumed, trainers, rollout, synchronizer, monitor, coord, loop,
+    progress, stop, result, t_start,
+) -> None:
+    import ray
+
+    from obsckpt.telemetry import tracing
+
+    last = resumed + cfg.steps if cfg.steps else None
+    step = resumed
+    result.first_step = resumed + 1
+    committed_seen: int | None = None
+    while not stop.event.is_set():
+        if last is not None and step >= last:
+            break
+        if cfg.duration is not None and time.monotonic() - t_start >= cfg.duration:
+            result.stop_reason = "duration"
+            break
+        step += 1
+        losses = ray.get([t.train_step.remote(step) for t in trainers])
+        result.losses.append(losses[0])
+        result.last_step = step
+        monitor.record_model_version.remote("trainer", step)
+        is_last = last is not None and step == last
+        full = step % cfg.save_every == 0 or is_last
+        if full:
+            with tracing.checkpoint_span(step) as carrier:
+                # Each rank's manager registers its own saves before starting them.
+                ray.get(
+                    [
+                        t.save_checkpoint.remote(str(root), step, carrier or None, cfg.keep)
+                        for t in trainers
+                    ]
+                )
+                loop.run_until_complete(coord.register_and_monitor(step))
+            result.checkpoint_steps.append(step)
+        elif cfg.sync_method == "checkpoint":
+            with tracing.checkpoint_span(step, is_state_dict=True) as carrier:
+                ray.get(
+                    [
+                        t.save_model_state_dict.remote(str(root), step, carrier or None)
+                        for t in trainers
+                    ]
+                )
+                loop.run_until_complete(coord.register_and_monitor(step, is_state_dict=True))
+        version = _sync(cfg, step, trainers, rollout, synchronizer)
+        result.rollout_versions.append(version)
+        status = ray.get(monitor.status.remote())
+        committed = status["latest"]["checkpoint"]
+        if committed != committed_seen:
+            committed_seen = committed
+            if cfg.sync_method == "checkpoint" and cfg.keep:
+                rotate_state_dicts(root, result.checkpoint_steps, status["latest"])
+        progress.update(
+            step,
+            loss=losses[0],
+            committed=committed,
+            in_flight=len(status["in_flight"]),
+            pending=len(status["pending"]),
+            rollout_version=version,
+        )
+
+
+def _sync(cfg, step, trainers, rollout, synchronizer) -> int:
+    import ray
+
+    if cfg.sync_method == "broadcast":
+        sent = [t.broadcast_weights.remote(step, None) for t in trainers]
+        got = rollout.receive_broadcast.remote(step)
+        ray.get(sent)
+        version, fp = ray.get(got)
+    elif cfg.sync_method == "memory":
+        ray.get([t.upload_weights.remote(step) for t in trainers])
+        version, fp = ray.get(rollout.pull.remote(synchronizer, step, 60.0))
+    else:
+        version, fp = ray.get(rollout.pull.remote(synchronizer, step, cfg.commit_timeout))
+    fingerprints = ray.get([t.fingerprint.remote() for t in trainers])
+    if fp != fingerprints[0]:
+        raise DemoError(
+            f"the rollout's weights of version {version} differ from the trainer's step {step} "
+            f"(crc32 {fp} vs {fingerprints[0]})"
+        )
+    return version
+
+
+def _drain(cfg, trainers, monitor, progress, result) -> None:
+    """Let saves in flight finish and their steps commit (bounded by commit_timeout)."""
+    import ray
+
+    status = ray.get(monitor.status.remote())
+    if status["in_flight"] or status["pending"]:
+        progress.note(
+            f"waiting for {len(status['in_flight'])} saves in flight and "
+            f"{len(status['pending'])} pending steps to commit"
+        )
+    errors = ray.get([t.wait_saves.remote(cfg.commit_timeout) for t in trainers])
+    result.save_errors = [e for e in errors if e]
+    deadline = time.monotonic() + cfg.commit_timeout
+    while True:
+        status = ray.get(monitor.status.remote())
+        open_steps = [p for p in status["pending"] if p["submitted"]]
+        if not open_steps and not status["in_flight"]:
+            break
+        if time.monotonic() > deadline:
+            progress.note(
+                f"gave up waiting for commits after {cfg.commit_timeout:.0f} s: "
+                f"{[p['step'] for p in open_steps]} still pending (left uncommitted)"
+            )
+            break
+        time.sleep(0.05)
+    result.committed = dict(status["latest"])
+    for e in result.save_errors:
+        progress.note(f"save failed: {e}")
+    if result.save_errors or status["failed"]:
+        result.exit_code = EXIT_FAILED
+        result.stop_reason = "save failed"
+
+
+def _report(monitor, result: DemoResult, out: TextIO, progress: Progress) -> None:
+    import ray
+
+    try:
+        status = ray.get(monitor.status.remote(), timeout=30)
+        result.committed = dict(status["latest"])
+        if result.metrics_address:
+            summary = summarize(Scrape.fetch(result.metrics_address), status["latest"])
+            result.summary = summary
+            out.write("\n" + format_table(summary) + "\n")
+            out.flush()
+    except Exception as exc:  # noqa: BLE001 - the summary is best effort at shutdown
+        progress.note(f"no summary: {type(exc).__name__}: {exc}")
+
+
+def _shutdown(actors: list[Any], monitor, owns_ray: bool) -> None:
+    import ray
+
+    closes = []
+    for a in actors:
+        if a is not None and hasattr(a, "close"):
+            try:
+                closes.append(a.close.remote())
+            except Exception:  # noqa: BLE001
+                pass
+    if closes:
+        try:
+            ray.wait(closes, num_returns=len(closes), timeout=15)
+        except Exception:  # noqa: BLE001
+            pass
+    for a in [*actors, monitor]:
+        if a is None:
+            continue
+        try:
+            if a is monitor:
+                ray.get(monitor.shutdown.remote(), timeout=10)
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if owns_ray:
+        ray.shutdown()

@@ -1,0 +1,36 @@
+"""verl integrations: FSDP and Megatron helpers and an asynchronous FSDPCheckpointManager.
+
+Submodules are imported on first use (``from obsckpt.integrations import
+fsdp_save_state_dict`` works); importing this package imports neither verl
+nor the helpers, so obsckpt's core stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "fsdp_save_state_dict": "obsckpt.integrations.verl_fsdp",
+    "fsdp_upload_state_dict": "obsckpt.integrations.verl_fsdp",
+    "fsdp_sync_weight_nccl": "obsckpt.integrations.verl_fsdp",
+    "megatron_save_state_dict": "obsckpt.integrations.verl_megatron",
+    "megatron_upload_state_dict": "obsckpt.integrations.verl_megatron",
+    "megatron_sync_weight_nccl": "obsckpt.integrations.verl_megatron",
+    "FSDPCheckpointManager": "obsckpt.integrations.fsdp_checkpoint_manager",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'obsckpt.integrations' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,367 @@
+"""An FSDP checkpoint manager whose saves run in the background, committed by the monitor.
+
+Subclasses verl 0.9's ``FSDPCheckpointManager`` (same files, so verl's own
+``load_checkpoint`` and model merger read them) and keeps Trinity-RFT's
+additions: ``save_state_dict`` / ``upload_state_dict`` for weight sync and
+``wait_on_save_thread``. Differences from both:
+
+* model, optimizer and extra-state saves go through a
+  :class:`~obsckpt.CheckpointCoordinator`: each is snapshotted into staging
+  buffers on the calling thread (training may change the weights and
+  optimizer state at once), then written with temp file, fsync and rename in
+  the coordinator's slot thread, reported to the monitor even when it fails;
+* this rank's save counts are registered with the monitor *before* the saves
+  start, so a fast save can never finish ahead of its registration;
+* retention (``max_ckpt_to_keep``) never deletes the latest committed step
+  (of either kind, since the Synchronizer may be reading it) nor a step that
+  is newer than it (still being saved, or failed but not yet superseded).
+
+Importing this module imports verl (seconds): import it lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from typing import Any
+
+import ray
+import torch
+import torch.distributed
+from verl.utils.checkpoint.fsdp_checkpoint_manager import (
+    FSDPCheckpointManager as VerlFSDPCheckpointManager,
+)
+
+from obsckpt import commit as disk
+from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.integrations.verl_fsdp import (
+    MODEL_SLOT,
+    find_processing_class,
+    save_hf_metadata,
+    unwrap,
+    upload_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+MONITOR_ACTOR_NAME = "checkpoint_monitor"
+SYNCHRONIZER_ACTOR_NAME = "synchronizer"
+_STEP_COMPONENT = re.compile(r"^global_step_(\d+)$")
+
+
+def step_of(path: str) -> tuple[str, int] | None:
+    """``(root, step)`` for a path inside ``<root>/global_step_<N>/``, else None."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        m = _STEP_COMPONENT.match(parts[i])
+        if m:
+            return os.sep.join(parts[:i]) or os.sep, int(m.group(1))
+    return None
+
+
+def select_for_removal(
+    saved: list[str], max_ckpt_to_keep: int | None, latest: dict[str, int | None]
+) -> list[str]:
+    """Which of ``saved`` (oldest first) retention may delete now.
+
+    Keeps the newest ``max_ckpt_to_keep`` paths and, beyond those, anything
+    that is not provably superseded: a path outside a ``global_step_<N>``
+    directory, the latest committed step of either kind, and every step newer
+    than the latest committed checkpoint (in flight, or not yet known failed).
+    """
+    if not (isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0):
+        return []
+    committed = latest.get("checkpoint")
+    if committed is None:
+        return []
+    protected = {s for s in latest.values() if s is not None}
+    removable = []
+    for path in saved[: max(0, len(saved) - max_ckpt_to_keep)]:
+        located = step_of(path)
+        if located is None:
+            continue
+        step = located[1]
+        if step in protected or step > committed:
+            continue
+        removable.append(path)
+    return removable
+
+
+class FSDPCheckpointManager(VerlFSDPCheckpointManager):
+    """verl's FSDP checkpoint manager with background, monitor-committed saves.
+
+    Args:
+        *args, **kwargs: as verl's ``FSDPCheckpointManager`` (model, optimizer,
+            lr_scheduler, processing_class, checkpoint_config, trust_remote_code).
+        ray_namespace: the job's namespace, where the ``checkpoint_monitor`` and
+            ``synchronizer`` actors are looked up.
+        monitor: the monitor actor handle (default: looked up by name).
+        coordinator: a coordinator to use (default: one for this rank).
+        synchronizer: the Synchronizer handle (default: looked up on first upload).
+        save_timeout: passed to the default coordinator.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ray_namespace: str = "",
+        monitor: Any = None,
+        coordinator: CheckpointCoordinator | None = None,
+        synchronizer: Any = None,
+        save_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.ray_namespace = ray_namespace or None
+        if monitor is None and coordinator is None:
+            monitor = self._lookup(MONITOR_ACTOR_NAME)
+        self.checkpoint_monitor = monitor
+        self.coordinator = coordinator or CheckpointCoordinator(
+            monitor, rank=self.rank, save_timeout=save_timeout
+        )
+        if self.checkpoint_monitor is None:
+            self.checkpoint_monitor = getattr(self.coordinator, "_monitor", None)
+        self._synchronizer = synchronizer
+        self.previous_state_dict_step: int | None = None
+
+    def _lookup(self, name: str) -> Any:
+        try:
+            return ray.get_actor(name, namespace=self.ray_namespace)
+        except ValueError as exc:
+            raise RuntimeError(
+                f"no {name!r} actor in Ray namespace {self.ray_namespace!r}; create it first "
+                f"(e.g. {'CheckpointMonitor' if name == MONITOR_ACTOR_NAME else 'Synchronizer'}"
+                ".get_actor(namespace=..., default_local_dir=...)) or pass it in"
+            ) from exc
+
+    @property
+    def synchronizer(self) -> Any:
+        if self._synchronizer is None:
+            self._synchronizer = self._lookup(SYNCHRONIZER_ACTOR_NAME)
+        return self._synchronizer
+
+    # -- weight sync (Trinity's API) -----------------------------------
+
+    def upload_state_dict(self, global_step: int) -> float | None:
+        """Gather the full model state dict and publish it on the Synchronizer (every rank calls)."""
+        from torch.distributed.tensor import DTensor
+
+        from obsckpt.integrations.verl_fsdp import fsdp_version
+
+        if fsdp_version(self.model) == 1:
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, cfg):
+                named = iter(self.model.state_dict().items())
+        else:
+            named = (
+                (n, t.full_tensor() if isinstance(t, DTensor) else t)
+                for n, t in self.model.state_dict().items()
+            )
+        return upload_state_dict(named, self.synchronizer, global_step, rank=self.rank)
+
+    def save_state_dict(self, local_path: str, global_step: int = 0) -> int:
+        """Save this rank's model shard for checkpoint sync, in the background.
+
+        Returns the number of state-dict saves started (0 when this step's
+        model was already saved), to register with the monitor.
+        """
+        if local_path is None or self.previous_state_dict_step == global_step:
+            return 0
+        os.makedirs(local_path, exist_ok=True)
+        torch.distributed.barrier()
+        self._register(global_step, state_dict=1, checkpoint=0)
+        self._save_model(local_path, global_step)
+        return 1
+
+    # -- full checkpoints ----------------------------------------------
+
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        *,
+        save_as_hf: bool = False,
+        **_: Any,
+    ) -> dict[str, int]:
+        """Snapshot model, optimizer and extra state and save them in the background.
+
+        Returns once every snapshot is taken; the monitor commits the step
+        when every rank's files are durable and the trainer has submitted it
+        (``register_and_monitor(step)``). Returns this rank's save counts.
+        """
+        if isinstance(hdfs_path, int) and not isinstance(hdfs_path, bool):
+            # Trinity's positional order: (local_path, global_step, max_ckpt_to_keep).
+            global_step, max_ckpt_to_keep, hdfs_path = hdfs_path, global_step or None, None
+        if local_path is None:
+            return {"state_dict": 0, "checkpoint": 0}
+        self.previous_global_step = global_step
+        if self.rank == 0:
+            self.enforce_retention(max_ckpt_to_keep)
+        os.makedirs(local_path, exist_ok=True)
+        torch.distributed.barrier()
+        if self.should_save_model and self.model is None:
+            raise ValueError("checkpoint save contents include 'model' but no model was given")
+        if self.should_save_optimizer and self.optimizer is None:
+            raise ValueError(
+                "checkpoint save contents include 'optimizer' but no optimizer was given"
+            )
+
+        save_model = self.should_save_model and self.previous_state_dict_step != global_step
+        save_hf = (self.should_save_hf_model or save_as_hf) and self.rank == 0
+        counts = {
+            "state_dict": int(save_model),
+            "checkpoint": int(self.should_save_optimizer)
+            + int(self.should_save_extra)
+            + int(save_hf),
+        }
+        self._register(
+            global_step, state_dict=counts["state_dict"], checkpoint=counts["checkpoint"]
+        )
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if save_model:
+                self._save_model(local_path, global_step)
+            if self.should_save_optimizer:
+                self._save_optimizer(local_path, global_step)
+            if self.should_save_extra:
+                self._save_extra_state(local_path, global_step)
+        if self.rank == 0:
+            save_hf_metadata(self.model, local_path, self.processing_class)
+        if self.should_save_hf_model or save_as_hf:
+            self._save_hf_model(local_path, global_step, write=save_hf)
+        if self.rank == 0:
+            self.previous_saved_paths.append(local_path)
+            self.enforce_retention(max_ckpt_to_keep)
+        return counts
+
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+    ) -> None:
+        """Wait for this rank's saves in flight, then load as verl does."""
+        self.coordinator.wait_all()
+        super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+    def wait_on_save_thread(self, timeout: float | None = None) -> None:
+        """Wait for every background save of this rank; raises the first failure."""
+        self.coordinator.wait_all(timeout)
+
+    # -- retention -------------------------------------------------------
+
+    def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
+        """Delete old checkpoints beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
+        saved = list(self.previous_saved_paths)
+        if not saved:
+            return []
+        located = step_of(saved[-1])
+        if located is None:
+            return []
+        root = located[0]
+        try:
+            latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
+        except ValueError as exc:
+            logger.error("obsckpt: retention skipped, cannot read iteration files: %s", exc)
+            return []
+        doomed = select_for_removal(saved, max_ckpt_to_keep, latest)
+        if doomed:
+            self.remove_previous_save_local_path(doomed)
+            self.previous_saved_paths = [p for p in saved if p not in doomed]
+        return doomed
+
+    # verl's own rotation deletes before the new save commits; ours replaces it.
+    def ensure_checkpoint_capacity(self, max_ckpt_to_keep: int) -> None:
+        self.enforce_retention(max_ckpt_to_keep)
+
+    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None = None) -> None:
+        self.previous_saved_paths.append(new_path)
+        self.enforce_retention(max_ckpt_to_keep)
+
+    # -- internals -------------------------------------------------------
+
+    def _register(self, step: int, *, state_dict: int, checkpoint: int) -> None:
+        if not (state_dict or checkpoint):
+            return
+        ray.get(
+            self.checkpoint_monitor.register_thread_count.remote(
+                step, state_dict_thread_count=state_dict, checkpoint_thread_count=checkpoint
+            )
+        )
+
+    def _path(self, local_path: str, prefix: str) -> str:
+        return os.path.join(
+            local_path, f"{prefix}_world_size_{self.world_size}_rank_{self.rank}.pt"
+        )
+
+    def _sharded(self, fn):
+        """Run ``fn`` under verl's sharded state-dict context (FSDP1; a no-op for FSDP2)."""
+        from torch.distributed.fsdp import (
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
+        from verl.utils.fsdp_utils import get_fsdp_state_ctx
+
+        offload = torch.cuda.is_available()
+        with get_fsdp_state_ctx(
+            self.model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=offload),
+            ShardedOptimStateDictConfig(offload_to_cpu=offload),
+        ):
+            return fn()
+
+    def _save_model(self, local_path: str, global_step: int) -> None:
+        # verl's format (FSDP1: ShardedTensor, FSDP2: DTensor), so verl's loader reads it.
+        state_dict = self._sharded(self.model.state_dict)
+        self.coordinator.save_state_dict_async(
+            MODEL_SLOT, state_dict, self._path(local_path, "model"), global_step, is_state_dict=True
+        )
+        self.previous_state_dict_step = global_step
+
+    def _save_optimizer(self, local_path: str, global_step: int) -> None:
+        state = self._sharded(self.optimizer.state_dict)
+        self.coordinator.save_state_dict_async(
+            "optim", state, self._path(local_path, "optim"), global_step
+        )
+
+    def _save_extra_state(self, local_path: str, global_step: int) -> None:
+        extra = {
+            "lr_scheduler": self.lr_scheduler.state_dict()
+            if self.lr_scheduler is not None
+            else None,
+            "rng": self.get_rng_state(),
+        }
+        self.coordinator.save_state_dict_async(
+            "extra_state", extra, self._path(local_path, "extra_state"), global_step
+        )
+
+    def _save_hf_model(self, local_path: str, global_step: int, *, write: bool) -> None:
+        """Gather the full state dict (a collective) and write an HF model on rank 0 in the background."""
+        from verl.utils.fsdp_utils import get_fsdp_full_state_dict
+
+        state_dict = get_fsdp_full_state_dict(self.model, offload_to_cpu=True, rank0_only=True)
+        if not write:
+            return
+        model = unwrap(self.model)
+        hf_dir = os.path.join(local_path, "huggingface")
+        processing_class = self.processing_class or find_processing_class(self)
+
+        def save() -> None:
+            from accelerate import init_empty_weights
+            from transformers import AutoModelForCausalLM
+
+            with init_empty_weights():
+                empty = AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.bfloat16)
+            empty.to_empty(device="cpu")
+            empty.save_pretrained(hf_dir, state_dict=state_dict)
+            if processing_class is not None:
+                processing_class.save_pretrained(hf_dir)
+
+        self.coordinator.save_async("hf_model", save, global_step)

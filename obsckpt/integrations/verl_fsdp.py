@@ -1,0 +1,411 @@
+"""FSDP (FSDP1 and FSDP2) checkpoint and weight-sync helpers for verl engines.
+
+Drop-in for Trinity-RFT's ``trinity.trainer.verl.fsdp_engine`` helpers. Each
+takes the engine object (verl's ``FSDPEngine``, ``engine.actor.engine``):
+``engine.module`` is the FSDP-wrapped model and ``engine.get_per_tensor_param()``
+yields ``(name, full_tensor)`` pairs (verl 0.9 returns them with the LoRA
+config as a pair; both shapes are accepted).
+
+* :func:`fsdp_save_state_dict` -- checkpoint sync: every rank's shard is
+  snapshotted on the calling thread and written in the background through
+  the :class:`~obsckpt.CheckpointCoordinator` (the monitor commits the step
+  once every rank's file is durable; the Synchronizer then merges them).
+* :func:`fsdp_upload_state_dict` -- memory sync: the full state dict is
+  gathered (a collective: every rank calls it) and rank 0 hands it to the
+  Synchronizer.
+* :func:`fsdp_sync_weight_nccl` -- broadcast: full parameters from trainer
+  rank 0 to the rollout side, bucketed over a :class:`WeightSyncGroup`, or
+  one collective per tensor over a plain ``torch.distributed`` group.
+
+Nothing here imports verl.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from obsckpt.sync.broadcast import (
+    BroadcastResult,
+    TensorMeta,
+    WeightBroadcaster,
+    WeightSyncGroup,
+    WeightSyncTelemetry,
+)
+from obsckpt.telemetry import tracing
+
+_log = logging.getLogger(__name__)
+
+MODEL_SLOT = "model_state_dict"
+HF_SUBDIR = "huggingface"
+FSDP_CONFIG_FILE = "fsdp_config.json"
+_FSDP_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+# One broadcaster (and its reusable buffers) per weight-sync group.
+_broadcasters: weakref.WeakKeyDictionary[WeightSyncGroup, WeightBroadcaster] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+# ----------------------------------------------------------------------
+# Small helpers shared with the checkpoint manager
+# ----------------------------------------------------------------------
+
+
+def fsdp_version(module: torch.nn.Module) -> int:
+    """1 for ``FullyShardedDataParallel``, 2 for ``fully_shard`` modules, 0 otherwise."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        return 1
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    return 2 if isinstance(module, FSDPModule) else 0
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside an FSDP1 wrapper (FSDP2 modules are the model itself)."""
+    return getattr(module, "_fsdp_wrapped_module", module)
+
+
+def dist_rank(engine: Any = None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(getattr(engine, "rank", 0) or 0)
+
+
+def dist_world_size(engine: Any = None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(getattr(engine, "world_size", 1) or 1)
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without FSDP1, activation-checkpointing or compile wrapper segments."""
+    for prefix in _FSDP_WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def per_tensor_params(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``engine.get_per_tensor_param()`` as an iterator of ``(name, tensor)`` pairs."""
+    out = engine.get_per_tensor_param()
+    # verl 0.9 returns (iterator, peft_config); older engines return the iterator itself.
+    if isinstance(out, tuple) and len(out) == 2 and not isinstance(out[0], str):
+        out = out[0]
+    return iter(out)
+
+
+def sharded_model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """This rank's shard of the model state dict, as DTensors for FSDP1 and FSDP2 alike.
+
+    FSDP1's default sharded state dict holds ``ShardedTensor``s, which cannot be
+    unpickled without a process group; asking for DTensors makes every rank's
+    file mergeable offline (by the Synchronizer or verl's model merger).
+    """
+    if fsdp_version(module) == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+        cfg = ShardedStateDictConfig(offload_to_cpu=torch.cuda.is_available(), _use_dtensor=True)
+        with FSDP.state_dict_type(module, StateDictType.SHARDED_STATE_DICT, cfg):
+            return module.state_dict()
+    return module.state_dict()
+
+
+def find_processing_class(engine: Any) -> Any:
+    """The tokenizer or processor an engine carries, if any."""
+    manager = getattr(engine, "checkpoint_manager", None)
+    candidates = [
+        getattr(manager, "processing_class", None),
+        getattr(engine, "processing_class", None),
+        getattr(getattr(engine, "model_config", None), "processor", None),
+        getattr(getattr(engine, "model_config", None), "tokenizer", None),
+        getattr(engine, "tokenizer", None),
+    ]
+    return next((c for c in candidates if c is not None), None)
+
+
+def save_hf_metadata(
+    module: torch.nn.Module, local_path: str, processing_class: Any = None
+) -> str | None:
+    """Write the HF config (and tokenizer/processor) to ``{local_path}/huggingface/``, plus
+    ``fsdp_config.json``, so the shards can be merged into an HF model later.
+
+    Returns the ``huggingface`` directory, or None when the model has no HF config.
+    """
+    model = unwrap(module)
+    config = getattr(model, "config", None)
+    hf_dir = os.path.join(local_path, HF_SUBDIR)
+    if config is not None and hasattr(config, "save_pretrained"):
+        os.makedirs(hf_dir, exist_ok=True)
+        config.save_pretrained(hf_dir)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(hf_dir)
+    else:
+        hf_dir = None
+    with open(os.path.join(local_path, FSDP_CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump({"FSDP_version": fsdp_version(module), "world_size": dist_world_size()}, f)
+    return hf_dir
+
+
+# ----------------------------------------------------------------------
+# Checkpoint sync
+# ----------------------------------------------------------------------
+
+
+def fsdp_save_state_dict(
+    engine: Any,
+    local_path: str,
+    global_step: int,
+    coordinator: Any,
+    logger: logging.Logger | None = None,
+    *,
+    trace_context: dict | None = None,
+) -> int:
+    """Save this rank's model shard for checkpoint-based weight sync, in the background.
+
+    The shard is snapshotted into the coordinator's staging buffers before
+    returning, so training may change the weights at once; the write (temp
+    file, fsync, rename) runs in the coordinator's ``model_state_dict`` slot and
+    is reported to the monitor, which commits the step (and so lets the
+    Synchronizer read it) only when every rank's file is durable. Rank 0 also
+    writes the HF config and tokenizer to ``{local_path}/huggingface/``.
+
+    Args:
+        engine: the FSDP engine (``engine.module`` is the FSDP-wrapped model).
+        local_path: the step's model directory, ``<root>/global_step_<N>/actor``.
+        global_step: the training step (the version the rollout side will see).
+        coordinator: this rank's :class:`~obsckpt.CheckpointCoordinator`.
+        logger: the calling worker's logger.
+        trace_context: W3C carrier of the step's trace.
+
+    Returns:
+        The number of state-dict saves started on this rank (1), for
+        ``register_and_monitor(..., state_dict_thread_count=...)``.
+    """
+    log = logger or _log
+    rank, world = dist_rank(engine), dist_world_size(engine)
+    os.makedirs(local_path, exist_ok=True)
+    state_dict = sharded_model_state_dict(engine.module)
+    if rank == 0:
+        save_hf_metadata(engine.module, local_path, find_processing_class(engine))
+    path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
+    coordinator.save_state_dict_async(
+        MODEL_SLOT, state_dict, path, global_step, is_state_dict=True, trace_context=trace_context
+    )
+    log.info("obsckpt: rank %d saving its model shard of step %d to %s", rank, global_step, path)
+    return 1
+
+
+# ----------------------------------------------------------------------
+# Memory sync
+# ----------------------------------------------------------------------
+
+
+def gather_full_state_dict(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], keep: bool
+) -> dict[str, torch.Tensor]:
+    """Materialise full tensors on CPU when ``keep`` (rank 0); just drive the collectives otherwise."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named_tensors:
+        if keep:
+            # A copy: a tensor that was never sharded is the live parameter itself.
+            out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def upload_state_dict(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    synchronizer: Any,
+    global_step: int,
+    *,
+    rank: int,
+    logger: logging.Logger | None = None,
+    trace_context: dict | None = None,
+) -> float | None:
+    """Gather ``named_tensors`` and, on rank 0, publish them as version ``global_step``.
+
+    Every rank must call it (gathering full tensors is a collective). Rank 0
+    traces the upload (``obsckpt.upload``) and reports its duration through
+    the Synchronizer. Returns the seconds it took on rank 0, else None.
+    """
+    import ray
+
+    log = logger or _log
+    attrs = {"obsckpt.step": global_step, "obsckpt.rank": rank}
+    t0 = time.perf_counter()
+    if rank != 0:
+        gather_full_state_dict(named_tensors, keep=False)
+        return None
+    with tracing.span("obsckpt.upload", carrier=trace_context, attributes=attrs) as sp:
+        state_dict = gather_full_state_dict(named_tensors, keep=True)
+        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        sp.set_attribute("obsckpt.bytes", nbytes)
+        ray.get(
+            synchronizer.set_model_state_dict.remote(
+                state_dict, global_step, trace_context=tracing.inject() or None
+            )
+        )
+    seconds = time.perf_counter() - t0
+    try:
+        synchronizer.record_upload.remote(seconds)
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+        log.warning("obsckpt: could not report the upload duration: %s", exc)
+    log.info(
+        "obsckpt: uploaded %d tensors (%.1f MiB) of step %d to the synchronizer in %.2f s",
+        len(state_dict),
+        nbytes / 2**20,
+        global_step,
+        seconds,
+    )
+    return seconds
+
+
+def fsdp_upload_state_dict(
+    engine: Any,
+    synchronizer: Any,
+    global_step: int,
+    logger: logging.Logger | None = None,
+    *,
+    trace_context: dict | None = None,
+) -> float | None:
+    """Upload the full FSDP state dict to the Synchronizer (memory sync); call on every rank."""
+    return upload_state_dict(
+        per_tensor_params(engine),
+        synchronizer,
+        global_step,
+        rank=dist_rank(engine),
+        logger=logger,
+        trace_context=trace_context,
+    )
+
+
+# ----------------------------------------------------------------------
+# Broadcast
+# ----------------------------------------------------------------------
+
+
+@contextmanager
+def full_params(module: torch.nn.Module) -> Iterator[tuple[list[TensorMeta], Iterator]]:
+    """Metadata and a lazy iterator of ``(name, full tensor)`` for FSDP1, FSDP2 or a plain module.
+
+    FSDP2: shapes come from the DTensors (no communication); each tensor is
+    gathered with ``full_tensor()`` when the iterator reaches it, so only one
+    full tensor at a time is alive. FSDP1: inside ``summon_full_params``.
+    """
+    version = fsdp_version(module)
+    if version == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(module, writeback=False, recurse=True):
+            params = [(clean_name(n), p.detach()) for n, p in module.named_parameters()]
+            meta = [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p in params]
+            yield meta, iter(params)
+        return
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict()
+    meta = [TensorMeta(clean_name(n), t.dtype, tuple(t.shape)) for n, t in state.items()]
+
+    def gen():
+        for t, m in zip(state.values(), meta, strict=True):
+            yield m.name, (t.full_tensor() if isinstance(t, DTensor) else t.detach())
+
+    yield meta, gen()
+
+
+def broadcaster_for(group: WeightSyncGroup, **kwargs: Any) -> WeightBroadcaster:
+    """The broadcaster kept for ``group`` (created with ``kwargs`` the first time)."""
+    b = _broadcasters.get(group)
+    if b is None:
+        b = _broadcasters[group] = WeightBroadcaster(group, **kwargs)
+    return b
+
+
+def broadcast_named_tensors(
+    meta: list[TensorMeta],
+    named: Iterator[tuple[str, torch.Tensor]],
+    model_update_group: Any,
+    *,
+    rank: int,
+    step: int | None = None,
+    trace_context: dict | None = None,
+    metrics: Any = None,
+    monitor: Any = None,
+) -> BroadcastResult | None:
+    """Send ``named`` from trainer rank 0; other ranks only drive the gathering collectives.
+
+    ``model_update_group`` is a :class:`WeightBroadcaster`, a
+    :class:`WeightSyncGroup` (bucketed) or a ``torch.distributed`` process
+    group in which trainer rank 0 is rank 0 (one ``broadcast`` per tensor, the
+    reference behaviour). Ranks other than 0 may pass None.
+    """
+    if rank != 0:
+        for _ in named:
+            pass
+        return None
+    if isinstance(model_update_group, WeightSyncGroup):
+        model_update_group = broadcaster_for(model_update_group, metrics=metrics, monitor=monitor)
+    if isinstance(model_update_group, WeightBroadcaster):
+        return model_update_group.send(named, meta=meta, step=step, trace_context=trace_context)
+    if model_update_group is None:
+        raise ValueError("trainer rank 0 needs a model_update_group to broadcast to")
+    # A torch.distributed group: one synchronous broadcast per tensor.
+    nbytes = sum(m.nbytes for m in meta)
+    backend = str(dist.get_backend(model_update_group))
+    attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": rank}
+    with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs):
+        t0 = time.perf_counter()
+        count = 0
+        for _name, t in named:
+            dist.broadcast(
+                t.contiguous(),
+                src=dist.get_global_rank(model_update_group, 0),
+                group=model_update_group,
+            )
+            count += 1
+        seconds = time.perf_counter() - t0
+    WeightSyncTelemetry(metrics=metrics, monitor=monitor).broadcast(backend, seconds, nbytes)
+    return BroadcastResult(seconds, nbytes, count, count, backend, "per_tensor")
+
+
+def fsdp_sync_weight_nccl(
+    engine: Any,
+    model_update_group: Any,
+    *,
+    step: int | None = None,
+    trace_context: dict | None = None,
+    metrics: Any = None,
+    monitor: Any = None,
+) -> BroadcastResult | None:
+    """Broadcast the full FSDP1/FSDP2 parameters from trainer rank 0; call on every trainer rank.
+
+    FSDP1 gathers inside ``summon_full_params``; FSDP2 gathers each tensor with
+    ``full_tensor()`` as the sender reaches it. Despite the name (kept for
+    compatibility) the backend is the group's: NCCL on GPUs, gloo on CPUs.
+    Returns rank 0's :class:`BroadcastResult`; None on other ranks.
+    """
+    rank = dist_rank(engine)
+    with full_params(engine.module) as (meta, named):
+        return broadcast_named_tensors(
+            meta,
+            named,
+            model_update_group,
+            rank=rank,
+            step=step,
+            trace_context=trace_context,
+            metrics=metrics,
+            monitor=monitor,
+        )

@@ -1,0 +1,268 @@
+"""Bad input: every bad argument or file content gets a clear error naming the value,
+and nothing already committed is lost. docs/reliability.md tabulates these cases.
+
+The monitor is used in-process here (its RPCs are async methods, driven with
+asyncio.run): validation is the same inside the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointDirError,
+    CheckpointMonitor,
+    IterationFileError,
+    NotificationError,
+    StepOrderError,
+)
+from obsckpt import commit as disk
+
+COMMITTED = 3
+
+
+def _noop() -> None:
+    pass
+
+
+def _monitor(root, **kwargs) -> CheckpointMonitor:
+    return CheckpointMonitor(default_local_dir=root, metrics_port=None, **kwargs)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under root and its bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def committed(tmp_path) -> tuple[Path, CheckpointMonitor, dict[str, bytes]]:
+    """A root where step 3 is committed, the monitor that committed it, and the files' bytes."""
+    root = tmp_path / "root"
+    monitor = _monitor(root)
+
+    async def commit_step() -> None:
+        await monitor.register_thread_count(COMMITTED, checkpoint_thread_count=1)
+        path = disk.step_dir(root, COMMITTED) / "model.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({"w": torch.ones(4)}, path)
+        admitted = await monitor.notify_started("n", "j", step=COMMITTED, slot="model")
+        await monitor.notify_finished(COMMITTED, False, ticket=admitted["ticket"], slot="model")
+        await monitor.monitor_step(COMMITTED, False)
+
+    asyncio.run(commit_step())
+    assert disk.read_iteration(root, "checkpoint") == COMMITTED
+    return root, monitor, _snapshot(root)
+
+
+def _assert_nothing_lost(root: Path, before: dict[str, bytes]) -> None:
+    assert _snapshot(root) == before
+    assert disk.read_iteration(root, "checkpoint") == COMMITTED
+    assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+
+
+BAD_STEPS = [-1, 1.5, True, "3", None, 2**63]
+BAD_SLOTS = ["../x", "a/b", "", ".", "..", "x" * 129, "a b", None, "-lead"]
+
+
+class TestBadSaveArguments:
+    """The worker API refuses bad steps and slot names before doing anything."""
+
+    @pytest.mark.parametrize("step", BAD_STEPS, ids=repr)
+    def test_bad_step(self, committed, step):
+        root, _, before = committed
+        coord = CheckpointCoordinator(None)
+        with pytest.raises(ValueError, match="global_step") as info:
+            coord.save_async("model", _noop, step)
+        assert repr(step) in str(info.value) or str(step) in str(info.value)
+        with pytest.raises(ValueError, match="global_step"):
+            coord.save_state_dict_async("model", {}, root / "x.pt", step)
+        with pytest.raises(ValueError, match="global_step"):
+            coord.save_sync(_noop, step)
+        _assert_nothing_lost(root, before)
+
+    @pytest.mark.parametrize("slot", BAD_SLOTS, ids=repr)
+    def test_bad_slot(self, committed, slot):
+        root, _, before = committed
+        coord = CheckpointCoordinator(None)
+        with pytest.raises(ValueError, match="slot name") as info:
+            coord.save_async(slot, _noop, 4)
+        assert repr(slot) in str(info.value)
+        with pytest.raises(ValueError, match="slot name"):
+            coord.save_state_dict_async(slot, {}, root / "x.pt", 4)
+        _assert_nothing_lost(root, before)
+
+    @pytest.mark.parametrize("timeout", [0, -1, "5", True, float("nan")], ids=repr)
+    def test_bad_save_timeout(self, timeout):
+        with pytest.raises(ValueError, match="save_timeout") as info:
+            CheckpointCoordinator(None, save_timeout=timeout)
+        assert repr(timeout) in str(info.value)
+
+
+class TestBadMonitorArguments:
+    """The monitor refuses bad construction arguments with an error naming the value."""
+
+    @pytest.mark.parametrize("port", [-1, 70000, "80", True, 1.5], ids=repr)
+    def test_bad_metrics_port(self, tmp_path, port):
+        with pytest.raises(ValueError, match="metrics_port") as info:
+            _monitor(tmp_path / "root", **{}) if False else CheckpointMonitor(
+                default_local_dir=tmp_path / "root", metrics_port=port
+            )
+        assert repr(port) in str(info.value)
+        with pytest.raises(ValueError, match="metrics_port"):
+            CheckpointMonitor.get_actor(default_local_dir=tmp_path / "root", metrics_port=port)
+
+    @pytest.mark.parametrize("strategy", ["bogus", 3, None, "single-thread"], ids=repr)
+    def test_bad_save_strategy(self, tmp_path, strategy):
+        with pytest.raises(ValueError, match="save_strategy") as info:
+            _monitor(tmp_path / "root", save_strategy=strategy)
+        assert repr(strategy) in str(info.value)
+        with pytest.raises(ValueError, match="save_strategy"):
+            CheckpointMonitor.get_actor(default_local_dir=tmp_path / "root", save_strategy=strategy)
+
+    def test_missing_root(self):
+        with pytest.raises(ValueError, match="default_local_dir is required"):
+            CheckpointMonitor(metrics_port=None)
+
+    def test_root_is_a_file(self, tmp_path):
+        root = tmp_path / "root"
+        root.write_bytes(b"not a directory")
+        with pytest.raises(CheckpointDirError, match="is a file, not a directory") as info:
+            _monitor(root)
+        assert str(root) in str(info.value)
+        assert root.read_bytes() == b"not a directory"
+
+    def test_unwritable_root(self, tmp_path):
+        root = tmp_path / "ro"
+        root.mkdir()
+        if os.geteuid() == 0:
+            # root ignores permission bits: use a read-only mount.
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(root)],
+                capture_output=True,
+                check=False,
+            )
+            if done.returncode != 0:
+                pytest.skip("cannot make an unwritable directory: root, and mount not permitted")
+        else:
+            root.chmod(0o555)
+        try:
+            with pytest.raises(CheckpointDirError, match="is not writable") as info:
+                _monitor(root)
+            assert str(root) in str(info.value)
+            assert list(root.iterdir()) == []
+        finally:
+            if os.geteuid() == 0:
+                subprocess.run(["umount", "-l", str(root)], check=False)
+            else:
+                root.chmod(0o755)
+
+
+BAD_RPCS = [
+    ("register_thread_count", (-1,), {"checkpoint_thread_count": 1}, "-1"),
+    ("register_thread_count", ("4",), {"checkpoint_thread_count": 1}, "'4'"),
+    ("register_thread_count", (4,), {"checkpoint_thread_count": -2}, "-2"),
+    ("register_thread_count", (4,), {"checkpoint_thread_count": True}, "True"),
+    ("register_thread_count", (4,), {"state_dict_thread_count": 1.5}, "1.5"),
+    ("monitor_step", (-5, False), {}, "-5"),
+    ("monitor_step", (True, False), {}, "True"),
+    ("monitor_step", (4.0, False), {}, "4.0"),
+    ("notify_started", ("n", "j"), {"step": -1, "slot": "model"}, "-1"),
+    ("notify_started", ("n", "j"), {"step": 4, "kind": "weights"}, "'weights'"),
+    ("notify_finished", (-1, False), {}, "-1"),
+    ("notify_finished", (None, False), {}, "None"),
+]
+
+
+class TestBadNotifications:
+    """Bad RPC arguments, old steps and surplus finishes raise; the committed step stays."""
+
+    @pytest.mark.parametrize(
+        "method,args,kwargs,shown", BAD_RPCS, ids=[f"{m}{a}{k}" for m, a, k, _ in BAD_RPCS]
+    )
+    def test_bad_rpc_arguments(self, committed, method, args, kwargs, shown):
+        root, monitor, before = committed
+        with pytest.raises(ValueError) as info:
+            asyncio.run(getattr(monitor, method)(*args, **kwargs))
+        assert shown in str(info.value), str(info.value)
+        _assert_nothing_lost(root, before)
+
+    @pytest.mark.parametrize("step", [0, 1, 2])
+    def test_monitor_step_older_than_committed(self, committed, step):
+        root, monitor, before = committed
+        with pytest.raises(StepOrderError, match=f"step {step} was already committed \\(latest is 3\\)"):
+            asyncio.run(monitor.monitor_step(step, False))
+        _assert_nothing_lost(root, before)
+
+    def test_save_into_committed_step(self, committed):
+        root, monitor, before = committed
+        with pytest.raises(StepOrderError, match="step 3 \\(checkpoint\\) is already committed"):
+            asyncio.run(monitor.notify_started("n", "j", step=COMMITTED, slot="model"))
+        _assert_nothing_lost(root, before)
+
+    def test_more_finishes_than_registrations(self, committed):
+        root, monitor, before = committed
+
+        async def surplus() -> None:
+            await monitor.register_thread_count(4, checkpoint_thread_count=1)
+            for _ in range(2):
+                t = await monitor.notify_started("n", "j", step=4, slot="model")
+                await monitor.notify_finished(4, False, ticket=t["ticket"], slot="model")
+            await monitor.monitor_step(4, False)
+
+        with pytest.raises(NotificationError, match="2 saves finished but only 1 were registered"):
+            asyncio.run(surplus())
+        status = asyncio.run(monitor.status())
+        assert [(f["step"], f["kind"]) for f in status["failed"]] == [(4, "checkpoint")]
+        assert status["latest"]["checkpoint"] == COMMITTED
+        assert disk.read_iteration(root, "checkpoint") == COMMITTED
+        assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+
+
+BAD_ITERATION_FILES = {
+    "garbage": b"hello\n",
+    "negative": b"-3\n",
+    "fraction": b"3.5\n",
+    "exponent": b"1e30\n",
+    "empty": b"",
+    "whitespace": b"  \n",
+    "two numbers": b"3\n4\n",
+    "trailing junk": b"12abc\n",
+    "not utf-8": b"\xff\xfe\n",
+    "non-ascii digit": "\u0663\n".encode(),
+    "31 digits (1e30)": b"1" + b"0" * 30 + b"\n",
+    "100 digits (> 64 bytes)": b"9" * 100 + b"\n",
+}
+
+
+class TestBadIterationFile:
+    """A monitor refuses to start on an iteration file that does not name a step, and
+    names the file; the file and the steps on disk are left as they are."""
+
+    @pytest.mark.parametrize("content", BAD_ITERATION_FILES.values(), ids=BAD_ITERATION_FILES.keys())
+    @pytest.mark.parametrize("kind", disk.KINDS)
+    def test_bad_content(self, committed, content, kind):
+        root, _, _ = committed
+        path = root / disk.ITERATION_FILES[kind]
+        path.write_bytes(content)
+        before = _snapshot(root)
+        with pytest.raises(IterationFileError) as info:
+            _monitor(root)
+        assert str(path) in str(info.value)
+        assert "step number" in str(info.value)
+        assert _snapshot(root) == before
+        assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+
+    def test_iteration_file_is_a_directory(self, tmp_path):
+        root = tmp_path / "root"
+        (root / disk.ITERATION_FILES["checkpoint"]).mkdir(parents=True)
+        with pytest.raises(IterationFileError, match="is a directory"):
+            _monitor(root)
