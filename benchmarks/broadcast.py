@@ -6,6 +6,8 @@ mixture-of-experts-like model: many small tensors (norms, biases, routers,
 some in float32) and a few large expert matrices carrying most of the bytes.
 Per repetition, after a one-element broadcast that lines both sides up, each
 of the three transfers is timed on both sides; a sample is the slower side.
+Each rank gets half the cores for torch's intra-op threads, as torchrun
+would give two ranks on one machine.
 With CUDA and at least two GPUs the same runs on NCCL.
 """
 
@@ -66,6 +68,9 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
 
         from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
 
+        # Two ranks on one machine: one intra-op thread each, as torchrun sets
+        # (OMP_NUM_THREADS=1); more oversubscribes the cores and OpenMP spins.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         if backend == "nccl":
             torch.cuda.set_device(rank)
         group = WeightSyncGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend)

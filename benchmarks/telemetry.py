@@ -184,7 +184,7 @@ def run_telemetry_overhead(sizes: Sizes, bench_dir: str, namespace: str, log) ->
                 f"{median(samples['on']['cycle']) * 1e6:.0f} us, off "
                 f"{median(samples['off']['cycle']) * 1e6:.0f} us"
             )
-    code = ray.get(on.telemetry_code_us.remote(2000))
+    code = ray.get(on.telemetry_code_us.remote(min(2000, 10 * sizes.telemetry_calls)))
     for handle in (on, off, mon_on, mon_off):
         ray.kill(handle)
     med = {k: {m: median(v[m]) * 1e6 for m in v} for k, v in samples.items()}

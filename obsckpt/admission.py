@@ -69,7 +69,9 @@ class Admission:
         return ("any",)
 
     def _compatible(self, key: Hashable) -> bool:
-        return all(k == key for k in self.running.values())
+        # Saves are only admitted next to saves of the same key, so all running
+        # keys are equal and one stands for all (O(1) with 1,000 saves in flight).
+        return not self.running or next(iter(self.running.values())) == key
 
     def request(self, ticket: int, key: Hashable, on_admit) -> bool:
         """Admit now (True) or queue ``on_admit`` to be called on admission (False)."""

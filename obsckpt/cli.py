@@ -182,7 +182,9 @@ def format_status(st: dict) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         right = {0, 3, 4}
         for r in rows:
-            cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
+            cells = [
+                c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)
+            ]
             lines.append("  ".join(cells).rstrip())
     else:
         lines.append("no step directories")
@@ -213,7 +215,11 @@ def cmd_status(args, out: TextIO) -> int:
 def cmd_verify(args, out: TextIO, err: TextIO) -> int:
     root, latest = open_root(args.dir)
     if args.all:
-        steps = [s for s in disk.steps_on_disk(root) if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()]
+        steps = [
+            s
+            for s in disk.steps_on_disk(root)
+            if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()
+        ]
         if not steps:
             raise CliError(f"{args.dir}: no step with a manifest to verify")
     elif args.step is not None:
@@ -223,7 +229,9 @@ def cmd_verify(args, out: TextIO, err: TextIO) -> int:
     else:
         step = latest["checkpoint"] if latest["checkpoint"] is not None else latest["state_dict"]
         if step is None:
-            raise CliError(f"{args.dir}: no committed step to verify (no iteration file); pass --step")
+            raise CliError(
+                f"{args.dir}: no committed step to verify (no iteration file); pass --step"
+            )
         steps = [step]
     failed = 0
     for step in steps:
@@ -314,8 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         "background through obsckpt, sync weights to a rollout actor, serve metrics and "
         "print a summary. See docs/demo.md.",
     )
-    d.add_argument("--steps", type=int, default=40, help="training steps; 0 runs until stopped (default 40)")
-    d.add_argument("--save-every", type=int, default=10, help="full checkpoint every N steps (default 10)")
+    d.add_argument(
+        "--steps", type=int, default=40, help="training steps; 0 runs until stopped (default 40)"
+    )
+    d.add_argument(
+        "--save-every", type=int, default=10, help="full checkpoint every N steps (default 10)"
+    )
     d.add_argument("--world-size", type=int, default=2, help="trainer ranks (default 2)")
     d.add_argument(
         "--sync-method",
@@ -329,18 +341,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint root (default ./obsckpt-demo/ckpt)",
     )
     d.add_argument("--resume", action="store_true", help="continue from the newest committed step")
-    d.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
-    d.add_argument("--metrics-port", type=_port, default=0, help="/metrics port; 0 picks a free one (default)")
-    d.add_argument("--metrics-host", default="0.0.0.0", help="interface for /metrics (default 0.0.0.0)")
-    d.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoint (no summary)")
-    d.add_argument("--file-sd", default=None, metavar="PATH", help="write a Prometheus file_sd target file")
+    d.add_argument(
+        "--duration", type=float, default=None, metavar="SECONDS", help="stop after this long"
+    )
+    d.add_argument(
+        "--metrics-port", type=_port, default=0, help="/metrics port; 0 picks a free one (default)"
+    )
+    d.add_argument(
+        "--metrics-host", default="0.0.0.0", help="interface for /metrics (default 0.0.0.0)"
+    )
+    d.add_argument(
+        "--no-metrics", action="store_true", help="serve no /metrics endpoint (no summary)"
+    )
+    d.add_argument(
+        "--file-sd", default=None, metavar="PATH", help="write a Prometheus file_sd target file"
+    )
     d.add_argument(
         "--otlp-endpoint",
         default=None,
         metavar="URL",
         help="send traces by OTLP/HTTP to URL (or set the OTEL_* variables)",
     )
-    d.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    d.add_argument(
+        "--address", default=None, help="join this Ray cluster (default: start a local one)"
+    )
     d.add_argument("--namespace", default=None, help="Ray namespace (default: a fresh one)")
     d.add_argument(
         "--save-strategy",
@@ -348,12 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("single_thread", "single_process", "single_node", "unrestricted"),
         help="admission of concurrent saves (default unrestricted)",
     )
-    d.add_argument("--keep", type=int, default=3, help="full checkpoints to keep; 0 keeps all (default 3)")
+    d.add_argument(
+        "--keep", type=int, default=3, help="full checkpoints to keep; 0 keeps all (default 3)"
+    )
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true", help="no progress line")
-    d.add_argument("--verbose", action="store_true", help="show the Ray workers' logs and tracebacks")
-    d.add_argument("--result-json", default=None, metavar="PATH", help="write the run's result as JSON")
+    d.add_argument(
+        "--verbose", action="store_true", help="show the Ray workers' logs and tracebacks"
+    )
+    d.add_argument(
+        "--result-json", default=None, metavar="PATH", help="write the run's result as JSON"
+    )
 
     s = sub.add_parser("status", help="committed and uncommitted steps of a checkpoint directory")
     s.add_argument("dir", metavar="DIR", help="the checkpoint root")
@@ -362,12 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a committed step against its manifest")
     v.add_argument("dir", metavar="DIR", help="the checkpoint root")
     g = v.add_mutually_exclusive_group()
-    g.add_argument("--step", type=int, default=None, help="step to check (default: the latest committed)")
+    g.add_argument(
+        "--step", type=int, default=None, help="step to check (default: the latest committed)"
+    )
     g.add_argument("--all", action="store_true", help="check every step that has a manifest")
     return p
 
 
-def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def main(
+    argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
     """Entry point of the ``obsckpt`` command; returns the exit code."""
     out = out or sys.stdout
     err = err or sys.stderr

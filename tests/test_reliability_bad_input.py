@@ -113,9 +113,7 @@ class TestBadMonitorArguments:
     @pytest.mark.parametrize("port", [-1, 70000, "80", True, 1.5], ids=repr)
     def test_bad_metrics_port(self, tmp_path, port):
         with pytest.raises(ValueError, match="metrics_port") as info:
-            _monitor(tmp_path / "root", **{}) if False else CheckpointMonitor(
-                default_local_dir=tmp_path / "root", metrics_port=port
-            )
+            CheckpointMonitor(default_local_dir=tmp_path / "root", metrics_port=port)
         assert repr(port) in str(info.value)
         with pytest.raises(ValueError, match="metrics_port"):
             CheckpointMonitor.get_actor(default_local_dir=tmp_path / "root", metrics_port=port)
@@ -198,7 +196,9 @@ class TestBadNotifications:
     @pytest.mark.parametrize("step", [0, 1, 2])
     def test_monitor_step_older_than_committed(self, committed, step):
         root, monitor, before = committed
-        with pytest.raises(StepOrderError, match=f"step {step} was already committed \\(latest is 3\\)"):
+        with pytest.raises(
+            StepOrderError, match=f"step {step} was already committed \\(latest is 3\\)"
+        ):
             asyncio.run(monitor.monitor_step(step, False))
         _assert_nothing_lost(root, before)
 
@@ -247,7 +247,9 @@ class TestBadIterationFile:
     """A monitor refuses to start on an iteration file that does not name a step, and
     names the file; the file and the steps on disk are left as they are."""
 
-    @pytest.mark.parametrize("content", BAD_ITERATION_FILES.values(), ids=BAD_ITERATION_FILES.keys())
+    @pytest.mark.parametrize(
+        "content", BAD_ITERATION_FILES.values(), ids=BAD_ITERATION_FILES.keys()
+    )
     @pytest.mark.parametrize("kind", disk.KINDS)
     def test_bad_content(self, committed, content, kind):
         root, _, _ = committed

@@ -100,7 +100,9 @@ class DemoConfig:
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if not self.commit_timeout > 0:
-            raise ValueError(f"commit_timeout must be positive seconds, got {self.commit_timeout!r}")
+            raise ValueError(
+                f"commit_timeout must be positive seconds, got {self.commit_timeout!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -178,7 +180,9 @@ def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int]:
             model = disk.step_dir(root, latest) / "actor"
             want = model / f"model_world_size_{cfg.world_size}_rank_0.pt"
             if not want.is_file():
-                sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
+                sizes = sorted(
+                    {p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")}
+                )
                 raise DemoError(
                     f"step {latest} in {root} was not saved by {cfg.world_size} ranks "
                     f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
@@ -272,7 +276,16 @@ def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
         kwargs["num_cpus"] = max(os.cpu_count() or 1, cfg.world_size + 1)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(**kwargs)
+    # A terminal's Ctrl-C reaches the whole foreground process group, which
+    # includes the GCS and raylet this call starts; they inherit an ignored
+    # SIGINT, so the cluster outlives the first Ctrl-C while saves drain.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        ray.init(**kwargs)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     return True
 
 
@@ -367,8 +380,19 @@ def run_demo(
             progress.note(f"resumed from committed step {resumed}")
         coord = CheckpointCoordinator(monitor)
         _train(
-            cfg, root, resumed, trainers, rollout, synchronizer, monitor, coord, loop,
-            progress, stop, result, t_start,
+            cfg,
+            root,
+            resumed,
+            trainers,
+            rollout,
+            synchronizer,
+            monitor,
+            coord,
+            loop,
+            progress,
+            stop,
+            result,
+            t_start,
         )
         progress.close()
         _drain(cfg, trainers, monitor, progress, result)
@@ -443,8 +467,19 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
 
 
 def _train(
-    cfg, root, resumed, trainers, rollout, synchronizer, monitor, coord, loop,
-    progress, stop, result, t_start,
+    cfg,
+    root,
+    resumed,
+    trainers,
+    rollout,
+    synchronizer,
+    monitor,
+    coord,
+    loop,
+    progress,
+    stop,
+    result,
+    t_start,
 ) -> None:
     import ray
 

@@ -45,6 +45,7 @@ class Progress:
         self._last_committed: int | None = None
         self._drawn = False
         self._first_step: int | None = None
+        self._first_at: float | None = None
 
     def update(
         self,
@@ -60,6 +61,7 @@ class Progress:
             return
         if self._first_step is None:
             self._first_step = step
+            self._first_at = time.monotonic()
         text = self.render(step, loss, committed, in_flight, pending, rollout_version)
         now = time.monotonic()
         if self.interactive:
@@ -78,9 +80,12 @@ class Progress:
         self._last_committed = committed
 
     def render(self, step, loss, committed, in_flight, pending, rollout_version) -> str:
-        elapsed = time.monotonic() - self.t0
-        done = step - (self._first_step or step) + 1
-        rate = done / elapsed if elapsed > 0 else 0.0
+        now = time.monotonic()
+        elapsed = now - self.t0
+        # The rate counts from the first step, not from the (slow) start-up.
+        since = now - (self._first_at or now)
+        done = step - (self._first_step or step)
+        rate = done / since if since > 0 else 0.0
         if self.total:
             frac = min(1.0, step / self.total)
             filled = int(round(frac * _BAR))

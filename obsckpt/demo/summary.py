@@ -191,7 +191,8 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
     latest = {}
     for kind in ("checkpoint", "state_dict"):
         present = [
-            v for n, lab, v in scrape.samples
+            v
+            for n, lab, v in scrape.samples
             if n == "obsckpt_latest_step" and lab.get("kind") == kind
         ]
         latest[kind] = int(present[0]) if present else None
@@ -200,7 +201,8 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
     versions = {}
     for role in ("trainer", "rollout"):
         present = [
-            v for n, lab, v in scrape.samples
+            v
+            for n, lab, v in scrape.samples
             if n == "obsckpt_model_version" and lab.get("role") == role
         ]
         versions[role] = int(present[0]) if present else None

@@ -1,0 +1,94 @@
+"""The benchmark harness runs end to end and writes JSON of the documented shape.
+
+Runs ``benchmarks/run.py`` in its hidden smoke mode (tiny sizes, one
+repetition). Timings at these sizes mean nothing, so nothing here asserts on
+them; only that every benchmark ran (or says why it was skipped) and reported
+a value, its target and whether it was met.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXPECTED = {
+    "stall_vs_memcpy": "<= 1.25",
+    "sync_save_vs_stall": ">= 25",
+    "write_vs_disk": ">= 0.8",
+    "telemetry_overhead_us": "<= 50",
+    "commit_lag_p99_ms": "<= 50",
+    "bucketed_vs_per_tensor": ">= 2",
+    "broadcast_vs_raw": ">= 0.8",
+    "peak_extra_rss_ratio": "<= 1.15",
+}
+GPU_ONLY = ("gpu_stall_vs_d2h", "nccl_bucketed_vs_per_tensor", "nccl_broadcast_vs_raw")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    json_path = out / "results.json"
+    env = dict(os.environ, OBSCKPT_BENCH_SMOKE="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--json", str(json_path), "--dir", str(out / "ckpt")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"benchmarks/run.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc, json.loads(json_path.read_text())
+
+
+class TestSmokeRun:
+    """Every benchmark reports a value against its target, in the JSON and in the table."""
+
+    def test_json_has_results_and_machine(self, smoke_run):
+        _, doc = smoke_run
+        assert set(doc) >= {"results", "machine", "mode"}
+        assert doc["mode"] == "smoke"
+        assert doc["machine"]["cpus"] >= 1
+        assert doc["machine"]["torch"]
+
+    def test_every_benchmark_reports_value_target_and_met(self, smoke_run):
+        _, doc = smoke_run
+        results = doc["results"]
+        for name, target in EXPECTED.items():
+            r = results[name]
+            assert r["target"] == target, name
+            if r.get("skipped"):
+                assert r["value"] is None and r["met"] is None, name
+                continue
+            assert isinstance(r["value"], float), (name, r["value"])
+            assert isinstance(r["met"], bool), name
+            op, bound = target.split()
+            expected_met = r["value"] <= float(bound) if op == "<=" else r["value"] >= float(bound)
+            assert r["met"] is expected_met, name
+
+    def test_gpu_variants_exist_and_say_why_they_were_skipped(self, smoke_run):
+        _, doc = smoke_run
+        import torch
+
+        for name in GPU_ONLY:
+            r = doc["results"][name]
+            if not torch.cuda.is_available():
+                assert r["met"] is None and "CUDA" in r["skipped"], name
+
+    def test_table_lists_every_benchmark_and_says_smoke_mode(self, smoke_run):
+        proc, doc = smoke_run
+        for name in doc["results"]:
+            assert name in proc.stdout
+        assert "smoke" in proc.stdout
+        assert "smoke mode" in proc.stderr
+
+    def test_saved_checkpoint_was_loadable(self, smoke_run):
+        _, doc = smoke_run
+        assert doc["results"]["write_vs_disk"]["torch_load_ok"] is True

@@ -1,0 +1,226 @@
+"""The ``obsckpt status`` and ``obsckpt verify`` commands on real checkpoint directories."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import ray
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt import commit as disk
+from obsckpt.cli import main
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def make_step(root: Path, step: int, *, commit: bool = True) -> Path:
+    """A step with verl's file names, finalized and committed as the monitor would."""
+    sdir = disk.step_dir(root, step)
+    actor = sdir / "actor"
+    actor.mkdir(parents=True)
+    for rank in range(2):
+        for kind in ("model", "optim", "extra_state"):
+            data = bytes((step * 31 + rank * 7 + i) % 251 for i in range(4096 + 100 * rank))
+            (actor / f"{kind}_world_size_2_rank_{rank}.pt").write_bytes(data)
+    (actor / "huggingface").mkdir()
+    (actor / "huggingface" / "config.json").write_text('{"model_type": "qwen2"}\n')
+    if commit:
+        disk.finalize_step(sdir)
+        disk.write_iteration(root, "checkpoint", step)
+        disk.write_iteration(root, "state_dict", step)
+    return sdir
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    make_step(root, 2)
+    make_step(root, 4)
+    return root
+
+
+class TestVerify:
+    """verify passes a whole step and names every missing, truncated or corrupted file."""
+
+    def test_latest_committed_step_verifies(self, root):
+        code, out, err = run("verify", str(root))
+        assert code == 0, err
+        assert out.startswith("step 4: OK, 7 files")
+        assert err == ""
+
+    def test_truncated_missing_and_flipped_files_are_named(self, root):
+        actor = disk.step_dir(root, 4) / "actor"
+        truncated = actor / "model_world_size_2_rank_0.pt"
+        truncated.write_bytes(truncated.read_bytes()[:1000])
+        missing = actor / "optim_world_size_2_rank_1.pt"
+        missing.unlink()
+        flipped = actor / "extra_state_world_size_2_rank_1.pt"
+        data = bytearray(flipped.read_bytes())
+        data[100] ^= 0xFF
+        data[2000] ^= 0x01
+        flipped.write_bytes(bytes(data))
+
+        code, out, err = run("verify", str(root))
+        assert code == 1
+        assert "step 4: FAILED, 3 problem(s)" in out
+        lines = err.strip().splitlines()
+        assert len(lines) == 3
+        assert any(str(truncated) in ln and "truncated (1000 bytes" in ln for ln in lines)
+        assert any(str(missing) in ln and "missing" in ln for ln in lines)
+        assert any(str(flipped) in ln and "corrupted" in ln for ln in lines)
+        # The older step is untouched and still verifies on its own.
+        assert run("verify", str(root), "--step", "2")[0] == 0
+
+    def test_all_checks_every_step_with_a_manifest(self, root):
+        (disk.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        code, out, err = run("verify", str(root), "--all")
+        assert code == 1
+        assert "step 2: FAILED" in out and "step 4: OK" in out
+        assert "model_world_size_2_rank_1.pt: missing" in err
+
+    def test_step_without_manifest_fails(self, root):
+        make_step(root, 6, commit=False)
+        code, _out, err = run("verify", str(root), "--step", "6")
+        assert code == 1
+        assert "missing manifest" in err
+
+
+class TestStatus:
+    """status lists committed and uncommitted steps, with sizes, ages and why a step is not committed."""
+
+    def test_committed_steps(self, root):
+        code, out, err = run("status", str(root), "--json")
+        assert code == 0, err
+        st = json.loads(out)
+        assert st["latest"] == {"checkpoint": 4, "state_dict": 4}
+        assert st["committed"] == [2, 4]
+        assert st["uncommitted"] == []
+        step4 = st["steps"][1]
+        assert step4["kind"] == "checkpoint" and step4["note"] == "latest checkpoint"
+        assert step4["bytes"] > 6 * 4096 and step4["age_s"] >= 0
+        code, text, _ = run("status", str(root))
+        assert code == 0
+        assert "latest checkpoint: 4" in text and "committed" in text
+
+    def test_uncommitted_step_of_an_interrupted_save(self, ray_cluster, namespace, tmp_path):
+        """A save that never finishes (its job was killed) leaves a step status calls uncommitted."""
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(root), metrics_port=None
+        )
+        ray.get(monitor.status.remote())
+        coord = CheckpointCoordinator(monitor, rank=0)
+        actor = root / "global_step_1" / "actor"
+
+        def write(name):
+            def save():
+                actor.mkdir(parents=True, exist_ok=True)
+                (actor / name).write_bytes(b"x" * 5000)
+
+            return save
+
+        coord.save_async("model", write("model_world_size_1_rank_0.pt"), 1)
+        asyncio.run(coord.register_and_monitor(1, checkpoint_thread_count=1))
+        coord.wait_all(timeout=60)
+        ray.get(monitor.status.remote())
+
+        gate = threading.Event()
+        started = threading.Event()
+        step2 = root / "global_step_2" / "actor"
+
+        def stuck():
+            step2.mkdir(parents=True, exist_ok=True)
+            # Half of a file, as a writer killed mid-save leaves it.
+            (step2 / f"optim_world_size_1_rank_0.pt.tmp.{os.getpid()}").write_bytes(b"y" * 777)
+            started.set()
+            gate.wait(60)
+
+        coord.save_async("optim", stuck, 2)
+        asyncio.run(coord.register_and_monitor(2, checkpoint_thread_count=1))
+        assert started.wait(30)
+        for _ in range(100):
+            if disk.read_iteration(root, "checkpoint") == 1:
+                break
+            threading.Event().wait(0.1)
+        ray.kill(monitor)  # the job dies with step 2's save in flight
+        try:
+            code, out, err = run("status", str(root), "--json")
+            assert code == 0, err
+            st = json.loads(out)
+            assert st["latest"]["checkpoint"] == 1
+            assert st["committed"] == [1]
+            assert st["uncommitted"] == [2]
+            step2_info = st["steps"][1]
+            assert step2_info["state"] == "uncommitted"
+            assert "abandoned" in step2_info["note"]
+            assert step2_info["temp_files"] == 1
+            assert "partly written" in step2_info["note"]
+            code, text, _ = run("status", str(root))
+            assert "uncommitted" in text and "never committed" in text
+        finally:
+            gate.set()
+
+    def test_iteration_file_naming_a_missing_step_is_a_problem(self, root):
+        disk.write_iteration(root, "checkpoint", 8)
+        code, out, _ = run("status", str(root), "--json")
+        assert code == 0
+        assert json.loads(out)["problems"] == [
+            "latest_checkpointed_iteration.txt names step 8, which is not on disk"
+        ]
+
+
+class TestErrors:
+    """A directory that cannot be used gives one line on stderr and exit code 2, for both commands."""
+
+    @pytest.mark.parametrize("command", ["status", "verify"])
+    def test_missing_directory(self, tmp_path, command):
+        code, out, err = run(command, str(tmp_path / "nope"))
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and "no such directory" in err
+
+    @pytest.mark.parametrize("command", ["status", "verify"])
+    def test_a_file_is_not_a_directory(self, tmp_path, command):
+        f = tmp_path / "file"
+        f.write_text("x")
+        code, _out, err = run(command, str(f))
+        assert code == 2 and err.count("\n") == 1 and "not a directory" in err
+
+    @pytest.mark.parametrize("command", ["status", "verify"])
+    def test_not_a_checkpoint_root(self, tmp_path, command):
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "notes.txt").write_text("hello")
+        code, _out, err = run(command, str(tmp_path / "other"))
+        assert code == 2 and err.count("\n") == 1 and "not a checkpoint root" in err
+
+    @pytest.mark.parametrize("command", ["status", "verify"])
+    def test_unreadable_iteration_file(self, root, command):
+        (root / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+        code, _out, err = run(command, str(root))
+        assert code == 2 and err.count("\n") == 1
+        assert "latest_checkpointed_iteration.txt" in err and "not a step number" in err
+
+    def test_verify_a_step_that_is_not_on_disk(self, root):
+        code, _out, err = run("verify", str(root), "--step", "3")
+        assert code == 2 and err.count("\n") == 1 and "step 3 is not on disk" in err
+
+    def test_entry_point_exit_code(self, tmp_path):
+        import subprocess
+        import sys
+
+        exe = Path(sys.executable).with_name("obsckpt")
+        proc = subprocess.run(
+            [str(exe), "verify", str(tmp_path / "nope")], capture_output=True, text=True
+        )
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

@@ -1,0 +1,179 @@
+"""Durability order of a commit, observed with strace on a real process.
+
+A subprocess drives one commit through a CheckpointMonitor used directly (no
+Ray); strace records its fsync, rename and openat calls. The order must be:
+every data file and directory of the step fsynced and the manifest in place →
+the iteration file's temp file fsynced → renamed over the iteration file →
+the root directory fsynced.
+
+strace comes from the Debian package ``strace``; this test fails, not skips,
+without it, since the ordering is otherwise unchecked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from obsckpt import commit as disk
+
+DRIVER = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from obsckpt.monitor import CheckpointMonitor
+
+    root = sys.argv[1]
+    actor = os.path.join(root, "global_step_1", "actor")
+    os.makedirs(actor)
+    for name in ("model.pt", "optim.pt"):
+        # Written without fsync: making them durable is the commit's job.
+        with open(os.path.join(actor, name), "wb") as f:
+            f.write(os.urandom(1 << 16))
+    monitor = CheckpointMonitor(default_local_dir=root, metrics_port=None)
+
+    async def main():
+        await monitor.register_thread_count(1, checkpoint_thread_count=2)
+        for slot in ("model", "optim"):
+            t = await monitor.notify_started("node", "job", step=1, slot=slot)
+            await monitor.notify_finished(1, False, ticket=t["ticket"], slot=slot)
+        await monitor.monitor_step(1, False)
+
+    asyncio.run(main())
+    """
+)
+
+_LINE = re.compile(r"^(\d+)\s+(.*)$")
+_CALL = re.compile(r"^(\w+)\((.*)")
+_RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)")
+_FD_PATH = re.compile(r"^\d+<(.*?)>")
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Call:
+    index: int  # order of completion
+    name: str
+    args: str
+
+    @property
+    def fd_path(self) -> str | None:
+        m = _FD_PATH.match(self.args)
+        return m.group(1) if m else None
+
+    @property
+    def paths(self) -> list[str]:
+        return _QUOTED.findall(self.args)
+
+
+def parse_strace(text: str) -> list[Call]:
+    """Completed calls in completion order; unfinished calls count when they resume."""
+    calls: list[Call] = []
+    pending: dict[tuple[str, str], str] = {}
+    for raw in text.splitlines():
+        m = _LINE.match(raw)
+        if not m:
+            continue
+        pid, rest = m.groups()
+        if rest.endswith("<unfinished ...>"):
+            c = _CALL.match(rest)
+            if c:
+                pending[(pid, c.group(1))] = c.group(2)
+            continue
+        r = _RESUMED.match(rest)
+        if r:
+            name = r.group(1)
+            args = pending.pop((pid, name), "") + r.group(2)
+            calls.append(Call(len(calls), name, args))
+            continue
+        c = _CALL.match(rest)
+        if c:
+            calls.append(Call(len(calls), c.group(1), c.group(2)))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def strace() -> str:
+    path = shutil.which("strace")
+    if path is None:
+        pytest.fail(
+            "strace not found: install Debian's `strace` package (apt-get install -y strace); "
+            "without it the durability order of commits is unchecked"
+        )
+    return path
+
+
+class TestCommitDurabilityOrder:
+    """Data is durable before the iteration file names it, and the rename itself is made durable."""
+
+    def test_fsync_before_rename_then_dir_fsync(self, strace, tmp_path):
+        root = Path(os.path.realpath(tmp_path)) / "root"
+        trace = tmp_path / "strace.txt"
+        script = tmp_path / "drive_commit.py"
+        script.write_text(DRIVER)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        done = subprocess.run(
+            [
+                strace,
+                "-f",
+                "-y",
+                "-qq",
+                "-o",
+                str(trace),
+                "-e",
+                "trace=fsync,fdatasync,rename,renameat,renameat2,openat",
+                sys.executable,
+                str(script),
+                str(root),
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 0, f"strace run failed ({done.returncode}): {done.stderr[-3000:]}"
+        assert disk.read_iteration(root, "checkpoint") == 1
+        calls = parse_strace(trace.read_text())
+
+        sdir = root / "global_step_1"
+        syncs = [c for c in calls if c.name in ("fsync", "fdatasync") and c.fd_path]
+        renames = [c for c in calls if c.name.startswith("rename")]
+
+        def rename_to(target: Path) -> Call:
+            found = [c for c in renames if c.paths and c.paths[-1] == str(target)]
+            assert len(found) == 1, (
+                f"expected one rename onto {target}: {[c.args for c in renames]}"
+            )
+            return found[0]
+
+        def last_sync(path: Path, before: int) -> Call:
+            found = [c for c in syncs if c.fd_path == str(path) and c.index < before]
+            assert found, f"{path} was not fsynced before call #{before}"
+            return found[-1]
+
+        for kind in disk.KINDS:
+            iteration = root / disk.ITERATION_FILES[kind]
+            commit = rename_to(iteration)
+            tmp = Path(commit.paths[0])
+            assert tmp.parent == root and tmp.name.startswith(iteration.name + ".tmp")
+            # Every data file and directory of the step, and the manifest, before the rename.
+            for data in (sdir / "actor" / "model.pt", sdir / "actor" / "optim.pt"):
+                last_sync(data, commit.index)
+            for directory in (sdir / "actor", sdir):
+                last_sync(directory, commit.index)
+            manifest = rename_to(sdir / disk.MANIFEST_NAME)
+            assert manifest.index < commit.index
+            last_sync(Path(manifest.paths[0]), manifest.index)
+            # The new iteration file's own bytes are durable before it is renamed into place ...
+            last_sync(tmp, commit.index)
+            # ... and the rename is made durable by fsyncing the root afterwards.
+            after = [c for c in syncs if c.fd_path == str(root) and c.index > commit.index]
+            assert after, f"{root} was not fsynced after renaming {iteration.name}"

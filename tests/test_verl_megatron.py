@@ -1,0 +1,173 @@
+"""Megatron helpers against a stand-in engine (Megatron-core cannot be installed here).
+
+``FakeMcoreEngine`` has the interface of verl's ``McoreEngine`` that the helpers
+use: ``module``, ``get_per_tensor_param()`` returning ``(iterator, peft_config)``,
+``save_checkpoint`` / ``load_checkpoint`` delegating to a checkpoint manager
+with ``checkpoint_save_contents`` (reached as ``checkpoint_mananager``, verl's
+spelling). The monitor, coordinator, Synchronizer and gloo broadcast are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import ray
+import torch
+from prometheus_client import CollectorRegistry
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, Synchronizer
+from obsckpt.integrations import (
+    megatron_save_state_dict,
+    megatron_sync_weight_nccl,
+    megatron_upload_state_dict,
+)
+from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup, free_port
+from obsckpt.telemetry.metrics import Metrics
+
+
+class FakeCheckpointManager:
+    def __init__(self, engine: FakeMcoreEngine) -> None:
+        self.engine = engine
+        self.checkpoint_save_contents = ["model", "optimizer", "extra"]
+        self.calls: list[list[str]] = []
+        self.fail = False
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.calls.append(list(self.checkpoint_save_contents))
+        if self.fail:
+            raise OSError("disk full")
+        os.makedirs(local_path, exist_ok=True)
+        rank = self.engine.rank
+        if "model" in self.checkpoint_save_contents:
+            torch.save(self.engine.module.state_dict(), os.path.join(local_path, f"model_{rank}.pt"))
+        if "optimizer" in self.checkpoint_save_contents:
+            torch.save({}, os.path.join(local_path, f"optim_{rank}.pt"))
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        sd = torch.load(os.path.join(local_path, f"model_{self.engine.rank}.pt"))
+        self.engine.module.load_state_dict(sd)
+
+
+class FakeMcoreEngine:
+    def __init__(self, rank: int = 0) -> None:
+        torch.manual_seed(0)
+        self.rank = rank
+        self.module = torch.nn.Sequential(
+            torch.nn.Linear(5, 3), torch.nn.Linear(3, 2).to(torch.bfloat16)
+        )
+        self.checkpoint_mananager = FakeCheckpointManager(self)
+        self.exported = 0
+
+    def get_per_tensor_param(self, **kwargs):
+        def gen():
+            for name, p in self.module.state_dict().items():
+                self.exported += 1
+                yield f"model.{name}", p.detach()
+
+        return gen(), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.checkpoint_mananager.save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True):
+        self.checkpoint_mananager.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+
+def hf_state_dict(engine: FakeMcoreEngine) -> dict[str, torch.Tensor]:
+    return {f"model.{k}": v for k, v in engine.module.state_dict().items()}
+
+
+@pytest.fixture
+def monitor(namespace, tmp_path):
+    m = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(tmp_path / "ckpt"), metrics_port=None
+    )
+    ray.get(m.status.remote())
+    return m
+
+
+class TestSaveStateDict:
+    """Only the model is saved, the contents are restored afterwards, and the monitor commits it."""
+
+    def test_model_only_then_committed(self, monitor, tmp_path):
+        engine = FakeMcoreEngine()
+        coord = CheckpointCoordinator(monitor, rank=0)
+        path = tmp_path / "ckpt" / "global_step_3" / "actor"
+        assert megatron_save_state_dict(engine, str(path), 3, coord, None) == 1
+        manager = engine.checkpoint_mananager
+        assert manager.calls == [["model"]]
+        assert manager.checkpoint_save_contents == ["model", "optimizer", "extra"]
+        assert sorted(os.listdir(path)) == ["model_0.pt"]
+        asyncio.run(coord.register_and_monitor(3, is_state_dict=True, state_dict_thread_count=1))
+        assert (tmp_path / "ckpt" / "latest_state_dict_iteration.txt").read_text().strip() == "3"
+
+        # The saved weights load back into a fresh engine.
+        other = FakeMcoreEngine()
+        with torch.no_grad():
+            for p in other.module.parameters():
+                p.zero_()
+        other.load_checkpoint(str(path))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(hf_state_dict(engine).values(), hf_state_dict(other).values(), strict=True)
+        )
+
+    def test_failure_is_reported_and_contents_restored(self, monitor, tmp_path):
+        engine = FakeMcoreEngine()
+        engine.checkpoint_mananager.fail = True
+        coord = CheckpointCoordinator(monitor, rank=0)
+        with pytest.raises(SaveError, match="disk full"):
+            megatron_save_state_dict(engine, str(tmp_path / "x"), 4, coord, None)
+        assert engine.checkpoint_mananager.checkpoint_save_contents == [
+            "model",
+            "optimizer",
+            "extra",
+        ]
+        asyncio.run(coord.register_and_monitor(4, is_state_dict=True, state_dict_thread_count=1))
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [4]
+        assert not (tmp_path / "ckpt" / "latest_state_dict_iteration.txt").exists()
+
+
+def test_upload_state_dict_from_rank_0_only(namespace):
+    """Every rank iterates the export (a collective in Megatron); only rank 0 uploads."""
+    sync = Synchronizer.get_actor(namespace=namespace, watch=False)
+    rank0, rank1 = FakeMcoreEngine(rank=0), FakeMcoreEngine(rank=1)
+    assert megatron_upload_state_dict(rank1, sync, 5, None) is None
+    assert rank1.exported == 4
+    assert ray.get(sync.get_version.remote()) is None
+    assert megatron_upload_state_dict(rank0, sync, 5, None) > 0
+    got, version = ray.get(sync.get_model_state_dict.remote())
+    expected = hf_state_dict(rank0)
+    assert version == 5 and list(got) == list(expected)
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items())
+
+
+def test_sync_weight_over_gloo_bucketed():
+    """Trainer rank 0 broadcasts the exported tensors; the receiver gets the same bits."""
+    port = free_port()
+    received: dict = {}
+
+    def receiver() -> None:
+        group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30)
+        received.update(WeightBroadcaster(group).recv(clone=True))
+        group.close()
+
+    t = threading.Thread(target=receiver, name="receiver")
+    t.start()
+    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=30)
+    engine = FakeMcoreEngine()
+    metrics = Metrics(CollectorRegistry())
+    result = megatron_sync_weight_nccl(engine, group, step=6, metrics=metrics)
+    t.join(timeout=60)
+    group.close()
+    expected = hf_state_dict(engine)
+    assert list(received) == list(expected)
+    assert all(torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in expected.items())
+    assert result.nbytes == sum(v.numel() * v.element_size() for v in expected.values())
+    assert metrics.registry.get_sample_value(
+        "obsckpt_broadcast_bytes_total", {"backend": "gloo"}
+    ) == result.nbytes
