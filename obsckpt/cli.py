@@ -81,7 +81,9 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     sdir = disk.step_dir(root, step)
     files = _walk_files(sdir)
     temps = [f for f, _s, _m in files if TEMP_MARKER in os.path.basename(f)]
-    data = [f for f in files if TEMP_MARKER not in os.path.basename(f[0])]
+    data = [
+        f for f in files if TEMP_MARKER not in os.path.basename(f[0]) and f[0] != disk.MANIFEST_NAME
+    ]
     nbytes = sum(s for _f, s, _m in files)
     mtime = max((m for _f, _s, m in files), default=sdir.stat().st_mtime)
     has_manifest = (sdir / disk.MANIFEST_NAME).is_file()
@@ -90,7 +92,10 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     ck, sd = latest.get("checkpoint"), latest.get("state_dict")
     newest = max((s for s in (ck, sd) if s is not None), default=None)
     note = ""
-    if has_manifest or step in (ck, sd):
+    if has_manifest and not data and step not in (ck, sd):
+        state, kind = "removed", "-"
+        note = "committed once; its files were removed (retention), the manifest is left"
+    elif has_manifest or step in (ck, sd):
         state = "committed"
         if step == ck:
             note = "latest checkpoint"

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,12 @@ def _was_restarted() -> bool:
     try:
         import ray
 
-        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():
+            # Ray's implementation of this property reads a deprecated attribute itself.
+            warnings.simplefilter("ignore")
+            return (
+                ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+            )
     except Exception:  # noqa: BLE001 - outside an actor there is nothing to recover
         return False
 

@@ -93,14 +93,19 @@ class TestInjectedFailures:
     """Whatever fails, nothing deadlocks: every failure is counted and traced, wait_all
     raises it, the failed step never commits and later steps do."""
 
-    def test_random_failures(self, ray_cluster, namespace, tmp_path, fault_dirs, memory_spans, strategy):
+    def test_random_failures(
+        self, ray_cluster, namespace, tmp_path, fault_dirs, memory_spans, strategy
+    ):
         ray = ray_cluster
         full, ro, real = fault_dirs
         seed = int(os.environ.get("OBSCKPT_RELIABILITY_SEED", "0")) or random.randrange(1 << 30)
         rng = random.Random(seed)
         root = str(tmp_path / "root")
         monitor = CheckpointMonitor.get_actor(
-            namespace=namespace, save_strategy=strategy, default_local_dir=root, trace_exporter="memory"
+            namespace=namespace,
+            save_strategy=strategy,
+            default_local_dir=root,
+            trace_exporter="memory",
         )
         address = ray.get(monitor.metrics_address.remote())
         coord = CheckpointCoordinator(monitor, save_timeout=SAVE_TIMEOUT, rpc_timeout=60)
@@ -120,7 +125,11 @@ class TestInjectedFailures:
                 plan = [rng.choice(("ok", "ok") + FAULTS) for _ in SLOTS]
             asyncio.run(coord.register_and_monitor(step, checkpoint_thread_count=len(SLOTS)))
             for slot, kind in zip(SLOTS, plan, strict=True):
-                fn = _ok_save(root, step, slot) if kind == "ok" else _fault_save(kind, full, ro, real, step, slot)
+                fn = (
+                    _ok_save(root, step, slot)
+                    if kind == "ok"
+                    else _fault_save(kind, full, ro, real, step, slot)
+                )
                 coord.save_async(slot, fn, step)
             faults = [k for k in plan if k != "ok"]
             for k in faults:
@@ -134,7 +143,9 @@ class TestInjectedFailures:
                 coord.wait_all(timeout=30)
                 ok_steps.append(step)
                 wait_for(
-                    lambda step=step: ray.get(monitor.status.remote())["latest"]["checkpoint"] == step,
+                    lambda step=step: (
+                        ray.get(monitor.status.remote())["latest"]["checkpoint"] == step
+                    ),
                     30,
                     f"clean step {step} to commit under {strategy.name}",
                 )
@@ -159,7 +170,9 @@ class TestInjectedFailures:
         errors = [sp for sp in spans if sp["status"] == "ERROR"]
         assert len(errors) == n_failed_saves, [sp["attributes"] for sp in errors]
         assert {sp["attributes"]["obsckpt.step"] for sp in errors} == set(failed_steps)
-        commits = [sp for sp in ray.get(monitor.debug_spans.remote()) if sp["name"] == "obsckpt.commit"]
+        commits = [
+            sp for sp in ray.get(monitor.debug_spans.remote()) if sp["name"] == "obsckpt.commit"
+        ]
         assert sorted(sp["attributes"]["obsckpt.step"] for sp in commits) == ok_steps
         assert all(sp["status"] != "ERROR" for sp in commits)
         report(

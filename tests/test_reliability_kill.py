@@ -144,7 +144,11 @@ def run_trial(ray, job: Job, rng: random.Random) -> dict:
 
     victim_file = rank_path(root, step, victim, WORLD)
     in_place = victim_file.exists()
-    tmp_left = any(".tmp" in p.name for p in victim_file.parent.glob("*")) if victim_file.parent.exists() else False
+    tmp_left = (
+        any(".tmp" in p.name for p in victim_file.parent.glob("*"))
+        if victim_file.parent.exists()
+        else False
+    )
     job.stop_monitor()
 
     # The resumed job: a fresh monitor reads the root, ranks load the newest committed step.

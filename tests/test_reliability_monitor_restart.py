@@ -35,6 +35,11 @@ def _status(ray, monitor, timeout: float = 60.0) -> dict:
             time.sleep(0.2)
 
 
+def _restarted_status(ray, monitor) -> dict | None:
+    status = _status(ray, monitor)
+    return status if status["restarted"] else None
+
+
 def _save_fn(root: str, step: int, slot: str, gate: threading.Event | None = None):
     def save():
         path = disk.step_dir(root, step) / "actor" / f"{slot}.pt"
@@ -85,13 +90,15 @@ class TestMonitorRestart:
         _submit(monitor, 3)
         for slot in ("model", "optim"):
             coord.save_async(slot, _save_fn(root, 3, slot, gate), 3)
-        wait_for(lambda: len(_status(ray, monitor)["in_flight"]) == 2, 30, "step 3's saves admitted")
+        wait_for(
+            lambda: len(_status(ray, monitor)["in_flight"]) == 2, 30, "step 3's saves admitted"
+        )
         # Step 4: registered before the kill, submitted after it.
         _register(monitor, 4, 2)
 
         ray.kill(monitor, no_restart=False)
-        status = _status(ray, monitor)
-        assert status["restarted"] is True
+        # ray.kill returns at once; the old process may still answer a call or two.
+        status = wait_for(lambda: _restarted_status(ray, monitor), 60, "the restarted monitor")
         assert status["latest"]["checkpoint"] == 2
         assert [a["step"] for a in status["abandoned"]] == [3]  # its directory is on disk
         assert status["pending"] == []
@@ -178,7 +185,7 @@ class TestMonitorRestart:
                             coord.wait_all(timeout=60)
                         except Exception:  # noqa: BLE001
                             pass
-                _status(ray, monitor)
+                wait_for(lambda: _restarted_status(ray, monitor), 60, "the restarted monitor")
             # After the last restart, the job goes on committing.
             for _ in range(2):
                 step += 1

@@ -149,6 +149,11 @@ class Rollout:
         return [(s["name"], s["attributes"]) for s in tracing.finished_spans()]
 
 
+def full_state_dict(trainers) -> dict[str, torch.Tensor]:
+    """The trainer's full parameters (gathering is a collective: every rank takes part)."""
+    return ray.get([t.full_state_dict.remote() for t in trainers])[0]
+
+
 def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names that differ in dtype, shape or bits (empty when identical)."""
     bad = sorted(set(a) ^ set(b))
@@ -202,7 +207,7 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
 
     # Checkpoint sync: shards saved in the background, committed by the monitor,
     # merged by the synchronizer. The weights change right after the snapshot.
-    expected_1 = ray.get(trainers[0].full_state_dict.remote())
+    expected_1 = full_state_dict(trainers)
     assert ray.get([t.save_state_dict.remote(str(root), 1) for t in trainers]) == [1, 1]
     coord = CheckpointCoordinator(monitor)
     asyncio.run(coord.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=2))
@@ -214,7 +219,7 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
 
     # Memory sync: every rank gathers, rank 0 uploads.
     ray.get([t.train_step.remote(2) for t in trainers])
-    expected_2 = ray.get(trainers[0].full_state_dict.remote())
+    expected_2 = full_state_dict(trainers)
     assert bits_equal(expected_1, expected_2) != []
     uploads = ray.get([t.upload.remote(2) for t in trainers])
     assert uploads[0] is not None and uploads[1] is None
@@ -223,7 +228,7 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
 
     # Broadcast: trainer rank 0 -> rollout over a group of their own (gloo here).
     ray.get([t.train_step.remote(3) for t in trainers])
-    expected_3 = ray.get(trainers[0].full_state_dict.remote())
+    expected_3 = full_state_dict(trainers)
     port = PORTS["weight_sync"]
     ray.get([rollout.join_group.remote(), *[t.join_group.remote(port) for t in trainers]])
     received, *sent = ray.get(
