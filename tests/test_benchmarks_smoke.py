@@ -37,14 +37,23 @@ def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     json_path = out / "results.json"
     env = dict(os.environ, OBSCKPT_BENCH_SMOKE="1", RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--json", str(json_path), "--dir", str(out / "ckpt")],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "run.py"),
+            "--json",
+            str(json_path),
+            "--dir",
+            str(out / "ckpt"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, f"benchmarks/run.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"benchmarks/run.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return proc, json.loads(json_path.read_text())
 
 

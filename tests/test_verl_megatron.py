@@ -42,7 +42,9 @@ class FakeCheckpointManager:
         os.makedirs(local_path, exist_ok=True)
         rank = self.engine.rank
         if "model" in self.checkpoint_save_contents:
-            torch.save(self.engine.module.state_dict(), os.path.join(local_path, f"model_{rank}.pt"))
+            torch.save(
+                self.engine.module.state_dict(), os.path.join(local_path, f"model_{rank}.pt")
+            )
         if "optimizer" in self.checkpoint_save_contents:
             torch.save({}, os.path.join(local_path, f"optim_{rank}.pt"))
 
@@ -70,7 +72,9 @@ class FakeMcoreEngine:
         return gen(), None
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
-        self.checkpoint_mananager.save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        self.checkpoint_mananager.save_checkpoint(
+            local_path, hdfs_path, global_step, max_ckpt_to_keep
+        )
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True):
         self.checkpoint_mananager.load_checkpoint(local_path, hdfs_path, del_local_after_load)
@@ -112,7 +116,9 @@ class TestSaveStateDict:
         other.load_checkpoint(str(path))
         assert all(
             torch.equal(a, b)
-            for a, b in zip(hf_state_dict(engine).values(), hf_state_dict(other).values(), strict=True)
+            for a, b in zip(
+                hf_state_dict(engine).values(), hf_state_dict(other).values(), strict=True
+            )
         )
 
     def test_failure_is_reported_and_contents_restored(self, monitor, tmp_path):
@@ -166,8 +172,11 @@ def test_sync_weight_over_gloo_bucketed():
     group.close()
     expected = hf_state_dict(engine)
     assert list(received) == list(expected)
-    assert all(torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in expected.items())
+    assert all(
+        torch.equal(received[k], v) and received[k].dtype == v.dtype for k, v in expected.items()
+    )
     assert result.nbytes == sum(v.numel() * v.element_size() for v in expected.values())
-    assert metrics.registry.get_sample_value(
-        "obsckpt_broadcast_bytes_total", {"backend": "gloo"}
-    ) == result.nbytes
+    assert (
+        metrics.registry.get_sample_value("obsckpt_broadcast_bytes_total", {"backend": "gloo"})
+        == result.nbytes
+    )
