@@ -108,6 +108,11 @@ class CheckpointCoordinator:
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
         self._staging: dict[str, Any] = {}  # slot -> snapshot.StagingBuffers
+        # Tickets of running saves, renewed by one heartbeat thread so the monitor
+        # can tell a slow save from a rank that died.
+        self._leases: set[int] = set()
+        self._heartbeat: threading.Thread | None = None
+        self._heartbeat_s: float | None = None
         self.logger = logger
 
     # ------------------------------------------------------------------
@@ -355,12 +360,15 @@ class CheckpointCoordinator:
                             kind=save.kind,
                             rank=self.rank,
                             pid=os.getpid(),
+                            lease=True,
                             # The step's context, so the monitor's commit span joins the
                             # step's trace even if the trainer never submits one.
                             trace_context=carrier or tracing.inject() or None,
                         )
                     )
                 ticket = admitted.get("ticket") if isinstance(admitted, dict) else None
+                if isinstance(admitted, dict) and admitted.get("heartbeat_s"):
+                    self._hold_lease(ticket, admitted["heartbeat_s"])
                 if self.save_timeout is not None:
                     timer = threading.Timer(self.save_timeout, self._on_timeout, (save, ticket))
                     timer.daemon = True
@@ -415,11 +423,38 @@ class CheckpointCoordinator:
             else:
                 error = None  # the watchdog already reported and stored a timeout
         finally:
+            with self._lock:
+                self._leases.discard(ticket)
             save.done.set()
         if error is not None:
             with self._lock:
                 self._errors.append(error)
         return error
+
+    def _hold_lease(self, ticket: int, interval: float) -> None:
+        with self._lock:
+            self._leases.add(ticket)
+            self._heartbeat_s = interval
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = threading.Thread(
+                    target=self._send_heartbeats, name="obsckpt-heartbeat", daemon=True
+                )
+                self._heartbeat.start()
+
+    def _send_heartbeats(self) -> None:
+        import ray
+
+        while True:
+            time.sleep(self._heartbeat_s or 1.0)
+            with self._lock:
+                tickets = list(self._leases)
+                if not tickets:
+                    self._heartbeat = None
+                    return
+            try:
+                ray.get(self._monitor.heartbeat.remote(tickets), timeout=self.rpc_timeout)
+            except Exception as exc:  # noqa: BLE001 - the next beat may get through
+                self.logger.warning("obsckpt: heartbeat to the monitor failed: %s", exc)
 
     @staticmethod
     def _claim_report(save: _Save) -> bool:

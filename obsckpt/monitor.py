@@ -46,6 +46,8 @@ class _Ticket:
     pid: int | None
     requested: float
     admitted: float | None = None
+    lease: bool = False
+    last_seen: float = 0.0
 
 
 def _was_restarted() -> bool:
@@ -84,6 +86,9 @@ class CheckpointMonitor:
         trace_exporter: exporter name for this process's spans (default: ``OTEL_*``
             variables; no tracing unless one of them asks for it).
         registry: Prometheus registry (tests pass a fresh one).
+        lease_timeout_s: a save whose coordinator sends no heartbeat for this long
+            (its process died) is failed and its admission released; None never
+            expires a save.
     """
 
     def __init__(
@@ -98,7 +103,19 @@ class CheckpointMonitor:
         namespace: str | None = None,
         trace_exporter: str | None = None,
         registry: CollectorRegistry | None = None,
+        lease_timeout_s: float | None = 120.0,
     ) -> None:
+        if lease_timeout_s is not None and (
+            isinstance(lease_timeout_s, bool)
+            or not isinstance(lease_timeout_s, int | float)
+            or not lease_timeout_s > 0
+        ):
+            raise ValueError(
+                f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
+            )
+        self.lease_timeout_s = lease_timeout_s
+        self._expired: set[int] = set()
+        self._reaper: asyncio.Task | None = None
         if default_local_dir is None:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
         self.strategy = SaveStrategy.parse(save_strategy)
@@ -182,6 +199,7 @@ class CheckpointMonitor:
         file_sd_path: str | os.PathLike | None = None,
         trace_exporter: str | None = None,
         max_restarts: int = -1,
+        lease_timeout_s: float | None = 120.0,
     ):
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -216,6 +234,7 @@ class CheckpointMonitor:
             file_sd_path=os.fspath(file_sd_path) if file_sd_path else None,
             namespace=namespace,
             trace_exporter=trace_exporter,
+            lease_timeout_s=lease_timeout_s,
         )
 
     # ------------------------------------------------------------------
@@ -255,12 +274,15 @@ class CheckpointMonitor:
         rank: int | None = None,
         pid: int | None = None,
         trace_context: dict | None = None,
+        lease: bool = False,
     ) -> dict:
         """Admit a save under the strategy; returns once it may run.
 
         Trinity's callers pass only ``node_id`` and ``job_id``; obsckpt's
         coordinator also passes the step, slot, kind and rank, and gets back
-        a ticket to hand to :meth:`notify_finished`.
+        a ticket to hand to :meth:`notify_finished`. With ``lease=True`` the
+        caller promises a :meth:`heartbeat` every ``heartbeat_s`` seconds; a save
+        whose heartbeats stop for ``lease_timeout_s`` is failed.
         """
         if kind is not None and kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -269,6 +291,7 @@ class CheckpointMonitor:
             self.tracker.start(step, kind or "checkpoint", carrier=trace_context)
         tid = next(self._ticket_ids)
         ticket = _Ticket(tid, step, kind, slot, rank, node_id, pid, time.time())
+        ticket.lease = bool(lease) and self.lease_timeout_s is not None
         self._tickets[tid] = ticket
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
         key = self.admission.key_for(tid, _label(node_id), _label(job_id), pid)
@@ -280,11 +303,57 @@ class CheckpointMonitor:
             except asyncio.CancelledError:
                 self.admission.release(tid)
                 raise
-        ticket.admitted = time.time()
+        ticket.admitted = ticket.last_seen = time.time()
         wait = ticket.admitted - ticket.requested
         self.metrics.admission_wait.labels(self.strategy.value).observe(wait)
+        if ticket.lease:
+            self._ensure_reaper()
         await self._after_change()
-        return {"ticket": tid, "admission_wait_s": wait}
+        heartbeat = self.lease_timeout_s / 4 if ticket.lease else None
+        return {"ticket": tid, "admission_wait_s": wait, "heartbeat_s": heartbeat}
+
+    async def heartbeat(self, tickets: list[int]) -> None:
+        """Saves with these tickets are still running (their process is alive)."""
+        now = time.time()
+        for tid in tickets:
+            info = self._tickets.get(tid)
+            if info is not None:
+                info.last_seen = now
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
+
+    async def _reap_expired(self) -> None:
+        """Fail saves whose coordinator stopped sending heartbeats (a killed rank)."""
+        assert self.lease_timeout_s is not None
+        interval = min(5.0, self.lease_timeout_s / 4)
+        while any(t.lease for t in self._tickets.values()):
+            await asyncio.sleep(interval)
+            now = time.time()
+            stale = [
+                t
+                for t in self._tickets.values()
+                if t.lease and t.admitted is not None and now - t.last_seen > self.lease_timeout_s
+            ]
+            for info in stale:
+                await self._expire(info, now)
+
+    async def _expire(self, info: _Ticket, now: float) -> None:
+        msg = (
+            f"save {info.slot!r} of rank {info.rank} (pid {info.pid}) sent no heartbeat for "
+            f"{now - info.last_seen:.0f} s (lease_timeout_s={self.lease_timeout_s}); its process "
+            "probably died. The step will not be committed"
+        )
+        logger.error("obsckpt: %s", msg)
+        self._release(info.ticket)
+        self._expired.add(info.ticket)
+        kind = info.kind or "checkpoint"
+        self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
+        if info.step is not None:
+            failed = self.tracker.finish(info.step, kind, ok=False, error=msg, started=False)
+            self._count_failures(failed)
+        await self._after_change()
 
     async def notify_finished(
         self,
@@ -304,6 +373,14 @@ class CheckpointMonitor:
         """A save ended, successfully (``ok``) or not; never leaves the step waiting."""
         validate_step(step)
         kind = disk.kind_of(is_state_dict)
+        if ticket in self._expired:
+            # Its lease ran out and the save was already counted as failed; the
+            # process was only slow. Its step stays failed.
+            self._expired.discard(ticket)
+            logger.warning(
+                "obsckpt: save %r of step %d finished after its lease expired", slot, step
+            )
+            return
         info = self._release(ticket)
         slot = slot or (info.slot if info else None)
         started = info is not None and info.step is not None

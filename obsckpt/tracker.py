@@ -137,6 +137,12 @@ class CommitTracker:
         for kind, count in (("state_dict", state_dict_count), ("checkpoint", checkpoint_count)):
             if not count:
                 continue
+            latest = self.latest[kind]
+            if latest is not None and step < latest:
+                raise StepOrderError(
+                    f"cannot register saves for step {step} ({kind}): step {latest} is already "
+                    "committed and steps must not go backwards"
+                )
             p = self.progress(step, kind)
             if p.state in (COMMITTED, COMMITTING):
                 raise NotificationError(
@@ -292,13 +298,29 @@ class CommitTracker:
             return
         p.state, p.resolved_at = COMMITTED, now
         self.latest[kind] = step
+        closed = [kind]
         if kind == "checkpoint":
             sd = self.progress(step, "state_dict")
             if sd.state in _OPEN:
                 sd.state, sd.resolved_at = COMMITTED, now
             if self.latest["state_dict"] is None or step > self.latest["state_dict"]:
                 self.latest["state_dict"] = step
+                closed.append("state_dict")
+        self._close_older(step, closed)
         self._forget_resolved()
+
+    def _close_older(self, committed: int, kinds: list[str]) -> None:
+        # An open step below a committed one can never be named by the iteration
+        # file; leaving it pending would show a stall that no save can end.
+        for step, by_kind in self.steps.items():
+            if step >= committed:
+                continue
+            for kind in kinds:
+                p = by_kind[kind]
+                if p.state == PENDING and p.active:
+                    p.state, p.resolved_at = ABANDONED, self.clock()
+                    p.error = f"step {committed} was committed first"
+                    self.abandoned.setdefault(step, p.error)
 
     def _forget_resolved(self) -> None:
         resolved = [

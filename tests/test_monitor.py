@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from workers import SaveWorker
 
 from obsckpt import (
     CheckpointCoordinator,
@@ -25,7 +26,6 @@ from obsckpt import (
 )
 from obsckpt import commit as disk
 from obsckpt.telemetry.metrics import METRICS
-from workers import SaveWorker
 
 
 def make_monitor(namespace, root, strategy=SaveStrategy.UNRESTRICTED, **kw):
@@ -145,7 +145,7 @@ class TestStrategies:
         ray.get(
             [
                 w.save.remote(str(root), 1, ["model", "optim"], sleep=0.15, fail_slots=fails)
-                for w, fails in zip(workers, [("optim",), ()])
+                for w, fails in zip(workers, [("optim",), ()], strict=True)
             ]
         )
         submit(monitor, 1, ck=4)
@@ -183,6 +183,43 @@ class TestStrategies:
             samples, "obsckpt_save_admission_wait_seconds_count", strategy=strategy.value
         )
         assert wait_hist == 8
+
+
+class TestLeases:
+    """A rank that dies mid-save stops its heartbeats: its save fails and admission frees up."""
+
+    def test_killed_rank_does_not_block_single_thread_admission(self, namespace, root):
+        monitor = make_monitor(namespace, root, SaveStrategy.SINGLE_THREAD, lease_timeout_s=2.0)
+        doomed, survivor = SaveWorker.remote(namespace, 0), SaveWorker.remote(namespace, 1)
+        ray.get(doomed.save.remote(str(root), 1, ["model"], gated=True))
+        wait_for(
+            lambda: ray.get(monitor.status.remote())["in_flight"] != [], what="admission of step 1"
+        )
+        ray.kill(doomed)  # SIGKILL: no finish, no failure report, no more heartbeats
+        ray.get(survivor.save.remote(str(root), 2, ["model"]))
+        submit(monitor, 2, ck=1)
+        assert ray.get(survivor.wait.remote(timeout=60)) is None
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
+        status = ray.get(monitor.status.remote())
+        [failed] = status["failed"]
+        assert failed["step"] == 1 and "sent no heartbeat" in failed["error"]
+        assert status["in_flight"] == [] and status["pending"] == []
+        s = scrape(monitor)
+        assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="error") == 1
+        assert value(s, "obsckpt_step_failures_total", kind="checkpoint") == 1
+
+    def test_slow_save_with_heartbeats_is_not_expired(self, namespace, root):
+        monitor = make_monitor(namespace, root, lease_timeout_s=1.0)
+        worker = SaveWorker.remote(namespace, 0)
+        ray.get(worker.save.remote(str(root), 1, ["model"], sleep=3.0))
+        submit(monitor, 1, ck=1)
+        assert ray.get(worker.wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        assert ray.get(monitor.status.remote())["failed"] == []
+
+    def test_bad_lease_timeout(self, namespace, root):
+        with pytest.raises(ValueError, match="lease_timeout_s must be positive seconds or None, got 0"):
+            CheckpointMonitor(default_local_dir=str(root), metrics_port=None, lease_timeout_s=0)
 
 
 class TestRestart:

@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import ray
+from workers import SaveWorker
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt import commit as disk
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.tracing import SafeExporter
-from workers import SaveWorker
 
 
 def by_name(spans, name):

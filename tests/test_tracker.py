@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from obsckpt.errors import NotificationError, StepOrderError
-from obsckpt.tracker import COMMITTED, FAILED, SUPERSEDED, CommitTracker
+from obsckpt.tracker import ABANDONED, FAILED, CommitTracker
 
 
 def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
@@ -114,7 +114,7 @@ class TestFailures:
 class TestOrder:
     """The committed step never goes backwards; bad steps are refused with the value named."""
 
-    def test_out_of_order_completion_supersedes_the_older_step(self):
+    def test_out_of_order_completion_closes_the_older_step(self):
         t = CommitTracker()
         for step in (10, 20):
             t.register(step, checkpoint_count=1)
@@ -122,10 +122,35 @@ class TestOrder:
             t.submit(step, "checkpoint")
         t.finish(20, "checkpoint")
         assert commit_ready(t) == [(20, "checkpoint")]
+        assert t.progress(10, "checkpoint").state == ABANDONED
         t.finish(10, "checkpoint")
         assert commit_ready(t) == []
-        assert t.progress(10, "checkpoint").state == SUPERSEDED
+        assert t.progress(10, "checkpoint").state == ABANDONED
         assert t.latest["checkpoint"] == 20
+
+    def test_registering_below_the_committed_step_is_refused(self):
+        t = CommitTracker()
+        t.submit(20, "state_dict")
+        assert commit_ready(t) == [(20, "state_dict")]
+        with pytest.raises(StepOrderError, match=r"step 15 \(state_dict\): step 20 is already"):
+            t.register(15, state_dict_count=1)
+        assert t.pending() == []
+
+    def test_open_step_below_a_committed_one_is_closed_not_left_pending(self):
+        t = CommitTracker()
+        t.start(1, "checkpoint")  # a rank died mid-save: never finishes
+        t.register(1, checkpoint_count=1)
+        t.submit(1, "checkpoint")
+        t.register(2, checkpoint_count=1)
+        t.start(2, "checkpoint")
+        t.finish(2, "checkpoint")
+        t.submit(2, "checkpoint")
+        assert commit_ready(t) == [(2, "checkpoint")]
+        assert t.pending() == []
+        assert t.progress(1, "checkpoint").state == ABANDONED
+        assert "step 2 was committed first" in t.abandoned[1]
+        t.finish(1, "checkpoint")  # the late finish is accepted and changes nothing
+        assert commit_ready(t) == [] and t.latest["checkpoint"] == 2
 
     def test_submit_older_than_committed_names_both_steps(self):
         t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
@@ -234,6 +259,10 @@ class CommitMachine(RuleBasedStateMachine):
                 state_dict_count=n if kind == "state_dict" else 0,
                 checkpoint_count=n if kind == "checkpoint" else 0,
             )
+        except StepOrderError:
+            latest = self.t.latest[kind]
+            assert latest is not None and step < latest
+            return
         except NotificationError:
             return
         self.registered[(step, kind)] = self.registered.get((step, kind), 0) + n

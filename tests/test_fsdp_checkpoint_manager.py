@@ -1,0 +1,148 @@
+"""obsckpt's FSDPCheckpointManager on verl 0.9.1: background saves, resume, safe retention.
+
+Two FSDP2 ranks on gloo (Ray actors) train a tiny Llama causal LM built from a
+config; the monitor commits the steps; the manager's retention never deletes
+the latest committed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.sync.broadcast import free_port
+
+
+@ray.remote
+class Rank:
+    def __init__(self, namespace: str, rank: int, port: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+        model = LlamaForCausalLM(config)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)
+        self.manager = FSDPCheckpointManager(
+            model=model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            checkpoint_config={
+                "save_contents": ["model", "optimizer", "extra"],
+                "load_contents": ["model", "optimizer", "extra"],
+            },
+            ray_namespace=namespace,
+        )
+
+    def train(self, step: int) -> float:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        return float(loss)
+
+    def save(self, root: str, step: int, keep: int) -> dict:
+        path = os.path.join(root, f"global_step_{step}", "actor")
+        counts = self.manager.save_checkpoint(path, global_step=step, max_ckpt_to_keep=keep)
+        self.manager.wait_on_save_thread(timeout=120)
+        return counts
+
+    def snapshot(self) -> dict:
+        """Full parameters, optimizer state and scheduler state (collectives: call on both ranks)."""
+        from torch.distributed.tensor import DTensor
+
+        def full(t):
+            return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+        params = {n: full(p.detach()) for n, p in self.model.named_parameters()}
+        state = self.optimizer.state_dict()["state"]
+        optim = {(i, k): full(v) for i, s in state.items() for k, v in s.items()}
+        return {"params": params, "optim": optim, "lr": self.scheduler.get_last_lr()}
+
+    def load(self, root: str, step: int) -> None:
+        self.manager.load_checkpoint(os.path.join(root, f"global_step_{step}", "actor"))
+
+
+def commit(monitor, step: int) -> None:
+    asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(step, is_state_dict=False))
+
+
+def same(a: dict, b: dict) -> list:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_save_resume_and_retention(namespace, tmp_path):
+    root = tmp_path / "ckpt"
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(root), metrics_port=None
+    )
+    ray.get(monitor.status.remote())
+    port = free_port()
+    ranks = [Rank.remote(namespace, r, port) for r in range(2)]
+
+    def both(method, *args):
+        return ray.get([getattr(r, method).remote(*args) for r in ranks])
+
+    def step_files(step):
+        return sorted(os.listdir(root / f"global_step_{step}" / "actor"))
+
+    for step in (1, 2, 3):
+        both("train", step)
+        counts = both("save", str(root), step, 1)
+        assert counts == [{"state_dict": 1, "checkpoint": 2}] * 2
+        commit(monitor, step)
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    saved = both("snapshot")[0]
+
+    files = step_files(3)
+    for rank in (0, 1):
+        for prefix in ("model", "optim", "extra_state"):
+            assert f"{prefix}_world_size_2_rank_{rank}.pt" in files
+    assert "config.json" in os.listdir(root / "global_step_3" / "actor" / "huggingface")
+    # max_ckpt_to_keep=1: step 1 went once step 2 was committed; step 2 is the
+    # previous commit and is removed at the next save.
+    assert not (root / "global_step_1" / "actor").exists()
+
+    # Step 4 is saved but never committed: the latest committed step (3) stays,
+    # although it is beyond max_ckpt_to_keep.
+    both("train", 4)
+    both("save", str(root), 4, 1)
+    assert not (root / "global_step_2" / "actor").exists()
+    assert (root / "global_step_3" / "actor").is_dir()
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    changed = both("snapshot")[0]
+    assert same(saved["params"], changed["params"])  # training moved the weights
+
+    both("load", str(root), 3)
+    resumed = both("snapshot")[0]
+    assert same(saved["params"], resumed["params"]) == []
+    assert saved["optim"].keys() == resumed["optim"].keys()
+    assert same(saved["optim"], resumed["optim"]) == []
+    assert resumed["lr"] == pytest.approx(saved["lr"])
