@@ -73,7 +73,9 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        group = WeightSyncGroup(host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend)
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend
+        )
         device = group.device
         state = _build(layout, fill=rank == 0)
         if backend == "nccl":
@@ -122,7 +124,17 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
             checksum = float(sum(float(t.float().sum()) for t in list(received.values())[:8]))
         elif rank == 0:
             checksum = float(sum(float(t.float().sum()) for t in list(state.values())[:8]))
-        q.put((rank, {"samples": samples, "nbytes": nbytes, "checksum": checksum, "buckets": bc.bucket_bytes}))
+        q.put(
+            (
+                rank,
+                {
+                    "samples": samples,
+                    "nbytes": nbytes,
+                    "checksum": checksum,
+                    "buckets": bc.bucket_bytes,
+                },
+            )
+        )
         group.close()
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, {"error": traceback.format_exc()}))
@@ -134,7 +146,10 @@ def _run_pair(backend: str, layout, reps: int, timeout: float = 900.0) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, backend, layout, reps, q), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, backend, layout, reps, q), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     out = {}
@@ -158,7 +173,10 @@ def _run_pair(backend: str, layout, reps: int, timeout: float = 900.0) -> dict:
 def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) -> list[Result]:
     kinds = ("per_tensor", "bucketed", "raw")
     # A sample is the slower of the two sides.
-    per = {k: [max(a, b) for a, b in zip(out[0]["samples"][k], out[1]["samples"][k], strict=True)] for k in kinds}
+    per = {
+        k: [max(a, b) for a, b in zip(out[0]["samples"][k], out[1]["samples"][k], strict=True)]
+        for k in kinds
+    }
     med = {k: median(v) for k, v in per.items()}
     nbytes = out[0]["nbytes"]
     common = {
@@ -196,9 +214,13 @@ def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) ->
 def run_broadcast(sizes: Sizes, log) -> list[Result]:
     layout = moe_layout(sizes.bcast_tensors, sizes.bcast_bytes)
     out = _run_pair("gloo", layout, sizes.bcast_reps)
-    res = _results("", "gloo", out, len(layout), "gloo over loopback TCP, sender and receiver sharing 2 cores")
+    res = _results(
+        "", "gloo", out, len(layout), "gloo over loopback TCP, sender and receiver sharing 2 cores"
+    )
     for r in res:
-        log(f"  {r.name}: {r.value:.2f} (per-tensor {r.details['per_tensor_s']:.3f} s, bucketed {r.details['bucketed_s']:.3f} s, raw {r.details['raw_s']:.3f} s)")
+        log(
+            f"  {r.name}: {r.value:.2f} (per-tensor {r.details['per_tensor_s']:.3f} s, bucketed {r.details['bucketed_s']:.3f} s, raw {r.details['raw_s']:.3f} s)"
+        )
     return res
 
 
@@ -215,7 +237,9 @@ def run_nccl_broadcast(sizes: Sizes, log) -> list[Result]:
     elif not torch.distributed.is_nccl_available():
         reason = "torch was built without NCCL"
     if reason:
-        return [skipped(n, op, b, reason, unit="x") for n, (op, b) in zip(names, bounds, strict=True)]
+        return [
+            skipped(n, op, b, reason, unit="x") for n, (op, b) in zip(names, bounds, strict=True)
+        ]
     layout = moe_layout(sizes.bcast_tensors, sizes.bcast_bytes)
     out = _run_pair("nccl", layout, sizes.bcast_reps)
     res = _results("nccl_", "nccl", out, len(layout), "NCCL between two GPUs (NVLink or PCIe)")

@@ -76,7 +76,11 @@ class RankSim:
             delay = t_base + offset - time.time()
             if delay > 0.0005:
                 await asyncio.sleep(delay)
-            record = {"path": f"actor/{self._name(rank, slot)}", "size": _FILE_BYTES, "crc32": "00000000"}
+            record = {
+                "path": f"actor/{self._name(rank, slot)}",
+                "size": _FILE_BYTES,
+                "crc32": "00000000",
+            }
             last_sent = time.time()
             refs.append(
                 self.monitor.notify_finished.remote(
@@ -96,7 +100,17 @@ class RankSim:
         return last_sent
 
 
-def _run_steps(monitor, sims, first_step: int, steps: int, spread_s: float, root: str, expected: int, log, label):
+def _run_steps(
+    monitor,
+    sims,
+    first_step: int,
+    steps: int,
+    spread_s: float,
+    root: str,
+    expected: int,
+    log,
+    label,
+):
     import ray
 
     from obsckpt import commit as disk
@@ -108,7 +122,14 @@ def _run_steps(monitor, sims, first_step: int, steps: int, spread_s: float, root
         ray.get(monitor.monitor_step.remote(step, False))
         ray.get([s.start.remote(step) for s in sims])
         t_base = time.time() + 0.02
-        last_sent = max(ray.get([s.finish.remote(step, t_base, spread_s, step * 131 + k) for k, s in enumerate(sims)]))
+        last_sent = max(
+            ray.get(
+                [
+                    s.finish.remote(step, t_base, spread_s, step * 131 + k)
+                    for k, s in enumerate(sims)
+                ]
+            )
+        )
         status = ray.get(monitor.status.remote())
         committed_at = status["last_commit_time"]["checkpoint"]
         named = disk.read_iteration(root, "checkpoint")
@@ -121,7 +142,9 @@ def _run_steps(monitor, sims, first_step: int, steps: int, spread_s: float, root
         if step - 2 >= first_step:
             shutil.rmtree(os.path.join(root, f"global_step_{step - 2}"), ignore_errors=True)
         if (i + 1) % max(1, steps // 4) == 0:
-            log(f"  commit lag ({label}) {i + 1}/{steps} steps: p50 {median(lags) * 1e3:.1f} ms, max {max(lags) * 1e3:.1f} ms")
+            log(
+                f"  commit lag ({label}) {i + 1}/{steps} steps: p50 {median(lags) * 1e3:.1f} ms, max {max(lags) * 1e3:.1f} ms"
+            )
     return lags
 
 
@@ -149,10 +172,16 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
     ]
     expected = sizes.commit_ranks * len(slots)
     # One warm-up step: actor start-up and first-call costs are not commit lag.
-    _run_steps(monitor, sims, 1, 1, sizes.commit_spread_s, root, expected, lambda _m: None, "warm-up")
-    lags = _run_steps(monitor, sims, 2, sizes.commit_steps, sizes.commit_spread_s, root, expected, log, "spread")
+    _run_steps(
+        monitor, sims, 1, 1, sizes.commit_spread_s, root, expected, lambda _m: None, "warm-up"
+    )
+    lags = _run_steps(
+        monitor, sims, 2, sizes.commit_steps, sizes.commit_spread_s, root, expected, log, "spread"
+    )
     burst_steps = max(1, sizes.commit_steps // 5)
-    burst = _run_steps(monitor, sims, 2 + sizes.commit_steps, burst_steps, 0.0, root, expected, log, "burst")
+    burst = _run_steps(
+        monitor, sims, 2 + sizes.commit_steps, burst_steps, 0.0, root, expected, log, "burst"
+    )
     for handle in [*sims, monitor]:
         ray.kill(handle)
     shutil.rmtree(root, ignore_errors=True)

@@ -215,7 +215,9 @@ def _fs_type(path: str) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
+                if len(parts) >= 3 and (
+                    path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")
+                ):
                     if len(parts[1]) > len(best):
                         best, fstype = parts[1], f"{parts[2]} on {parts[0]} ({parts[1]})"
         return fstype

@@ -21,7 +21,10 @@ def run_gpu_stall(sizes: Sizes, log) -> Result:
     from obsckpt.snapshot import StagingBuffers
 
     per = max(1, sizes.state_bytes // sizes.state_tensors // 2)
-    state = {f"layers.{i}.weight": torch.randn(per, dtype=torch.bfloat16, device="cuda") for i in range(sizes.state_tensors)}
+    state = {
+        f"layers.{i}.weight": torch.randn(per, dtype=torch.bfloat16, device="cuda")
+        for i in range(sizes.state_tensors)
+    }
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in state.items()}
     staging = StagingBuffers(pin_memory=True)

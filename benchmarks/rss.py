@@ -64,7 +64,12 @@ def _measure(coord, state, path: str, step: int) -> dict:
     sampler.join()
     hwm = _status_kib("VmHWM") if reset else 0
     peak = max(hwm, sampler.peak)
-    return {"base_kib": base, "peak_kib": peak, "hwm_reset": reset, "extra_bytes": (peak - base) * 1024}
+    return {
+        "base_kib": base,
+        "peak_kib": peak,
+        "hwm_reset": reset,
+        "extra_bytes": (peak - base) * 1024,
+    }
 
 
 def child(args: argparse.Namespace) -> None:
@@ -73,7 +78,9 @@ def child(args: argparse.Namespace) -> None:
     from benchmarks.save import make_state, state_nbytes
     from obsckpt import CheckpointCoordinator, CheckpointMonitor
 
-    ray.init(address=args.address, namespace=args.namespace, logging_level="ERROR", log_to_driver=False)
+    ray.init(
+        address=args.address, namespace=args.namespace, logging_level="ERROR", log_to_driver=False
+    )
     monitor = CheckpointMonitor.get_actor(namespace=args.namespace, default_local_dir=args.dir)
     coord = CheckpointCoordinator(monitor, rank=0)
     state = make_state(args.bytes, args.tensors, seed=1)
@@ -82,7 +89,9 @@ def child(args: argparse.Namespace) -> None:
     path = os.path.join(args.dir, f"global_step_{base}", "actor", "model_world_size_1_rank_0.pt")
     first = _measure(coord, state, path, base)
     # Steady state: the staging buffers already exist; only the writer's buffers are new.
-    path2 = os.path.join(args.dir, f"global_step_{base + 1}", "actor", "model_world_size_1_rank_0.pt")
+    path2 = os.path.join(
+        args.dir, f"global_step_{base + 1}", "actor", "model_world_size_1_rank_0.pt"
+    )
     steady = _measure(coord, state, path2, base + 1)
     print(json.dumps({"state_bytes": nbytes, "first": first, "steady": steady}), flush=True)
     ray.shutdown()
@@ -93,7 +102,9 @@ def run_peak_rss(sizes: Sizes, bench_dir: str, address: str, namespace: str, log
 
     root = os.path.join(bench_dir, "rss")
     os.makedirs(root, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    )
     runs = []
     for rep in range(sizes.rss_reps):
         cmd = [

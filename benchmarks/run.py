@@ -37,8 +37,12 @@ def _log(msg: str) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (a few minutes)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smaller sizes and fewer repetitions (a few minutes)"
+    )
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument(
@@ -55,7 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.only:
         unknown = set(args.only.split(",")) - set(BENCHMARKS)
         if unknown:
-            p.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}")
+            p.error(
+                f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}"
+            )
     return args
 
 
@@ -86,7 +92,11 @@ def _format_value(r: Result) -> str:
 def table(results: list[Result]) -> str:
     rows = [("benchmark", "value", "unit", "target", "met")]
     for r in results:
-        met = "skipped" if r.skipped else ("error" if r.details.get("error") else ("yes" if r.met else "NO"))
+        met = (
+            "skipped"
+            if r.skipped
+            else ("error" if r.details.get("error") else ("yes" if r.met else "NO"))
+        )
         rows.append((r.name, _format_value(r), r.unit, r.target, met))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
@@ -104,7 +114,11 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    mode = "smoke" if args.smoke or os.environ.get(SMOKE_ENV) == "1" else ("quick" if args.quick else "full")
+    mode = (
+        "smoke"
+        if args.smoke or os.environ.get(SMOKE_ENV) == "1"
+        else ("quick" if args.quick else "full")
+    )
     sizes = SIZES[mode]
     wanted = args.only.split(",") if args.only else list(BENCHMARKS)
     own_dir = args.dir is None
@@ -112,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(bench_dir, exist_ok=True)
     run_id = uuid.uuid4().hex[:8]
     if mode != "full":
-        _log(f"obsckpt benchmarks: {mode} mode (smaller sizes, fewer repetitions; targets are set for the full run)")
+        _log(
+            f"obsckpt benchmarks: {mode} mode (smaller sizes, fewer repetitions; targets are set for the full run)"
+        )
     else:
         _log("obsckpt benchmarks: full run")
     _log(f"  checkpoint directory: {bench_dir}")
@@ -138,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.perf_counter() - t0
             for r in got:
                 r.details.setdefault("seconds", round(elapsed, 1))
-                r.details.setdefault("loadavg_1m_before_after", [round(load_before, 2), round(loadavg(), 2)])
+                r.details.setdefault(
+                    "loadavg_1m_before_after", [round(load_before, 2), round(loadavg(), 2)]
+                )
             results.extend(got)
     finally:
         if ray is not None and ray.is_initialized():
@@ -170,7 +188,8 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
         from obsckpt import CheckpointMonitor
 
         monitor = CheckpointMonitor.get_actor(
-            namespace=f"obsckpt-bench-{run_id}-save", default_local_dir=os.path.join(bench_dir, "save")
+            namespace=f"obsckpt-bench-{run_id}-save",
+            default_local_dir=os.path.join(bench_dir, "save"),
         )
         try:
             return run_save_benchmarks(sizes, bench_dir, monitor, _log)

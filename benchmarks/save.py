@@ -41,7 +41,9 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def copy_limit(state: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]) -> tuple[float, float]:
+def copy_limit(
+    state: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]
+) -> tuple[float, float]:
     """(torch ``copy_`` seconds, ``memmove`` seconds) to copy ``state`` into warm ``bufs``."""
     t0 = time.perf_counter()
     for k, t in state.items():
@@ -61,7 +63,9 @@ class DirectWriter:
         self.nbytes = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
         self.chunk = min(_DIRECT_CHUNK, self.nbytes)
         self.buf = mmap.mmap(-1, self.chunk)  # page-aligned
-        self.buf.write(os.urandom(min(self.chunk, 1 << 20)) * (self.chunk // min(self.chunk, 1 << 20)))
+        self.buf.write(
+            os.urandom(min(self.chunk, 1 << 20)) * (self.chunk // min(self.chunk, 1 << 20))
+        )
         self.error: str | None = None
         if not hasattr(os, "O_DIRECT"):
             self.error = "os.O_DIRECT is not available on this platform"

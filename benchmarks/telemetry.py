@@ -109,7 +109,12 @@ class SaveLoop:
         from obsckpt.telemetry import tracing
         from obsckpt.telemetry.metrics import Metrics
 
-        attrs = {"obsckpt.step": _STEP, "obsckpt.slot": _SLOT, "obsckpt.kind": "checkpoint", "obsckpt.rank": 0}
+        attrs = {
+            "obsckpt.step": _STEP,
+            "obsckpt.slot": _SLOT,
+            "obsckpt.kind": "checkpoint",
+            "obsckpt.rank": 0,
+        }
 
         def spans() -> None:  # what CheckpointCoordinator._run adds around one save
             with tracing.span("obsckpt.save", carrier=self.carrier, attributes=attrs) as sp:

@@ -169,7 +169,7 @@ def _silent_peers(rank: int, port: int) -> dict:
     group = WeightSyncGroup(
         host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
     )
-    b = WeightBroadcaster(group, timeout_s=2.0)
+    b = WeightBroadcaster(group, timeout_s=1.5)
     report: dict = {}
     tensors = {"w": torch.randn(1 << 20)}  # large enough that gloo waits for the receiver
     if rank == 0:
@@ -184,9 +184,9 @@ def _silent_peers(rank: int, port: int) -> dict:
             b.send(tensors)
         except BroadcastError as exc:
             report["after"] = str(exc)
-        time.sleep(6)  # stay away while rank 1 waits for a broadcast that never comes
+        time.sleep(4)  # stay away while rank 1 waits for a broadcast that never comes
     else:
-        time.sleep(4)  # joined, but not receiving
+        time.sleep(2.5)  # joined, but not receiving
         t0 = time.monotonic()
         try:
             b.recv()
@@ -285,11 +285,11 @@ class TestTimeouts:
     def test_silent_peers(self):
         out = run_ranks(_silent_peers, timeout=60)
         sender, receiver = out[0], out[1]
-        assert sender["error"] and "did not finish within 2.0 s" in sender["error"]
-        assert sender["elapsed"] < 6
+        assert sender["error"] and "did not finish within 1.5 s" in sender["error"]
+        assert sender["elapsed"] < 5
         assert "broken" in sender["after"]
         assert receiver["error"] is not None
-        assert receiver["elapsed"] < 6
+        assert receiver["elapsed"] < 5
 
 
 def test_bucketed_beats_per_tensor():

@@ -26,6 +26,7 @@ unknown) and must be closed and created again.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import socket
 import time
@@ -33,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,7 @@ class BroadcastTimeoutError(BroadcastError, TimeoutError):
 # ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """What a receiver needs to rebuild one tensor."""
 
     name: str
@@ -75,14 +75,11 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_wire(self) -> tuple[str, str, tuple[int, ...]]:
         return (self.name, str(self.dtype).removeprefix("torch."), self.shape)
@@ -91,10 +88,6 @@ class TensorMeta:
     def from_wire(cls, obj: tuple[str, str, tuple[int, ...]]) -> TensorMeta:
         name, dtype, shape = obj
         return cls(name, getattr(torch, dtype), tuple(int(d) for d in shape))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def tensor_meta(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
@@ -114,7 +107,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 def plan_buckets(meta: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -139,7 +132,7 @@ def plan_buckets(meta: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
             issued.append(Bucket(m.dtype, (i,), (0,), m.numel, solo=True))
             continue
         cur = open_.get(m.dtype)
-        if cur is not None and (cur[2] + m.numel) * _itemsize(m.dtype) > bucket_bytes:
+        if cur is not None and (cur[2] + m.numel) * m.dtype.itemsize > bucket_bytes:
             close(m.dtype)
             cur = None
         if cur is None:
