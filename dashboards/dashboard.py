@@ -222,10 +222,15 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 width=8,
             ),
             PanelSpec(
-                "Pending steps",
-                "Steps waiting for their saves to finish.",
+                "Pending and abandoned steps",
+                "Steps waiting for their saves to finish, and steps that will never commit "
+                "(found uncommitted at monitor start, lost by a monitor restart, or overtaken "
+                "by a later commit).",
                 "none",
-                [(f"sum by (kind) ({m('obsckpt_pending_steps')})", "{{kind}}")],
+                [
+                    (f"sum by (kind) ({m('obsckpt_pending_steps')})", "pending {{kind}}"),
+                    (f"sum({m('obsckpt_abandoned_steps')})", "abandoned"),
+                ],
                 width=8,
             ),
             PanelSpec(

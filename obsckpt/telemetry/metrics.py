@@ -144,7 +144,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "Steps that will never commit: found on disk uncommitted when the monitor started, "
-        "or open when it restarted (their saves were registered with its previous incarnation).",
+        "open when it restarted (their saves were registered with its previous incarnation), "
+        "or still open when a later step was committed.",
         "abandoned_steps",
     ),
     MetricSpec(
