@@ -350,22 +350,26 @@ class CheckpointCoordinator:
         error: SaveError | None = None
         try:
             with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
-                with tracing.span("obsckpt.admission_wait", attributes=attrs):
-                    admitted = ray.get(
-                        self._monitor.notify_started.remote(
-                            node_id=node_id,
-                            job_id=job_id,
-                            step=save.step,
-                            slot=save.slot,
-                            kind=save.kind,
-                            rank=self.rank,
-                            pid=os.getpid(),
-                            lease=True,
-                            # The step's context, so the monitor's commit span joins the
-                            # step's trace even if the trainer never submits one.
-                            trace_context=carrier or tracing.inject() or None,
-                        )
+                admitted = ray.get(
+                    self._monitor.notify_started.remote(
+                        node_id=node_id,
+                        job_id=job_id,
+                        step=save.step,
+                        slot=save.slot,
+                        kind=save.kind,
+                        rank=self.rank,
+                        pid=os.getpid(),
+                        lease=True,
+                        # The step's context, so the monitor's commit span joins the
+                        # step's trace even if the trainer never submits one.
+                        trace_context=carrier or tracing.inject() or None,
                     )
+                )
+                if isinstance(admitted, dict) and admitted.get("admission_wait_s"):
+                    # The monitor's own measure of the queueing, without the RPC's latency.
+                    end = time.time_ns()
+                    start = end - int(admitted["admission_wait_s"] * 1e9)
+                    tracing.record_wait("obsckpt.admission_wait", start, end, attrs)
                 ticket = admitted.get("ticket") if isinstance(admitted, dict) else None
                 if isinstance(admitted, dict) and admitted.get("heartbeat_s"):
                     self._hold_lease(ticket, admitted["heartbeat_s"])

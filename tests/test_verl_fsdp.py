@@ -266,8 +266,8 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert "obsckpt.broadcast" in [n for n, _ in ray.get(rollout.spans.remote())]
 
 
-def _gpu_rank(rank: int, port: int, results) -> None:
-    """FSDP1 on NCCL: summon_full_params broadcast and the DTensor shard files match the model."""
+def _gpu_fsdp1(port: int, results) -> None:
+    """One process, one GPU: FSDP1 shards and gathered parameters, an NCCL group."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -275,52 +275,89 @@ def _gpu_rank(rank: int, port: int, results) -> None:
     from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
     from obsckpt.sync.synchronizer import merge_shards
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=rank, world_size=2)
+    dist.init_process_group("nccl", rank=0, world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5)).cuda()
     reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    fsdp = FSDP(model, device_id=rank, use_orig_params=True)
-    shard = {k: v for k, v in sharded_model_state_dict(fsdp).items()}
-    gathered = [None, None]
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in shard.items()})
-    merged = merge_shards(dict(enumerate(gathered)))
-    # The weight-sync group is separate from the default group: rank 0 sends to rank 1.
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port + 1, rank=rank, world_size=2, backend="nccl", timeout_s=60
-    )
-    b = WeightBroadcaster(group)
+    fsdp = FSDP(model, device_id=0, use_orig_params=True)
+    shard = sharded_model_state_dict(fsdp)
+    merged = {k: v.cpu() for k, v in merge_shards({0: shard}).items()}
     with full_params(fsdp) as (meta, named):
-        if rank == 0:
-            b.send(named, meta=meta)
-            received = None
-        else:
-            received = {k: v.cpu() for k, v in b.recv().items()}
-    results.put((rank, merged, received, reference))
+        gathered = {n: t.cpu().clone() for n, t in named}
+        names = [m.name for m in meta]
+    # A one-member NCCL weight-sync group next to the default group: header and
+    # buckets go through NCCL on device tensors, bounded by wait(timeout).
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port + 1, rank=0, world_size=1, backend="nccl", timeout_s=60
+    )
+    result = WeightBroadcaster(group).send(model.state_dict())
+    group.close()
+    results.put((merged, gathered, names, reference, result.backend))
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="FSDP1 and NCCL need CUDA devices (two, one per rank); the FSDP2/gloo test above "
-    "covers the same paths on CPU",
-)
-def test_fsdp1_and_nccl_broadcast_match():
+def _nccl_pair(rank: int, port: int, results) -> None:
+    from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+
+    torch.cuda.set_device(rank)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="nccl", timeout_s=60
+    )
+    b = WeightBroadcaster(group, bucket_bytes=1 << 10)
+    model = build_model().cuda()
+    if rank == 0:
+        b.send(model.state_dict())
+    else:
+        results.put({k: v.cpu().clone() for k, v in b.recv().items()})
+    group.close()
+
+
+def _run_spawned(target, args_per_proc, results, n_results: int) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gpu_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=args) for args in args_per_proc]
     for p in procs:
         p.start()
-    out = {}
-    for _ in range(2):
-        rank, merged, received, reference = results.get(timeout=300)
-        out[rank] = (merged, received, reference)
-    for p in procs:
-        p.join(timeout=60)
-    merged, _, reference = out[0]
+    try:
+        return [results.get(timeout=300) for _ in range(n_results)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="FSDP1 and NCCL need a CUDA device; the FSDP2/gloo test above covers the same "
+    "paths on CPU",
+)
+def test_fsdp1_shards_gather_and_nccl_group():
+    """FSDP1 DTensor shards merge to the model; summon_full_params yields it; NCCL sends."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Queue()
+    ((merged, gathered, names, reference, backend),) = _run_spawned(
+        _gpu_fsdp1, [(free_port(), results)], results, 1
+    )
     assert bits_equal(reference, merged) == []
-    received = out[1][1]
-    assert bits_equal({k: v for k, v in reference.items()}, received) == []
+    assert names == list(reference) and bits_equal(reference, gathered) == []
+    assert backend == "nccl"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="FSDP1 and NCCL need a CUDA device; an NCCL pair needs two (one per rank); the "
+    "gloo tests cover the same protocol on CPU",
+)
+def test_nccl_broadcast_between_two_gpus():
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Queue()
+    port = free_port()
+    (received,) = _run_spawned(_nccl_pair, [(0, port, results), (1, port, results)], results, 1)
+    assert bits_equal(build_model().state_dict(), received) == []

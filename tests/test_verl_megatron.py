@@ -180,3 +180,16 @@ def test_sync_weight_over_gloo_bucketed():
         metrics.registry.get_sample_value("obsckpt_broadcast_bytes_total", {"backend": "gloo"})
         == result.nbytes
     )
+
+
+def test_integrations_do_not_import_verl():
+    """obsckpt's core and the FSDP/Megatron helpers never import verl (it takes seconds)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, obsckpt, obsckpt.integrations as i\n"
+        "i.fsdp_save_state_dict, i.megatron_save_state_dict\n"
+        "assert 'verl' not in sys.modules, 'verl was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

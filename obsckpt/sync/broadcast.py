@@ -453,10 +453,12 @@ class WeightBroadcaster:
         self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
         self._pool: list[torch.Tensor] = []  # raw byte buffers, one bucket each
         self._send_cache: tuple[tuple, bytes, list[Bucket] | None] | None = None
+        self._where: list[int] | None = None  # for the cached plan
         self._recv_cache: tuple | None = None
         self._recv_bucket_bytes = self.bucket_bytes
         self._area: dict[int, torch.Tensor] = {}  # bucket index -> flat receive buffer
         self._area_layout: tuple | None = None
+        self._area_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.last_step: int | None = None
         self.last_seconds: float | None = None
 
@@ -487,7 +489,8 @@ class WeightBroadcaster:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        if meta is None:
+        materialised = meta is None
+        if materialised:
             items = list(items)
             meta = tensor_meta(items)
         nbytes = sum(m.nbytes for m in meta)
@@ -500,6 +503,8 @@ class WeightBroadcaster:
             plan = self._send_header(meta, mode, step, deadline)
             if mode == "per_tensor":
                 count = self._send_per_tensor(items, meta, deadline)
+            elif materialised:
+                count = self._send_planned([t for _, t in items], meta, plan, deadline)
             else:
                 count = self._send_bucketed(items, meta, plan, deadline)
             seconds = time.perf_counter() - t0
@@ -521,6 +526,7 @@ class WeightBroadcaster:
             payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
             plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
             self._send_cache = (key, payload, plan)
+            self._where = None
         # The step travels in the preamble, so an unchanged model reuses its header bytes.
         device = self.group.device  # NCCL moves only device tensors
         preamble = torch.tensor(
@@ -544,11 +550,47 @@ class WeightBroadcaster:
         self._check_count(sent, meta)
         return sent
 
+    def _send_planned(self, tensors: list[torch.Tensor], meta, plan: list[Bucket], deadline) -> int:
+        """Bucketed send of tensors already at hand (their metadata was computed from them)."""
+        inflight: deque[tuple[Any, torch.Tensor | None, int]] = deque()
+        free = list(self._pool)
+        device = self.group.device
+
+        def drain_one() -> None:
+            work, buf, b = inflight.popleft()
+            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
+            if buf is not None:
+                free.append(buf)
+
+        with torch.no_grad():
+            for b, bucket in enumerate(plan):
+                if bucket.solo:
+                    flat = tensors[bucket.indices[0]].to(device).contiguous().view(-1)
+                    inflight.append((self.group.broadcast_async(flat, self.src), None, b))
+                else:
+                    parts = [tensors[i].to(device).reshape(-1) for i in bucket.indices]
+                    while not free and len(self._pool) >= _SEND_BUFFERS and inflight:
+                        drain_one()
+                    buf = free.pop() if free else self._new_buffer()
+                    out = buf[: bucket.nbytes].view(bucket.dtype)
+                    torch.cat(parts, out=out)
+                    del parts
+                    inflight.append((self.group.broadcast_async(out, self.src), buf, b))
+                while len(inflight) > _SEND_BUFFERS:
+                    drain_one()
+            while inflight:
+                drain_one()
+        return len(plan)
+
     def _send_bucketed(self, items, meta, plan: list[Bucket], deadline) -> int:
-        where = {}  # tensor index -> bucket index
-        for b, bucket in enumerate(plan):
-            for i in bucket.indices:
-                where[i] = b
+        """Bucketed send of a stream: each bucket goes once its last tensor has arrived."""
+        where = self._where
+        if where is None or len(where) != len(meta):
+            where = [0] * len(meta)  # tensor index -> bucket index
+            for b, bucket in enumerate(plan):
+                for i in bucket.indices:
+                    where[i] = b
+            self._where = where
         pending: dict[int, list[torch.Tensor]] = {}
         inflight: deque[tuple[Any, torch.Tensor | None, int]] = deque()
         free = list(self._pool)
@@ -566,7 +608,8 @@ class WeightBroadcaster:
             seen += 1
             b = where[i]
             bucket = plan[b]
-            t = t.detach()
+            if t.requires_grad:
+                t = t.detach()
             if t.device != self.group.device:
                 t = t.to(self.group.device)
             if bucket.solo:
@@ -704,6 +747,7 @@ class WeightBroadcaster:
             layout = (bucket_bytes, tuple(meta))
             if mode == "bucketed" and layout != self._area_layout:
                 self._area = {}
+                self._area_views = {}
                 self._area_layout = layout
         _, mode, bucket_bytes, meta, plan = cached
         if any(buf.numel() < bucket_bytes for buf in self._pool):
@@ -748,6 +792,13 @@ class WeightBroadcaster:
             work, b, flat, raw, reuse = inflight.popleft()
             self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
             bucket = plan[b]
+            if into is None and not clone:
+                # The receive area's views do not change while the layout does not.
+                views = self._area_views.get(b)
+                if views is None or views[0] is not flat:
+                    views = self._area_views[b] = (flat, _views(flat, bucket, meta))
+                out.update(views[1])
+                return
             for i, off in zip(bucket.indices, bucket.offsets, strict=True):
                 m = meta[i]
                 if bucket.solo and out[m.name] is not None:
@@ -827,6 +878,15 @@ class WeightBroadcaster:
         """Drop the reusable buffers and the receive area (allocated again when needed)."""
         self._pool.clear()
         self._area = {}
+        self._area_views = {}
+
+
+def _views(flat: torch.Tensor, bucket: Bucket, meta: list[TensorMeta]) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+        m = meta[i]
+        out[m.name] = flat[off : off + m.numel].view(m.shape)
+    return out
 
 
 def _receivable(dst: torch.Tensor, m: TensorMeta, device: torch.device) -> bool:

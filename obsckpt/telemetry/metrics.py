@@ -202,7 +202,9 @@ SPANS: tuple[SpanSpec, ...] = (
     ),
     SpanSpec("obsckpt.join_wait", "worker", "Waiting for the previous save of the same slot."),
     SpanSpec(
-        "obsckpt.admission_wait", "worker thread", "Waiting for admission under the save strategy."
+        "obsckpt.admission_wait",
+        "worker thread",
+        "Waiting for admission under the save strategy (recorded when it lasts >= 1 ms).",
     ),
     SpanSpec("obsckpt.broadcast", "trainer rank 0 / rollout", "One weight broadcast."),
     SpanSpec("obsckpt.upload", "trainer rank 0", "One state dict upload to the Synchronizer."),

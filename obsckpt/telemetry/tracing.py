@@ -208,6 +208,21 @@ def span(
         yield s
 
 
+# Waits shorter than this are not worth a span of their own: an uncontended
+# admission costs far less than recording it would.
+MIN_WAIT_SPAN_S = 0.001
+
+
+def record_wait(
+    name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None
+) -> None:
+    """Record a finished wait as a child of the current span, if it lasted ``MIN_WAIT_SPAN_S``."""
+    if not enabled() or end_ns - start_ns < MIN_WAIT_SPAN_S * 1e9:
+        return
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    tracer().start_span(name, attributes=attrs, start_time=start_ns).end(end_time=end_ns)
+
+
 @contextmanager
 def checkpoint_span(step: int, *, is_state_dict: bool = False) -> Iterator[dict[str, str]]:
     """Trainer side: the root ``obsckpt.checkpoint`` span of one step.
