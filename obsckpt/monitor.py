@@ -136,6 +136,8 @@ class CheckpointMonitor:
         self._ticket_ids = itertools.count(self._ticket_base + 1)
         self._commit_lock: asyncio.Lock | None = None
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
+        # When the last committed step became whole and how long its commit I/O took.
+        self._last_commit_detail: dict[str, dict] = {}
         self._setup_tracing(trace_exporter)
         for kind, step in latest.items():
             if step is not None:
@@ -477,6 +479,7 @@ class CheckpointMonitor:
         self._refresh_gauges()
 
     async def _commit(self, step: int, kind: str) -> None:
+        whole_at = time.time()
         p = self.tracker.begin_commit(step, kind)
         attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
         try:
@@ -496,6 +499,12 @@ class CheckpointMonitor:
                 self.metrics.latest_step.labels(k).set(step)
                 self.metrics.last_commit_timestamp.labels(k).set(now)
                 self._last_commit[k] = now
+        self._last_commit_detail[kind] = {
+            "step": step,
+            "whole_at": whole_at,
+            "committed_at": now,
+            "commit_io_s": now - whole_at,
+        }
         started = p.started_at
         if started is not None:
             self.metrics.commit_lag.labels(kind).observe(max(0.0, now - started))
@@ -548,6 +557,7 @@ class CheckpointMonitor:
             "save_strategy": self.strategy.name,
             "latest": dict(t.latest),
             "last_commit_time": dict(self._last_commit),
+            "last_commit": dict(self._last_commit_detail),
             "pending": [
                 {
                     "step": step,
