@@ -28,11 +28,15 @@ class Sizes:
     rss_reps: int
     telemetry_calls: int  # save_async calls per repetition
     telemetry_reps: int
+    telemetry_code_iters: int  # loop length timing the telemetry code paths directly
     commit_ranks: int
     commit_slots: int
     commit_steps: int
     commit_actors: int
     commit_spread_s: float  # window over which one step's saves finish
+    commit_burst_steps: int  # steps whose saves all finish at once
+    commit_wide_steps: int  # steps with the wider, storage-like spread
+    commit_wide_spread_s: float
     bcast_tensors: int
     bcast_bytes: int
     bcast_reps: int
@@ -53,11 +57,15 @@ SIZES = {
         rss_reps=3,
         telemetry_calls=1500,
         telemetry_reps=4,
+        telemetry_code_iters=10_000,
         commit_ranks=256,
         commit_slots=4,
-        commit_steps=100,
+        commit_steps=24,
         commit_actors=4,
         commit_spread_s=0.5,
+        commit_burst_steps=4,
+        commit_wide_steps=3,
+        commit_wide_spread_s=2.0,
         bcast_tensors=2000,
         bcast_bytes=256 * MiB,
         bcast_reps=5,
@@ -71,11 +79,15 @@ SIZES = {
         rss_reps=1,
         telemetry_calls=500,
         telemetry_reps=2,
+        telemetry_code_iters=10_000,
         commit_ranks=256,
         commit_slots=4,
-        commit_steps=20,
+        commit_steps=10,
         commit_actors=4,
         commit_spread_s=0.5,
+        commit_burst_steps=3,
+        commit_wide_steps=2,
+        commit_wide_spread_s=2.0,
         bcast_tensors=2000,
         bcast_bytes=64 * MiB,
         bcast_reps=3,
@@ -89,11 +101,15 @@ SIZES = {
         rss_reps=1,
         telemetry_calls=20,
         telemetry_reps=1,
+        telemetry_code_iters=200,
         commit_ranks=8,
         commit_slots=4,
         commit_steps=2,
         commit_actors=2,
         commit_spread_s=0.05,
+        commit_burst_steps=1,
+        commit_wide_steps=1,
+        commit_wide_spread_s=0.1,
         bcast_tensors=40,
         bcast_bytes=2 * MiB,
         bcast_reps=1,

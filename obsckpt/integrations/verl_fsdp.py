@@ -253,11 +253,7 @@ def upload_state_dict(
         state_dict = gather_full_state_dict(named_tensors, keep=True)
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         sp.set_attribute("obsckpt.bytes", nbytes)
-        ray.get(
-            synchronizer.set_model_state_dict.remote(
-                state_dict, global_step, trace_context=tracing.inject() or None
-            )
-        )
+        ray.get(synchronizer.set_model_state_dict.remote(state_dict, global_step))
     seconds = time.perf_counter() - t0
     try:
         synchronizer.record_upload.remote(seconds)

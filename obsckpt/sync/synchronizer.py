@@ -316,6 +316,7 @@ class Synchronizer:
 
         Arguments other than ``namespace`` only matter when the actor is created.
         With ``watch`` (and a ``default_local_dir``), checkpoint sync starts at once.
+        Other keywords (e.g. Trinity's ``config``) are accepted and ignored.
         """
         import ray
 
@@ -367,8 +368,6 @@ class Synchronizer:
         self,
         model_state_dict: dict[str, torch.Tensor] | None,
         trainer_step: int,
-        *,
-        trace_context: dict | None = None,
     ) -> bool:
         """Publish the trainer's full state dict as version ``trainer_step``.
 
