@@ -188,13 +188,53 @@ def write_iteration(root: str | os.PathLike, kind: str, step: int) -> None:
     Raises:
         ValueError: the file already names a later step.
     """
-    validate_step(step)
-    current = read_iteration(root, kind)
-    if current is not None and current > step:
-        raise ValueError(
-            f"{ITERATION_FILES[kind]} names step {current}; refusing to move it back to {step}"
-        )
-    atomic_write(Path(root) / ITERATION_FILES[kind], f"{step}\n".encode())
+    write_iterations(root, {kind: step})
+
+
+def write_iterations(root: str | os.PathLike, steps: dict[str, int]) -> None:
+    """Atomically move several iteration files forward, with one directory fsync.
+
+    Each new content is written to a temp file and fsynced, then every temp
+    file is renamed into place (in the order given) and the directory is
+    fsynced once. A file that already names a step at least as new is left
+    alone.
+
+    Raises:
+        ValueError: a file already names a later step than asked for.
+    """
+    root = Path(root)
+    pending: list[tuple[Path, Path]] = []
+    try:
+        for kind, step in steps.items():
+            validate_step(step)
+            current = read_iteration(root, kind)
+            if current is not None and current > step:
+                raise ValueError(
+                    f"{ITERATION_FILES[kind]} names step {current}; refusing to move it back "
+                    f"to {step}"
+                )
+            if current == step and (root / ITERATION_FILES[kind]).exists():
+                continue
+            path = root / ITERATION_FILES[kind]
+            tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            pending.append((tmp, path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, f"{step}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for tmp, path in pending:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in pending:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        raise
+    if pending:
+        fsync_dir(root)
 
 
 def ensure_root(root: str | os.PathLike) -> Path:

@@ -336,6 +336,9 @@ class CheckpointCoordinator:
         join_wait: float,
     ) -> SaveError | None:
         """Body of a save: admission, I/O, report. Returns the error, also stored."""
+        # Hand the GIL back at once: Thread.start() in the caller waits for this
+        # thread to run, and would otherwise wait through the span set-up below.
+        time.sleep(0)
         import ray
 
         attrs = {

@@ -513,11 +513,13 @@ class CheckpointMonitor:
     def _write_commit(self, step: int, kind: str, files: dict[str, FileRecord]) -> None:
         sdir = disk.step_dir(self.root, step)
         disk.finalize_step(sdir, files)
-        disk.write_iteration(self.root, kind, step)
+        steps = {kind: step}
         if kind == "checkpoint":
+            # A full checkpoint also commits its state dict (one directory fsync for both).
             current = disk.read_iteration(self.root, "state_dict")
             if current is None or current < step:
-                disk.write_iteration(self.root, "state_dict", step)
+                steps["state_dict"] = step
+        disk.write_iterations(self.root, steps)
 
     def _refresh_gauges(self) -> None:
         for kind in KINDS:

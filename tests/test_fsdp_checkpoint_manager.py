@@ -128,13 +128,13 @@ def test_save_resume_and_retention(namespace, tmp_path):
     assert "config.json" in os.listdir(root / "global_step_3" / "actor" / "huggingface")
     # max_ckpt_to_keep=1: step 1 went once step 2 was committed; step 2 is the
     # previous commit and is removed at the next save.
-    assert not (root / "global_step_1" / "actor").exists()
+    assert not (root / "global_step_1").exists()  # the whole step dir, manifest included
 
     # Step 4 is saved but never committed: the latest committed step (3) stays,
     # although it is beyond max_ckpt_to_keep.
     both("train", 4)
     both("save", str(root), 4, 1)
-    assert not (root / "global_step_2" / "actor").exists()
+    assert not (root / "global_step_2").exists()
     assert (root / "global_step_3" / "actor").is_dir()
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     changed = both("snapshot")[0]

@@ -218,7 +218,9 @@ class TestLeases:
         assert ray.get(monitor.status.remote())["failed"] == []
 
     def test_bad_lease_timeout(self, namespace, root):
-        with pytest.raises(ValueError, match="lease_timeout_s must be positive seconds or None, got 0"):
+        with pytest.raises(
+            ValueError, match="lease_timeout_s must be positive seconds or None, got 0"
+        ):
             CheckpointMonitor(default_local_dir=str(root), metrics_port=None, lease_timeout_s=0)
 
 

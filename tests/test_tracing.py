@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import ray
 from workers import SaveWorker
@@ -13,6 +14,13 @@ from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
 from obsckpt import commit as disk
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.tracing import SafeExporter
+
+
+def wait_for(predicate, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def by_name(spans, name):
@@ -37,9 +45,13 @@ class TestTraceAcrossRay:
         coord = CheckpointCoordinator(monitor)
         with tracing.checkpoint_span(3) as carrier:
             assert "traceparent" in carrier
-            ray.get(
-                [w.save.remote(str(root), 3, ["model"], carrier=carrier, sleep=0.2) for w in workers]
-            )
+            # Rank 0 holds the only admission until rank 1 is seen queueing behind it.
+            ray.get(workers[0].save.remote(str(root), 3, ["model"], carrier=carrier, gated=True))
+            wait_for(lambda: ray.get(monitor.status.remote())["in_flight"], "rank 0 admitted")
+            ray.get(workers[1].save.remote(str(root), 3, ["model"], carrier=carrier))
+            wait_for(lambda: ray.get(monitor.status.remote())["admission_waiting"], "rank 1 queued")
+            time.sleep(0.1)
+            ray.get(workers[0].release.remote("model", 3))
             asyncio.run(coord.register_and_monitor(3, checkpoint_thread_count=2))
         assert ray.get([w.wait.remote() for w in workers]) == [None, None]
         assert disk.read_iteration(root, "checkpoint") == 3

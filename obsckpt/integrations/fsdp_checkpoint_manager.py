@@ -271,7 +271,14 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             return []
         doomed = select_for_removal(saved, max_ckpt_to_keep, latest)
         if doomed:
-            self.remove_previous_save_local_path(doomed)
+            # The whole step directory goes (manifest, huggingface/ and all), not only
+            # the manager's own sub-directory: a step dir left with a manifest and no
+            # files would look like a damaged step.
+            step_dirs = []
+            for path in doomed:
+                step_root, step = step_of(path)
+                step_dirs.append(str(disk.step_dir(step_root, step)))
+            self.remove_previous_save_local_path(sorted(set(step_dirs)))
             self.previous_saved_paths = [p for p in saved if p not in doomed]
         return doomed
 

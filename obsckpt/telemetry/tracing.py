@@ -9,6 +9,7 @@ training.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -186,7 +187,13 @@ def extract(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
     """The context a carrier names, or None for an empty carrier."""
     if not carrier:
         return None
-    return _PROPAGATOR.extract(carrier)
+    # Every save of a step carries the same step context: parse it once.
+    return _extract_cached(tuple(sorted(carrier.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _extract_cached(items: tuple[tuple[str, str], ...]) -> otel_context.Context:
+    return _PROPAGATOR.extract(dict(items))
 
 
 @contextmanager
