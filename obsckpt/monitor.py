@@ -512,14 +512,13 @@ class CheckpointMonitor:
 
     def _write_commit(self, step: int, kind: str, files: dict[str, FileRecord]) -> None:
         sdir = disk.step_dir(self.root, step)
-        disk.finalize_step(sdir, files)
         steps = {kind: step}
         if kind == "checkpoint":
-            # A full checkpoint also commits its state dict (one directory fsync for both).
+            # A full checkpoint also commits its state dict.
             current = disk.read_iteration(self.root, "state_dict")
             if current is None or current < step:
                 steps["state_dict"] = step
-        disk.write_iterations(self.root, steps)
+        disk.finalize_step(sdir, files, iterations=steps)
 
     def _refresh_gauges(self) -> None:
         for kind in KINDS:

@@ -17,12 +17,11 @@ import os
 import pickle
 import queue
 import threading
-import zlib
 from typing import Any
 
 import torch
 
-from obsckpt.commit import FileRecord, fsync_dir
+from obsckpt.commit import FileRecord, crc32, fsync_dir
 
 try:  # DTensor shards (FSDP2) are staged as their local tensor plus placement.
     from torch.distributed.tensor import DTensor
@@ -271,7 +270,7 @@ class _PipelinedSink:
             seq, chunk, n = item
             try:
                 with memoryview(chunk) as view:
-                    self._crcs[seq] = (zlib.crc32(view[:n]), n)
+                    self._crcs[seq] = (crc32(view[:n]), n)
             except BaseException as exc:  # noqa: BLE001 - raised by the saving thread
                 self._error = self._error or exc
             self._release(chunk)

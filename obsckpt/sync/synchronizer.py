@@ -30,7 +30,6 @@ import os
 import pickle
 import re
 import time
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from obsckpt import commit as disk
+from obsckpt.commit import crc32
 from obsckpt.errors import IterationFileError
 from obsckpt.sync.broadcast import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
@@ -108,7 +108,7 @@ def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
             raise StateDictLoadError(
                 f"{path} is {len(data)} bytes, the step's manifest says {record.size}"
             )
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         if crc != record.crc32:
             raise StateDictLoadError(
                 f"{path} is corrupted (crc32 {crc:08x}, the step's manifest says {record.crc32:08x})"
