@@ -399,20 +399,14 @@ class CheckpointCoordinator:
             if timer is not None:
                 timer.cancel()
             if self._claim_report(save):
-                ray.get(
-                    self._monitor.notify_finished.remote(
-                        save.step,
-                        save.kind == "state_dict",
-                        ticket=ticket,
-                        slot=save.slot,
-                        rank=self.rank,
-                        ok=True,
-                        duration_s=duration,
-                        nbytes=nbytes,
-                        join_wait_s=join_wait,
-                        files=[_relative(r, save.step) for r in records],
-                    ),
-                    timeout=self.rpc_timeout,
+                self._notify_finished(
+                    save,
+                    ticket,
+                    ok=True,
+                    duration_s=duration,
+                    nbytes=nbytes,
+                    join_wait_s=join_wait,
+                    files=[_relative(r, save.step) for r in records],
                 )
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised by wait_all
             if timer is not None:
@@ -471,22 +465,29 @@ class CheckpointCoordinator:
             save.reported = True
             return True
 
+    def _notify_finished(self, save: _Save, ticket, **report: Any) -> None:
+        import ray
+
+        ray.get(
+            self._monitor.notify_finished.remote(
+                save.step,
+                save.kind == "state_dict",
+                ticket=ticket,
+                slot=save.slot,
+                rank=self.rank,
+                **report,
+            ),
+            timeout=self.rpc_timeout,
+        )
+
     def _report_failure(self, save: _Save, ticket, exc: BaseException, join_wait: float) -> None:
         try:
-            import ray
-
-            ray.get(
-                self._monitor.notify_finished.remote(
-                    save.step,
-                    save.kind == "state_dict",
-                    ticket=ticket,
-                    slot=save.slot,
-                    rank=self.rank,
-                    ok=False,
-                    error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
-                    join_wait_s=join_wait,
-                ),
-                timeout=self.rpc_timeout,
+            self._notify_finished(
+                save,
+                ticket,
+                ok=False,
+                error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
+                join_wait_s=join_wait,
             )
         except Exception as report_exc:  # noqa: BLE001 - the monitor may be gone
             self.logger.error(

@@ -186,6 +186,11 @@ class CommitTracker:
                 "registered before the restart",
             )
             return []
+        self._check_not_over_finished(step, kind, p)
+        return []
+
+    def _check_not_over_finished(self, step: int, kind: str, p: Progress) -> None:
+        """After submission, more finishes than registrations fail the step and raise."""
         if p.finished > p.registered and p.state in _OPEN:
             msg = (
                 f"step {step} ({kind}): {p.finished} saves finished but only {p.registered} "
@@ -194,7 +199,6 @@ class CommitTracker:
             )
             self._fail(step, kind, msg)
             raise NotificationError(msg)
-        return []
 
     def start(self, step: int, kind: str, carrier: dict | None = None) -> None:
         validate_step(step)
@@ -246,14 +250,8 @@ class CommitTracker:
             p.files[rec.path] = rec
         if not ok:
             return self._fail(step, kind, error or "save failed")
-        if p.submitted and p.finished > p.registered and p.state in _OPEN:
-            msg = (
-                f"step {step} ({kind}): {p.finished} saves finished but only {p.registered} "
-                "were registered; register every save with register_thread_count before "
-                "monitor_step"
-            )
-            self._fail(step, kind, msg)
-            raise NotificationError(msg)
+        if p.submitted:
+            self._check_not_over_finished(step, kind, p)
         return []
 
     # -- commits -----------------------------------------------------------
