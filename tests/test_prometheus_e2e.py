@@ -218,11 +218,15 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     coord = CheckpointCoordinator(monitor, rank=0)
     checkpoint(coord, 1, writer(ckpt_dir, 1))
     coord.wait_all(timeout=30)
-    wait_for(
-        "Prometheus to scrape the first save",
-        lambda: prometheus.query(f'obsckpt_saves_total{{job="{JOB}",slot="model"}}'),
-        timeout=15,
-    )
+    # Every series a core panel rates must have been scraped once before the next
+    # saves: a scrape can land between the save counter's and the histograms' updates,
+    # and a series first seen after its last increase has a rate of zero.
+    for series in (
+        f'obsckpt_saves_total{{job="{JOB}",slot="model"}}',
+        f'obsckpt_save_duration_seconds_count{{job="{JOB}",slot="model"}} > 0',
+        f'obsckpt_commit_lag_seconds_count{{job="{JOB}",kind="checkpoint"}} > 0',
+    ):
+        wait_for(f"Prometheus to scrape {series}", lambda s=series: prometheus.query(s), timeout=15)
     for step in (2, 3):
         checkpoint(coord, step, writer(ckpt_dir, step))
         coord.wait_all(timeout=30)
