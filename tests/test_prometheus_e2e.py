@@ -253,9 +253,26 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
             if not has_finite_value(prometheus.query(expr))
         ]
 
-    deadline = time.monotonic() + 15
+    # The rates need the increase from steps 2 and 3 scraped after step 1's samples.
+    wait_for(
+        "Prometheus to scrape steps 2 and 3",
+        lambda: prometheus.query(
+            f'obsckpt_save_duration_seconds_count{{job="{JOB}",slot="model"}} >= 3'
+        ),
+        timeout=15,
+    )
+    deadline = time.monotonic() + 30
     while (missing := core_panels_without_data()) and time.monotonic() < deadline:
         time.sleep(0.5)
+    if missing:
+        # What Prometheus holds, so a failure here can be told apart from a slow scrape.
+        for probe in (
+            f'count_over_time(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[1m])',
+            f'obsckpt_save_duration_seconds_count{{job="{JOB}"}}',
+            f'rate(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[1m])',
+            f'up{{job="{JOB}"}}',
+        ):
+            missing.append(f"  {probe} = {prometheus.query(probe)}")
     assert not missing, "core panels without data:\n" + "\n".join(missing)
     for _, expr in queries:
         prometheus.query(expr)  # fails the test on a PromQL error
