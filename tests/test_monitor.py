@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import ray
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_helpers import scrape, value
 from workers import SaveWorker
 
 from obsckpt import (
@@ -50,20 +50,6 @@ def submit(monitor, step, *, is_state_dict=False, sd=0, ck=0):
             checkpoint_thread_count=ck,
         )
     )
-
-
-def scrape(monitor) -> dict[tuple[str, tuple], float]:
-    address = ray.get(monitor.metrics_address.remote())
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def value(samples, name, **labels) -> float | None:
-    return samples.get((name, tuple(sorted(labels.items()))))
 
 
 def wait_for(predicate, timeout=20.0, what="condition"):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 import pytest
 import ray
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_helpers import samples, scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
@@ -30,20 +29,6 @@ def equal(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(
         a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
     )
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def scrape(monitor) -> dict[tuple[str, tuple], float]:
-    address = ray.get(monitor.metrics_address.remote())
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return samples(text)
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

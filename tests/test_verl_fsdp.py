@@ -6,12 +6,11 @@ import asyncio
 import logging
 import os
 import time
-import urllib.request
 
 import pytest
 import ray
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_helpers import scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt.sync.broadcast import free_port
@@ -164,16 +163,6 @@ def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
         elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
             bad.append(k)
     return bad
-
-
-def scrape(monitor) -> dict[tuple[str, tuple], float]:
-    address = ray.get(monitor.metrics_address.remote())
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 PORTS: dict[str, int] = {}
