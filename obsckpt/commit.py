@@ -127,25 +127,13 @@ def fsync_file(path: str | os.PathLike) -> None:
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a crash leaves the old or the new content."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    pending = [_write_temp(path, data)]
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        fsync_file(pending[0][0])
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _discard(pending)
         raise
-    fsync_dir(path.parent)
+    _publish(path.parent, pending)
 
 
 def parse_iteration(text: str, path: str | os.PathLike) -> int:
