@@ -31,7 +31,9 @@ from dashboards.build import rules_yaml
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 JOB = "obsckpt"
-RATE_INTERVAL = "1m"
+# Wide enough that step 1's samples stay in every rate window for the whole test,
+# however slowly a loaded machine runs it (Grafana would use $__rate_interval).
+RATE_INTERVAL = "5m"
 # Panels that must show data once a few steps have committed: latest step,
 # saves total, save duration quantiles, commit lag.
 CORE_PANELS = (
@@ -267,10 +269,13 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     if missing:
         # What Prometheus holds, so a failure here can be told apart from a slow scrape.
         for probe in (
-            f'count_over_time(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[1m])',
+            f'count_over_time(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[{RATE_INTERVAL}])',
+            f'min_over_time(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[{RATE_INTERVAL}])',
             f'obsckpt_save_duration_seconds_count{{job="{JOB}"}}',
-            f'rate(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[1m])',
-            f'up{{job="{JOB}"}}',
+            f'rate(obsckpt_save_duration_seconds_count{{job="{JOB}"}}[{RATE_INTERVAL}])',
+            f'count_over_time(up{{job="{JOB}"}}[{RATE_INTERVAL}])',
+            f'min_over_time(up{{job="{JOB}"}}[{RATE_INTERVAL}])',
+            f'max_over_time(scrape_duration_seconds{{job="{JOB}"}}[{RATE_INTERVAL}])',
         ):
             missing.append(f"  {probe} = {prometheus.query(probe)}")
     assert not missing, "core panels without data:\n" + "\n".join(missing)
