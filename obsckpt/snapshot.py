@@ -3,15 +3,19 @@
 The training loop is blocked only for :meth:`StagingBuffers.stage`: one copy
 of each tensor into a buffer kept from the previous save of the same slot
 (pinned host memory when CUDA is present, so device→host copies run at
-full bandwidth). :func:`write_torch_file` then runs in the background.
+full bandwidth). :func:`write_torch_file` then runs in the background and
+writes the staged tensors to disk straight from those buffers, which are
+page-aligned for that purpose.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import errno
 import functools
 import inspect
+import math
 import mmap
 import os
 import pickle
@@ -19,6 +23,7 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from obsckpt.commit import FileRecord, crc32, fsync_dir
@@ -29,10 +34,18 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
-# The writer's chunks: big enough for full-speed direct I/O, few enough to stay
-# a small fraction of the state's size in resident memory.
+# The writer's chunks, for the bytes that cannot be written from where they lie
+# (headers, pickles, small or unaligned tensors): big enough for full-speed
+# direct I/O, few enough to stay a small fraction of the state in resident memory.
 _IO_CHUNK = 16 << 20
 _IO_CHUNKS = 4
+# Tensors of at least this size whose memory is aligned (staging buffers are)
+# are written to disk from that memory, in pieces, without a copy.
+_DIRECT_MIN = 1 << 20
+_DIRECT_PIECE = 16 << 20
+# Writes in flight at once (into blocks reserved ahead, see reserve): enough to
+# keep the device queue full between pieces.
+_WRITERS = 4
 # zlib's CRC32 is slower than a fast disk; chunks are checksummed in parallel.
 _CRC_THREADS = 2
 _CRC32_POLY = 0xEDB88320
@@ -98,11 +111,55 @@ def _crc32_shift(nbytes: int) -> tuple[int, ...]:
     return tuple(cols)
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
     if len2 <= 0:
         return crc1
     return _gf2_times(_crc32_shift(len2), crc1) ^ crc2
+
+
+try:  # zlib-ng's C version; the pure-Python one costs ~2 ms per distinct length
+    from zlib_ng.zlib_ng import crc32_combine
+except ImportError:  # pragma: no cover - zlib-ng is a dependency
+    crc32_combine = _crc32_combine
+
+
+def _libc_fallocate():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# fallocate(2) itself: posix_fallocate falls back to writing every block where
+# the filesystem lacks it, which would cost more than it saves.
+_fallocate = _libc_fallocate()
+# Reservations grow by at least this much once the expected size is passed.
+_RESERVE_STEP = 256 << 20
+
+
+def _address(view: memoryview) -> int:
+    """Address of the first byte of ``view`` (read-only views included)."""
+    return np.frombuffer(view, np.uint8).ctypes.data
+
+
+def _empty_aligned(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on a page boundary.
+
+    Direct I/O needs aligned memory; torch's allocator aligns to 64 bytes, so
+    large staging buffers are anonymous mappings instead (freed with the tensor).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _DIRECT_MIN:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        return raw.view(dtype).view(shape)
+    except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
+        return torch.empty(shape, dtype=dtype)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -126,7 +183,10 @@ class StagingBuffers:
         self._cursor += 1
         if i < len(self._buffers) and _signature(self._buffers[i]) == _signature(t):
             return self._buffers[i]
-        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+        if self.pin_memory:  # pinned blocks are page-aligned already
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        else:
+            buf = _empty_aligned(t.shape, t.dtype)
         if i < len(self._buffers):
             self._buffers[i] = buf
         else:
@@ -176,10 +236,16 @@ class _PipelinedSink:
 
     ``torch.save`` through a buffered file costs a copy into the page cache
     and a writeback that only starts at ``fsync``; on fast storage that is
-    several times slower than the disk. Here the saving thread only copies
-    each piece into one of a few page-aligned chunks; helper threads checksum
-    full chunks (in parallel, combined in order at the end) while another writes them with ``O_DIRECT`` (no
-    page-cache copy, and the disk works while the next chunk fills). Where the
+    several times slower than the disk. Here the file is opened with
+    ``O_DIRECT`` and written with ``pwrite`` by helper threads, several writes in
+    flight, while other helpers checksum each piece (combined in order at the
+    end). A large tensor whose memory and file offset are aligned (staging
+    buffers are page-aligned, and records start on a page boundary) is written
+    from its own memory, with no copy: ``write`` hands its pieces to the
+    helpers and returns at once when the memory belongs to a tensor of the
+    object being saved (alive until :meth:`finish`), or waits for them when it
+    does not (a temporary copy torch made). Everything else is copied into one
+    of a few page-aligned chunks, written while the next one fills. Where the
     filesystem refuses ``O_DIRECT`` the same pipeline writes through the page
     cache. The last chunk is padded to the alignment and the file truncated.
     """
@@ -187,6 +253,10 @@ class _PipelinedSink:
     def __init__(self, path: str) -> None:
         self.crc = 0
         self.size = 0
+        self.direct_bytes = 0  # written from the caller's memory, without a copy
+        # Addresses of the storages of the object being saved: alive until finish().
+        self.owned: set[int] = set()
+        self._reserved: float = 0  # bytes allocated ahead of the writes (see reserve)
         self.direct = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         if _DIRECT_IO and hasattr(os, "O_DIRECT"):
@@ -199,18 +269,21 @@ class _PipelinedSink:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._to_crc: queue.SimpleQueue[tuple[int, mmap.mmap, int] | None] = queue.SimpleQueue()
-        self._crcs: dict[int, tuple[int, int]] = {}  # chunk sequence number -> (crc32, bytes)
+        # (sequence number, buffer, bytes, token) to checksum
+        self._to_crc: queue.SimpleQueue[tuple[int, Any, int, Any] | None] = queue.SimpleQueue()
+        self._crcs: dict[int, tuple[int, int]] = {}  # sequence number -> (crc32, bytes)
         self._seq = 0
-        self._to_disk: queue.SimpleQueue[tuple[mmap.mmap, int] | None] = queue.SimpleQueue()
-        self._users: dict[int, int] = {}  # chunk id -> helper threads still using it
+        # (buffer, bytes with padding, file offset, token) to write
+        self._to_disk: queue.SimpleQueue[tuple[Any, int, int, Any] | None] = queue.SimpleQueue()
+        # token (a chunk, or the Event of one direct write) -> uses left by the helpers
+        self._users: dict[int, int] = {}
         self._lock = threading.Lock()
         self._chunks: list[mmap.mmap] = []
         self._chunk: mmap.mmap | None = None
         self._fill = 0
         self._error: BaseException | None = None
         name = os.path.basename(path)
-        workers = [(self._checksum_chunks, "crc")] * _CRC_THREADS + [(self._write_chunks, "writer")]
+        workers = [(self._checksum, "crc")] * _CRC_THREADS + [(self._write, "writer")] * _WRITERS
         self._threads = [
             threading.Thread(target=fn, name=f"obsckpt-{what}-{name}", daemon=True)
             for fn, what in workers
@@ -227,19 +300,48 @@ class _PipelinedSink:
         self._raise_if_failed()
         return chunk
 
-    def _submit(self, chunk: mmap.mmap, nbytes: int, padded: int) -> None:
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the file's blocks up to ``nbytes`` before writing them.
+
+        A direct write past the end of the file or into unallocated blocks
+        takes the inode lock exclusively for its whole duration (ext4, XFS),
+        so the writers' writes would run one at a time. Into allocated blocks
+        they run side by side. The file is truncated to its real size at the end.
+        """
+        if not self.direct or _fallocate is None or nbytes <= self._reserved:
+            return
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        if _fallocate(self.fd, 0, self._reserved, nbytes - self._reserved) == 0:
+            self._reserved = nbytes
+        else:  # the filesystem cannot: write without reserving
+            self._reserved = math.inf
+
+    def _enqueue(self, buf: Any, nbytes: int, padded: int, offset: int, token: Any) -> None:
+        if offset + padded > self._reserved:
+            self.reserve(max(offset + padded, self._reserved + _RESERVE_STEP))
+        self._to_crc.put((self._seq, buf, nbytes, token))
+        self._seq += 1
+        self._to_disk.put((buf, padded, offset, token))
+
+    def _submit_chunk(self, padded: int) -> None:
+        chunk, n = self._chunk, self._fill
         with self._lock:
             self._users[id(chunk)] = 2
-        self._to_crc.put((self._seq, chunk, nbytes))
-        self._seq += 1
-        self._to_disk.put((chunk, padded))
+        self._enqueue(chunk, n, padded, self.size - n, chunk)
+        self._chunk, self._fill = None, 0
 
-    def _release(self, chunk: mmap.mmap) -> None:
+    def _release(self, token: Any) -> None:
         with self._lock:
-            self._users[id(chunk)] -= 1
-            done = self._users[id(chunk)] == 0
-        if done:
-            self._free.put(chunk)
+            self._users[id(token)] -= 1
+            done = self._users[id(token)] == 0
+            if done:
+                del self._users[id(token)]
+        if not done:
+            return
+        if isinstance(token, threading.Event):
+            token.set()
+        else:
+            self._free.put(token)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -248,7 +350,37 @@ class _PipelinedSink:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
-        self.size += n
+        if (
+            self.direct
+            and n >= _DIRECT_MIN
+            and self.size % _ALIGN == 0
+            and _address(view) % _ALIGN == 0
+        ):
+            body = n - n % _ALIGN
+            self._write_direct(view[:body], wait=_address(view) not in self.owned)
+            view = view[body:]
+        self._copy(view)
+        return n
+
+    def _write_direct(self, view: memoryview, wait: bool) -> None:
+        """Write ``view`` at the current (aligned) offset from its own memory."""
+        if self._fill:  # the chunk so far ends at this aligned offset: write it as it is
+            self._submit_chunk(self._fill)
+        step = _DIRECT_PIECE
+        pieces = [(view[i : i + step], self.size + i) for i in range(0, len(view), step)]
+        done = threading.Event()
+        with self._lock:
+            self._users[id(done)] = 2 * len(pieces)
+        for piece, offset in pieces:
+            self._enqueue(piece, len(piece), len(piece), offset, done)
+        self.size += len(view)
+        self.direct_bytes += len(view)
+        if wait:
+            done.wait()
+            self._raise_if_failed()
+
+    def _copy(self, view: memoryview) -> None:
+        n = view.nbytes
         done = 0
         while done < n:
             if self._chunk is None:
@@ -256,49 +388,49 @@ class _PipelinedSink:
             step = min(n - done, _IO_CHUNK - self._fill)
             self._chunk[self._fill : self._fill + step] = view[done : done + step]
             self._fill += step
+            self.size += step
             done += step
             if self._fill == _IO_CHUNK:
-                self._submit(self._chunk, _IO_CHUNK, _IO_CHUNK)
-                self._chunk = None
-        return n
+                self._submit_chunk(_IO_CHUNK)
 
     def flush(self) -> None:
         self._raise_if_failed()
 
-    def _checksum_chunks(self) -> None:
+    def _checksum(self) -> None:
         while (item := self._to_crc.get()) is not None:
-            seq, chunk, n = item
+            seq, buf, n, token = item
             try:
-                with memoryview(chunk) as view:
+                with memoryview(buf) as view:
                     self._crcs[seq] = (crc32(view[:n]), n)
             except BaseException as exc:  # noqa: BLE001 - raised by the saving thread
                 self._error = self._error or exc
-            self._release(chunk)
+            self._release(token)
 
-    def _write_chunks(self) -> None:
+    def _write(self) -> None:
         while (item := self._to_disk.get()) is not None:
-            chunk, n = item
+            buf, n, offset, token = item
             if self._error is None:
                 try:
-                    with memoryview(chunk) as whole:
+                    with memoryview(buf) as whole:
                         view = whole[:n]
                         while view:
-                            view = view[os.write(self.fd, view) :]
+                            written = os.pwrite(self.fd, view, offset)
+                            offset += written
+                            view = view[written:]
                         view.release()
                 except BaseException as exc:  # noqa: BLE001 - raised by the saving thread
                     self._error = self._error or exc
-            self._release(chunk)
+            self._release(token)
 
     def finish(self) -> None:
         """Write the last chunk, truncate to the real size, fsync, close."""
         try:
             if self._chunk is not None and self._fill:
-                n = padded = self._fill
+                padded = self._fill
                 if self.direct:
-                    padded = -(-n // _ALIGN) * _ALIGN
-                    self._chunk[n:padded] = bytes(padded - n)
-                self._submit(self._chunk, n, padded)
-                self._chunk = None
+                    padded = -(-self._fill // _ALIGN) * _ALIGN
+                    self._chunk[self._fill : padded] = bytes(padded - self._fill)
+                self._submit_chunk(padded)
             self._stop()
             self._raise_if_failed()
             for seq in range(self._seq):
@@ -314,7 +446,8 @@ class _PipelinedSink:
         if any(t.is_alive() for t in self._threads):
             for _ in range(_CRC_THREADS):
                 self._to_crc.put(None)
-            self._to_disk.put(None)
+            for _ in range(_WRITERS):
+                self._to_disk.put(None)
             for t in self._threads:
                 t.join()
 
@@ -328,6 +461,25 @@ class _PipelinedSink:
         self._chunks.clear()
 
 
+def _storages(obj: Any) -> dict[int, int]:
+    """Data address -> bytes of the CPU tensors' storages in a (nested) state dict."""
+    found: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if DTensor is not None and isinstance(item, DTensor):
+            item = item.to_local()
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "cpu":
+                storage = item.untyped_storage()
+                found[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
 def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     """``torch.save(obj, sink)`` without torch's own per-record CRC32.
 
@@ -335,11 +487,17 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     torch computing another one per record would only halve the write speed.
     Falls back to plain ``torch.save`` where torch's writer has another shape.
     """
+    storages = _storages(obj)
+    sink.owned = set(storages)
+    # The tensors' bytes, each record's header and alignment, and the pickle.
+    sink.reserve(sum(storages.values()) + len(storages) * 2 * _ALIGN + (1 << 20))
     if _save is None:
         torch.save(obj, sink)
         return
     try:
-        writer = torch._C.PyTorchFileWriter(sink, False, _get_storage_alignment())
+        # Records start on a page boundary, so aligned tensors are written from their memory.
+        alignment = max(_ALIGN, _get_storage_alignment())
+        writer = torch._C.PyTorchFileWriter(sink, False, alignment)
     except TypeError:  # pragma: no cover - a torch whose writer takes other arguments
         torch.save(obj, sink)
         return
