@@ -199,6 +199,11 @@ def writer(ckpt_dir: Path, step: int) -> Callable[[], None]:
     return save
 
 
+def clock_offset() -> float:
+    """Wall clock minus monotonic clock: changes when the wall clock is stepped."""
+    return time.time() - time.monotonic()
+
+
 def has_finite_value(result: list[dict]) -> bool:
     return any(math.isfinite(float(sample["value"][1])) for sample in result)
 
@@ -214,6 +219,8 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
         return [t for t in targets if t["labels"]["job"] == JOB and t["health"] == "up"]
 
     wait_for("the obsckpt target to be up", target_up, timeout=20)
+
+    clock_at_start = clock_offset()
 
     # 2. Saves. Slot series appear with their first save, and rate() needs two
     # samples of a series, so later steps are saved once Prometheus has seen the first.
@@ -255,17 +262,29 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
             if not has_finite_value(prometheus.query(expr))
         ]
 
-    # The rates need the increase from steps 2 and 3 scraped after step 1's samples.
-    wait_for(
-        "Prometheus to scrape steps 2 and 3",
-        lambda: prometheus.query(
-            f'obsckpt_save_duration_seconds_count{{job="{JOB}",slot="model"}} >= 3'
-        ),
-        timeout=15,
-    )
-    deadline = time.monotonic() + 30
+    def scraped(step: int) -> None:
+        wait_for(
+            f"Prometheus to scrape the saves up to step {step}",
+            lambda: prometheus.query(
+                f'obsckpt_save_duration_seconds_count{{job="{JOB}",slot="model"}} >= {step}'
+            ),
+            timeout=15,
+        )
+
+    # The rates need an increase between two samples inside their window. Samples
+    # are stamped with the wall clock, which a freshly booted VM may step forward
+    # by minutes (its clock being set) and leave every earlier sample out of the
+    # window; so while a core panel shows nothing, save one more step and look again.
+    scraped(3)
+    step = 3
+    deadline = time.monotonic() + 60
     while (missing := core_panels_without_data()) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(2)
+        if core_panels_without_data():
+            step += 1
+            checkpoint(coord, step, writer(ckpt_dir, step))
+            coord.wait_all(timeout=30)
+            scraped(step)
     if missing:
         # What Prometheus holds, so a failure here can be told apart from a slow scrape.
         for probe in (
@@ -278,14 +297,18 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
             f'max_over_time(scrape_duration_seconds{{job="{JOB}"}}[{RATE_INTERVAL}])',
         ):
             missing.append(f"  {probe} = {prometheus.query(probe)}")
-    assert not missing, "core panels without data:\n" + "\n".join(missing)
+        missing.append(
+            f"  wall clock moved {clock_offset() - clock_at_start:+.1f} s against monotonic"
+        )
+    assert not missing, f"core panels without data after step {step}:\n" + "\n".join(missing)
     for _, expr in queries:
         prometheus.query(expr)  # fails the test on a PromQL error
-    assert prometheus.query(f'obsckpt_latest_step{{job="{JOB}",kind="checkpoint"}} == 3')
+    assert prometheus.query(f'obsckpt_latest_step{{job="{JOB}",kind="checkpoint"}} == {step}')
 
-    # 4. A save that never finishes stalls step 4; the alert goes pending, then firing.
+    # 4. A save that never finishes stalls the next step; the alert goes pending, then firing.
+    step += 1
     release = threading.Event()
-    checkpoint(coord, 4, lambda: release.wait(60))
+    checkpoint(coord, step, lambda: release.wait(60))
     try:
         firing = wait_for(
             "ObsckptCommitStalled to fire",
@@ -298,13 +321,13 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
         assert firing[0]["labels"]["job"] == JOB
         assert firing[0]["annotations"]["runbook_url"].endswith("#obsckptcommitstalled")
         status = ray_cluster.get(monitor.status.remote(), timeout=10)
-        assert [p["step"] for p in status["pending"]] == [4]
+        assert [p["step"] for p in status["pending"]] == [step]
     finally:
         release.set()
     coord.wait_all(timeout=30)
 
     # 5. The step commits and the alert resolves.
-    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
     wait_for(
         "ObsckptCommitStalled to resolve",
         lambda: not prometheus.alerts("ObsckptCommitStalled"),
