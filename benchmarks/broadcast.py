@@ -92,13 +92,15 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
             if backend == "nccl":
                 torch.cuda.synchronize()
 
-        def timed(fn) -> float:
+        def timed(fn) -> tuple[float, float]:
+            """Wall seconds and this process's CPU seconds (all its threads, gloo's included)."""
             sync()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             fn()
             if backend == "nccl":
                 torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
 
         def op(kind: str):
             if kind == "raw":
@@ -115,10 +117,13 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
         received = bc.recv() if rank == 1 else bc.send(state, mode="bucketed")
         sync()
         samples = {k: [] for k in kinds}
+        cpu = {k: [] for k in kinds}
         for rep in range(reps):
             order = kinds if rep % 2 == 0 else tuple(reversed(kinds))
             for kind in order:
-                samples[kind].append(timed(op(kind)))
+                wall, used = timed(op(kind))
+                samples[kind].append(wall)
+                cpu[kind].append(used)
         checksum = None
         if rank == 1:
             checksum = float(sum(float(t.float().sum()) for t in list(received.values())[:8]))
@@ -129,6 +134,7 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
                 rank,
                 {
                     "samples": samples,
+                    "cpu": cpu,
                     "nbytes": nbytes,
                     "checksum": checksum,
                     "buckets": bc.bucket_bytes,
@@ -178,6 +184,11 @@ def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) ->
         for k in kinds
     }
     med = {k: median(v) for k, v in per.items()}
+    # CPU seconds of one operation, both ranks together.
+    cpu = {
+        k: median([a + b for a, b in zip(out[0]["cpu"][k], out[1]["cpu"][k], strict=True)])
+        for k in kinds
+    }
     nbytes = out[0]["nbytes"]
     common = {
         "backend": backend,
@@ -189,6 +200,19 @@ def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) ->
         **{f"{k}_GBps": round(nbytes / v / 1e9, 3) for k, v in med.items()},
         **{f"{k}_samples_s": rounded(per[k]) for k in kinds},
     }
+    vs_raw = {}
+    if backend == "gloo":
+        # On CPU every byte costs work on some core (the packing copy, the socket
+        # copies on both sides); a broadcast cannot finish before its CPU seconds
+        # spread over all the machine's cores.
+        cores = os.cpu_count() or 1
+        vs_raw = {
+            "cores": cores,
+            **{f"{k}_cpu_s": round(v, 6) for k, v in cpu.items()},
+            "raw_cores_busy": round(cpu["raw"] / med["raw"], 2),
+            "bucketed_cores_busy": round(cpu["bucketed"] / med["bucketed"], 2),
+            "bound_if_cpu_fully_parallel": round(med["raw"] * cores / cpu["bucketed"], 3),
+        }
     return [
         Result(
             f"{prefix}bucketed_vs_per_tensor",
@@ -206,7 +230,10 @@ def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) ->
             0.8,
             unit="x",
             limit=limit,
-            details={k: v for k, v in common.items() if not k.endswith("_samples_s")},
+            details={
+                **{k: v for k, v in common.items() if not k.endswith("_samples_s")},
+                **vs_raw,
+            },
         ),
     ]
 

@@ -141,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         if {"save", "rss", "telemetry", "commit_lag"} & set(wanted):
             ray = _start_ray(f"obsckpt-bench-{run_id}")
         for name in wanted:
-            _log(f"[{name}]")
+            # The previous benchmark's files are written back and its deleted ones
+            # freed (and discarded, on a filesystem mounted with discard) now, not
+            # during this benchmark's measurements.
+            t_sync = time.perf_counter()
+            os.sync()
+            _log(f"[{name}] (sync before it: {time.perf_counter() - t_sync:.2f} s)")
             load_before = loadavg()
             t0 = time.perf_counter()
             try:
