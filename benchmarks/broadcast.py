@@ -17,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import threading
 import time
 import traceback
 
@@ -60,6 +61,22 @@ def _build(layout, fill: bool):
             t.uniform_()
         out[name] = t
     return out
+
+
+def _neighbour(what: str, stop: threading.Event) -> None:
+    """Load one core until ``stop``: memory copies, or arithmetic that stays in cache."""
+    import torch
+
+    if what == "copy":
+        src = torch.ones(64 << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        while not stop.is_set():
+            dst.copy_(src)
+    else:
+        a = torch.randn(128, 128)
+        while not stop.is_set():
+            for _ in range(50):
+                a = torch.tanh(a @ a)
 
 
 def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
@@ -124,6 +141,20 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
                 wall, used = timed(op(kind))
                 samples[kind].append(wall)
                 cpu[kind].append(used)
+        # What limits the raw broadcast itself: the same transfer while a thread
+        # of the sender copies memory (as packing does) or computes in cache.
+        neighbours = {}
+        if backend == "gloo":
+            for what in ("none", "copy", "compute"):
+                stop = threading.Event()
+                worker = None
+                if rank == 0 and what != "none":
+                    worker = threading.Thread(target=_neighbour, args=(what, stop), daemon=True)
+                    worker.start()
+                neighbours[what] = [timed(op("raw"))[0] for _ in range(reps)]
+                stop.set()
+                if worker is not None:
+                    worker.join()
         checksum = None
         if rank == 1:
             checksum = float(sum(float(t.float().sum()) for t in list(received.values())[:8]))
@@ -135,6 +166,7 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
                 {
                     "samples": samples,
                     "cpu": cpu,
+                    "neighbours": neighbours,
                     "nbytes": nbytes,
                     "checksum": checksum,
                     "buckets": bc.bucket_bytes,
@@ -206,7 +238,16 @@ def _results(prefix: str, backend: str, out: dict, ntensors: int, limit: str) ->
         # copies on both sides); a broadcast cannot finish before its CPU seconds
         # spread over all the machine's cores.
         cores = os.cpu_count() or 1
+        sides = {
+            w: zip(out[0]["neighbours"][w], out[1]["neighbours"][w], strict=True)
+            for w in ("none", "copy", "compute")
+        }
+        slowed = {
+            f"raw_with_{w}_neighbour_s": round(median([max(a, b) for a, b in pairs]), 6)
+            for w, pairs in sides.items()
+        }
         vs_raw = {
+            **slowed,
             "cores": cores,
             **{f"{k}_cpu_s": round(v, 6) for k, v in cpu.items()},
             "raw_cores_busy": round(cpu["raw"] / med["raw"], 2),
