@@ -503,10 +503,9 @@ class WeightBroadcaster:
             plan = self._send_header(meta, mode, step, deadline)
             if mode == "per_tensor":
                 count = self._send_per_tensor(items, meta, deadline)
-            elif materialised:
-                count = self._send_planned([t for _, t in items], meta, plan, deadline)
             else:
-                count = self._send_bucketed(items, meta, plan, deadline)
+                # A materialised dict's metadata was computed from its own tensors.
+                count = self._send_bucketed(items, meta, plan, deadline, check=not materialised)
             seconds = time.perf_counter() - t0
         self.telemetry.broadcast(self.group.backend, seconds, nbytes)
         return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
@@ -550,40 +549,12 @@ class WeightBroadcaster:
         self._check_count(sent, meta)
         return sent
 
-    def _send_planned(self, tensors: list[torch.Tensor], meta, plan: list[Bucket], deadline) -> int:
-        """Bucketed send of tensors already at hand (their metadata was computed from them)."""
-        inflight: deque[tuple[Any, torch.Tensor | None, int]] = deque()
-        free = list(self._pool)
-        device = self.group.device
+    def _send_bucketed(self, items, meta, plan: list[Bucket], deadline, check: bool) -> int:
+        """Bucketed send: each bucket goes once its last tensor has arrived.
 
-        def drain_one() -> None:
-            work, buf, b = inflight.popleft()
-            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
-            if buf is not None:
-                free.append(buf)
-
-        with torch.no_grad():
-            for b, bucket in enumerate(plan):
-                if bucket.solo:
-                    flat = tensors[bucket.indices[0]].to(device).contiguous().view(-1)
-                    inflight.append((self.group.broadcast_async(flat, self.src), None, b))
-                else:
-                    parts = [tensors[i].to(device).reshape(-1) for i in bucket.indices]
-                    while not free and len(self._pool) >= _SEND_BUFFERS and inflight:
-                        drain_one()
-                    buf = free.pop() if free else self._new_buffer()
-                    out = buf[: bucket.nbytes].view(bucket.dtype)
-                    torch.cat(parts, out=out)
-                    del parts
-                    inflight.append((self.group.broadcast_async(out, self.src), buf, b))
-                while len(inflight) > _SEND_BUFFERS:
-                    drain_one()
-            while inflight:
-                drain_one()
-        return len(plan)
-
-    def _send_bucketed(self, items, meta, plan: list[Bucket], deadline) -> int:
-        """Bucketed send of a stream: each bucket goes once its last tensor has arrived."""
+        ``items`` may be a lazy stream; with ``check`` each tensor is checked
+        against the metadata announced in the header.
+        """
         where = self._where
         if where is None or len(where) != len(meta):
             where = [0] * len(meta)  # tensor index -> bucket index
@@ -604,7 +575,8 @@ class WeightBroadcaster:
                 free.append(buf)
 
         for i, (name, t) in enumerate(items):
-            self._check_item(i, name, t, meta)
+            if check:
+                self._check_item(i, name, t, meta)
             seen += 1
             b = where[i]
             bucket = plan[b]
