@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import os
 import random
 import shutil
@@ -68,6 +69,22 @@ class TimedMonitor(CheckpointMonitor):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._finish_rx: dict[int, float] = {}
+        # Garbage-collector pauses (wall-clock start, seconds, generation), to tell
+        # a collection inside a commit from slow I/O.
+        self._gc: list[tuple[float, float, int]] = []
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            spent = time.perf_counter() - self._gc_start
+            self._gc.append((time.time() - spent, spent, info["generation"]))
+
+    async def gc_pauses(self, start: float, end: float) -> list[tuple[float, int]]:
+        """(seconds, generation) of the collections that began between ``start`` and ``end``."""
+        return [(d, g) for t, d, g in self._gc if start <= t <= end]
 
     async def notify_finished(self, step, *args, **kwargs):
         now = time.time()
@@ -209,8 +226,13 @@ def _run_steps(
     expected: int,
     log,
     label,
+    floor_every: int = 1,
 ) -> dict[str, list[float]]:
-    """Monitor steps, each followed by its floor run; seconds per step for each measure."""
+    """Monitor steps, every ``floor_every``-th followed by its floor run; seconds per step.
+
+    ``floor`` holds one value per floor run and ``floor_of`` the index (in the
+    other lists) of the step it was run after.
+    """
     import ray
 
     from obsckpt import commit as disk
@@ -220,6 +242,9 @@ def _run_steps(
         "monitor_side": [],
         "whole_to_commit": [],
         "floor": [],
+        "floor_of": [],
+        "gc_in_commit": [],
+        "phases": [],
     }
     for i in range(steps):
         step = first_step + i
@@ -241,10 +266,15 @@ def _run_steps(
         out["end_to_end"].append(committed_at - last_sent)
         out["monitor_side"].append(committed_at - received)
         out["whole_to_commit"].append(committed_at - detail["whole_at"])
+        pauses = ray.get(monitor.gc_pauses.remote(received, committed_at))
+        out["gc_in_commit"].append(sum(d for d, _g in pauses))
+        out["phases"].append(detail.get("phases_s", {}))
 
-        floor_sent = _send_finishes(sims, step, spread_s, noop=True)
-        floor_rx = ray.get(noop.last_finish_received.remote(step))
-        out["floor"].append(floor_rx - floor_sent)
+        if i % floor_every == 0:
+            floor_sent = _send_finishes(sims, step, spread_s, noop=True)
+            floor_rx = ray.get(noop.last_finish_received.remote(step))
+            out["floor"].append(floor_rx - floor_sent)
+            out["floor_of"].append(i)
 
         if step - 2 >= first_step:
             shutil.rmtree(os.path.join(root, f"global_step_{step - 2}"), ignore_errors=True)
@@ -259,12 +289,26 @@ def _run_steps(
 
 
 def _summary(lags: dict[str, list[float]]) -> dict[str, float]:
-    ms = {k: [x * 1e3 for x in v] for k, v in lags.items()}
-    excess = [e - f for e, f in zip(ms["end_to_end"], ms["floor"], strict=True)]
+    ms = {k: [x * 1e3 for x in v] for k, v in lags.items() if k not in ("floor_of", "phases")}
+    gc_ms = ms.pop("gc_in_commit")
+    # Only steps followed by a floor run have an end-to-end-minus-floor figure.
+    excess = [ms["end_to_end"][i] - f for i, f in zip(lags["floor_of"], ms["floor"], strict=True)]
     out: dict[str, Any] = {}
     for name, xs in (*ms.items(), ("end_to_end_minus_floor", excess)):
         out[f"{name}_p50_ms"] = round(median(xs), 2)
         out[f"{name}_p99_ms"] = round(p99(xs), 2)
+    out["gc_in_commit_max_ms"] = round(max(gc_ms), 2)
+    out["steps_with_gc_in_commit"] = sum(1 for g in gc_ms if g > 0)
+    # Where the slowest commits spent their time (finalize_step's phases).
+    slowest = sorted(range(len(gc_ms)), key=lambda i: ms["monitor_side"][i])[-3:]
+    out["slowest_steps"] = [
+        {
+            "monitor_side_ms": round(ms["monitor_side"][i], 2),
+            "gc_ms": round(gc_ms[i], 2),
+            **{f"{k}_ms": round(v * 1e3, 2) for k, v in lags["phases"][i].items()},
+        }
+        for i in reversed(slowest)
+    ]
     return out
 
 
@@ -294,7 +338,7 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
     expected = sizes.commit_ranks * len(slots)
     spread = sizes.commit_spread_s
 
-    def run(first: int, steps: int, spread_s: float, label: str, quiet: bool = False):
+    def run(first: int, steps: int, spread_s: float, label: str, quiet=False, floor_every=1):
         return _run_steps(
             monitor,
             noop,
@@ -306,12 +350,19 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
             expected,
             (lambda _m: None) if quiet else log,
             label,
+            floor_every,
         )
 
     # One warm-up step: actor start-up and first-call costs are not commit lag.
     run(1, 1, spread, "warm-up", quiet=True)
     step = 2
-    lags = run(step, sizes.commit_steps, spread, f"spread {spread:g} s")
+    lags = run(
+        step,
+        sizes.commit_steps,
+        spread,
+        f"spread {spread:g} s",
+        floor_every=sizes.commit_floor_every,
+    )
     step += sizes.commit_steps
     burst = run(step, sizes.commit_burst_steps, 0.0, "burst")
     step += sizes.commit_burst_steps
@@ -320,7 +371,11 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
         ray.kill(handle)
     shutil.rmtree(root, ignore_errors=True)
     main = _summary(lags)
-    steps_ms = {k: [round(x * 1e3, 2) for x in v] for k, v in lags.items()}
+    steps_ms = {
+        k: [round(x * 1e3, 2) for x in v]
+        for k, v in lags.items()
+        if k not in ("floor_of", "phases")
+    }
     return Result(
         "commit_lag_p99_ms",
         main["monitor_side_p99_ms"],
@@ -340,6 +395,9 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
             "slots": len(slots),
             "saves_per_step": expected,
             "steps": len(lags["end_to_end"]),
+            "floor_steps": len(lags["floor"]),
+            "floor_note": f"the RPC floor is measured after every {sizes.commit_floor_every}th "
+            "step; end_to_end_minus_floor pairs each floor with its step",
             "finish_spread_s": spread,
             "end_to_end_p50_ms": main["end_to_end_p50_ms"],
             "end_to_end_p99_ms": main["end_to_end_p99_ms"],
@@ -351,6 +409,9 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
             "monitor_side_p99_ms": main["monitor_side_p99_ms"],
             "whole_to_commit_p50_ms": main["whole_to_commit_p50_ms"],
             "whole_to_commit_p99_ms": main["whole_to_commit_p99_ms"],
+            "gc_in_commit_max_ms": main["gc_in_commit_max_ms"],
+            "steps_with_gc_in_commit": main["steps_with_gc_in_commit"],
+            "slowest_steps": main["slowest_steps"],
             "per_step_ms": steps_ms,
             "burst": {"steps": len(burst["end_to_end"]), "finish_spread_s": 0.0, **_summary(burst)},
             "burst_note": "every save of the step finishes at once: the lag is the time "

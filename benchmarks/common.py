@@ -31,7 +31,8 @@ class Sizes:
     telemetry_code_iters: int  # loop length timing the telemetry code paths directly
     commit_ranks: int
     commit_slots: int
-    commit_steps: int
+    commit_steps: int  # p99 over these steps: 100 or more for it not to be the maximum
+    commit_floor_every: int  # the RPC floor is measured after every n-th step
     commit_actors: int
     commit_spread_s: float  # window over which one step's saves finish
     commit_burst_steps: int  # steps whose saves all finish at once
@@ -60,7 +61,8 @@ SIZES = {
         telemetry_code_iters=10_000,
         commit_ranks=256,
         commit_slots=4,
-        commit_steps=24,
+        commit_steps=100,
+        commit_floor_every=4,
         commit_actors=4,
         commit_spread_s=0.5,
         commit_burst_steps=4,
@@ -83,6 +85,7 @@ SIZES = {
         commit_ranks=256,
         commit_slots=4,
         commit_steps=10,
+        commit_floor_every=2,
         commit_actors=4,
         commit_spread_s=0.5,
         commit_burst_steps=3,
@@ -105,6 +108,7 @@ SIZES = {
         commit_ranks=8,
         commit_slots=4,
         commit_steps=1,
+        commit_floor_every=1,
         commit_actors=2,
         commit_spread_s=0.05,
         commit_burst_steps=1,

@@ -1,8 +1,9 @@
 """CheckpointCoordinator: background saves per slot, reported to the monitor.
 
-Worker side (FSDP / Megatron ranks): each save runs in a named background
-thread per slot (``obsckpt-save-<slot>-step<N>``); a new save of a slot first
-joins the previous one, so two writes to one destination never overlap. The
+Worker side (FSDP / Megatron ranks): each save runs on a background thread,
+named ``obsckpt-save-<slot>-step<N>`` while it runs; threads are kept and
+reused, so submitting a save costs the caller a queue put, not a thread start.
+A new save of a slot first joins the previous one, so two writes to one destination never overlap. The
 monitor is told when a save starts (admission under the save strategy) and
 when it ends, successfully or not, with its measurements. A failure is
 stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
 from obsckpt import commit as disk
@@ -63,12 +66,68 @@ def _default_rank() -> int | None:
     return None
 
 
+class _SaveThreads:
+    """Daemon threads that run saves, kept between saves.
+
+    A submitted save goes to an idle thread if there is one, else to a new
+    thread, so a save never waits behind another (a hung save keeps its
+    thread; the next one gets a fresh thread). The number of threads is the
+    most saves this process has had running at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._started = 0
+
+    def submit(self, fn: Callable[[], Any], name: str) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self._started += 1
+                number = self._started
+            else:
+                self._idle -= 1
+        # Each idle thread is either blocked in get() or about to be, and every
+        # claim above is matched by exactly one get(): the item never waits
+        # for a busy thread.
+        self._work.put((fn, name))
+        if spawn:
+            threading.Thread(
+                target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
+            ).start()
+
+    def _serve(self) -> None:
+        me = threading.current_thread()
+        idle_name = me.name
+        while True:
+            fn, name = self._work.get()
+            me.name = name
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - a save records its own errors
+                logger.exception("obsckpt: unexpected error in save thread %s", name)
+            finally:
+                me.name = idle_name
+                with self._lock:
+                    self._idle += 1
+
+    def _after_fork(self) -> None:
+        # The threads do not exist in a forked child; neither may their work.
+        self.__init__()
+
+
+_THREADS = _SaveThreads()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_THREADS._after_fork)
+
+
 @dataclass(slots=True)
 class _Save:
     slot: str
     step: int
     kind: str
-    thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     reported: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -316,30 +375,29 @@ class CheckpointCoordinator:
         if join_wait is None:
             join_wait = self._join(name)
         save = _Save(name, step, disk.kind_of(is_state_dict))
-        carrier = trace_context if trace_context is not None else tracing.inject()
-        thread = threading.Thread(
-            target=self._run,
-            args=(save, fn, carrier, join_wait),
-            name=f"obsckpt-save-{name}-step{step}",
-            daemon=True,
-        )
-        save.thread = thread
+        # The caller's context is captured here and formatted as a carrier on the
+        # save thread: the caller pays one context read, not the formatting.
+        parent = trace_context if trace_context is not None else tracing.capture()
         with self._lock:
             self._saves[name] = save
-        thread.start()
+        _THREADS.submit(
+            lambda: self._run(save, fn, parent, join_wait), f"obsckpt-save-{name}-step{step}"
+        )
 
     def _run(
         self,
         save: _Save,
         fn: Callable[[], list[FileRecord]],
-        carrier: dict,
+        carrier: dict | otel_context.Context | None,
         join_wait: float,
     ) -> SaveError | None:
-        """Body of a save: admission, I/O, report. Returns the error, also stored."""
-        # Hand the GIL back at once: Thread.start() in the caller waits for this
-        # thread to run, and would otherwise wait through the span set-up below.
-        time.sleep(0)
+        """Body of a save: admission, I/O, report. Returns the error, also stored.
+
+        ``carrier`` is the step's W3C carrier, or a context from :func:`tracing.capture`.
+        """
         import ray
+
+        carrier = tracing.as_carrier(carrier)
 
         attrs = {
             "obsckpt.step": save.step,

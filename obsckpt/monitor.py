@@ -139,6 +139,7 @@ class CheckpointMonitor:
         # When the last committed step became whole and how long its commit I/O took.
         self._last_commit_detail: dict[str, dict] = {}
         self._setup_tracing(trace_exporter)
+        self._gauges_shown: tuple | None = None  # what _refresh_gauges last set
         for kind, step in latest.items():
             if step is not None:
                 self.metrics.latest_step.labels(kind).set(step)
@@ -484,7 +485,8 @@ class CheckpointMonitor:
         attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
         try:
             with tracing.span("obsckpt.commit", carrier=p.carrier, attributes=attrs):
-                await asyncio.to_thread(self._write_commit, step, kind, dict(p.files))
+                phases: dict[str, float] = {}
+                await asyncio.to_thread(self._write_commit, step, kind, dict(p.files), phases)
         except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
             msg = f"commit of step {step} ({kind}) failed: {exc}"
             logger.error("obsckpt: %s", msg)
@@ -504,13 +506,17 @@ class CheckpointMonitor:
             "whole_at": whole_at,
             "committed_at": now,
             "commit_io_s": now - whole_at,
+            # Where the commit's time went (finalize_step's phases, seconds).
+            "phases_s": {k: round(v, 6) for k, v in phases.items()},
         }
         started = p.started_at
         if started is not None:
             self.metrics.commit_lag.labels(kind).observe(max(0.0, now - started))
         logger.info("obsckpt: committed step %d (%s)", step, kind)
 
-    def _write_commit(self, step: int, kind: str, files: dict[str, FileRecord]) -> None:
+    def _write_commit(
+        self, step: int, kind: str, files: dict[str, FileRecord], phases: dict[str, float]
+    ) -> None:
         sdir = disk.step_dir(self.root, step)
         steps = {kind: step}
         if kind == "checkpoint":
@@ -518,15 +524,21 @@ class CheckpointMonitor:
             current = disk.read_iteration(self.root, "state_dict")
             if current is None or current < step:
                 steps["state_dict"] = step
-        disk.finalize_step(sdir, files, iterations=steps)
+        disk.finalize_step(sdir, files, iterations=steps, timings=phases)
 
     def _refresh_gauges(self) -> None:
-        for kind in KINDS:
-            pending = self.tracker.pending(kind)
-            self.metrics.pending_steps.labels(kind).set(len(pending))
-            oldest = self.tracker.oldest_pending_start(kind)
+        """Set the pending/abandoned gauges, if they changed (called after every RPC)."""
+        shown = (
+            tuple(self.tracker.pending_summary(kind) for kind in KINDS),
+            len(self.tracker.abandoned),
+        )
+        if shown == self._gauges_shown:
+            return
+        for kind, (pending, oldest) in zip(KINDS, shown[0], strict=True):
+            self.metrics.pending_steps.labels(kind).set(pending)
             self.metrics.oldest_pending_start.labels(kind).set(oldest or 0)
-        self.metrics.abandoned_steps.set(len(self.tracker.abandoned))
+        self.metrics.abandoned_steps.set(shown[1])
+        self._gauges_shown = shown
 
     # ------------------------------------------------------------------
     # Weight-sync measurements (the monitor is the job's one scrape target)

@@ -348,8 +348,13 @@ class CommitTracker:
         ]
 
     def oldest_pending_start(self, kind: str) -> float | None:
-        starts = [p.started_at for _, _, p in self.pending(kind) if p.started_at is not None]
-        return min(starts) if starts else None
+        return self.pending_summary(kind)[1]
+
+    def pending_summary(self, kind: str) -> tuple[int, float | None]:
+        """How many steps of ``kind`` are pending, and when the oldest one started."""
+        pending = self.pending(kind)
+        starts = [p.started_at for _, _, p in pending if p.started_at is not None]
+        return len(pending), min(starts, default=None)
 
     def mark_abandoned(self, step: int, reason: str) -> None:
         """A step found on disk uncommitted; new saves into it take it up again."""

@@ -84,6 +84,19 @@ class TestManifest:
         assert [f["path"] for f in manifest["files"]] == ["actor/model.pt", "actor/optim.pt"]
         assert disk.verify_step(sdir) == []
 
+    def test_manifest_is_one_file_per_line_and_phases_are_timed(self, tmp_path):
+        sdir = self.make_step(tmp_path)
+        (sdir / "top.bin").write_bytes(b"abc")
+        timings: dict[str, float] = {}
+        records = disk.finalize_step(sdir, iterations={"checkpoint": 7}, timings=timings)
+        assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt", "top.bin"]
+        lines = (sdir / "manifest.json").read_text().splitlines()
+        assert sum('"path"' in line for line in lines) == 3  # one record per line
+        assert disk.read_manifest(sdir) == records
+        assert set(timings) == {"scan", "round1", "round2", "publish"}
+        assert all(v >= 0 for v in timings.values())
+        assert disk.read_iteration(tmp_path, "checkpoint") == 7
+
     def test_reported_records_are_trusted_when_size_matches(self, tmp_path):
         sdir = self.make_step(tmp_path)
         fake = disk.FileRecord("actor/model.pt", 5000, 0xDEADBEEF)
