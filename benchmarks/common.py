@@ -70,7 +70,7 @@ SIZES = {
         commit_wide_spread_s=2.0,
         bcast_tensors=2000,
         bcast_bytes=256 * MiB,
-        bcast_reps=5,
+        bcast_reps=9,
     ),
     "quick": Sizes(
         mode="quick",
