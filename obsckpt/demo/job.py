@@ -378,22 +378,18 @@ def run_demo(
         if resumed:
             ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
             progress.note(f"resumed from committed step {resumed}")
-        coord = CheckpointCoordinator(monitor)
-        _train(
-            cfg,
-            root,
-            resumed,
-            trainers,
-            rollout,
-            synchronizer,
-            monitor,
-            coord,
-            loop,
-            progress,
-            stop,
-            result,
-            t_start,
+        job = _Job(
+            trainers=trainers,
+            rollout=rollout,
+            synchronizer=synchronizer,
+            monitor=monitor,
+            coord=CheckpointCoordinator(monitor),
+            loop=loop,
+            progress=progress,
+            stop=stop,
+            result=result,
         )
+        _train(cfg, root, resumed, job, t_start)
         progress.close()
         _drain(cfg, trainers, monitor, progress, result)
         if stop.signum is not None:
@@ -466,21 +462,25 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
     return trainers, rollout, synchronizer, infos[0]
 
 
-def _train(
-    cfg,
-    root,
-    resumed,
-    trainers,
-    rollout,
-    synchronizer,
-    monitor,
-    coord,
-    loop,
-    progress,
-    stop,
-    result,
-    t_start,
-) -> None:
+@dataclass
+class _Job:
+    """The running demo's actors and helpers, as the training loop uses them."""
+
+    trainers: list[Any]
+    rollout: Any
+    synchronizer: Any
+    monitor: Any
+    coord: Any
+    loop: asyncio.AbstractEventLoop
+    progress: Any
+    stop: Any
+    result: Any
+
+
+def _train(cfg, root, resumed: int, job: _Job, t_start: float) -> None:
+    trainers, rollout, synchronizer = job.trainers, job.rollout, job.synchronizer
+    monitor, coord, loop = job.monitor, job.coord, job.loop
+    progress, stop, result = job.progress, job.stop, job.result
     import ray
 
     from obsckpt.telemetry import tracing
