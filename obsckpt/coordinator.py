@@ -89,14 +89,21 @@ class _SaveThreads:
                 number = self._started
             else:
                 self._idle -= 1
+        if spawn:
+            # Started before the work is queued: if the thread cannot start, the
+            # caller gets the error and nothing is left in the queue.
+            try:
+                threading.Thread(
+                    target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
+                ).start()
+            except BaseException:
+                with self._lock:
+                    self._started -= 1
+                raise
         # Each idle thread is either blocked in get() or about to be, and every
         # claim above is matched by exactly one get(): the item never waits
         # for a busy thread.
         self._work.put((fn, name))
-        if spawn:
-            threading.Thread(
-                target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
-            ).start()
 
     def _serve(self) -> None:
         me = threading.current_thread()
@@ -380,9 +387,16 @@ class CheckpointCoordinator:
         parent = trace_context if trace_context is not None else tracing.capture()
         with self._lock:
             self._saves[name] = save
-        _THREADS.submit(
-            lambda: self._run(save, fn, parent, join_wait), f"obsckpt-save-{name}-step{step}"
-        )
+        try:
+            _THREADS.submit(
+                lambda: self._run(save, fn, parent, join_wait), f"obsckpt-save-{name}-step{step}"
+            )
+        except BaseException:
+            # No thread will run it: the slot must not wait for it.
+            with self._lock:
+                if self._saves.get(name) is save:
+                    del self._saves[name]
+            raise
 
     def _run(
         self,

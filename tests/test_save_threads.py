@@ -6,6 +6,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from obsckpt.coordinator import _SaveThreads
 
 
@@ -98,3 +100,20 @@ def test_forked_child_starts_its_own_threads():
     assert os.read(r, 1) == b"1"
     os.close(r)
     assert status == 0
+
+
+def test_a_thread_that_cannot_start_raises_and_leaves_nothing_queued(monkeypatch):
+    pool = _SaveThreads()
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    ran = []
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.submit(lambda: ran.append(1), "obsckpt-save-x-step1")
+    monkeypatch.undo()
+    assert pool._started == 0 and pool._work.empty()
+    _run_one(pool, "obsckpt-save-x-step2")
+    _wait_idle(pool, 1)
+    assert ran == []  # the refused save never runs later behind another's back
