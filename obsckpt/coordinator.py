@@ -2,9 +2,9 @@
 
 Worker side (FSDP / Megatron ranks): each save runs on a background thread,
 named ``obsckpt-save-<slot>-step<N>`` while it runs; threads are kept and
-reused, so submitting a save costs the caller a queue put, not a thread start.
-A new save of a slot first joins the previous one, so two writes to one destination never overlap. The
-monitor is told when a save starts (admission under the save strategy) and
+reused, so submitting a save costs the caller a queue put, not a thread
+start. A new save of a slot first joins the previous one, so two writes to
+one destination never overlap. The monitor is told when a save starts (admission under the save strategy) and
 when it ends, successfully or not, with its measurements. A failure is
 stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
 
@@ -76,6 +76,9 @@ class _SaveThreads:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
@@ -120,14 +123,11 @@ class _SaveThreads:
                 with self._lock:
                     self._idle += 1
 
-    def _after_fork(self) -> None:
-        # The threads do not exist in a forked child; neither may their work.
-        self.__init__()
-
 
 _THREADS = _SaveThreads()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_THREADS._after_fork)
+    # The threads do not exist in a forked child; neither may their queued work.
+    os.register_at_fork(after_in_child=_THREADS._reset)
 
 
 @dataclass(slots=True)

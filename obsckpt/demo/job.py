@@ -478,12 +478,13 @@ class _Job:
 
 
 def _train(cfg, root, resumed: int, job: _Job, t_start: float) -> None:
-    trainers, rollout, synchronizer = job.trainers, job.rollout, job.synchronizer
-    monitor, coord, loop = job.monitor, job.coord, job.loop
-    progress, stop, result = job.progress, job.stop, job.result
     import ray
 
     from obsckpt.telemetry import tracing
+
+    trainers, rollout, synchronizer = job.trainers, job.rollout, job.synchronizer
+    monitor, coord, loop = job.monitor, job.coord, job.loop
+    progress, stop, result = job.progress, job.stop, job.result
 
     last = resumed + cfg.steps if cfg.steps else None
     step = resumed
