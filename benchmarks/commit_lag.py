@@ -288,8 +288,12 @@ def _run_steps(
     return out
 
 
+# Lists of _run_steps that hold no seconds: floor-run indices and commit phase dicts.
+_NOT_SECONDS = ("floor_of", "phases")
+
+
 def _summary(lags: dict[str, list[float]]) -> dict[str, float]:
-    ms = {k: [x * 1e3 for x in v] for k, v in lags.items() if k not in ("floor_of", "phases")}
+    ms = {k: [x * 1e3 for x in v] for k, v in lags.items() if k not in _NOT_SECONDS}
     gc_ms = ms.pop("gc_in_commit")
     # Only steps followed by a floor run have an end-to-end-minus-floor figure.
     excess = [ms["end_to_end"][i] - f for i, f in zip(lags["floor_of"], ms["floor"], strict=True)]
@@ -371,11 +375,7 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
         ray.kill(handle)
     shutil.rmtree(root, ignore_errors=True)
     main = _summary(lags)
-    steps_ms = {
-        k: [round(x * 1e3, 2) for x in v]
-        for k, v in lags.items()
-        if k not in ("floor_of", "phases")
-    }
+    steps_ms = {k: [round(x * 1e3, 2) for x in v] for k, v in lags.items() if k not in _NOT_SECONDS}
     return Result(
         "commit_lag_p99_ms",
         main["monitor_side_p99_ms"],
