@@ -1,6 +1,8 @@
 # syntax=docker/dockerfile:1
 # The obsckpt job image: Python, CPU-only torch, Ray and obsckpt with the OTLP
-# exporters. docker-compose.yml runs `obsckpt demo` from it.
+# exporters and the demo's dependencies (verl, transformers). docker-compose.yml
+# runs `obsckpt demo` from it. tests/test_compose_job.py installs the same extras
+# (read from the RUN line below) and runs the compose service's command.
 FROM python:3.11-slim
 
 COPY --from=ghcr.io/astral-sh/uv:0.5.11 /uv /usr/local/bin/uv
@@ -19,7 +21,7 @@ RUN uv pip install --system --index-url https://download.pytorch.org/whl/cpu "to
 
 COPY pyproject.toml constraints.txt README.md ./
 COPY obsckpt ./obsckpt
-RUN uv pip install --system -c constraints.txt ".[otlp]"
+RUN uv pip install --system -c constraints.txt ".[otlp,demo]"
 
 # Unprivileged user; the volume mount points exist (and are owned by it) so
 # fresh named volumes inherit the ownership.

@@ -7,8 +7,9 @@
     obsckpt verify DIR [--step N | --all]
 
 Exit codes: 0 success; 1 a check failed (``verify``) or the demo failed;
-2 bad usage, or a directory that is missing, is not a checkpoint root, or
-holds an unreadable iteration file; 130 the demo was interrupted (SIGINT).
+2 bad usage, a directory that is missing, is not a checkpoint root, or
+holds an unreadable iteration file, or (``demo``) the ``demo`` extra is not
+installed; 130 the demo was interrupted (SIGINT).
 """
 
 from __future__ import annotations
@@ -258,7 +259,34 @@ def cmd_verify(args, out: TextIO, err: TextIO) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+# Top-level modules of the ``demo`` extra that the job's processes import.
+DEMO_MODULES = ("verl", "transformers", "accelerate")
+
+
+def missing_demo_modules() -> list[str]:
+    """The demo's modules that cannot be found, without importing them (verl takes ~10 s)."""
+    import importlib.util
+
+    missing = []
+    for name in DEMO_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def cmd_demo(args, out: TextIO, err: TextIO) -> int:
+    # Checked before Ray starts: without it the job dies in its first worker
+    # with a remote traceback.
+    missing = missing_demo_modules()
+    if missing:
+        raise CliError(
+            f"the demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+            "not installed; install the demo extra: pip install 'obsckpt[demo]'"
+        )
     from obsckpt.demo import DemoConfig, DemoError, run_demo
 
     try:

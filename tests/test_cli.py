@@ -6,6 +6,8 @@ import asyncio
 import io
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -224,3 +226,37 @@ class TestErrors:
         )
         assert proc.returncode == 2
         assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+class TestDemoWithoutItsExtra:
+    """Without the demo extra, `obsckpt demo` exits at once with one line naming it, before Ray starts."""
+
+    HIDE = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {hidden!r}:\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from obsckpt.cli import main\n"
+        "code = main(['demo', '--steps', '1'])\n"
+        "assert 'ray' not in sys.modules, 'Ray was imported'\n"
+        "sys.exit(code)\n"
+    )
+
+    @pytest.mark.parametrize("hidden", [{"verl"}, {"verl", "transformers"}])
+    def test_one_line_naming_the_extra(self, hidden, tmp_path):
+        proc = subprocess.run(
+            [sys.executable, "-c", self.HIDE.format(hidden=hidden)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "obsckpt[demo]" in lines[0]
+        for name in hidden:
+            assert name in lines[0]
+        assert proc.stdout == ""
