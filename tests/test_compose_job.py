@@ -111,7 +111,9 @@ def build_job_env(tmp: Path) -> Path:
     venv = tmp / "venv"
     python = venv / "bin" / "python"
     env = clean_env()
-    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True)
+    subprocess.run(
+        [uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True
+    )
     # torch first, pinned, as the Dockerfile does; local wheels stand in for its CPU index.
     constraints = ["-c", str(context / "constraints.txt")]
     subprocess.run(
@@ -189,7 +191,9 @@ class TestComposeJobRuns:
         log = tmp_path / "job.log"
         with open(log, "wb") as out:
             # An empty working directory, so nothing from the checkout can be imported.
-            proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
         try:
             deadline = time.monotonic() + 420
             committed, metrics = None, None
