@@ -133,6 +133,7 @@ class Worker:
         self.rank, self.world = rank, world_size
         self.namespace = namespace
         self.coordinator = None
+        self.previous_state_dict_step: int | None = None
         self.log = logging.getLogger(f"worker{rank}")
 
     def _get_coordinator(self) -> CheckpointCoordinator:
@@ -153,18 +154,24 @@ class Worker:
     def save_state_dict(self, local_path: str, global_step: int) -> int:
         from obsckpt.integrations import fsdp_save_state_dict
 
+        self.previous_state_dict_step = global_step
         return fsdp_save_state_dict(
             self.engine, local_path, global_step, self._get_coordinator(), self.log
         )
 
     def save_checkpoint(self, local_path: str, global_step: int) -> None:
-        """Rank 0 saves through ``save_sync(..., is_state_dict=True)``, the others directly."""
+        """Rank 0 saves through ``save_sync(..., is_state_dict=True)``, the others directly.
+
+        As Trinity's FSDP checkpoint manager, the model is not written again when
+        checkpoint sync already saved this step's state dict.
+        """
         import torch.distributed as dist
 
         def save() -> None:
             os.makedirs(local_path, exist_ok=True)
-            sd = self.engine.module.state_dict()
-            torch.save(sd, os.path.join(local_path, f"model_world_size_2_rank_{self.rank}.pt"))
+            if self.previous_state_dict_step != global_step:
+                sd = self.engine.module.state_dict()
+                torch.save(sd, os.path.join(local_path, f"model_world_size_2_rank_{self.rank}.pt"))
             torch.save(
                 {"step": global_step}, os.path.join(local_path, f"optim_rank_{self.rank}.pt")
             )
