@@ -151,9 +151,12 @@ class Worker:
     def full(self) -> dict[str, torch.Tensor]:
         return {n: t.full_tensor().clone() for n, t in self.engine.module.state_dict().items()}
 
-    def save_state_dict(self, local_path: str, global_step: int) -> int:
+    def save_state_dict(self, local_path: str, global_step: int, delay: float = 0.0) -> int:
+        import time
+
         from obsckpt.integrations import fsdp_save_state_dict
 
+        time.sleep(delay)  # a rank that starts late
         self.previous_state_dict_step = global_step
         return fsdp_save_state_dict(
             self.engine, local_path, global_step, self._get_coordinator(), self.log
@@ -335,5 +338,40 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
     status = ray.get(resumed.monitor.status.remote())
     assert status["failed"] == [] and status["pending"] == []
     assert status["latest"] == {"checkpoint": 7, "state_dict": 7}
+    for w in workers:
+        ray.kill(w)
+
+
+def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path):
+    """The trainer registers and submits while rank 1 has not even started its save."""
+    root = tmp_path / "ckpt"
+    port = free_port()
+    workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
+    trainer = Trainer(namespace, root, workers)
+    path = trainer.actor_path(1)
+    refs = [
+        workers[0].save_state_dict.remote(path, 1),
+        workers[1].save_state_dict.remote(path, 1, delay=2.0),
+    ]
+    asyncio.run(
+        trainer.coordinator.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=1)
+    )
+    late_shard = Path(path) / "model_world_size_2_rank_1.pt"
+    seen_before_commit = False
+    while ray.wait(refs, num_returns=2, timeout=0.02)[1]:
+        if disk.read_iteration(root, "state_dict") == 1:
+            assert late_shard.is_file(), "committed before the late rank's shard was written"
+        else:
+            seen_before_commit = True
+    assert seen_before_commit
+    assert ray.get(refs) == [1, 0]
+    wait_until(lambda: disk.read_iteration(root, "state_dict") == 1)
+    status = ray.get(trainer.monitor.status.remote())
+    assert status["failed"] == [] and status["pending"] == []
+    from obsckpt.sync.synchronizer import load_sharded_state_dict
+
+    merged = load_sharded_state_dict(path, manifest_dir=root / "global_step_1")
+    expected = ray.get([w.full.remote() for w in workers])[0]
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
     for w in workers:
         ray.kill(w)

@@ -180,9 +180,10 @@ def fsdp_save_state_dict(
     (``state_dict_thread_count=1``): rank 0's shard is snapshotted into the
     coordinator's staging buffers and written in the background in the
     ``model_state_dict`` slot, the one save the monitor counts; every other
-    rank writes its shard (temp file, fsync, rename) before returning, and all
-    ranks meet at a barrier, so by the time any rank returns, every other
-    rank's file is durable and the step can commit as soon as rank 0's write is.
+    rank writes its shard (temp file, fsync, rename) first, and all ranks meet
+    at a barrier before rank 0 submits its save, so rank 0's report (and so the
+    commit) never comes before another rank's file is durable, however late
+    that rank started.
     Rank 0 also writes the HF config and tokenizer to ``{local_path}/huggingface/``.
 
     A step whose state dict is already committed is not written again (a
@@ -211,6 +212,25 @@ def fsdp_save_state_dict(
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
     path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
+    error: BaseException | None = None
+    if rank != 0:
+        try:
+            write_torch_file(state_dict, path)
+        except Exception as exc:  # noqa: BLE001 - re-raised after rank 0 hears of it
+            error = exc
+    # Rank 0 reports only once every other shard is durable (the step cannot
+    # commit without a rank that started late), and fails the step if one is not.
+    others_ok = all_ranks_ok(error is None)
+    if error is not None:
+        raise error
+    if rank == 0 and not others_ok:
+
+        def fail() -> None:
+            raise OSError(f"another rank could not write its model shard of step {global_step}")
+
+        coordinator.save_sync(
+            fail, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
+        )
     if rank == 0:
         save_hf_metadata(engine.module, local_path, find_processing_class(engine))
         coordinator.save_state_dict_async(
@@ -221,12 +241,19 @@ def fsdp_save_state_dict(
             is_state_dict=True,
             trace_context=trace_context,
         )
-    else:
-        write_torch_file(state_dict, path)
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.barrier()
     log.info("obsckpt: rank %d saving its model shard of step %d to %s", rank, global_step, path)
     return 1 if rank == 0 else 0
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """True when ``ok`` on every rank (a collective; True without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    backend = str(dist.get_backend())
+    device = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from obsckpt.integrations.verl_fsdp import (
     _already_committed,
+    all_ranks_ok,
     broadcast_named_tensors,
     dist_rank,
     per_tensor_params,
@@ -71,9 +72,9 @@ def megatron_save_state_dict(
     checkpoint manager restricted to the model: optimizer, RNG and scheduler
     states are not needed to serve weights. Reported to the monitor once per
     step, as Trinity-RFT registers it: rank 0 saves through the coordinator's
-    ``save_sync`` (a failure is reported too), the other ranks save directly;
-    the engine's collective save returns on rank 0 only once every rank's part
-    is written. A step whose state dict is already committed is not saved again
+    ``save_sync`` (a failure is reported too), the other ranks save directly,
+    and all ranks agree on success inside rank 0's reported save, so it is
+    reported (ok or failed) only once every rank's part is written or failed. A step whose state dict is already committed is not saved again
     (logged; 0 on every rank).
 
     Returns:
@@ -87,8 +88,17 @@ def megatron_save_state_dict(
     rank = dist_rank(engine)
 
     def save() -> None:
-        with model_contents_only(manager):
-            engine.save_checkpoint(local_path, global_step=global_step)
+        error: BaseException | None = None
+        try:
+            with model_contents_only(manager):
+                engine.save_checkpoint(local_path, global_step=global_step)
+        except Exception as exc:  # noqa: BLE001 - re-raised once every rank has heard of it
+            error = exc
+        # Rank 0 reports only once every rank's part is written, and a failure if one is not.
+        if not all_ranks_ok(error is None) and error is None:
+            error = OSError(f"another rank could not save its part of step {global_step}")
+        if error is not None:
+            raise error
 
     if rank == 0:
         coordinator.save_sync(
