@@ -196,6 +196,23 @@ class TestOrder:
         assert commit_ready(t) == [(5, "checkpoint")]
         assert t.latest == {"checkpoint": 5, "state_dict": 5}
 
+    def test_full_save_reported_as_a_state_dict_before_its_registration(self):
+        """Trinity's order: checkpoint sync of step 3 is still writing when the full save
+        of step 3 runs (reported as a state-dict save) and is registered afterwards."""
+        t = CommitTracker()
+        t.register(3, state_dict_count=1)
+        t.submit(3, "state_dict")
+        assert t.start(3, "state_dict")  # checkpoint sync, in the background
+        assert t.start(3, "state_dict")  # the full save, synchronous
+        assert t.finish(3, "state_dict") == []
+        assert t.finish(3, "state_dict") == []  # 2 finished, 1 registered: waits
+        assert commit_ready(t) == [] and t.failed() == []
+        assert t.register(3, state_dict_count=1) == []
+        assert commit_ready(t) == [(3, "state_dict")]
+        t.submit(3, "checkpoint")
+        assert commit_ready(t) == [(3, "checkpoint")]
+        assert t.latest == {"checkpoint": 3, "state_dict": 3}
+
     def test_failed_state_dict_resave_fails_the_open_checkpoint(self):
         t = CommitTracker(latest={"state_dict": 5})
         t.register(5, checkpoint_count=1)
