@@ -375,3 +375,43 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
     assert all(torch.equal(merged[k], v) for k, v in expected.items())
     for w in workers:
         ray.kill(w)
+
+
+class TestMegatronReportsOnce:
+    """megatron_save_state_dict: one report per step (rank 0); a committed step is not re-saved."""
+
+    def test_ranks_and_resave(self, namespace, tmp_path):
+        from test_verl_megatron import FakeMcoreEngine
+
+        from obsckpt.integrations import megatron_save_state_dict
+
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=TrinitySaveStrategy.SINGLE_NODE,
+            default_local_dir=str(root),
+            metrics_port=None,
+        )
+        coord = CheckpointCoordinator(CheckpointMonitor.get_actor(namespace=namespace))
+        path = str(root / "global_step_2" / "actor")
+        # Every rank saves its part; only rank 0 is reported (a rank-1 call reports nothing).
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=1), path, 2, coord, None) == 0
+        assert ray.get(monitor.status.remote())["pending"] == []
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=0), path, 2, coord, None) == 1
+        asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
+        wait_until(lambda: disk.read_iteration(root, "state_dict") == 2)
+        before = file_bytes(Path(path))
+        assert sorted(before) == ["model_0.pt", "model_1.pt"]
+
+        # Checkpoint sync of the committed step again: nothing written, nothing counted.
+        other = FakeMcoreEngine(rank=0)
+        with torch.no_grad():
+            for p in other.module.parameters():
+                p.add_(1.0)
+        assert megatron_save_state_dict(other, path, 2, coord, None) == 0
+        assert other.checkpoint_mananager.calls == []
+        asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
+        assert file_bytes(Path(path)) == before
+        status = ray.get(monitor.status.remote())
+        assert status["pending"] == [] and status["failed"] == []
+        assert status["latest"]["state_dict"] == 2 and status["resaves"] >= 2
