@@ -32,11 +32,20 @@ class SaveStrategy(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> SaveStrategy:
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(m.name for m in cls)
-            raise ValueError(f"save_strategy must be one of {choices}; got {value!r}") from None
+        """The strategy ``value`` names: a member, its name or value as a string, or
+        another enum whose ``name`` or ``value`` names one (e.g. Trinity-RFT's own
+        ``SaveStrategy.UNRESTRICTED``)."""
+        if isinstance(value, enum.Enum) and not isinstance(value, cls):
+            for candidate in (value.value, value.name):
+                if isinstance(candidate, str) and (member := cls._missing_(candidate)):
+                    return member
+        else:
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        choices = ", ".join(m.name for m in cls)
+        raise ValueError(f"save_strategy must be one of {choices}; got {value!r}") from None
 
 
 @dataclass(slots=True)

@@ -317,6 +317,13 @@ class CheckpointCoordinator:
         with self._lock:
             return list(self._errors)
 
+    def committed_step(self, is_state_dict: bool = False) -> int | None:
+        """The latest step of this kind the monitor has committed (None for none)."""
+        import ray
+
+        latest = ray.get(self._monitor.latest_steps.remote(), timeout=self.rpc_timeout)
+        return latest.get(disk.kind_of(is_state_dict))
+
     # ------------------------------------------------------------------
     # Trainer side
     # ------------------------------------------------------------------
@@ -329,6 +336,10 @@ class CheckpointCoordinator:
         checkpoint_thread_count: int = 0,
     ) -> None:
         """Register the step's expected saves and submit it; it commits when they finish.
+
+        For a step that is already committed (a checkpoint-sync and a full save of
+        one step, a final save repeating the last step, a resume behind the
+        iteration file) both calls change nothing; the monitor logs them.
 
         Called inside :func:`obsckpt.telemetry.tracing.checkpoint_span`, the
         commit joins that step's trace.

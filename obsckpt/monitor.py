@@ -48,6 +48,7 @@ class _Ticket:
     admitted: float | None = None
     lease: bool = False
     last_seen: float = 0.0
+    resave: bool = False  # into a closed step: not counted by the tracker
 
 
 def _was_restarted() -> bool:
@@ -65,6 +66,15 @@ def _was_restarted() -> bool:
         return False
 
 
+def _refuse_hdfs(default_hdfs_dir: object) -> None:
+    if default_hdfs_dir is not None:
+        raise ValueError(
+            f"default_hdfs_dir={default_hdfs_dir!r} is not supported: obsckpt does not upload "
+            "committed steps to remote storage. Pass default_hdfs_dir=None and copy a "
+            "global_step_<N> directory once latest_checkpointed_iteration.txt names it"
+        )
+
+
 def _label(value: object, default: str = "unknown") -> str:
     return default if value is None else str(value)
 
@@ -77,7 +87,8 @@ class CheckpointMonitor:
     Args:
         save_strategy: a :class:`SaveStrategy` (or its name) governing admission.
         default_local_dir: the checkpoint root holding the iteration files.
-        default_hdfs_dir: accepted for compatibility; remote upload is not done here.
+        default_hdfs_dir: must be None: uploading committed steps to remote storage is
+            not supported (a ValueError says so rather than ignoring it).
         metrics_port: port for /metrics; 0 picks a free one, None serves nothing.
         metrics_host: interface to bind; a wildcard advertises the node's IP.
         file_sd_path: where to write a Prometheus file_sd JSON naming the endpoint
@@ -118,6 +129,7 @@ class CheckpointMonitor:
         self._reaper: asyncio.Task | None = None
         if default_local_dir is None:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
+        _refuse_hdfs(default_hdfs_dir)
         self.strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
         self.root = disk.ensure_root(default_local_dir)
@@ -207,14 +219,26 @@ class CheckpointMonitor:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
         Arguments other than ``namespace`` only matter when the actor is created.
-        Ray restarts it if its process dies; it recovers the committed steps from disk.
+        Without ``default_local_dir`` the running monitor of ``namespace`` is
+        returned (as Trinity-RFT's workers ask for it); a ValueError says so when
+        none runs. Ray restarts it if its process dies; it recovers the committed
+        steps from disk.
         """
         import ray
 
+        if default_local_dir is None:
+            try:
+                return ray.get_actor(ACTOR_NAME, namespace=namespace or None)
+            except ValueError:
+                where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+                raise ValueError(
+                    f"no {ACTOR_NAME} actor runs in {where}, and default_local_dir (the "
+                    "checkpoint root) is required to create one. Create it first (the "
+                    "trainer does, with default_local_dir=...) or pass default_local_dir"
+                ) from None
         strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
-        if default_local_dir is None:
-            raise ValueError("default_local_dir is required: the checkpoint root directory")
+        _refuse_hdfs(default_hdfs_dir)
         # Checked here too, so a bad root fails in the caller, not in a dead actor.
         default_local_dir = os.fspath(default_local_dir)
         disk.ensure_root(default_local_dir)
@@ -247,17 +271,33 @@ class CheckpointMonitor:
     async def register_thread_count(
         self, step: int, *, state_dict_thread_count: int = 0, checkpoint_thread_count: int = 0
     ) -> None:
-        """Expect this many more saves of each kind for ``step``."""
-        self.tracker.register(
+        """Expect this many more saves of each kind for ``step`` (ignored for a closed step)."""
+        notes = self.tracker.register(
             step, state_dict_count=state_dict_thread_count, checkpoint_count=checkpoint_thread_count
         )
+        for note in notes:
+            logger.info("obsckpt: %s", note)
         await self._after_change()
 
     async def monitor_step(
         self, step: int, is_state_dict: bool = False, *, trace_context: dict | None = None
     ) -> None:
-        """Mark ``step`` as submitted; it commits once its saves are all finished."""
+        """Mark ``step`` as submitted; it commits once its saves are all finished.
+
+        Submitting a step that is already committed, or older than the committed
+        one, changes nothing (logged).
+        """
         kind = disk.kind_of(is_state_dict)
+        validate_step(step)
+        latest = self.tracker.latest[kind]
+        if latest is not None and step < latest:
+            logger.info(
+                "obsckpt: monitor_step(%d) (%s) ignored: step %d is already committed and the "
+                "iteration file never goes backwards",
+                step,
+                kind,
+                latest,
+            )
         try:
             failed = self.tracker.submit(step, kind, carrier=trace_context)
         except Exception:
@@ -289,11 +329,21 @@ class CheckpointMonitor:
         """
         if kind is not None and kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        resave = False
         if step is not None:
             validate_step(step)
-            self.tracker.start(step, kind or "checkpoint", carrier=trace_context)
+            resave = not self.tracker.start(step, kind or "checkpoint", carrier=trace_context)
+            if resave:
+                logger.info(
+                    "obsckpt: save %r of step %d (%s) is a re-save: the step is already "
+                    "committed (latest is %s), so it is not counted and commits nothing",
+                    slot,
+                    step,
+                    kind or "checkpoint",
+                    self.tracker.latest[kind or "checkpoint"],
+                )
         tid = next(self._ticket_ids)
-        ticket = _Ticket(tid, step, kind, slot, rank, node_id, pid, time.time())
+        ticket = _Ticket(tid, step, kind, slot, rank, node_id, pid, time.time(), resave=resave)
         ticket.lease = bool(lease) and self.lease_timeout_s is not None
         self._tickets[tid] = ticket
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
@@ -313,7 +363,12 @@ class CheckpointMonitor:
             self._ensure_reaper()
         await self._after_change()
         heartbeat = self.lease_timeout_s / 4 if ticket.lease else None
-        return {"ticket": tid, "admission_wait_s": wait, "heartbeat_s": heartbeat}
+        return {
+            "ticket": tid,
+            "admission_wait_s": wait,
+            "heartbeat_s": heartbeat,
+            "resave": resave,
+        }
 
     async def heartbeat(self, tickets: list[int]) -> None:
         """Saves with these tickets are still running (their process is alive)."""
@@ -354,7 +409,9 @@ class CheckpointMonitor:
         kind = info.kind or "checkpoint"
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:
-            failed = self.tracker.finish(info.step, kind, ok=False, error=msg, started=False)
+            failed = self.tracker.finish(
+                info.step, kind, ok=False, error=msg, started=False, resave=info.resave
+            )
             self._count_failures(failed)
         await self._after_change()
 
@@ -402,9 +459,24 @@ class CheckpointMonitor:
                 )
             await self._after_change()
             return
+        resave = info is not None and info.resave
+        if not resave and self.tracker.closed(step, kind):
+            logger.info(
+                "obsckpt: a save of step %d (%s) finished after the step was closed (latest "
+                "committed is %s); it commits nothing",
+                step,
+                kind,
+                self.tracker.latest[kind],
+            )
         try:
             failed = self.tracker.finish(
-                step, kind, ok=ok, error=error, files=records, started=started
+                step,
+                kind,
+                ok=ok,
+                error=error,
+                files=records,
+                started=started,
+                resave=resave,
             )
         except Exception:
             await self._after_change()
@@ -558,6 +630,10 @@ class CheckpointMonitor:
     # Introspection
     # ------------------------------------------------------------------
 
+    async def latest_steps(self) -> dict[str, int | None]:
+        """The latest committed step of each kind (``checkpoint``, ``state_dict``)."""
+        return dict(self.tracker.latest)
+
     async def metrics_address(self) -> str | None:
         """``host:port`` of /metrics, or None when not served (see status() for why)."""
         return self.server.address
@@ -590,6 +666,7 @@ class CheckpointMonitor:
             ],
             "abandoned": [{"step": s, "reason": r} for s, r in sorted(t.abandoned.items())],
             "restarted": t.restarted,
+            "resaves": t.resaves,
             "in_flight": [
                 {
                     "ticket": tk.ticket,

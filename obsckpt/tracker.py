@@ -12,6 +12,12 @@ flight and none failed. A full checkpoint also needs its step's state-dict
 saves, and committing it commits that step's state dict too. The committed
 step of a kind never goes backwards: a step that becomes whole after a later
 one was committed is *superseded*, never named by the iteration file.
+
+A step of a kind at or below the committed one is closed: registering,
+submitting, starting or finishing saves of it again (a checkpoint-sync and a
+full save of one step, a final save repeating the last step, a resume behind
+the state-dict iteration file) changes nothing. The tracker records such
+*re-saves* in :attr:`CommitTracker.resaves` and the monitor logs them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from obsckpt.commit import KINDS, FileRecord, validate_step
-from obsckpt.errors import NotificationError, StepOrderError
+from obsckpt.errors import NotificationError
 
 PENDING = "pending"
 COMMITTING = "committing"
@@ -41,6 +47,9 @@ class Progress:
     registered: int = 0
     finished: int = 0
     in_flight: int = 0
+    # Re-saves into this (closed) state dict while its step's checkpoint is open:
+    # the checkpoint waits for them, as they write into its directory.
+    resaving: int = 0
     submitted: bool = False
     state: str = PENDING
     error: str | None = None
@@ -87,6 +96,25 @@ class CommitTracker:
         self.abandoned: dict[int, str] = {}
         # True in a monitor that Ray restarted: registrations made before are gone.
         self.restarted = False
+        # Notifications about closed steps that were accepted and changed nothing.
+        self.resaves = 0
+
+    def closed(self, step: int, kind: str) -> bool:
+        """True when ``step`` of ``kind`` is committed, being committed, or below the
+        committed step: nothing done to it now can change what the iteration file names."""
+        latest = self.latest[kind]
+        if latest is not None and step <= latest:
+            return True
+        p = self.steps.get(step, {}).get(kind)
+        return p is not None and p.state in (COMMITTED, COMMITTING, SUPERSEDED)
+
+    def _resave(self, step: int, kind: str, what: str) -> str:
+        self.resaves += 1
+        latest = self.latest[kind]
+        return (
+            f"{what} of step {step} ({kind}) ignored: the step is already closed "
+            f"(latest committed is {latest}); the iteration file stays where it is"
+        )
 
     # -- helpers ---------------------------------------------------------
 
@@ -98,15 +126,6 @@ class CommitTracker:
         if p.first_seen is None:
             p.first_seen = self.clock()
         return p
-
-    def _is_committed(self, step: int, kind: str) -> bool:
-        latest = self.latest[kind]
-        if latest is None or step > latest:
-            return False
-        p = self.steps.get(step, {}).get(kind)
-        # A step at or below latest we know nothing of was committed by an
-        # earlier incarnation or superseded; either way it is closed.
-        return p is None or p.state in (COMMITTED, SUPERSEDED) or step == latest
 
     def _fail(self, step: int, kind: str, error: str) -> list[tuple[int, str]]:
         """Mark a step failed; returns the (step, kind) pairs that newly failed."""
@@ -126,7 +145,11 @@ class CommitTracker:
 
     # -- notifications -----------------------------------------------------
 
-    def register(self, step: int, *, state_dict_count: int = 0, checkpoint_count: int = 0) -> None:
+    def register(
+        self, step: int, *, state_dict_count: int = 0, checkpoint_count: int = 0
+    ) -> list[str]:
+        """Expect more saves of ``step``. Returns a note per kind whose step is already
+        closed (those registrations are ignored)."""
         validate_step(step)
         for name, count in (
             ("state_dict_thread_count", state_dict_count),
@@ -134,43 +157,37 @@ class CommitTracker:
         ):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {count!r}")
+        notes = []
         for kind, count in (("state_dict", state_dict_count), ("checkpoint", checkpoint_count)):
             if not count:
                 continue
-            latest = self.latest[kind]
-            if latest is not None and step < latest:
-                raise StepOrderError(
-                    f"cannot register saves for step {step} ({kind}): step {latest} is already "
-                    "committed and steps must not go backwards"
-                )
+            if self.closed(step, kind):
+                notes.append(self._resave(step, kind, f"registering {count} save(s)"))
+                continue
             p = self.progress(step, kind)
-            if p.state in (COMMITTED, COMMITTING):
-                raise NotificationError(
-                    f"step {step} ({kind}) is already {p.state}; register its saves before "
-                    "calling monitor_step"
-                )
             p.registered += count
             self._revive(step)
+        return notes
 
     def submit(self, step: int, kind: str, carrier: dict | None = None) -> list[tuple[int, str]]:
         """``monitor_step``: the trainer has dispatched every save of this step.
 
-        Returns the (step, kind) pairs that failed as a result.
+        Returns the (step, kind) pairs that failed as a result. Submitting a step
+        below the committed one changes nothing (see :meth:`closed`).
+
         Raises:
-            StepOrderError: the step is older than the committed one.
             NotificationError: more saves finished than were registered.
         """
         validate_step(step)
         latest = self.latest[kind]
         if latest is not None and step < latest:
-            raise StepOrderError(
-                f"step {step} was already committed (latest is {latest}); steps must not go "
-                "backwards. Submit steps in increasing order"
-            )
+            self.resaves += 1
+            return []
         p = self.progress(step, kind)
         if carrier:  # the trainer's step span wins over any worker's context
             p.carrier = dict(carrier)
         if latest is not None and step == latest:
+            self.resaves += 1
             p.submitted = True
             if p.state == PENDING and not p.active:
                 p.state = COMMITTED
@@ -200,15 +217,18 @@ class CommitTracker:
             self._fail(step, kind, msg)
             raise NotificationError(msg)
 
-    def start(self, step: int, kind: str, carrier: dict | None = None) -> None:
+    def start(self, step: int, kind: str, carrier: dict | None = None) -> bool:
+        """A save of ``step`` started. Returns False for a re-save into a closed step:
+        it is not counted (report its finish with ``resave=True``), except that an
+        open checkpoint of the same step waits for a state-dict re-save (both write
+        into the step's directory)."""
         validate_step(step)
+        if self.closed(step, kind):
+            self.resaves += 1
+            if kind == "state_dict" and not self.closed(step, "checkpoint"):
+                self.progress(step, kind).resaving += 1
+            return False
         p = self.progress(step, kind)
-        if p.state == COMMITTED or (p.state == PENDING and self._is_committed(step, kind)):
-            raise StepOrderError(
-                f"step {step} ({kind}) is already committed (latest is {self.latest[kind]}); "
-                "a save into it would change files the iteration file vouches for. "
-                "Save into a new step"
-            )
         p.in_flight += 1
         now = self.clock()
         if p.first_start is None:
@@ -216,6 +236,7 @@ class CommitTracker:
         if carrier and not p.carrier:
             p.carrier = dict(carrier)
         self._revive(step)
+        return True
 
     def finish(
         self,
@@ -226,33 +247,53 @@ class CommitTracker:
         error: str | None = None,
         files: Iterable[FileRecord] = (),
         started: bool = True,
+        resave: bool = False,
     ) -> list[tuple[int, str]]:
         """A save finished (``ok``) or failed. Returns the (step, kind) pairs that failed.
 
         ``started`` is False for callers that never told which step their
-        ``notify_started`` was for (Trinity's own coordinator).
-
-        Raises:
-            NotificationError: more finishes than registrations after submission,
-                or a finish for a step that is already committed.
+        ``notify_started`` was for (Trinity's own coordinator); ``resave`` is True
+        for a save whose :meth:`start` returned False. A finish for a closed step
+        commits nothing; a failed one still fails its step's open checkpoint.
+        More finishes than registrations fail the step only when it is submitted
+        (:meth:`submit`), not here.
         """
         validate_step(step)
+        if resave:
+            return self._finish_resave(step, kind, ok=ok, error=error)
         p = self.progress(step, kind)
         if started and p.in_flight > 0:
             p.in_flight -= 1
-        if p.state in (COMMITTED, COMMITTING, SUPERSEDED):
-            raise NotificationError(
-                f"a save of step {step} ({kind}) finished after the step was {p.state}; "
-                "register every save with register_thread_count before monitor_step"
-            )
+        if self.closed(step, kind):
+            self.resaves += 1
+            return [] if ok else self._fail(step, kind, error or "save failed")
         p.finished += 1
         for rec in files:
             p.files[rec.path] = rec
         if not ok:
             return self._fail(step, kind, error or "save failed")
-        if p.submitted:
-            self._check_not_over_finished(step, kind, p)
+        # More finishes than registrations after submission are not failed here:
+        # Trinity-RFT registers a full save's state-dict save after it ran, so the
+        # step waits (unbalanced) for that registration instead.
         return []
+
+    def _finish_resave(
+        self, step: int, kind: str, *, ok: bool, error: str | None
+    ) -> list[tuple[int, str]]:
+        self.resaves += 1
+        if kind != "state_dict":
+            return []
+        p = self.steps.get(step, {}).get(kind)
+        if p is None or p.resaving == 0:
+            return []
+        p.resaving -= 1
+        ck = self.progress(step, "checkpoint")
+        if ok or ck.state != PENDING or not ck.active:
+            return []
+        # The re-save wrote into the open checkpoint's directory and failed.
+        ck.state, ck.resolved_at = FAILED, self.clock()
+        ck.error = f"a state-dict re-save of step {step} failed: {error or 'save failed'}"
+        return [(step, "checkpoint")]
 
     # -- commits -----------------------------------------------------------
 
@@ -273,7 +314,7 @@ class CommitTracker:
                     if sd.state == FAILED:
                         self._fail(step, "state_dict", sd.error or "state-dict save failed")
                         continue
-                    if not sd.balanced:
+                    if not sd.balanced or sd.resaving:
                         continue
                 latest = self.latest[kind]
                 if latest is not None and step <= latest:

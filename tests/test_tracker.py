@@ -7,8 +7,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from obsckpt.errors import NotificationError, StepOrderError
-from obsckpt.tracker import ABANDONED, FAILED, CommitTracker
+from obsckpt.errors import NotificationError
+from obsckpt.tracker import (
+    ABANDONED,
+    COMMITTED,
+    COMMITTING,
+    FAILED,
+    SUPERSEDED,
+    CommitTracker,
+)
 
 
 def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
@@ -128,13 +135,14 @@ class TestOrder:
         assert t.progress(10, "checkpoint").state == ABANDONED
         assert t.latest["checkpoint"] == 20
 
-    def test_registering_below_the_committed_step_is_refused(self):
+    def test_registering_a_closed_step_is_a_logged_no_op(self):
         t = CommitTracker()
         t.submit(20, "state_dict")
         assert commit_ready(t) == [(20, "state_dict")]
-        with pytest.raises(StepOrderError, match=r"step 15 \(state_dict\): step 20 is already"):
-            t.register(15, state_dict_count=1)
-        assert t.pending() == []
+        for step in (15, 20):
+            (note,) = t.register(step, state_dict_count=1)
+            assert f"step {step} (state_dict) ignored" in note and "latest committed is 20" in note
+        assert t.pending() == [] and t.latest["state_dict"] == 20
 
     def test_open_step_below_a_committed_one_is_closed_not_left_pending(self):
         t = CommitTracker()
@@ -152,20 +160,68 @@ class TestOrder:
         t.finish(1, "checkpoint")  # the late finish is accepted and changes nothing
         assert commit_ready(t) == [] and t.latest["checkpoint"] == 2
 
-    def test_submit_older_than_committed_names_both_steps(self):
+    def test_submit_older_than_committed_is_a_no_op(self):
         t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
-        with pytest.raises(StepOrderError, match=r"step 7 was already committed \(latest is 9\)"):
-            t.submit(7, "checkpoint")
+        assert t.submit(7, "checkpoint") == []
+        assert commit_ready(t) == [] and t.latest["checkpoint"] == 9 and t.pending() == []
 
     def test_resubmitting_the_committed_step_is_a_no_op(self):
         t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
         t.submit(9, "state_dict")
         assert commit_ready(t) == []
 
-    def test_save_into_committed_step_is_refused(self):
+    def test_save_into_committed_step_is_not_counted(self):
         t = CommitTracker(latest={"checkpoint": 4, "state_dict": 4})
-        with pytest.raises(StepOrderError, match="already committed"):
-            t.start(4, "state_dict")
+        assert t.start(4, "state_dict") is False
+        assert t.finish(4, "state_dict") == []
+        assert t.pending() == [] and t.latest == {"checkpoint": 4, "state_dict": 4}
+        assert t.resaves == 2
+
+    def test_checkpoint_waits_for_a_state_dict_resave_of_its_step(self):
+        """Checkpoint-sync commits step 5, then a full save of step 5 rewrites its model."""
+        t = CommitTracker()
+        t.register(5, state_dict_count=1)
+        assert t.start(5, "state_dict")
+        t.finish(5, "state_dict")
+        t.submit(5, "state_dict")
+        assert commit_ready(t) == [(5, "state_dict")]
+        assert t.start(5, "state_dict") is False  # the full save's model, reported as a state dict
+        t.register(5, checkpoint_count=1)
+        assert t.start(5, "checkpoint")
+        t.finish(5, "checkpoint")
+        assert t.register(5, state_dict_count=1)  # ignored, with a note
+        t.submit(5, "checkpoint")
+        assert commit_ready(t) == []  # the model re-save is still writing
+        assert t.finish(5, "state_dict", resave=True) == []
+        assert commit_ready(t) == [(5, "checkpoint")]
+        assert t.latest == {"checkpoint": 5, "state_dict": 5}
+
+    def test_full_save_reported_as_a_state_dict_before_its_registration(self):
+        """Trinity's order: checkpoint sync of step 3 is still writing when the full save
+        of step 3 runs (reported as a state-dict save) and is registered afterwards."""
+        t = CommitTracker()
+        t.register(3, state_dict_count=1)
+        t.submit(3, "state_dict")
+        assert t.start(3, "state_dict")  # checkpoint sync, in the background
+        assert t.start(3, "state_dict")  # the full save, synchronous
+        assert t.finish(3, "state_dict") == []
+        assert t.finish(3, "state_dict") == []  # 2 finished, 1 registered: waits
+        assert commit_ready(t) == [] and t.failed() == []
+        assert t.register(3, state_dict_count=1) == []
+        assert commit_ready(t) == [(3, "state_dict")]
+        t.submit(3, "checkpoint")
+        assert commit_ready(t) == [(3, "checkpoint")]
+        assert t.latest == {"checkpoint": 3, "state_dict": 3}
+
+    def test_failed_state_dict_resave_fails_the_open_checkpoint(self):
+        t = CommitTracker(latest={"state_dict": 5})
+        t.register(5, checkpoint_count=1)
+        assert t.start(5, "state_dict") is False
+        failed = t.finish(5, "state_dict", ok=False, error="disk full", resave=True)
+        assert failed == [(5, "checkpoint")]
+        assert "disk full" in t.progress(5, "checkpoint").error
+        t.submit(5, "checkpoint")
+        assert commit_ready(t) == []
 
     @pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
     def test_bad_steps_are_named(self, bad):
@@ -222,6 +278,8 @@ class CommitMachine(RuleBasedStateMachine):
         self.finished: dict[tuple[int, str], int] = {}
         self.failed: set[tuple[int, str]] = set()
         self.submitted: set[tuple[int, str]] = set()
+        # Re-saves into closed steps: started and finished, not counted by the tracker.
+        self.resaving: dict[tuple[int, str], int] = {}
         self.history: dict[str, list[int]] = {"checkpoint": [], "state_dict": []}
 
     def _whole(self, step: int, kind: str) -> bool:
@@ -237,6 +295,8 @@ class CommitMachine(RuleBasedStateMachine):
             ok = ok and sd not in self.failed
             ok = ok and self.finished.get(sd, 0) == self.registered.get(sd, 0)
             ok = ok and self.started.get(sd, 0) <= self.finished.get(sd, 0)
+            # A state-dict re-save still writing into the step's directory.
+            ok = ok and self.resaving.get(sd, 0) == 0
         return ok
 
     def _commit(self):
@@ -253,28 +313,34 @@ class CommitMachine(RuleBasedStateMachine):
 
     @rule(step=STEPS, kind=KIND, n=st.integers(1, 3))
     def register(self, step, kind, n):
+        closed = self.t.closed(step, kind)
         try:
-            self.t.register(
+            notes = self.t.register(
                 step,
                 state_dict_count=n if kind == "state_dict" else 0,
                 checkpoint_count=n if kind == "checkpoint" else 0,
             )
-        except StepOrderError:
-            latest = self.t.latest[kind]
-            assert latest is not None and step < latest
-            return
         except NotificationError:
+            return
+        # A closed step (committed, or below the committed one) ignores registrations.
+        assert len(notes) == int(closed), (step, kind, notes)
+        if closed:
+            latest = self.t.latest[kind]
+            assert (latest is not None and step <= latest) or self.t.progress(step, kind).state in (
+                COMMITTED,
+                COMMITTING,
+                SUPERSEDED,
+            )
             return
         self.registered[(step, kind)] = self.registered.get((step, kind), 0) + n
         self._commit()
 
     @rule(step=STEPS, kind=KIND)
     def start(self, step, kind):
-        try:
-            self.t.start(step, kind)
-        except StepOrderError:
-            return
-        self.started[(step, kind)] = self.started.get((step, kind), 0) + 1
+        if self.t.start(step, kind):
+            self.started[(step, kind)] = self.started.get((step, kind), 0) + 1
+        else:
+            self.resaving[(step, kind)] = self.resaving.get((step, kind), 0) + 1
 
     @precondition(
         lambda self: any(self.started.get(k, 0) > self.finished.get(k, 0) for k in self.started)
@@ -287,27 +353,32 @@ class CommitMachine(RuleBasedStateMachine):
         try:
             self.t.finish(step, kind, ok=ok, error=None if ok else "injected")
         except NotificationError:
-            # Raised for a finish after commit (the step stays committed) or for
-            # more finishes than registrations (the step fails).
-            if self.t.progress(step, kind).state == FAILED:
-                self.failed.add((step, kind))
-            return
+            raise AssertionError("finish never raises") from None
         if not ok:
             self.failed.add((step, kind))
             if kind == "state_dict":
                 self.failed.add((step, "checkpoint"))
         self._commit()
 
+    @precondition(lambda self: any(self.resaving.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_resave(self, data, ok):
+        step, kind = data.draw(st.sampled_from(sorted(k for k, n in self.resaving.items() if n)))
+        self.resaving[(step, kind)] -= 1
+        failed = self.t.finish(step, kind, ok=ok, error=None if ok else "injected", resave=True)
+        self.failed.update(failed)
+        self._commit()
+
     @rule(step=STEPS, kind=KIND)
     def submit(self, step, kind):
+        latest = self.t.latest[kind]
         try:
             self.t.submit(step, kind)
-        except StepOrderError:
-            latest = self.t.latest[kind]
-            assert latest is not None and step < latest
-            return
         except NotificationError:
             self.failed.add((step, kind))
+            return
+        if latest is not None and step < latest:
+            assert self.t.latest[kind] == latest  # ignored: nothing moves
             return
         self.submitted.add((step, kind))
         self._commit()

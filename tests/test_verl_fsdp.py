@@ -197,9 +197,10 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     # Checkpoint sync: shards saved in the background, committed by the monitor,
     # merged by the synchronizer. The weights change right after the snapshot.
     expected_1 = full_state_dict(trainers)
-    assert ray.get([t.save_state_dict.remote(str(root), 1) for t in trainers]) == [1, 1]
+    # Reported once per step (rank 0), as Trinity-RFT registers it.
+    assert ray.get([t.save_state_dict.remote(str(root), 1) for t in trainers]) == [1, 0]
     coord = CheckpointCoordinator(monitor)
-    asyncio.run(coord.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=2))
+    asyncio.run(coord.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=1))
     assert ray.get(sync.wait_new_model_state_dict.remote(None, timeout=60)) == 1
     got, version = ray.get(sync.get_model_state_dict.remote())
     assert version == 1 and bits_equal(expected_1, got) == []

@@ -174,14 +174,21 @@ def fsdp_save_state_dict(
     *,
     trace_context: dict | None = None,
 ) -> int:
-    """Save this rank's model shard for checkpoint-based weight sync, in the background.
+    """Save every rank's model shard for checkpoint-based weight sync; call on every rank.
 
-    The shard is snapshotted into the coordinator's staging buffers before
-    returning, so training may change the weights at once; the write (temp
-    file, fsync, rename) runs in the coordinator's ``model_state_dict`` slot and
-    is reported to the monitor, which commits the step (and so lets the
-    Synchronizer read it) only when every rank's file is durable. Rank 0 also
-    writes the HF config and tokenizer to ``{local_path}/huggingface/``.
+    Reported to the monitor once per step, as Trinity-RFT registers it
+    (``state_dict_thread_count=1``): rank 0's shard is snapshotted into the
+    coordinator's staging buffers and written in the background in the
+    ``model_state_dict`` slot, the one save the monitor counts; every other
+    rank writes its shard (temp file, fsync, rename) first, and all ranks meet
+    at a barrier before rank 0 submits its save, so rank 0's report (and so the
+    commit) never comes before another rank's file is durable, however late
+    that rank started.
+    Rank 0 also writes the HF config and tokenizer to ``{local_path}/huggingface/``.
+
+    A step whose state dict is already committed is not written again (a
+    re-save would change files the iteration file vouches for); it is logged
+    and 0 is returned on every rank.
 
     Args:
         engine: the FSDP engine (``engine.module`` is the FSDP-wrapped model).
@@ -192,21 +199,75 @@ def fsdp_save_state_dict(
         trace_context: W3C carrier of the step's trace.
 
     Returns:
-        The number of state-dict saves started on this rank (1), for
-        ``register_and_monitor(..., state_dict_thread_count=...)``.
+        The number of saves this rank reported to the monitor (1 on rank 0, 0
+        elsewhere; summed over ranks, what ``register_and_monitor(...,
+        state_dict_thread_count=...)`` expects).
     """
+    from obsckpt.snapshot import write_torch_file
+
     log = logger or _log
     rank, world = dist_rank(engine), dist_world_size(engine)
+    if _already_committed(coordinator, global_step, log):
+        return 0
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
+    path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
+    error: BaseException | None = None
+    if rank != 0:
+        try:
+            write_torch_file(state_dict, path)
+        except Exception as exc:  # noqa: BLE001 - re-raised after rank 0 hears of it
+            error = exc
+    # Rank 0 reports only once every other shard is durable (the step cannot
+    # commit without a rank that started late), and fails the step if one is not.
+    others_ok = all_ranks_ok(error is None)
+    if error is not None:
+        raise error
+    if rank == 0 and not others_ok:
+
+        def fail() -> None:
+            raise OSError(f"another rank could not write its model shard of step {global_step}")
+
+        coordinator.save_sync(
+            fail, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
+        )
     if rank == 0:
         save_hf_metadata(engine.module, local_path, find_processing_class(engine))
-    path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
-    coordinator.save_state_dict_async(
-        MODEL_SLOT, state_dict, path, global_step, is_state_dict=True, trace_context=trace_context
-    )
+        coordinator.save_state_dict_async(
+            MODEL_SLOT,
+            state_dict,
+            path,
+            global_step,
+            is_state_dict=True,
+            trace_context=trace_context,
+        )
     log.info("obsckpt: rank %d saving its model shard of step %d to %s", rank, global_step, path)
-    return 1
+    return 1 if rank == 0 else 0
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """True when ``ok`` on every rank (a collective; True without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    backend = str(dist.get_backend())
+    device = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:
+    """True (logged) when the monitor has committed ``global_step``'s state dict or a later one."""
+    latest = coordinator.committed_step(is_state_dict=True)
+    if latest is None or global_step > latest:
+        return False
+    log.info(
+        "obsckpt: state dict of step %d not saved again: the monitor has committed step %d "
+        "and a re-save would change files the iteration file vouches for",
+        global_step,
+        latest,
+    )
+    return True
 
 
 # ----------------------------------------------------------------------

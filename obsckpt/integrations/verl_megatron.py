@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from obsckpt.integrations.verl_fsdp import (
+    _already_committed,
+    all_ranks_ok,
     broadcast_named_tensors,
     dist_rank,
     per_tensor_params,
@@ -63,30 +65,49 @@ def megatron_save_state_dict(
     *,
     trace_context: dict | None = None,
 ) -> int:
-    """Save the actor model for checkpoint-based weight sync, synchronously.
+    """Save the actor model for checkpoint-based weight sync, synchronously; call on every rank.
 
     Runs the engine's own ``save_checkpoint`` (Megatron's distributed
     checkpointing has barriers, so it cannot move to a thread) with the
     checkpoint manager restricted to the model: optimizer, RNG and scheduler
-    states are not needed to serve weights. The coordinator's ``save_sync``
-    reports it to the monitor like any background save (a failure too).
+    states are not needed to serve weights. Reported to the monitor once per
+    step, as Trinity-RFT registers it: rank 0 saves through the coordinator's
+    ``save_sync`` (a failure is reported too), the other ranks save directly,
+    and all ranks agree on success inside rank 0's reported save, so it is
+    reported (ok or failed) only once every rank's part is written or failed. A step whose state dict is already committed is not saved again
+    (logged; 0 on every rank).
 
     Returns:
-        The number of state-dict saves made on this rank (1), for
+        The number of saves this rank reported (1 on rank 0, 0 elsewhere), for
         ``register_and_monitor(..., state_dict_thread_count=...)``.
     """
     log = logger or _log
     manager = checkpoint_manager(engine)
+    if _already_committed(coordinator, global_step, log):
+        return 0
+    rank = dist_rank(engine)
 
     def save() -> None:
-        with model_contents_only(manager):
-            engine.save_checkpoint(local_path, global_step=global_step)
+        error: BaseException | None = None
+        try:
+            with model_contents_only(manager):
+                engine.save_checkpoint(local_path, global_step=global_step)
+        except Exception as exc:  # noqa: BLE001 - re-raised once every rank has heard of it
+            error = exc
+        # Rank 0 reports only once every rank's part is written, and a failure if one is not.
+        if not all_ranks_ok(error is None) and error is None:
+            error = OSError(f"another rank could not save its part of step {global_step}")
+        if error is not None:
+            raise error
 
-    coordinator.save_sync(
-        save, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
-    )
+    if rank == 0:
+        coordinator.save_sync(
+            save, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
+        )
+    else:
+        save()
     log.info("obsckpt: saved the Megatron model of step %d to %s", global_step, local_path)
-    return 1
+    return 1 if rank == 0 else 0
 
 
 def megatron_upload_state_dict(

@@ -288,6 +288,8 @@ class Synchronizer:
         self._rollout_version: int | None = None
         self._loaded_step: int | None = None
         self._failed_steps: dict[int, str] = {}
+        # Steps up to this one were committed before the trainer resumed (resume_from).
+        self._stale_upto: int | None = None
         self._load_failures = 0
         self._last_error: str | None = None
         self._changed: asyncio.Condition | None = None
@@ -372,11 +374,17 @@ class Synchronizer:
         """Publish the trainer's full state dict as version ``trainer_step``.
 
         ``None`` publishes the version without weights (the rollout side's own
-        initial weights are current, as at the start of training). A step
-        older than the held version is ignored (returns False).
+        initial weights are current, as at the start of training). ``None``
+        with a step older than the held version is the trainer announcing that
+        it resumed from that step: versions restart there (see
+        :meth:`resume_from`). A state dict older than the held version is
+        ignored (returns False).
         """
         disk.validate_step(trainer_step, "trainer_step")
         if self._version is not None and trainer_step < self._version:
+            if model_state_dict is None:
+                await self.resume_from(trainer_step)
+                return True
             logger.warning(
                 "obsckpt: ignoring the state dict of step %d: the synchronizer already holds "
                 "step %d and versions never go backwards",
@@ -386,6 +394,34 @@ class Synchronizer:
             return False
         await self._publish(model_state_dict, trainer_step, "memory")
         return True
+
+    async def resume_from(self, step: int) -> None:
+        """The trainer resumed from ``step``: weight-sync versions restart there.
+
+        The held weights belong to steps the resumed run trains again, so they are
+        dropped and ``step`` is held without weights; the trainer's next uploads
+        (``step + 1`` on) are published. Checkpoint sync skips the steps the
+        state-dict iteration file names up to now (files of the run before the
+        resume; the file never goes backwards) and loads the first step committed
+        after them.
+        """
+        disk.validate_step(step, "step")
+        stale = [v for v in (self._version, self._loaded_step) if v is not None]
+        if self.root is not None:
+            try:
+                on_disk = disk.read_iteration(self.root, "state_dict")
+            except IterationFileError:
+                on_disk = None
+            if on_disk is not None:
+                stale.append(on_disk)
+        self._stale_upto = max(stale, default=None)
+        logger.info(
+            "obsckpt: trainer resumed from step %d; versions restart there (checkpoint sync "
+            "resumes after step %s)",
+            step,
+            self._stale_upto,
+        )
+        await self._publish(None, step, "resume")
 
     async def get_model_state_dict(self) -> tuple[dict[str, torch.Tensor] | None, int | None]:
         """``(state_dict, version)``; the caller is taken to be the rollout side."""
@@ -550,6 +586,8 @@ class Synchronizer:
         if step is None or step in self._failed_steps:
             return
         if self._version is not None and step <= self._version:
+            return
+        if self._stale_upto is not None and step <= self._stale_upto:
             return
         await self._load_step(step)
 

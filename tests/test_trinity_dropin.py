@@ -1,0 +1,417 @@
+"""Trinity-RFT's checkpoint calls, made as its trainer, workers and synchronizer make them.
+
+The trainer creates the monitor with Trinity's own ``SaveStrategy`` enum and
+registers one state-dict save per step; the workers (two FSDP2 ranks on gloo)
+find the monitor with ``get_actor(namespace=...)`` alone and save through the
+coordinator and ``fsdp_save_state_dict``; the synchronizer watches the
+state-dict iteration file. Checkpoint-sync and a full save of one step, the
+final save repeating the last step, and a resume behind the state-dict
+iteration file are all accepted; the iteration files never go backwards and
+no committed file changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
+from obsckpt import commit as disk
+from obsckpt.sync.broadcast import free_port
+
+
+class TrinitySaveStrategy(str, enum.Enum):
+    """The shape of Trinity-RFT's own ``trinity.common.constants.SaveStrategy``."""
+
+    SINGLE_THREAD = "single_thread"
+    SINGLE_PROCESS = "single_process"
+    SINGLE_NODE = "single_node"
+    UNRESTRICTED = "unrestricted"
+
+
+class NamedOnly(enum.Enum):
+    """A foreign enum whose names, not values, name the strategies."""
+
+    SINGLE_NODE = 1
+    FAST = 2
+
+
+class TestStrategyNames:
+    """Any enum or string naming a strategy is accepted; anything else is named in the error."""
+
+    @pytest.mark.parametrize(
+        "value,expected",
+        [
+            (TrinitySaveStrategy.UNRESTRICTED, SaveStrategy.UNRESTRICTED),
+            (TrinitySaveStrategy.SINGLE_THREAD, SaveStrategy.SINGLE_THREAD),
+            (NamedOnly.SINGLE_NODE, SaveStrategy.SINGLE_NODE),
+            ("SINGLE_PROCESS", SaveStrategy.SINGLE_PROCESS),
+            ("single_process", SaveStrategy.SINGLE_PROCESS),
+            (SaveStrategy.SINGLE_NODE, SaveStrategy.SINGLE_NODE),
+        ],
+        ids=repr,
+    )
+    def test_accepted(self, value, expected):
+        assert SaveStrategy.parse(value) is expected
+
+    def test_foreign_member_naming_nothing(self):
+        with pytest.raises(ValueError, match=r"save_strategy must be one of .*NamedOnly.FAST"):
+            SaveStrategy.parse(NamedOnly.FAST)
+
+
+class TestMonitorLookup:
+    """Workers find the trainer's monitor by namespace alone."""
+
+    def test_no_monitor_running_is_a_clear_error(self, namespace):
+        with pytest.raises(
+            ValueError, match=f"no checkpoint_monitor actor runs in namespace '{namespace}'"
+        ):
+            CheckpointMonitor.get_actor(namespace=namespace)
+
+    def test_finds_the_running_monitor(self, namespace, tmp_path):
+        created = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=TrinitySaveStrategy.UNRESTRICTED,
+            default_local_dir=str(tmp_path / "ckpt"),
+            default_hdfs_dir=None,
+            metrics_port=None,
+        )
+        found = CheckpointMonitor.get_actor(namespace=namespace)
+        assert found._actor_id == created._actor_id
+        assert ray.get(found.status.remote())["root"] == str(tmp_path / "ckpt")
+
+    def test_hdfs_dir_is_refused_by_name(self, namespace, tmp_path):
+        with pytest.raises(ValueError, match=r"default_hdfs_dir='hdfs://nn/ckpt' is not supported"):
+            CheckpointMonitor.get_actor(
+                namespace=namespace,
+                default_local_dir=str(tmp_path / "ckpt"),
+                default_hdfs_dir="hdfs://nn/ckpt",
+            )
+        with pytest.raises(ValueError, match="default_hdfs_dir"):
+            CheckpointMonitor(
+                default_local_dir=tmp_path / "ckpt", default_hdfs_dir="s3://b", metrics_port=None
+            )
+
+
+# ---------------------------------------------------------------------------
+# The replay
+# ---------------------------------------------------------------------------
+
+
+class Engine:
+    """The slice of verl's FSDPEngine the helpers use."""
+
+    def __init__(self, module: torch.nn.Module, rank: int) -> None:
+        self.module = module
+        self.rank = rank
+
+
+@ray.remote
+class Worker:
+    """One rank of Trinity's actor worker: saves as its save_state_dict / save_checkpoint do."""
+
+    def __init__(self, namespace: str, rank: int, world_size: int, port: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        self.engine = Engine(model, rank)
+        self.rank, self.world = rank, world_size
+        self.namespace = namespace
+        self.coordinator = None
+        self.previous_state_dict_step: int | None = None
+        self.log = logging.getLogger(f"worker{rank}")
+
+    def _get_coordinator(self) -> CheckpointCoordinator:
+        if self.coordinator is None:
+            # As Trinity's worker: the namespace only; the trainer created the monitor.
+            monitor = CheckpointMonitor.get_actor(namespace=self.namespace)
+            self.coordinator = CheckpointCoordinator(monitor)
+        return self.coordinator
+
+    def train_step(self, step: int) -> None:
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                p.to_local().add_(0.5 * step + self.rank)
+
+    def full(self) -> dict[str, torch.Tensor]:
+        return {n: t.full_tensor().clone() for n, t in self.engine.module.state_dict().items()}
+
+    def save_state_dict(self, local_path: str, global_step: int, delay: float = 0.0) -> int:
+        import time
+
+        from obsckpt.integrations import fsdp_save_state_dict
+
+        time.sleep(delay)  # a rank that starts late
+        self.previous_state_dict_step = global_step
+        return fsdp_save_state_dict(
+            self.engine, local_path, global_step, self._get_coordinator(), self.log
+        )
+
+    def save_checkpoint(self, local_path: str, global_step: int) -> None:
+        """Rank 0 saves through ``save_sync(..., is_state_dict=True)``, the others directly.
+
+        As Trinity's FSDP checkpoint manager, the model is not written again when
+        checkpoint sync already saved this step's state dict.
+        """
+        import torch.distributed as dist
+
+        def save() -> None:
+            os.makedirs(local_path, exist_ok=True)
+            if self.previous_state_dict_step != global_step:
+                sd = self.engine.module.state_dict()
+                torch.save(sd, os.path.join(local_path, f"model_world_size_2_rank_{self.rank}.pt"))
+            torch.save(
+                {"step": global_step}, os.path.join(local_path, f"optim_rank_{self.rank}.pt")
+            )
+            dist.barrier()
+
+        if self.rank == 0:
+            self._get_coordinator().save_sync(save, global_step, is_state_dict=True)
+        else:
+            save()
+
+    def upload_state_dict(self, synchronizer, global_step: int) -> None:
+        from obsckpt.integrations import fsdp_upload_state_dict
+
+        class _E:
+            module = self.engine.module
+
+            def get_per_tensor_param(_self):
+                return ((n, t.full_tensor()) for n, t in self.engine.module.state_dict().items())
+
+        fsdp_upload_state_dict(_E(), synchronizer, global_step, self.log)
+
+    def forget_monitor(self) -> None:
+        self.coordinator = None
+
+    def wait_on_save_thread(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.wait_all(timeout=120)
+
+
+class Trainer:
+    """Trinity's trainer side: register_and_monitor after dispatching each save to the workers."""
+
+    def __init__(self, namespace: str, root: Path, workers: list) -> None:
+        self.root = root
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=TrinitySaveStrategy.UNRESTRICTED,
+            default_local_dir=str(root),
+            default_hdfs_dir=None,
+            metrics_port=None,
+        )
+        self.monitor = monitor
+        self.coordinator = CheckpointCoordinator(monitor)
+        self.workers = workers
+        self.global_steps = 0
+
+    def actor_path(self, step: int) -> str:
+        return str(self.root / f"global_step_{step}" / "actor")
+
+    def train_step(self) -> None:
+        self.global_steps += 1
+        ray.get([w.train_step.remote(self.global_steps) for w in self.workers])
+
+    async def save_state_dict(self) -> list[int]:
+        step = self.global_steps
+        counts = ray.get(
+            [w.save_state_dict.remote(self.actor_path(step), step) for w in self.workers]
+        )
+        await self.coordinator.register_and_monitor(
+            step, is_state_dict=True, state_dict_thread_count=1
+        )
+        return counts
+
+    async def save_checkpoint(self, block_until_saved: bool = False) -> None:
+        step = self.global_steps
+        folder = self.root / f"global_step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ".full_checkpoint").write_text("")
+        ray.get([w.save_checkpoint.remote(self.actor_path(step), step) for w in self.workers])
+        await self.coordinator.register_and_monitor(step, state_dict_thread_count=1)
+        if block_until_saved:
+            ray.get([w.wait_on_save_thread.remote() for w in self.workers])
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def file_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_path):
+    root = tmp_path / "ckpt"
+    port = free_port()
+    workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
+    trainer = Trainer(namespace, root, workers)
+    sync = Synchronizer.get_actor(
+        namespace=namespace, default_local_dir=str(root), poll_interval_s=0.05
+    )
+
+    async def run_one() -> None:
+        # Steps 1-4: checkpoint sync every step, a full save every 2 steps (after the sync,
+        # so the full save re-saves a committed state dict), then train()'s final save.
+        for _ in range(4):
+            trainer.train_step()
+            assert await trainer.save_state_dict() == [1, 0]  # one report per step
+            step = trainer.global_steps
+            wait_until(lambda s=step: disk.read_iteration(root, "state_dict") == s)
+            if step % 2 == 0:
+                await trainer.save_checkpoint()
+                wait_until(lambda s=step: disk.read_iteration(root, "checkpoint") == s)
+        await trainer.save_checkpoint(block_until_saved=True)  # repeats step 4
+
+    asyncio.run(run_one())
+    assert disk.read_iteration(root, "checkpoint") == 4
+    assert disk.read_iteration(root, "state_dict") == 4
+    assert ray.get(sync.wait_new_model_state_dict.remote(3, timeout=60)) == 4
+    expected_4 = ray.get([w.full.remote() for w in workers])[0]
+    got, version = ray.get(sync.get_model_state_dict.remote())
+    assert version == 4 and all(torch.equal(got[k], v) for k, v in expected_4.items())
+    status = ray.get(trainer.monitor.status.remote())
+    assert status["failed"] == [] and status["pending"] == [] and status["resaves"] > 0
+
+    # Steps 5 and 6 are checkpoint-synced, then the job stops before the next full save.
+    async def run_on() -> None:
+        for _ in range(2):
+            trainer.train_step()
+            await trainer.save_state_dict()
+        wait_until(lambda: disk.read_iteration(root, "state_dict") == 6)
+
+    asyncio.run(run_on())
+    assert ray.get(sync.wait_new_model_state_dict.remote(5, timeout=60)) == 6
+    committed_6 = file_bytes(root / "global_step_6" / "actor")
+    ray.kill(trainer.monitor, no_restart=True)
+
+    # The resumed job: a new monitor, the step from latest_checkpointed_iteration.txt,
+    # the synchronizer told (as Trinity's first sync does) that the trainer is at step 4.
+    resumed = Trainer(namespace, root, workers)
+    resumed.global_steps = disk.read_iteration(root, "checkpoint")
+    assert resumed.global_steps == 4
+    assert ray.get(sync.set_model_state_dict.remote(None, resumed.global_steps))
+    assert ray.get(sync.get_version.remote()) == 4  # versions restart at the resumed step
+
+    async def resume() -> None:
+        for step in (5, 6):
+            resumed.train_step()
+            # Behind the state-dict iteration file (6): not saved again, not an error.
+            assert await resumed.save_state_dict() == [0, 0]
+            ray.get([w.upload_state_dict.remote(sync, step) for w in workers])
+            assert ray.get(sync.get_version.remote()) == step
+        resumed.train_step()
+        assert await resumed.save_state_dict() == [1, 0]
+        await resumed.save_checkpoint(block_until_saved=True)
+
+    # Fresh workers' coordinators: the old monitor is gone.
+    ray.get([w.forget_monitor.remote() for w in workers])
+    asyncio.run(resume())
+    wait_until(lambda: disk.read_iteration(root, "checkpoint") == 7)
+    assert disk.read_iteration(root, "state_dict") == 7
+    assert file_bytes(root / "global_step_6" / "actor") == committed_6  # nothing committed lost
+    assert ray.get(sync.wait_new_model_state_dict.remote(6, timeout=60)) == 7
+    expected_7 = ray.get([w.full.remote() for w in workers])[0]
+    got, version = ray.get(sync.get_model_state_dict.remote())
+    assert version == 7 and all(torch.equal(got[k], v) for k, v in expected_7.items())
+    status = ray.get(resumed.monitor.status.remote())
+    assert status["failed"] == [] and status["pending"] == []
+    assert status["latest"] == {"checkpoint": 7, "state_dict": 7}
+    for w in workers:
+        ray.kill(w)
+
+
+def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path):
+    """The trainer registers and submits while rank 1 has not even started its save."""
+    root = tmp_path / "ckpt"
+    port = free_port()
+    workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
+    trainer = Trainer(namespace, root, workers)
+    path = trainer.actor_path(1)
+    refs = [
+        workers[0].save_state_dict.remote(path, 1),
+        workers[1].save_state_dict.remote(path, 1, delay=2.0),
+    ]
+    asyncio.run(
+        trainer.coordinator.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=1)
+    )
+    late_shard = Path(path) / "model_world_size_2_rank_1.pt"
+    seen_before_commit = False
+    while ray.wait(refs, num_returns=2, timeout=0.02)[1]:
+        if disk.read_iteration(root, "state_dict") == 1:
+            assert late_shard.is_file(), "committed before the late rank's shard was written"
+        else:
+            seen_before_commit = True
+    assert seen_before_commit
+    assert ray.get(refs) == [1, 0]
+    wait_until(lambda: disk.read_iteration(root, "state_dict") == 1)
+    status = ray.get(trainer.monitor.status.remote())
+    assert status["failed"] == [] and status["pending"] == []
+    from obsckpt.sync.synchronizer import load_sharded_state_dict
+
+    merged = load_sharded_state_dict(path, manifest_dir=root / "global_step_1")
+    expected = ray.get([w.full.remote() for w in workers])[0]
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+    for w in workers:
+        ray.kill(w)
+
+
+class TestMegatronReportsOnce:
+    """megatron_save_state_dict: one report per step (rank 0); a committed step is not re-saved."""
+
+    def test_ranks_and_resave(self, namespace, tmp_path):
+        from test_verl_megatron import FakeMcoreEngine
+
+        from obsckpt.integrations import megatron_save_state_dict
+
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=TrinitySaveStrategy.SINGLE_NODE,
+            default_local_dir=str(root),
+            metrics_port=None,
+        )
+        coord = CheckpointCoordinator(CheckpointMonitor.get_actor(namespace=namespace))
+        path = str(root / "global_step_2" / "actor")
+        # Every rank saves its part; only rank 0 is reported (a rank-1 call reports nothing).
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=1), path, 2, coord, None) == 0
+        assert ray.get(monitor.status.remote())["pending"] == []
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=0), path, 2, coord, None) == 1
+        asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
+        wait_until(lambda: disk.read_iteration(root, "state_dict") == 2)
+        before = file_bytes(Path(path))
+        assert sorted(before) == ["model_0.pt", "model_1.pt"]
+
+        # Checkpoint sync of the committed step again: nothing written, nothing counted.
+        other = FakeMcoreEngine(rank=0)
+        with torch.no_grad():
+            for p in other.module.parameters():
+                p.add_(1.0)
+        assert megatron_save_state_dict(other, path, 2, coord, None) == 0
+        assert other.checkpoint_mananager.calls == []
+        asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
+        assert file_bytes(Path(path)) == before
+        status = ray.get(monitor.status.remote())
+        assert status["pending"] == [] and status["failed"] == []
+        assert status["latest"]["state_dict"] == 2 and status["resaves"] >= 2
