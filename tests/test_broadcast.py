@@ -132,10 +132,11 @@ def _roundtrip(rank: int, port: int) -> dict:
         b.send(second, step=11)
         reg = metrics.registry
         report["bytes_total"] = reg.get_sample_value(
-            "obsckpt_broadcast_bytes_total", {"backend": "gloo"}
+            "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
         )
         report["duration_count"] = reg.get_sample_value(
-            "obsckpt_broadcast_duration_seconds_count", {"backend": "gloo"}
+            "obsckpt_broadcast_duration_seconds_count",
+            {"backend": "gloo", "method": "broadcast"},
         )
         report["nbytes"] = r1.nbytes
         report["collectives"] = r1.collectives

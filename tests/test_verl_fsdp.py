@@ -229,8 +229,11 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
 
     # Telemetry: the monitor (the job's one scrape target) has every measurement.
     want = {
-        ("obsckpt_broadcast_bytes_total", (("backend", "gloo"),)): nbytes,
-        ("obsckpt_broadcast_duration_seconds_count", (("backend", "gloo"),)): 1,
+        ("obsckpt_broadcast_bytes_total", (("backend", "gloo"), ("method", "broadcast"))): nbytes,
+        (
+            "obsckpt_broadcast_duration_seconds_count",
+            (("backend", "gloo"), ("method", "broadcast")),
+        ): 1,
         ("obsckpt_state_dict_upload_duration_seconds_count", ()): 2,  # load + upload
         ("obsckpt_model_version", (("role", "trainer"),)): 2,
         ("obsckpt_model_version", (("role", "rollout"),)): 2,
