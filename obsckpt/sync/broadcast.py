@@ -240,23 +240,38 @@ class WeightSyncGroup:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         where = f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend})"
+        made: list[Any] = []
+
+        def connect() -> None:
+            made.append(
+                dist.TCPStore(
+                    host,
+                    self.port,
+                    world_size,
+                    rank == 0,
+                    timedelta(seconds=self.timeout_s),
+                    wait_for_workers=False,
+                )
+            )
+
         try:
-            store = dist.TCPStore(
-                host,
-                self.port,
-                world_size,
-                rank == 0,
-                timedelta(seconds=self.timeout_s),
-                wait_for_workers=False,
-            )
-        except (RuntimeError, dist.DistStoreError) as exc:
+            # The client retries its connection past its timeout; keep the deadline.
+            _bounded(connect, deadline, lambda: None, "the store did not answer in time")
+            store = made[0]
+        except BroadcastError as exc:
             waited = time.monotonic() - t0
-            msg = (
-                f"{where} could not form after {waited:.1f} s: rank 0's store at "
-                f"{host}:{self.port} was not reachable ({exc}). Check that every member was "
-                "started with the same host, port and world_size and can reach rank 0"
-            )
-            if waited >= self.timeout_s * 0.9 or "timeout" in str(exc).lower():
+            if rank == 0:
+                msg = (
+                    f"{where} could not host its store at {host}:{self.port} ({exc}); "
+                    "create the group on a free port (see free_port)"
+                )
+            else:
+                msg = (
+                    f"{where} could not form after {waited:.1f} s: rank 0's store at "
+                    f"{host}:{self.port} was not reachable ({exc}). Check that every member "
+                    "was started with the same host, port and world_size and can reach rank 0"
+                )
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
                 raise BroadcastTimeoutError(msg) from exc
             raise BroadcastError(msg) from exc
         self._store = dist.PrefixStore(group_name, store)
@@ -272,24 +287,37 @@ class WeightSyncGroup:
     # -- formation -------------------------------------------------------
 
     def _rendezvous(self, deadline: float, where: str) -> None:
-        """Every member sets its key and waits for everyone's; names who did not come."""
+        """Every member sets its key and waits for everyone's; names who did not come.
+
+        Members poll the store rather than block in one wait, so each knows
+        who was still missing even if rank 0 (the store's host) gives up first.
+        """
         store = self._store
         keys = [f"arrived/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], str(time.time()))
-        remaining = max(deadline - time.monotonic(), 0.001)
+        missing = [r for r in range(self.world_size) if r != self.rank]
+        pause = 0.005
         try:
-            store.wait(keys, timedelta(seconds=remaining))
-        except (RuntimeError, dist.DistStoreError) as exc:
-            try:
+            while True:
+                if store.check(keys):
+                    return
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            except (RuntimeError, dist.DistStoreError):
-                missing = []  # the store itself went away (rank 0 gone)
-            who = f"ranks {missing}" if missing else "rank 0 (the store's host)"
-            raise BroadcastTimeoutError(
-                f"{where} could not form within {self.timeout_s:.1f} s: {who} did not arrive. "
-                "Start every member with the same host, port and world_size, or create the "
-                "group again on a fresh port"
-            ) from exc
+                if not missing:
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(pause * 2, 0.1)
+            cause = None
+        except (RuntimeError, dist.DistStoreError) as exc:
+            cause = exc  # the store went away: rank 0 gave up or died
+        who = f"ranks {missing} did not arrive"
+        if cause is not None:
+            who += f" before rank 0's store closed ({cause})"
+        raise BroadcastTimeoutError(
+            f"{where} could not form within {self.timeout_s:.1f} s: {who}. Start every member "
+            "with the same host, port and world_size, or create the group again on a fresh port"
+        ) from cause
 
     def _make_backend(self, deadline: float):
         timeout = timedelta(seconds=self.timeout_s)
@@ -312,7 +340,7 @@ class WeightSyncGroup:
                 if eager is not None:
                     eager(self.device)
             self.wait(
-                self.broadcast_async(probe, 0),
+                self.broadcast_async(probe, 0, deadline),
                 deadline,
                 lambda: f"{where}: the first collective did not complete",
             )
@@ -342,13 +370,18 @@ class WeightSyncGroup:
     def deadline(self, timeout_s: float | None = None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
-        """Start broadcasting ``tensor`` from ``src``; returns the work handle."""
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0, deadline: float | None = None):
+        """Start broadcasting ``tensor`` from ``src``; returns the work handle.
+
+        With ``deadline`` (monotonic seconds) the collective itself times out
+        then, so nothing of it outlives the caller's bound.
+        """
         self._check()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = timedelta(seconds=self.timeout_s)
+        budget = self.timeout_s if deadline is None else deadline - time.monotonic()
+        opts.timeout = timedelta(seconds=max(budget, 0.001))
         try:
             return self._pg.broadcast([tensor], opts)
         except RuntimeError as exc:
@@ -383,10 +416,11 @@ class WeightSyncGroup:
         self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
     ) -> None:
         """Broadcast one tensor from ``src`` and wait for it (bounded)."""
-        work = self.broadcast_async(tensor, src)
+        deadline = self.deadline(timeout_s)
+        work = self.broadcast_async(tensor, src, deadline)
         self.wait(
             work,
-            self.deadline(timeout_s),
+            deadline,
             lambda: f"broadcast of {tensor.numel() * tensor.element_size()} bytes on {self!r}",
         )
 
@@ -396,7 +430,7 @@ class WeightSyncGroup:
             self._broken = "closed"
             self._release(("shutdown", "abort"))
         else:
-            self._release(("abort", "shutdown"))
+            self._abort()
 
     def _release(self, methods: tuple[str, ...]) -> None:
         pg, self._pg = self._pg, None
@@ -413,8 +447,20 @@ class WeightSyncGroup:
                 continue
 
     def _abort(self) -> None:
-        """End the communicator now: collectives blocked on it fail here and on the peers."""
-        self._release(("abort", "shutdown"))
+        """End the communicator now: collectives blocked on it fail here and on the peers.
+
+        NCCL's abort returns at once. Gloo's waits for the collective in
+        flight, which ends by its own deadline: it is left to a daemon thread.
+        """
+        if self.backend == "nccl":
+            self._release(("abort", "shutdown"))
+            return
+        threading.Thread(
+            target=self._release,
+            args=(("abort", "shutdown"),),
+            name="obsckpt-weight-sync-abort",
+            daemon=True,
+        ).start()
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -475,8 +521,7 @@ def _bounded(fn: Callable[[], None], deadline: float, abort: Callable[[], None],
     t.start()
     t.join(max(deadline - time.monotonic(), 0.001))
     if t.is_alive():
-        abort()
-        t.join(5.0)
+        abort()  # the thread is a daemon: left behind, it ends with its own timeout
         raise BroadcastTimeoutError(msg)
     if box:
         exc = box[0]
@@ -719,7 +764,7 @@ class WeightBroadcaster:
         for i, (name, t) in enumerate(items):
             self._check_item(i, name, t, meta)
             src = t.detach().to(self.group.device).contiguous()
-            work = self.group.broadcast_async(src, self.src)
+            work = self.group.broadcast_async(src, self.src, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -764,7 +809,7 @@ class WeightBroadcaster:
                 t = t.to(self.group.device)
             if bucket.solo:
                 flat = t.contiguous().view(-1)
-                inflight.append((self.group.broadcast_async(flat, self.src), None, b))
+                inflight.append((self.group.broadcast_async(flat, self.src, deadline), None, b))
                 issued += 1
             else:
                 parts = pending.setdefault(b, [])
@@ -778,7 +823,7 @@ class WeightBroadcaster:
                 out = buf[: bucket.nbytes].view(bucket.dtype)
                 torch.cat(parts, out=out)
                 del parts
-                inflight.append((self.group.broadcast_async(out, self.src), buf, b))
+                inflight.append((self.group.broadcast_async(out, self.src, deadline), buf, b))
                 issued += 1
             while len(inflight) > _SEND_BUFFERS:
                 drain_one()
@@ -925,7 +970,7 @@ class WeightBroadcaster:
             dst = self._target(m, into, mismatched)
             direct = dst is not None and _receivable(dst, m, self.group.device)
             buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
-            work = self.group.broadcast_async(buf, self.src)
+            work = self.group.broadcast_async(buf, self.src, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -986,7 +1031,9 @@ class WeightBroadcaster:
                 flat = raw[: bucket.nbytes].view(bucket.dtype)
             else:
                 flat = self._landing(b, bucket, clone)
-            inflight.append((self.group.broadcast_async(flat, self.src), b, flat, raw, all_copied))
+            inflight.append(
+                (self.group.broadcast_async(flat, self.src, deadline), b, flat, raw, all_copied)
+            )
             while len(inflight) > _RECV_BUFFERS:
                 finish_one()
         while inflight:
@@ -1021,7 +1068,7 @@ class WeightBroadcaster:
             raise
 
     def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
-        work = self.group.broadcast_async(t, self.src)
+        work = self.group.broadcast_async(t, self.src, deadline)
         self.group.wait(work, deadline, lambda: self._progress(what, 0, 1, None))
 
     def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta] | None) -> str:
