@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import queue
 import time
@@ -239,6 +240,14 @@ def _join_rank1_alone(rank: int, port: int) -> dict:
 BIG = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MiB: more than socket buffers hold
 
 
+def _device(rank: int, backend: str) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    from obsckpt.sync.device import setup_rank_device
+
+    return setup_rank_device([str(rank)]).device  # one GPU per rank, as Ray gives them
+
+
 def _failure_report(b: WeightBroadcaster, metrics, exc: BaseException | None, t0: float) -> dict:
     from obsckpt.telemetry import tracing
 
@@ -252,7 +261,7 @@ def _failure_report(b: WeightBroadcaster, metrics, exc: BaseException | None, t0
         else {
             reason: reg.get_sample_value(
                 "obsckpt_broadcast_failures_total",
-                {"backend": "gloo", "method": "broadcast", "reason": reason},
+                {"backend": b.group.backend, "method": "broadcast", "reason": reason},
             )
             for reason in ("timeout", "error")
         },
@@ -262,22 +271,22 @@ def _failure_report(b: WeightBroadcaster, metrics, exc: BaseException | None, t0
     }
 
 
-def _reform_and_send(rank: int, port: int) -> list[str]:
+def _reform_and_send(rank: int, port: int, backend: str = "gloo") -> list[str]:
     """A new two-member group on a fresh port; returns the names whose bits differ."""
     group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend, timeout_s=30
     )
     b = WeightBroadcaster(group)
     if rank == 0:
-        b.send(BIG, step=2)
+        b.send({k: v.to(group.device) for k, v in BIG.items()}, step=2)
         bad = []
     else:
-        bad = same_bits(BIG, b.recv())
+        bad = same_bits(BIG, {k: v.cpu() for k, v in b.recv().items()})
     group.close()
     return bad
 
 
-def _peer_dies(rank: int, ports: tuple[int, int]) -> dict:
+def _peer_dies(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict:
     """Rank 1 of three takes the header's first message and dies; 0 and 2 form a new group."""
     import os
 
@@ -285,27 +294,28 @@ def _peer_dies(rank: int, ports: tuple[int, int]) -> dict:
 
     from obsckpt.telemetry.metrics import Metrics
 
+    device = _device(rank, backend)
     group = WeightSyncGroup(
-        host="127.0.0.1", port=ports[0], rank=rank, world_size=3, backend="gloo", timeout_s=30
+        host="127.0.0.1", port=ports[0], rank=rank, world_size=3, backend=backend, timeout_s=30
     )
     metrics = Metrics(CollectorRegistry()) if rank == 0 else None
     b = WeightBroadcaster(group, timeout_s=3.0, metrics=metrics)
     if rank == 1:
-        group.broadcast(torch.empty(3, dtype=torch.int64))  # the header's preamble
+        group.broadcast(torch.empty(3, dtype=torch.int64, device=device))  # header preamble
         os._exit(17)
     t0 = time.monotonic()
     exc = None
     try:
-        b.send(BIG, step=1) if rank == 0 else b.recv()
+        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
     except BroadcastError as e:
         exc = e
     report = _failure_report(b, metrics, exc, t0)
     group.close()
-    report["after"] = _reform_and_send(0 if rank == 0 else 1, ports[1])
+    report["after"] = _reform_and_send(0 if rank == 0 else 1, ports[1], backend)
     return report
 
 
-def _peer_stalls(rank: int, ports: tuple[int, int]) -> dict:
+def _peer_stalls(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict:
     """Rank 1 is frozen (SIGSTOP) while it receives; both sides raise, then re-form."""
     import os
     import subprocess
@@ -314,8 +324,9 @@ def _peer_stalls(rank: int, ports: tuple[int, int]) -> dict:
 
     from obsckpt.telemetry.metrics import Metrics
 
+    device = _device(rank, backend)
     group = WeightSyncGroup(
-        host="127.0.0.1", port=ports[0], rank=rank, world_size=2, backend="gloo", timeout_s=30
+        host="127.0.0.1", port=ports[0], rank=rank, world_size=2, backend=backend, timeout_s=30
     )
     metrics = Metrics(CollectorRegistry()) if rank == 0 else None
     b = WeightBroadcaster(group, timeout_s=1.5, metrics=metrics)
@@ -328,12 +339,12 @@ def _peer_stalls(rank: int, ports: tuple[int, int]) -> dict:
     else:
         time.sleep(0.8)
     try:
-        b.send(BIG, step=1) if rank == 0 else b.recv()
+        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
     except BroadcastError as e:
         exc = e
     report = _failure_report(b, metrics, exc, t0)
     group.close()
-    report["after"] = _reform_and_send(rank, ports[1])
+    report["after"] = _reform_and_send(rank, ports[1], backend)
     return report
 
 
@@ -421,6 +432,22 @@ class TestTimeouts:
             WeightSyncGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=2, timeout_s=2.0)
         assert time.monotonic() - t0 < 2.0 + MARGIN_S
 
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="an NCCL group needs a GPU")
+    def test_receiver_never_joins_nccl(self):
+        """NCCL connects lazily: only the store barrier and the first collective prove formation."""
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastTimeoutError, match=r"ranks \[1\] did not arrive"):
+            WeightSyncGroup(
+                host="127.0.0.1",
+                port=free_port(),
+                rank=0,
+                world_size=2,
+                backend="nccl",
+                timeout_s=2.0,
+            )
+        assert time.monotonic() - t0 < 2.0 + MARGIN_S
+
     def test_silent_peers(self):
         out = run_ranks(_silent_peers, timeout=180)
         sender, receiver = out[0], out[1]
@@ -446,12 +473,38 @@ class TestFormation:
         assert out[0]["elapsed"] < 2.0 + MARGIN_S
 
 
+NCCL = pytest.param(
+    "nccl",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            torch.cuda.device_count() < 3,
+            reason="an NCCL group of three needs three GPUs (NCCL refuses two ranks on one "
+            "device); the gloo case runs the same protocol on CPU",
+        ),
+    ],
+)
+NCCL_PAIR = pytest.param(
+    "nccl",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            torch.cuda.device_count() < 2,
+            reason="an NCCL pair needs two GPUs (NCCL refuses two ranks on one device); the "
+            "gloo case runs the same protocol on CPU",
+        ),
+    ],
+)
+
+
 class TestPeerFailure:
     """A peer that dies or freezes mid-broadcast: every live side raises in time, the failure
     is counted and traced, the group is broken, and a new group works."""
 
-    def test_peer_dies_mid_broadcast(self):
-        out = run_ranks(_peer_dies, world_size=3, timeout=180, ports=2, dies=(1,))
+    @pytest.mark.parametrize("backend", ["gloo", NCCL])
+    def test_peer_dies_mid_broadcast(self, backend):
+        fn = functools.partial(_peer_dies, backend=backend)
+        out = run_ranks(fn, world_size=3, timeout=180, ports=2, dies=(1,))
         sender, receiver = out[0], out[2]
         for side in (sender, receiver):
             assert side["error"] and side["broken"], out
@@ -460,8 +513,9 @@ class TestPeerFailure:
             assert side["after"] == [], out
         assert sum(sender["failures"].values()) == 1, sender["failures"]
 
-    def test_peer_stalls_mid_broadcast(self):
-        out = run_ranks(_peer_stalls, timeout=180, ports=2)
+    @pytest.mark.parametrize("backend", ["gloo", NCCL_PAIR])
+    def test_peer_stalls_mid_broadcast(self, backend):
+        out = run_ranks(functools.partial(_peer_stalls, backend=backend), timeout=180, ports=2)
         sender, receiver = out[0], out[1]
         assert sender["error"].startswith("BroadcastTimeoutError"), sender
         assert "did not finish within 1.5 s" in sender["error"]
