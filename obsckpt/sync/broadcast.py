@@ -336,6 +336,7 @@ class WeightSyncGroup:
 
         def connect() -> None:
             if self.backend == "nccl":
+                torch.cuda.set_device(self.device)  # the current device is per thread
                 eager = getattr(self._pg, "eager_connect_single_device", None)
                 if eager is not None:
                     eager(self.device)

@@ -119,6 +119,8 @@ class IpcWeightSender:
                 else torch.device("cpu")
             )
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = "cuda_ipc" if self.device.type == "cuda" else "shm"
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s = float(timeout_s)
@@ -215,7 +217,7 @@ class IpcWeightSender:
                     )
         if self.device.type == "cuda":
             # The receiver reads on its own stream: the buckets must be complete first.
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
 
     def _allocate(self, plan: list[Bucket]) -> None:
         self._free()
@@ -293,6 +295,8 @@ class IpcWeightReceiver:
 
     def __init__(self, *, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._opened: dict[Any, torch.Tensor] = {}
         self._area: dict[str, torch.Tensor] = {}
         self.last_step: int | None = None
@@ -350,8 +354,9 @@ class IpcWeightReceiver:
                     m = meta[i]
                     src = flat[off : off + m.numel].view(m.shape)
                     out[m.name] = self._land(m, src, into, clone)
-            if any(t.is_cuda for t in out.values()):
-                torch.cuda.current_stream().synchronize()
+            devices = {t.device for t in out.values() if t.is_cuda}
+            for d in devices:
+                torch.cuda.synchronize(d)
             # Copied after the deadline: the sender may have begun rewriting its buckets.
             self._check_deadline(payload, "was copied")
             self.last_step = payload.step
