@@ -8,7 +8,7 @@ LINKDIRS  := $(or $(PIP_FIND_LINKS),$(wildcard /opt/wheels))
 FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo lint metrics-doc dashboards bench bench-quick clean
+.PHONY: setup test demo lint metrics-doc dashboards bench bench-quick gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ bench: setup
 
 bench-quick: setup
 	$(PY) benchmarks/run.py --quick
+
+# On a machine with CUDA: every gpu-marked test and the GPU benchmarks, logs in LOG_DIR.
+# Uses the machine's python3 (PYTHON=...), not the virtual environment.
+LOG_DIR ?= gpu-check-logs
+gpu-check:
+	bash scripts/gpu_check.sh $(LOG_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -219,8 +219,9 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
         return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
     if name == "gpu":
         from benchmarks.gpu import run_gpu_stall
+        from benchmarks.gpu_sync import run_gpu_ipc_sync
 
-        return [run_gpu_stall(sizes, _log)]
+        return [run_gpu_stall(sizes, _log), run_gpu_ipc_sync(sizes, _log)]
     raise ValueError(f"unknown benchmark {name!r}")
 
 

@@ -328,7 +328,21 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                         "lag (versions)",
                     ),
                 ],
-                width=24,
+                width=16,
+            ),
+            PanelSpec(
+                "Weight-sync failures",
+                "Weight syncs that raised (peer died or stalled past the timeout); "
+                "each breaks its group, which is formed again for the next sync.",
+                "none",
+                [
+                    (
+                        "sum by (backend, method, reason) "
+                        f"(increase({m('obsckpt_broadcast_failures_total')}[{RATE}]))",
+                        "{{method}} {{backend}} {{reason}}",
+                    ),
+                ],
+                width=8,
             ),
         ],
     ),

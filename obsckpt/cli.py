@@ -361,12 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--save-every", type=int, default=10, help="full checkpoint every N steps (default 10)"
     )
-    d.add_argument("--world-size", type=int, default=2, help="trainer ranks (default 2)")
+    d.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="trainer ranks (default 2 on CPU, 1 on a single GPU, a GPU each with more)",
+    )
     d.add_argument(
         "--sync-method",
-        choices=("broadcast", "checkpoint", "memory"),
-        default="broadcast",
-        help="how weights reach the rollout each step (default broadcast)",
+        choices=("broadcast", "checkpoint", "ipc", "memory"),
+        default=None,
+        help="how weights reach the rollout each step (default broadcast; ipc on a single GPU)",
     )
     d.add_argument(
         "--ckpt-dir",

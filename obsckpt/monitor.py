@@ -616,9 +616,14 @@ class CheckpointMonitor:
     # Weight-sync measurements (the monitor is the job's one scrape target)
     # ------------------------------------------------------------------
 
-    async def record_broadcast(self, backend: str, seconds: float, nbytes: int) -> None:
-        self.metrics.broadcast_duration.labels(backend).observe(seconds)
-        self.metrics.broadcast_bytes.labels(backend).inc(nbytes)
+    async def record_broadcast(
+        self, backend: str, seconds: float, nbytes: int, method: str = "broadcast"
+    ) -> None:
+        self.metrics.broadcast_duration.labels(backend, method).observe(seconds)
+        self.metrics.broadcast_bytes.labels(backend, method).inc(nbytes)
+
+    async def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
+        self.metrics.broadcast_failures.labels(backend, method, reason).inc()
 
     async def record_upload(self, seconds: float) -> None:
         self.metrics.upload_duration.observe(seconds)

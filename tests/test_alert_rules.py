@@ -54,6 +54,7 @@ def github_slug(heading: str) -> str:
     return slug.replace(" ", "-")
 
 
+@pytest.mark.needs_promtool
 class TestPromtool:
     """The committed rules and config pass promtool, and the rule unit tests pass."""
 
@@ -75,6 +76,7 @@ class TestPromtool:
         assert "SUCCESS" in result.stdout
 
 
+@pytest.mark.needs_promtool
 class TestUnitTestsDiscriminate:
     """The promtool cases fail against rules that never fire or always fire."""
 

@@ -28,7 +28,12 @@ EXPECTED = {
     "broadcast_vs_raw": ">= 0.8",
     "peak_extra_rss_ratio": "<= 1.15",
 }
-GPU_ONLY = ("gpu_stall_vs_d2h", "nccl_bucketed_vs_per_tensor", "nccl_broadcast_vs_raw")
+GPU_ONLY = (
+    "gpu_stall_vs_d2h",
+    "gpu_ipc_sync_vs_d2d",
+    "nccl_bucketed_vs_per_tensor",
+    "nccl_broadcast_vs_raw",
+)
 
 
 @pytest.fixture(scope="module")

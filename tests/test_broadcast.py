@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import queue
 import time
@@ -23,6 +24,7 @@ from obsckpt.sync.broadcast import (
 )
 
 SMALL_BUCKET = 4 << 10  # forces many buckets and a few lone tensors
+MARGIN_S = 2.0  # what a deadline may be overrun by on a loaded machine
 
 
 def model_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -77,13 +79,19 @@ def _child(fn, rank, port, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int = 2, timeout: float = 120.0) -> dict[int, object]:
-    """Run ``fn(rank, port)`` in ``world_size`` fresh processes; their return values by rank."""
+def run_ranks(
+    fn, world_size: int = 2, timeout: float = 120.0, *, ports: int = 1, dies: tuple[int, ...] = ()
+) -> dict[int, object]:
+    """Run ``fn(rank, port)`` in ``world_size`` fresh processes; their return values by rank.
+
+    With ``ports`` > 1, ``fn`` gets a tuple of that many free ports. Ranks in
+    ``dies`` end their process themselves and report nothing.
+    """
     # A fork server imports torch once; every rank is then a cheap fork of it.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     results = ctx.Queue()
-    port = free_port()
+    port = free_port() if ports == 1 else tuple(free_port() for _ in range(ports))
     procs = [
         ctx.Process(target=_child, args=(fn, r, port, results), daemon=True)
         for r in range(world_size)
@@ -92,12 +100,13 @@ def run_ranks(fn, world_size: int = 2, timeout: float = 120.0) -> dict[int, obje
         p.start()
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    expected = world_size - len(dies)
     try:
-        while len(out) < world_size:
+        while len(out) < expected:
             try:
                 rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                pytest.fail(f"ranks {sorted(set(range(world_size)) - set(out))} hung")
+                pytest.fail(f"ranks {sorted(set(range(world_size)) - set(out) - set(dies))} hung")
             if status == "error":
                 pytest.fail(f"rank {rank} failed:\n{value}")
             out[rank] = value
@@ -132,10 +141,11 @@ def _roundtrip(rank: int, port: int) -> dict:
         b.send(second, step=11)
         reg = metrics.registry
         report["bytes_total"] = reg.get_sample_value(
-            "obsckpt_broadcast_bytes_total", {"backend": "gloo"}
+            "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
         )
         report["duration_count"] = reg.get_sample_value(
-            "obsckpt_broadcast_duration_seconds_count", {"backend": "gloo"}
+            "obsckpt_broadcast_duration_seconds_count",
+            {"backend": "gloo", "method": "broadcast"},
         )
         report["nbytes"] = r1.nbytes
         report["collectives"] = r1.collectives
@@ -195,6 +205,146 @@ def _silent_peers(rank: int, port: int) -> dict:
             report["error"] = str(exc)
         report["elapsed"] = time.monotonic() - t0
     group.close()
+    return report
+
+
+def _formation(world_size: int, timeout_s: float):
+    def join(rank: int, port: int) -> dict:
+        t0 = time.monotonic()
+        try:
+            WeightSyncGroup(
+                host="127.0.0.1",
+                port=port,
+                rank=rank,
+                world_size=world_size,
+                backend="gloo",
+                timeout_s=timeout_s,
+            )
+            error = None
+        except BroadcastTimeoutError as exc:
+            error = str(exc)
+        return {"error": error, "elapsed": time.monotonic() - t0}
+
+    return join
+
+
+def _join_two_of_three(rank: int, port: int) -> dict:
+    # Long enough for both present members to start and connect on a loaded machine.
+    return _formation(3, 6.0)(rank, port)
+
+
+def _join_rank1_alone(rank: int, port: int) -> dict:
+    return _formation(2, 2.0)(1, port)
+
+
+BIG = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MiB: more than socket buffers hold
+
+
+def _device(rank: int, backend: str) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    from obsckpt.sync.device import setup_rank_device
+
+    return setup_rank_device([str(rank)]).device  # one GPU per rank, as Ray gives them
+
+
+def _failure_report(b: WeightBroadcaster, metrics, exc: BaseException | None, t0: float) -> dict:
+    from obsckpt.telemetry import tracing
+
+    reg = metrics.registry if metrics is not None else None
+    return {
+        "error": None if exc is None else f"{type(exc).__name__}: {exc}",
+        "elapsed": time.monotonic() - t0,
+        "broken": b.group.broken,
+        "failures": None
+        if reg is None
+        else {
+            reason: reg.get_sample_value(
+                "obsckpt_broadcast_failures_total",
+                {"backend": b.group.backend, "method": "broadcast", "reason": reason},
+            )
+            for reason in ("timeout", "error")
+        },
+        "span_status": [
+            s["status"] for s in tracing.finished_spans() if s["name"] == "obsckpt.broadcast"
+        ],
+    }
+
+
+def _reform_and_send(rank: int, port: int, backend: str = "gloo") -> list[str]:
+    """A new two-member group on a fresh port; returns the names whose bits differ."""
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend, timeout_s=30
+    )
+    b = WeightBroadcaster(group)
+    if rank == 0:
+        b.send({k: v.to(group.device) for k, v in BIG.items()}, step=2)
+        bad = []
+    else:
+        bad = same_bits(BIG, {k: v.cpu() for k, v in b.recv().items()})
+    group.close()
+    return bad
+
+
+def _peer_dies(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict:
+    """Rank 1 of three takes the header's first message and dies; 0 and 2 form a new group."""
+    import os
+
+    from prometheus_client import CollectorRegistry
+
+    from obsckpt.telemetry.metrics import Metrics
+
+    device = _device(rank, backend)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=ports[0], rank=rank, world_size=3, backend=backend, timeout_s=30
+    )
+    metrics = Metrics(CollectorRegistry()) if rank == 0 else None
+    b = WeightBroadcaster(group, timeout_s=3.0, metrics=metrics)
+    if rank == 1:
+        group.broadcast(torch.empty(3, dtype=torch.int64, device=device))  # header preamble
+        os._exit(17)
+    t0 = time.monotonic()
+    exc = None
+    try:
+        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
+    except BroadcastError as e:
+        exc = e
+    report = _failure_report(b, metrics, exc, t0)
+    group.close()
+    report["after"] = _reform_and_send(0 if rank == 0 else 1, ports[1], backend)
+    return report
+
+
+def _peer_stalls(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict:
+    """Rank 1 is frozen (SIGSTOP) while it receives; both sides raise, then re-form."""
+    import os
+    import subprocess
+
+    from prometheus_client import CollectorRegistry
+
+    from obsckpt.telemetry.metrics import Metrics
+
+    device = _device(rank, backend)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=ports[0], rank=rank, world_size=2, backend=backend, timeout_s=30
+    )
+    metrics = Metrics(CollectorRegistry()) if rank == 0 else None
+    b = WeightBroadcaster(group, timeout_s=1.5, metrics=metrics)
+    t0 = time.monotonic()
+    exc = None
+    if rank == 1:
+        pid = os.getpid()
+        # Frozen from 0.3 s to 3.8 s: the sender starts at 0.8 s and gives up at 2.3 s.
+        subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -STOP {pid}; sleep 3.5; kill -CONT {pid}"])
+    else:
+        time.sleep(0.8)
+    try:
+        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
+    except BroadcastError as e:
+        exc = e
+    report = _failure_report(b, metrics, exc, t0)
+    group.close()
+    report["after"] = _reform_and_send(rank, ports[1], backend)
     return report
 
 
@@ -278,18 +428,103 @@ class TestTimeouts:
 
     def test_receiver_never_joins(self):
         t0 = time.monotonic()
-        with pytest.raises(BroadcastTimeoutError, match="could not form"):
+        with pytest.raises(BroadcastTimeoutError, match=r"could not form.*ranks \[1\] did not"):
             WeightSyncGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=2, timeout_s=2.0)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 2.0 + MARGIN_S
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="an NCCL group needs a GPU")
+    def test_receiver_never_joins_nccl(self):
+        """NCCL connects lazily: only the store barrier and the first collective prove formation."""
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastTimeoutError, match=r"ranks \[1\] did not arrive"):
+            WeightSyncGroup(
+                host="127.0.0.1",
+                port=free_port(),
+                rank=0,
+                world_size=2,
+                backend="nccl",
+                timeout_s=2.0,
+            )
+        assert time.monotonic() - t0 < 2.0 + MARGIN_S
 
     def test_silent_peers(self):
-        out = run_ranks(_silent_peers, timeout=60)
+        out = run_ranks(_silent_peers, timeout=180)
         sender, receiver = out[0], out[1]
         assert sender["error"] and "did not finish within 1.5 s" in sender["error"]
         assert sender["elapsed"] < 5
         assert "broken" in sender["after"]
         assert receiver["error"] is not None
         assert receiver["elapsed"] < 5
+
+
+class TestFormation:
+    """A group forms only when every member checked in; a missing one is named, in time."""
+
+    def test_missing_member_is_named_on_every_member(self):
+        out = run_ranks(_join_two_of_three, timeout=180)
+        for rank in (0, 1):
+            assert "ranks [2] did not arrive" in out[rank]["error"], out
+            assert out[rank]["elapsed"] < 6.0 + MARGIN_S
+
+    def test_missing_store_host_is_named(self):
+        out = run_ranks(_join_rank1_alone, world_size=1, timeout=180)
+        assert "rank 0's store" in out[0]["error"], out
+        assert out[0]["elapsed"] < 2.0 + MARGIN_S
+
+
+NCCL = pytest.param(
+    "nccl",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            torch.cuda.device_count() < 3,
+            reason="an NCCL group of three needs three GPUs (NCCL refuses two ranks on one "
+            "device); the gloo case runs the same protocol on CPU",
+        ),
+    ],
+)
+NCCL_PAIR = pytest.param(
+    "nccl",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            torch.cuda.device_count() < 2,
+            reason="an NCCL pair needs two GPUs (NCCL refuses two ranks on one device); the "
+            "gloo case runs the same protocol on CPU",
+        ),
+    ],
+)
+
+
+class TestPeerFailure:
+    """A peer that dies or freezes mid-broadcast: every live side raises in time, the failure
+    is counted and traced, the group is broken, and a new group works."""
+
+    @pytest.mark.parametrize("backend", ["gloo", NCCL])
+    def test_peer_dies_mid_broadcast(self, backend):
+        fn = functools.partial(_peer_dies, backend=backend)
+        out = run_ranks(fn, world_size=3, timeout=180, ports=2, dies=(1,))
+        sender, receiver = out[0], out[2]
+        for side in (sender, receiver):
+            assert side["error"] and side["broken"], out
+            assert side["elapsed"] < 3.0 + MARGIN_S, out
+            assert side["span_status"] == ["ERROR"], out
+            assert side["after"] == [], out
+        assert sum(sender["failures"].values()) == 1, sender["failures"]
+
+    @pytest.mark.parametrize("backend", ["gloo", NCCL_PAIR])
+    def test_peer_stalls_mid_broadcast(self, backend):
+        out = run_ranks(functools.partial(_peer_stalls, backend=backend), timeout=180, ports=2)
+        sender, receiver = out[0], out[1]
+        assert sender["error"].startswith("BroadcastTimeoutError"), sender
+        assert "did not finish within 1.5 s" in sender["error"]
+        assert sender["elapsed"] < 0.8 + 1.5 + MARGIN_S
+        assert sender["failures"] == {"timeout": 1.0, "error": 0.0}
+        assert receiver["error"] and receiver["broken"], receiver
+        for side in (sender, receiver):
+            assert side["span_status"] == ["ERROR"]
+            assert side["after"] == []
 
 
 def test_bucketed_beats_per_tensor():

@@ -211,6 +211,7 @@ class TestPrometheus:
             assert target_dir in mounts, f"rule files {pattern} are not mounted"
             assert list((ROOT / mounts[target_dir]).glob(PurePosixPath(pattern).name))
 
+    @pytest.mark.needs_promtool
     def test_promtool_check_config(self):
         promtool = shutil.which("promtool") or "/usr/bin/promtool"
         if not Path(promtool).exists():

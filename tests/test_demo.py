@@ -6,10 +6,12 @@ import io
 import json
 
 import pytest
+import torch
 
 from obsckpt import commit as disk
 from obsckpt.cli import main
 from obsckpt.demo import DemoConfig, run_demo
+from obsckpt.demo.job import DemoError, resolve_plan
 from obsckpt.demo.summary import Histogram, Scrape
 
 
@@ -56,6 +58,71 @@ class TestDemoRun:
         assert main(["status", str(root), "--json"], out=status_out) == 0
         st = json.loads(status_out.getvalue())
         assert st["committed"] == [2, 4] and st["uncommitted"] == []
+
+
+class TestPlan:
+    """The demo trains on the GPUs it finds: one GPU colocates the rollout, more broadcast."""
+
+    def test_cpu_keeps_two_ranks_and_broadcast(self):
+        for gpus, device in ((0, "auto"), (4, "cpu")):
+            cfg = resolve_plan(DemoConfig(device=device), gpus=gpus)
+            assert (cfg.device, cfg.world_size, cfg.sync_method) == ("cpu", 2, "broadcast")
+
+    def test_one_gpu_runs_one_rank_with_ipc(self):
+        cfg = resolve_plan(DemoConfig(), gpus=1)
+        assert (cfg.device, cfg.world_size, cfg.sync_method) == ("cuda", 1, "ipc")
+
+    def test_more_gpus_broadcast_over_nccl(self):
+        cfg = resolve_plan(DemoConfig(), gpus=2)
+        assert (cfg.device, cfg.world_size, cfg.sync_method) == ("cuda", 1, "broadcast")
+        cfg = resolve_plan(DemoConfig(), gpus=8)
+        assert (cfg.device, cfg.world_size, cfg.sync_method) == ("cuda", 2, "broadcast")
+
+    def test_impossible_plans_say_why(self):
+        with pytest.raises(DemoError, match="needs a GPU per trainer rank"):
+            resolve_plan(DemoConfig(sync_method="broadcast"), gpus=1)
+        with pytest.raises(DemoError, match="one trainer rank sharing its GPU"):
+            resolve_plan(DemoConfig(sync_method="ipc", world_size=2), gpus=1)
+        with pytest.raises(DemoError, match="no CUDA device"):
+            resolve_plan(DemoConfig(device="cuda"), gpus=0)
+
+
+@pytest.mark.slow
+def test_ipc_sync_on_cpu(ray_cluster, tmp_path):
+    """The colocated (ipc) sync through the demo: shared-memory buckets on CPU, every version."""
+    out, err = io.StringIO(), io.StringIO()
+    cfg = DemoConfig(
+        steps=2,
+        save_every=2,
+        world_size=1,
+        sync_method="ipc",
+        device="cpu",
+        ckpt_dir=str(tmp_path / "ckpt"),
+        metrics_host="127.0.0.1",
+    )
+    result = run_demo(cfg, out=out, err=err, handle_signals=False)
+    assert result.exit_code == 0, err.getvalue()
+    assert result.rollout_versions == [1, 2]
+    assert result.device == "cpu" and result.sync_method == "ipc"
+    assert "weight sync ipc (shared memory)" in err.getvalue()
+    assert "ipc sync (shm)" in [r.what for r in result.summary["rows"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the demo's GPU plan needs CUDA")
+def test_demo_on_gpu(ray_cluster, tmp_path):
+    """On a GPU machine the default demo trains on it and syncs with ipc (1 GPU) or NCCL."""
+    out, err = io.StringIO(), io.StringIO()
+    cfg = DemoConfig(
+        steps=4, save_every=2, ckpt_dir=str(tmp_path / "ckpt"), metrics_host="127.0.0.1"
+    )
+    result = run_demo(cfg, out=out, err=err, handle_signals=False)
+    assert result.exit_code == 0, err.getvalue()
+    assert result.rollout_versions == [1, 2, 3, 4]
+    assert result.device.startswith("cuda"), result.device
+    gpus = torch.cuda.device_count()
+    want = "ipc sync (cuda_ipc)" if gpus == 1 else "broadcast (nccl)"
+    assert want in [r.what for r in result.summary["rows"]], out.getvalue()
 
 
 class TestSummaryMath:

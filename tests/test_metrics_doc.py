@@ -21,8 +21,8 @@ DESIGN_METRICS = {
     "obsckpt_oldest_pending_step_start_timestamp_seconds": ("gauge", ("kind",)),
     "obsckpt_step_failures_total": ("counter", ("kind",)),
     "obsckpt_rank_last_save_duration_seconds": ("gauge", ("rank", "slot")),
-    "obsckpt_broadcast_duration_seconds": ("histogram", ("backend",)),
-    "obsckpt_broadcast_bytes_total": ("counter", ("backend",)),
+    "obsckpt_broadcast_duration_seconds": ("histogram", ("backend", "method")),
+    "obsckpt_broadcast_bytes_total": ("counter", ("backend", "method")),
     "obsckpt_state_dict_upload_duration_seconds": ("histogram", ()),
     "obsckpt_model_version": ("gauge", ("role",)),
 }

@@ -243,6 +243,7 @@ class TestRestart:
 class TestMetrics:
     """Measurements reach /metrics; every metric exists from the first scrape."""
 
+    @pytest.mark.needs_promtool
     def test_all_metrics_exported_from_start_and_promtool_is_happy(self, namespace, root):
         monitor = make_monitor(namespace, root)
         address = ray.get(monitor.metrics_address.remote())

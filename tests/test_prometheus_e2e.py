@@ -208,6 +208,7 @@ def has_finite_value(result: list[dict]) -> bool:
     return any(math.isfinite(float(sample["value"][1])) for sample in result)
 
 
+@pytest.mark.needs_promtool
 def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     prometheus, monitor, ckpt_dir, ray_cluster
 ):

@@ -110,6 +110,7 @@ def strace() -> str:
     return path
 
 
+@pytest.mark.needs_strace
 class TestCommitDurabilityOrder:
     """Data is durable before the iteration file names it, and the rename itself is made durable."""
 

@@ -51,16 +51,22 @@ class TrainerRank:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
+        from obsckpt.sync.device import setup_rank_device
         from obsckpt.telemetry import tracing
 
         tracing.setup_tracing("trainer", exporter="memory")
         torch.set_num_threads(1)
+        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA
+        # (FSDP2's default mesh would take the machine's accelerator).
+        rd = setup_rank_device()
+        assert rd.backend == "gloo", rd
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
+        mesh = rd.mesh(world_size)
         model = build_model()
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.engine = Engine(model, rank)
         self.rank = rank
         self.monitor = ray.get_actor("checkpoint_monitor", namespace=namespace)
@@ -230,8 +236,11 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
 
     # Telemetry: the monitor (the job's one scrape target) has every measurement.
     want = {
-        ("obsckpt_broadcast_bytes_total", (("backend", "gloo"),)): nbytes,
-        ("obsckpt_broadcast_duration_seconds_count", (("backend", "gloo"),)): 1,
+        ("obsckpt_broadcast_bytes_total", (("backend", "gloo"), ("method", "broadcast"))): nbytes,
+        (
+            "obsckpt_broadcast_duration_seconds_count",
+            (("backend", "gloo"), ("method", "broadcast")),
+        ): 1,
         ("obsckpt_state_dict_upload_duration_seconds_count", ()): 2,  # load + upload
         ("obsckpt_model_version", (("role", "trainer"),)): 2,
         ("obsckpt_model_version", (("role", "rollout"),)): 2,
@@ -256,41 +265,103 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert "obsckpt.broadcast" in [n for n, _ in ray.get(rollout.spans.remote())]
 
 
-def _gpu_fsdp1(port: int, results) -> None:
-    """One process, one GPU: FSDP1 shards and gathered parameters, an NCCL group."""
+def plain(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Tensors as plain bytes: safe on a queue after the sending process exits.
+
+    A CPU tensor put on a multiprocessing queue travels as a file descriptor of
+    shared memory, which is gone if the sender exits before the receiver reads.
+    """
+    return {
+        k: (
+            str(v.dtype).removeprefix("torch."),
+            tuple(v.shape),
+            v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+        )
+        for k, v in tensors.items()
+    }
+
+
+def unplain(data: dict[str, tuple[str, tuple[int, ...], bytes]]) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dt)).view(shape)
+        if raw
+        else torch.empty(shape, dtype=getattr(torch, dt))
+        for k, (dt, shape, raw) in data.items()
+    }
+
+
+def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -> None:
+    """One GPU per rank: FSDP1 shards (saved and merged as the Synchronizer does), gathered
+    parameters, and an NCCL weight-sync group (rank 0 -> rank 1 when there are two)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
 
     from obsckpt.integrations.verl_fsdp import full_params, sharded_model_state_dict
     from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
-    from obsckpt.sync.synchronizer import merge_shards
+    from obsckpt.sync.device import setup_rank_device
+    from obsckpt.sync.synchronizer import load_sharded_state_dict
 
-    torch.cuda.set_device(0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5)).cuda()
-    reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    fsdp = FSDP(model, device_id=0, use_orig_params=True)
-    shard = sharded_model_state_dict(fsdp)
-    merged = {k: v.cpu() for k, v in merge_shards({0: shard}).items()}
-    with full_params(fsdp) as (meta, named):
-        gathered = {n: t.cpu().clone() for n, t in named}
-        names = [m.name for m in meta]
-    # A one-member NCCL weight-sync group next to the default group: header and
-    # buckets go through NCCL on device tensors, bounded by wait(timeout).
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port + 1, rank=0, world_size=1, backend="nccl", timeout_s=60
-    )
-    result = WeightBroadcaster(group).send(model.state_dict())
-    group.close()
-    results.put((merged, gathered, names, reference, result.backend))
-    dist.destroy_process_group()
+    try:
+        rd = setup_rank_device([str(rank)])  # as Ray would give it
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5)).to(rd.device)
+        reference = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        strategy = ShardingStrategy.FULL_SHARD if world_size > 1 else ShardingStrategy.NO_SHARD
+        fsdp = FSDP(model, device_id=rd.device, use_orig_params=True, sharding_strategy=strategy)
+        shard = sharded_model_state_dict(fsdp)
+        local_numel = sum(v.to_local().numel() for v in shard.values())
+        torch.save(shard, os.path.join(shard_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        dist.barrier()
+        merged = load_sharded_state_dict(shard_dir) if rank == 0 else {}
+        with full_params(fsdp) as (meta, named):
+            gathered = {n: t.cpu().clone() for n, t in named}
+            names = [m.name for m in meta]
+        # The weight-sync group next to the default group: header and buckets
+        # go through NCCL on device tensors, polled against the deadline.
+        group = WeightSyncGroup(
+            host="127.0.0.1",
+            port=port + 1,
+            rank=rank,
+            world_size=world_size,
+            backend="nccl",
+            timeout_s=60,
+        )
+        b = WeightBroadcaster(group, bucket_bytes=1 << 8)
+        received = {}
+        if rank == 0:
+            b.send(model.state_dict() if world_size == 1 else gathered)
+        else:
+            received = b.recv(clone=True)
+        group.close()
+        results.put(
+            (
+                rank,
+                {
+                    "merged": plain(merged),
+                    "gathered": plain(gathered),
+                    "received": plain(received),
+                    "names": names,
+                    "reference": plain(reference),
+                    "local_numel": local_numel,
+                    "backend": group.backend,
+                },
+            )
+        )
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        import traceback
+
+        results.put((rank, traceback.format_exc()))
 
 
 def _nccl_pair(rank: int, port: int, results) -> None:
     from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+    from obsckpt.sync.device import setup_rank_device
 
-    torch.cuda.set_device(rank)
+    setup_rank_device([str(rank)])  # as Ray would give it
     group = WeightSyncGroup(
         host="127.0.0.1", port=port, rank=rank, world_size=2, backend="nccl", timeout_s=60
     )
@@ -320,22 +391,57 @@ def _run_spawned(target, args_per_proc, results, n_results: int) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="FSDP1 and NCCL need a CUDA device; the FSDP2/gloo test above covers the same "
-    "paths on CPU",
+@pytest.mark.parametrize(
+    "world_size",
+    [
+        pytest.param(
+            1,
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="FSDP1 and NCCL need a CUDA device; the FSDP2/gloo test above covers "
+                "the same paths on CPU",
+            ),
+        ),
+        pytest.param(
+            2,
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2,
+                reason="sharded FSDP1 needs two NCCL ranks, and NCCL needs a GPU per rank; "
+                "with one GPU only world size 1 (NO_SHARD) runs",
+            ),
+        ),
+    ],
 )
-def test_fsdp1_shards_gather_and_nccl_group():
+def test_fsdp1_shards_gather_and_nccl_group(world_size, tmp_path):
     """FSDP1 DTensor shards merge to the model; summon_full_params yields it; NCCL sends."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Queue()
-    ((merged, gathered, names, reference, backend),) = _run_spawned(
-        _gpu_fsdp1, [(free_port(), results)], results, 1
+    port = free_port()
+    out = dict(
+        _run_spawned(
+            _gpu_fsdp1,
+            [(r, world_size, port, str(tmp_path), results) for r in range(world_size)],
+            results,
+            world_size,
+        )
     )
-    assert bits_equal(reference, merged) == []
-    assert names == list(reference) and bits_equal(reference, gathered) == []
-    assert backend == "nccl"
+    for rank, value in out.items():
+        assert isinstance(value, dict), f"rank {rank} failed:\n{value}"
+    first = out[0]
+    reference = unplain(first["reference"])
+    assert bits_equal(reference, unplain(first["merged"])) == []
+    assert first["names"] == list(reference)
+    assert bits_equal(reference, unplain(first["gathered"])) == []
+    assert first["backend"] == "nccl"
+    total = sum(v.numel() for v in reference.values())
+    if world_size > 1:
+        # Sharded: each rank holds part of the parameters; rank 1 got them over NCCL.
+        assert all(out[r]["local_numel"] < total for r in out)
+        assert sum(out[r]["local_numel"] for r in out) >= total
+        assert bits_equal(reference, unplain(out[1]["received"])) == []
+    else:
+        assert first["local_numel"] == total
 
 
 @pytest.mark.gpu

@@ -177,7 +177,9 @@ def test_sync_weight_over_gloo_bucketed():
     )
     assert result.nbytes == sum(v.numel() * v.element_size() for v in expected.values())
     assert (
-        metrics.registry.get_sample_value("obsckpt_broadcast_bytes_total", {"backend": "gloo"})
+        metrics.registry.get_sample_value(
+            "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
+        )
         == result.nbytes
     )
 

@@ -41,7 +41,7 @@ from obsckpt.demo.progress import Progress
 from obsckpt.demo.summary import Scrape, format_table, summarize
 from obsckpt.errors import CheckpointDirError, IterationFileError
 
-SYNC_METHODS = ("broadcast", "checkpoint", "memory")
+SYNC_METHODS = ("broadcast", "checkpoint", "ipc", "memory")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CKPT_DIR = os.path.join("obsckpt-demo", "ckpt")
 MARKER = "obsckpt-demo.json"
@@ -60,8 +60,8 @@ class DemoConfig:
 
     steps: int = 40
     save_every: int = 10
-    world_size: int = 2
-    sync_method: str = "broadcast"
+    world_size: int | None = None  # None: 2 on CPU, 1 on one GPU, a GPU per rank + rollout
+    sync_method: str | None = None  # None: broadcast, or ipc on a single GPU
     ckpt_dir: str = DEFAULT_CKPT_DIR
     resume: bool = False
     duration: float | None = None
@@ -87,9 +87,11 @@ class DemoConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("save_every", "world_size"):
             value = getattr(self, name)
+            if name == "world_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.sync_method not in SYNC_METHODS:
+        if self.sync_method is not None and self.sync_method not in SYNC_METHODS:
             raise ValueError(f"sync_method must be one of {SYNC_METHODS}, got {self.sync_method!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -118,6 +120,8 @@ class DemoResult:
     committed: dict[str, int | None] = field(default_factory=dict)
     rollout_versions: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    device: str | None = None
+    sync_method: str | None = None
     metrics_address: str | None = None
     summary: dict[str, Any] | None = None
     save_errors: list[str] = field(default_factory=list)
@@ -289,14 +293,53 @@ def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
     return True
 
 
-def _pick_device(cfg: DemoConfig) -> str:
-    import ray
+def resolve_plan(cfg: DemoConfig, gpus: int | None = None) -> DemoConfig:
+    """Fill in the device, world size and sync method from the GPUs this machine has.
 
-    if cfg.device != "auto":
-        return cfg.device
-    # NCCL needs a GPU per trainer rank plus one for the rollout.
-    gpus = ray.cluster_resources().get("GPU", 0)
-    return "cuda" if gpus >= cfg.world_size + 1 else "cpu"
+    No GPU (or ``device="cpu"``): the CPU, gloo, 2 ranks, broadcast. One GPU:
+    one rank on it and the rollout beside it, weights handed over by CUDA IPC
+    (``ipc``). Two or more: a GPU per rank and one for the rollout, NCCL
+    broadcast. Explicit settings are kept, and checked against the GPUs.
+    """
+    import dataclasses
+
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
+    if cfg.device == "cuda" and gpus == 0:
+        raise DemoError("--device cuda, but no CUDA device is visible; use --device cpu")
+    if cfg.device == "cpu" or gpus == 0:
+        return dataclasses.replace(
+            cfg,
+            device="cpu",
+            world_size=cfg.world_size or 2,
+            sync_method=cfg.sync_method or "broadcast",
+        )
+    sync = cfg.sync_method or ("ipc" if gpus == 1 else "broadcast")
+    if sync == "ipc":
+        world = cfg.world_size or 1
+        if world != 1:
+            raise DemoError(
+                f"--sync-method ipc on GPUs runs one trainer rank sharing its GPU with the "
+                f"rollout; got --world-size {world} (use 1, or --sync-method broadcast)"
+            )
+    elif sync == "broadcast":
+        world = cfg.world_size or max(1, min(2, gpus - 1))
+        if world + 1 > gpus:
+            raise DemoError(
+                f"--sync-method broadcast over NCCL needs a GPU per trainer rank and one for "
+                f"the rollout ({world + 1}); this machine has {gpus}. Use --sync-method ipc "
+                "(one rank), fewer ranks, or --device cpu"
+            )
+    else:
+        world = cfg.world_size or min(2, gpus)
+        if world > gpus:
+            raise DemoError(
+                f"{world} trainer ranks need {world} GPUs (NCCL needs one per rank); this "
+                f"machine has {gpus}"
+            )
+    return dataclasses.replace(cfg, device="cuda", world_size=world, sync_method=sync)
 
 
 # ----------------------------------------------------------------------
@@ -321,6 +364,7 @@ def run_demo(
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    cfg = resolve_plan(cfg)
     progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
     result = DemoResult()
     t_start = time.monotonic()
@@ -366,13 +410,15 @@ def run_demo(
         if handle_signals:
             stop.install()  # after ray.init, which installs handlers of its own
 
-        device = _pick_device(cfg)
+        device = cfg.device
         trainers, rollout, synchronizer, info = _start_actors(cfg, namespace, device, env)
         actors += [*trainers, rollout] + ([synchronizer] if synchronizer is not None else [])
+        result.device = info["device"]
+        result.sync_method = cfg.sync_method
         progress.note(
-            f"obsckpt demo: {cfg.world_size} FSDP2 ranks ({info['backend']}, {device}), "
+            f"obsckpt demo: {cfg.world_size} FSDP2 ranks ({info['backend']}, {info['device']}), "
             f"Qwen2 with {info['parameters'] / 1e6:.2f} M parameters, weight sync "
-            f"{cfg.sync_method}, full checkpoint every {cfg.save_every} steps"
+            f"{_sync_name(cfg, info)}, full checkpoint every {cfg.save_every} steps"
         )
         progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {root}`)")
         if resumed:
@@ -411,12 +457,23 @@ def run_demo(
     return result
 
 
+def _sync_name(cfg: DemoConfig, info: dict) -> str:
+    if cfg.sync_method == "broadcast":
+        return f"broadcast over {info['backend']}"
+    if cfg.sync_method == "ipc":
+        return "ipc (CUDA IPC, colocated)" if cfg.device == "cuda" else "ipc (shared memory)"
+    return cfg.sync_method
+
+
 def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, str]):
     import ray
 
     from obsckpt.demo.workers import Rollout, TrainerRank
 
-    gpu = 1 if device == "cuda" else 0
+    colocated = device == "cuda" and cfg.sync_method == "ipc"
+    # Colocated: the rank and the rollout share one GPU (half each, so Ray packs them).
+    gpu = (0.5 if colocated else 1) if device == "cuda" else 0
+    rollout_gpu = gpu if cfg.sync_method in ("broadcast", "ipc") else 0
     options: dict[str, Any] = dict(num_cpus=1, num_gpus=gpu, namespace=namespace)
     if env:
         options["runtime_env"] = {"env_vars": env}
@@ -438,8 +495,12 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
     master = ray.get(trainers[0].node_address.remote())
     port = ray.get(trainers[0].free_port.remote())
     infos = ray.get([t.setup.remote(master, port) for t in trainers])
-    rollout_opts = dict(options, num_cpus=0)
-    rollout = ray.remote(Rollout).options(**rollout_opts).remote(namespace=namespace, device=device)
+    rollout_opts = dict(options, num_cpus=0, num_gpus=rollout_gpu)
+    rollout = (
+        ray.remote(Rollout)
+        .options(**rollout_opts)
+        .remote(namespace=namespace, device=device if rollout_gpu else "cpu")
+    )
     synchronizer = None
     backend = infos[0]["backend"]
     if cfg.sync_method == "broadcast":
@@ -450,6 +511,8 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
                 rollout.join_weight_sync.remote(master, sync_port, backend),
             ]
         )
+    elif cfg.sync_method == "ipc":
+        ray.get(trainers[0].make_ipc_sender.remote())
     else:
         from obsckpt.sync.synchronizer import Synchronizer
 
@@ -549,6 +612,9 @@ def _sync(cfg, step, trainers, rollout, synchronizer) -> int:
         got = rollout.receive_broadcast.remote(step)
         ray.get(sent)
         version, fp = ray.get(got)
+    elif cfg.sync_method == "ipc":
+        ray.get([t.ipc_weights.remote(step, rollout, None) for t in trainers])
+        version, fp = ray.get(rollout.accepted.remote())
     elif cfg.sync_method == "memory":
         ray.get([t.upload_weights.remote(step) for t in trainers])
         version, fp = ray.get(rollout.pull.remote(synchronizer, step, 60.0))

@@ -175,7 +175,17 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
         nbytes = scrape.value("obsckpt_broadcast_bytes_total", backend=backend)
         rate = nbytes / h.sum if h.sum > 0 else 0.0
         note = f"{_bytes(nbytes)} sent, {_bytes(rate)}/s"
-        rows.append(_hist_row(f"broadcast ({backend})", h, note))
+        # The backend names the method: cuda_ipc and shm are colocated handovers.
+        what = "ipc sync" if backend in ("cuda_ipc", "shm") else "broadcast"
+        rows.append(_hist_row(f"{what} ({backend})", h, note))
+    failures = scrape.value("obsckpt_broadcast_failures_total")
+    if failures:
+        rows.append(
+            Row(
+                "weight-sync failures",
+                f"{failures:.0f}",
+            )
+        )
     upload = scrape.histograms("obsckpt_state_dict_upload_duration_seconds").get("")
     if upload is not None and upload.count > 0:
         rows.append(_hist_row("state-dict upload", upload))

@@ -108,10 +108,18 @@ class TrainerRank:
         from obsckpt import CheckpointCoordinator
         from obsckpt.demo.model import build_model, count_parameters
         from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
+        from obsckpt.sync.device import setup_rank_device
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if self.device.type == "cuda":
-            torch.cuda.set_device(0)
+        # The GPU Ray gave this rank, set before the process group and the mesh;
+        # the CPU (and gloo) when it got none, even on a machine with CUDA.
+        rd = setup_rank_device()
+        if rd.device.type != self.device.type:
+            raise RuntimeError(
+                f"the demo asked for {self.device.type} but Ray gave this rank "
+                f"{rd.describe()} (GPU ids {list(rd.gpu_ids)})"
+            )
+        self.device = rd.device
+        backend = rd.backend
         os.environ["RANK"] = str(self.rank)
         os.environ["WORLD_SIZE"] = str(self.world_size)
         dist.init_process_group(
@@ -122,9 +130,10 @@ class TrainerRank:
         )
         model = build_model(self.spec, seed=self.seed).to(self.device)
         params = count_parameters(model)
+        mesh = rd.mesh(self.world_size)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.0)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -140,7 +149,7 @@ class TrainerRank:
             monitor=self.monitor,
             coordinator=self.coordinator,
         )
-        return {"parameters": params, "backend": backend}
+        return {"parameters": params, "backend": backend, "device": rd.describe()}
 
     # -- training --------------------------------------------------------
 
@@ -239,6 +248,30 @@ class TrainerRank:
             trace_context=trace_context,
         )
 
+    def make_ipc_sender(self) -> None:
+        """Colocated sync: rank 0 hands the rollout its bucket buffers (CUDA IPC or shared memory)."""
+        from obsckpt.sync.ipc import IpcWeightSender
+
+        self.ipc_sender = IpcWeightSender(
+            device=self.device, bucket_bytes=BUCKET_BYTES, timeout_s=120.0, monitor=self.monitor
+        )
+
+    def ipc_weights(self, step: int, rollout, trace_context: dict | None) -> None:
+        """Gather the full weights (every rank must call it); rank 0 hands them to the rollout."""
+        from torch.distributed.tensor import DTensor
+
+        full = [
+            (name, value.full_tensor() if isinstance(value, DTensor) else value)
+            for name, value in self.model.state_dict().items()
+        ]
+        if self.rank == 0:
+            self.ipc_sender.send(
+                full,
+                lambda payload: rollout.receive_ipc.remote(payload, step),
+                step=step,
+                trace_context=trace_context,
+            )
+
     def upload_weights(self, step: int) -> float | None:
         """Memory sync: hand the full weights to the Synchronizer; every rank must call it."""
         return self.manager.upload_state_dict(step)
@@ -248,6 +281,8 @@ class TrainerRank:
 
         if self.broadcaster is not None:
             self.broadcaster.telemetry.flush(10.0)
+        if getattr(self, "ipc_sender", None) is not None:
+            self.ipc_sender.close()
         if self.sync_group is not None:
             self.sync_group.close()
         _flush_tracing()
@@ -259,13 +294,18 @@ class Rollout:
     """Holds the weights it was last sent and their version; checks each new version."""
 
     def __init__(self, *, namespace: str, device: str) -> None:
+        from obsckpt.sync.device import setup_rank_device
+
         self.namespace = namespace
-        self.device = torch.device(device)
+        # The GPU Ray gave the rollout (the trainer's, when colocated), else the CPU.
+        self.device = setup_rank_device().device if device == "cuda" else torch.device("cpu")
         self.weights: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         self.versions: list[int] = []
         self.sync_group = None
         self.broadcaster = None
+        self.ipc_receiver = None
+        self._accepted: tuple[int, str] | None = None
         self._monitor = None
         _setup_worker_tracing("obsckpt-demo-rollout")
 
@@ -303,6 +343,26 @@ class Rollout:
             self.weights = {k: v.to(self.device) for k, v in got.items()}
         return self._accept(self.broadcaster.last_step, expected)
 
+    def receive_ipc(self, payload, expected: int) -> dict:
+        """Colocated sync: copy the weights out of the trainer's buffers; returns the ack."""
+        from obsckpt.sync.ipc import IpcWeightReceiver
+
+        if self.ipc_receiver is None:
+            self.ipc_receiver = IpcWeightReceiver(device=self.device)
+        ack, got = self.ipc_receiver.recv(
+            payload, into=self.weights or None, clone=not self.weights
+        )
+        if not self.weights:
+            self.weights = got
+        self._accepted = self._accept(payload.step, expected)
+        return ack
+
+    def accepted(self) -> tuple[int, str]:
+        """The (version, fingerprint) of the last colocated sync."""
+        if self._accepted is None:
+            raise RuntimeError("the rollout has not received any weights by ipc yet")
+        return self._accepted
+
     def pull(self, synchronizer, expected: int, timeout: float) -> tuple[int, str]:
         """Wait for the Synchronizer to hold ``expected`` (or newer), take its weights."""
         import ray
@@ -330,4 +390,6 @@ class Rollout:
     def close(self) -> None:
         if self.sync_group is not None:
             self.sync_group.close()
+        if self.ipc_receiver is not None:
+            self.ipc_receiver.close()
         _flush_tracing()

@@ -1,4 +1,4 @@
-"""Weight sync from the trainer to the rollout side: the Synchronizer actor and broadcast."""
+"""Weight sync from the trainer to the rollout side: the Synchronizer actor, broadcast, ipc."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from obsckpt.sync.broadcast import (
     plan_buckets,
     tensor_meta,
 )
+from obsckpt.sync.device import RankDevice, setup_rank_device
+from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
 from obsckpt.sync.synchronizer import (
     StateDictLoadError,
     Synchronizer,
@@ -27,6 +29,10 @@ __all__ = [
     "BroadcastError",
     "BroadcastResult",
     "BroadcastTimeoutError",
+    "IpcPayload",
+    "IpcWeightReceiver",
+    "IpcWeightSender",
+    "RankDevice",
     "StateDictLoadError",
     "Synchronizer",
     "TensorMeta",
@@ -37,5 +43,6 @@ __all__ = [
     "load_sharded_state_dict",
     "merge_shards",
     "plan_buckets",
+    "setup_rank_device",
     "tensor_meta",
 ]

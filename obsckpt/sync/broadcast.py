@@ -25,10 +25,13 @@ unknown) and must be closed and created again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import pickle
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -171,9 +174,18 @@ class WeightSyncGroup:
     """A process group of its own between trainer rank 0 (rank ``src``) and the receivers.
 
     Every member constructs it with the same ``host``, ``port`` and
-    ``world_size``; rank 0 hosts the store. Construction returns once all
-    members have joined, or raises :class:`BroadcastTimeoutError` after
-    ``timeout_s``.
+    ``world_size``; rank 0 hosts the store. Construction returns only once
+    every member has checked in and the communicator has carried one
+    collective, on every backend: each member sets its key in the group's
+    store and waits for all the others' (a missing member is named in the
+    :class:`BroadcastTimeoutError`), then the communicator is made (NCCL's
+    eagerly, for this member's device) and a one-element broadcast goes
+    through it, all within ``timeout_s``.
+
+    A collective that fails or outlasts its deadline breaks the group: its
+    communicator is aborted at once (NCCL's error handling is set to clean
+    up the communicator without ending the process), every later use raises
+    :class:`BroadcastError`, and the members form a new group on a fresh port.
 
     Args:
         host: address of rank 0's store, reachable by every member.
@@ -181,8 +193,9 @@ class WeightSyncGroup:
         rank: this member's rank in the group (0 for the trainer).
         world_size: number of members (1 + receivers).
         backend: ``gloo`` or ``nccl``; default ``nccl`` with CUDA, else ``gloo``.
-        timeout_s: bound on the rendezvous and default bound on each broadcast.
+        timeout_s: bound on the formation and default bound on each broadcast.
         group_name: prefix of the group's keys in the store.
+        device: the CUDA device for ``nccl`` (default: the current device).
     """
 
     def __init__(
@@ -195,6 +208,7 @@ class WeightSyncGroup:
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         group_name: str = "obsckpt-weight-sync",
+        device: torch.device | int | None = None,
     ) -> None:
         backend = backend or default_backend()
         if backend not in ("gloo", "nccl"):
@@ -210,32 +224,137 @@ class WeightSyncGroup:
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
-        timeout = timedelta(seconds=timeout_s)
+        self._pg: Any = None
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            if not torch.cuda.is_available():
+                raise BroadcastError(
+                    "backend 'nccl' needs a CUDA device and none is visible to this process; "
+                    "use backend='gloo' on CPU"
+                )
+            index = device.index if isinstance(device, torch.device) else device
+            self.device = torch.device(
+                "cuda", torch.cuda.current_device() if index is None else int(index)
+            )
         t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        where = f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend})"
+        made: list[Any] = []
+
+        def connect() -> None:
+            made.append(
+                dist.TCPStore(
+                    host,
+                    self.port,
+                    world_size,
+                    rank == 0,
+                    timedelta(seconds=self.timeout_s),
+                    wait_for_workers=False,
+                )
+            )
+
         try:
-            store = dist.TCPStore(
-                host, self.port, world_size, rank == 0, timeout, wait_for_workers=False
-            )
-            store = dist.PrefixStore(group_name, store)
-            if backend == "gloo":
-                self.device = torch.device("cpu")
-                self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-            else:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        except (RuntimeError, dist.DistStoreError) as exc:
+            # The client retries its connection past its timeout; keep the deadline.
+            _bounded(connect, deadline, lambda: None, "the store did not answer in time")
+            store = made[0]
+        except BroadcastError as exc:
             waited = time.monotonic() - t0
-            msg = (
-                f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend}) "
-                f"could not form after {waited:.1f} s: {exc}. Check that every member was "
-                "started with the same host, port and world_size and can reach rank 0"
-            )
-            if waited >= self.timeout_s * 0.9 or "timeout" in str(exc).lower():
+            if rank == 0:
+                msg = (
+                    f"{where} could not host its store at {host}:{self.port} ({exc}); "
+                    "create the group on a free port (see free_port)"
+                )
+            else:
+                msg = (
+                    f"{where} could not form after {waited:.1f} s: rank 0's store at "
+                    f"{host}:{self.port} was not reachable ({exc}). Check that every member "
+                    "was started with the same host, port and world_size and can reach rank 0"
+                )
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
                 raise BroadcastTimeoutError(msg) from exc
             raise BroadcastError(msg) from exc
-        self._store = store
+        self._store = dist.PrefixStore(group_name, store)
+        self._rendezvous(deadline, where)
+        try:
+            self._pg = self._make_backend(deadline)
+        except (RuntimeError, dist.DistStoreError) as exc:
+            waited = time.monotonic() - t0
+            cls = BroadcastTimeoutError if time.monotonic() >= deadline else BroadcastError
+            raise cls(f"{where} could not form after {waited:.1f} s: {exc}") from exc
+        self._warm_up(deadline, where)
+
+    # -- formation -------------------------------------------------------
+
+    def _rendezvous(self, deadline: float, where: str) -> None:
+        """Every member sets its key and waits for everyone's; names who did not come.
+
+        Members poll the store rather than block in one wait, so each knows
+        who was still missing even if rank 0 (the store's host) gives up first.
+        """
+        store = self._store
+        keys = [f"arrived/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], str(time.time()))
+        missing = [r for r in range(self.world_size) if r != self.rank]
+        pause = 0.005
+        try:
+            while True:
+                if store.check(keys):
+                    return
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if not missing:
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(pause * 2, 0.1)
+            cause = None
+        except (RuntimeError, dist.DistStoreError) as exc:
+            cause = exc  # the store went away: rank 0 gave up or died
+        who = f"ranks {missing} did not arrive"
+        if cause is not None:
+            who += f" before rank 0's store closed ({cause})"
+        raise BroadcastTimeoutError(
+            f"{where} could not form within {self.timeout_s:.1f} s: {who}. Start every member "
+            "with the same host, port and world_size, or create the group again on a fresh port"
+        ) from cause
+
+    def _make_backend(self, deadline: float):
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # Read when the group is made: on a failure NCCL's watchdog aborts this
+        # communicator only, instead of ending the whole trainer process.
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, opts)
+
+    def _warm_up(self, deadline: float, where: str) -> None:
+        """Make the communicator now and pass one collective through it, within the deadline."""
+        probe = torch.ones(1, dtype=torch.int64, device=self.device)
+
+        def connect() -> None:
+            if self.backend == "nccl":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+                eager = getattr(self._pg, "eager_connect_single_device", None)
+                if eager is not None:
+                    eager(self.device)
+            self.wait(
+                self.broadcast_async(probe, 0, deadline),
+                deadline,
+                lambda: f"{where}: the first collective did not complete",
+            )
+
+        _bounded(
+            connect,
+            deadline,
+            self._abort,
+            f"{where} could not form within "
+            f"{self.timeout_s:.1f} s: the communicator did not connect every member",
+        )
+
+    # -- use -------------------------------------------------------------
 
     def __repr__(self) -> str:
         state = f"broken: {self._broken}" if self._broken else "ok"
@@ -252,13 +371,18 @@ class WeightSyncGroup:
     def deadline(self, timeout_s: float | None = None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
-        """Start broadcasting ``tensor`` from ``src``; returns the work handle."""
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0, deadline: float | None = None):
+        """Start broadcasting ``tensor`` from ``src``; returns the work handle.
+
+        With ``deadline`` (monotonic seconds) the collective itself times out
+        then, so nothing of it outlives the caller's bound.
+        """
         self._check()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = timedelta(seconds=self.timeout_s)
+        budget = self.timeout_s if deadline is None else deadline - time.monotonic()
+        opts.timeout = timedelta(seconds=max(budget, 0.001))
         try:
             return self._pg.broadcast([tensor], opts)
         except RuntimeError as exc:
@@ -266,10 +390,20 @@ class WeightSyncGroup:
             raise BroadcastError(f"{self!r}: {exc}") from exc
 
     def wait(self, work, deadline: float, progress: Callable[[], str]) -> None:
-        """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure."""
-        remaining = max(deadline - time.monotonic(), 0.001)
+        """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure.
+
+        On NCCL, ``work.wait()`` only orders streams, so completion is polled
+        on the CPU against the deadline; a collective that does not complete
+        in time aborts the communicator, which ends it on every member.
+        """
         try:
-            ok = work.wait(timedelta(seconds=remaining))
+            if self.backend == "nccl":
+                ok = _poll(work, deadline)
+                if ok:
+                    work.wait()  # raises the collective's error, if it had one
+            else:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                ok = work.wait(timedelta(seconds=remaining))
         except RuntimeError as exc:
             timed_out = time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower()
             self._break(str(exc))
@@ -283,10 +417,11 @@ class WeightSyncGroup:
         self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
     ) -> None:
         """Broadcast one tensor from ``src`` and wait for it (bounded)."""
-        work = self.broadcast_async(tensor, src)
+        deadline = self.deadline(timeout_s)
+        work = self.broadcast_async(tensor, src, deadline)
         self.wait(
             work,
-            self.deadline(timeout_s),
+            deadline,
             lambda: f"broadcast of {tensor.numel() * tensor.element_size()} bytes on {self!r}",
         )
 
@@ -294,18 +429,39 @@ class WeightSyncGroup:
         """Release the group; collectives still in flight fail on the peers."""
         if self._broken is None:
             self._broken = "closed"
-        pg = getattr(self, "_pg", None)
-        self._pg = None
-        if pg is not None:
-            for method in ("shutdown", "abort"):
-                fn = getattr(pg, method, None)
-                if fn is None:
-                    continue
-                try:
-                    fn()
-                    break
-                except Exception:  # noqa: BLE001 - best effort on a dead group
-                    continue
+            self._release(("shutdown", "abort"))
+        else:
+            self._abort()
+
+    def _release(self, methods: tuple[str, ...]) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        for method in methods:
+            fn = getattr(pg, method, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+                break
+            except Exception:  # noqa: BLE001 - best effort on a dead group
+                continue
+
+    def _abort(self) -> None:
+        """End the communicator now: collectives blocked on it fail here and on the peers.
+
+        NCCL's abort returns at once. Gloo's waits for the collective in
+        flight, which ends by its own deadline: it is left to a daemon thread.
+        """
+        if self.backend == "nccl":
+            self._release(("abort", "shutdown"))
+            return
+        threading.Thread(
+            target=self._release,
+            args=(("abort", "shutdown"),),
+            name="obsckpt-weight-sync-abort",
+            daemon=True,
+        ).start()
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -320,6 +476,59 @@ class WeightSyncGroup:
             logger.error(
                 "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
             )
+            self._abort()
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _poll(work, deadline: float) -> bool:
+    """Poll ``work.is_completed()`` until ``deadline``; False when it did not complete."""
+    pause = 20e-6
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
+def _bounded(fn: Callable[[], None], deadline: float, abort: Callable[[], None], msg: str) -> None:
+    """Run ``fn`` on a helper thread; past ``deadline`` call ``abort`` and raise.
+
+    A communicator that connects lazily blocks the calling thread inside its
+    first collective; running it aside keeps the caller's deadline.
+    """
+    box: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box.append(exc)
+
+    t = threading.Thread(target=run, name="obsckpt-weight-sync-connect", daemon=True)
+    t.start()
+    t.join(max(deadline - time.monotonic(), 0.001))
+    if t.is_alive():
+        abort()  # the thread is a daemon: left behind, it ends with its own timeout
+        raise BroadcastTimeoutError(msg)
+    if box:
+        exc = box[0]
+        if isinstance(exc, BroadcastError):
+            raise type(exc)(f"{msg}: {exc}") from exc
+        raise BroadcastError(f"{msg}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------
@@ -343,11 +552,22 @@ class WeightSyncTelemetry:
     def __bool__(self) -> bool:
         return self.metrics is not None or self.monitor is not None
 
-    def broadcast(self, backend: str, seconds: float, nbytes: int) -> None:
-        if self.metrics is not None:
-            self._safe(lambda: self.metrics.broadcast_duration.labels(backend).observe(seconds))
-            self._safe(lambda: self.metrics.broadcast_bytes.labels(backend).inc(nbytes))
-        self._rpc("record_broadcast", backend, seconds, nbytes)
+    def broadcast(
+        self, backend: str, seconds: float, nbytes: int, method: str = "broadcast"
+    ) -> None:
+        m = self.metrics
+        if m is not None:
+            self._safe(lambda: m.broadcast_duration.labels(backend, method).observe(seconds))
+            self._safe(lambda: m.broadcast_bytes.labels(backend, method).inc(nbytes))
+        self._rpc("record_broadcast", backend, seconds, nbytes, method)
+
+    def failure(self, backend: str, method: str, exc: BaseException) -> None:
+        """Count one weight sync that raised (``reason``: ``timeout`` or ``error``)."""
+        reason = "timeout" if isinstance(exc, TimeoutError) else "error"
+        m = self.metrics
+        if m is not None:
+            self._safe(lambda: m.broadcast_failures.labels(backend, method, reason).inc())
+        self._rpc("record_broadcast_failure", backend, method, reason)
 
     def upload(self, seconds: float) -> None:
         if self.metrics is not None:
@@ -495,8 +715,12 @@ class WeightBroadcaster:
             meta = tensor_meta(items)
         nbytes = sum(m.nbytes for m in meta)
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": self.group.rank}
-        with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
+        with (
+            self._counting_failures(),
+            tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp,
+        ):
             sp.set_attribute("obsckpt.backend", self.group.backend)
+            sp.set_attribute("obsckpt.method", "broadcast")
             sp.set_attribute("obsckpt.mode", mode)
             t0 = time.perf_counter()
             deadline = self.group.deadline(self.timeout_s)
@@ -507,7 +731,7 @@ class WeightBroadcaster:
                 # A materialised dict's metadata was computed from its own tensors.
                 count = self._send_bucketed(items, meta, plan, deadline, check=not materialised)
             seconds = time.perf_counter() - t0
-        self.telemetry.broadcast(self.group.backend, seconds, nbytes)
+        self.telemetry.broadcast(self.group.backend, seconds, nbytes, "broadcast")
         return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
 
     def _send_header(self, meta, mode, step, deadline) -> list[Bucket] | None:
@@ -541,7 +765,7 @@ class WeightBroadcaster:
         for i, (name, t) in enumerate(items):
             self._check_item(i, name, t, meta)
             src = t.detach().to(self.group.device).contiguous()
-            work = self.group.broadcast_async(src, self.src)
+            work = self.group.broadcast_async(src, self.src, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -586,7 +810,7 @@ class WeightBroadcaster:
                 t = t.to(self.group.device)
             if bucket.solo:
                 flat = t.contiguous().view(-1)
-                inflight.append((self.group.broadcast_async(flat, self.src), None, b))
+                inflight.append((self.group.broadcast_async(flat, self.src, deadline), None, b))
                 issued += 1
             else:
                 parts = pending.setdefault(b, [])
@@ -600,7 +824,7 @@ class WeightBroadcaster:
                 out = buf[: bucket.nbytes].view(bucket.dtype)
                 torch.cat(parts, out=out)
                 del parts
-                inflight.append((self.group.broadcast_async(out, self.src), buf, b))
+                inflight.append((self.group.broadcast_async(out, self.src, deadline), buf, b))
                 issued += 1
             while len(inflight) > _SEND_BUFFERS:
                 drain_one()
@@ -660,9 +884,14 @@ class WeightBroadcaster:
         """
         if self.is_sender:
             raise BroadcastError(f"rank {self.group.rank} is the sender; call send()")
-        with tracing.span(
-            "obsckpt.broadcast", carrier=trace_context, attributes={"obsckpt.rank": self.group.rank}
-        ) as sp:
+        with (
+            self._counting_failures(),
+            tracing.span(
+                "obsckpt.broadcast",
+                carrier=trace_context,
+                attributes={"obsckpt.rank": self.group.rank, "obsckpt.method": "broadcast"},
+            ) as sp,
+        ):
             t0 = time.perf_counter()
             deadline = self.group.deadline(self.timeout_s)
             mode, meta, plan, step = self._recv_header(deadline)
@@ -742,7 +971,7 @@ class WeightBroadcaster:
             dst = self._target(m, into, mismatched)
             direct = dst is not None and _receivable(dst, m, self.group.device)
             buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
-            work = self.group.broadcast_async(buf, self.src)
+            work = self.group.broadcast_async(buf, self.src, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -803,7 +1032,9 @@ class WeightBroadcaster:
                 flat = raw[: bucket.nbytes].view(bucket.dtype)
             else:
                 flat = self._landing(b, bucket, clone)
-            inflight.append((self.group.broadcast_async(flat, self.src), b, flat, raw, all_copied))
+            inflight.append(
+                (self.group.broadcast_async(flat, self.src, deadline), b, flat, raw, all_copied)
+            )
             while len(inflight) > _RECV_BUFFERS:
                 finish_one()
         while inflight:
@@ -827,8 +1058,18 @@ class WeightBroadcaster:
 
     # -- shared --------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _counting_failures(self):
+        """Count a broadcast that raises a :class:`BroadcastError` (the span records it too)."""
+        try:
+            yield
+        except BroadcastError as exc:
+            if self.telemetry:
+                self.telemetry.failure(self.group.backend, "broadcast", exc)
+            raise
+
     def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
-        work = self.group.broadcast_async(t, self.src)
+        work = self.group.broadcast_async(t, self.src, deadline)
         self.group.wait(work, deadline, lambda: self._progress(what, 0, 1, None))
 
     def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta] | None) -> str:

@@ -16,7 +16,10 @@ disable_created_metrics()
 
 KINDS = ("checkpoint", "state_dict")
 RESULTS = ("ok", "error")
-BACKENDS = ("nccl", "gloo")
+BACKENDS = ("nccl", "gloo", "cuda_ipc", "shm")
+# Weight-sync methods and the backends each runs on.
+SYNC_METHODS = {"broadcast": ("nccl", "gloo"), "ipc": ("cuda_ipc", "shm")}
+FAILURE_REASONS = ("timeout", "error")
 ROLES = ("trainer", "rollout")
 STRATEGIES = ("single_thread", "single_process", "single_node", "unrestricted")
 
@@ -165,16 +168,25 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "obsckpt_broadcast_duration_seconds",
         "histogram",
-        ("backend",),
-        "Time one weight broadcast from trainer rank 0 to the rollout side took.",
+        ("backend", "method"),
+        "Time one weight sync from trainer rank 0 to the rollout side took "
+        "(a broadcast, or a colocated handover of CUDA IPC / shared-memory buffers).",
         "broadcast_duration",
     ),
     MetricSpec(
         "obsckpt_broadcast_bytes_total",
         "counter",
-        ("backend",),
-        "Bytes sent by weight broadcasts.",
+        ("backend", "method"),
+        "Bytes sent by weight syncs.",
         "broadcast_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_broadcast_failures_total",
+        "counter",
+        ("backend", "method", "reason"),
+        "Weight syncs that raised: a peer died, stalled past the timeout or broke the "
+        "protocol. The group is then broken and a new one must be formed.",
+        "broadcast_failures",
     ),
     MetricSpec(
         "obsckpt_state_dict_upload_duration_seconds",
@@ -245,6 +257,13 @@ class Metrics:
     def _zero_known_series(spec: MetricSpec, metric) -> None:
         if not spec.labels:
             return
+        if spec.labels[:2] == ("backend", "method"):
+            pairs = [(b, m) for m, backends in SYNC_METHODS.items() for b in backends]
+            rest = [()] if len(spec.labels) == 2 else [(r,) for r in FAILURE_REASONS]
+            for pair in pairs:
+                for tail in rest:
+                    metric.labels(*pair, *tail)
+            return
         if not all(label in _KNOWN_LABELS for label in spec.labels):
             return  # slot and rank values are only known once a worker reports them
         (label,) = spec.labels
@@ -268,6 +287,7 @@ class Metrics:
     rank_last_save_duration: Gauge
     broadcast_duration: Histogram
     broadcast_bytes: Counter
+    broadcast_failures: Counter
     upload_duration: Histogram
     model_version: Gauge
 
@@ -299,6 +319,10 @@ def reference_markdown() -> str:
         + ", ".join(f"`{r}`" for r in RESULTS)
         + "; `backend` is "
         + ", ".join(f"`{b}`" for b in BACKENDS)
+        + "; `method` is "
+        + ", ".join(f"`{m}` ({', '.join(f'`{b}`' for b in bs)})" for m, bs in SYNC_METHODS.items())
+        + "; `reason` is "
+        + ", ".join(f"`{r}`" for r in FAILURE_REASONS)
         + "; `role` is "
         + ", ".join(f"`{r}`" for r in ROLES)
         + "; `strategy` is "

@@ -1,0 +1,126 @@
+"""Colocated weight sync on one GPU: the ipc method vs a device-to-device copy of the same bytes.
+
+The trainer side packs the state into its bucket buffers and hands their CUDA
+IPC handles to a second process on the same GPU, which copies the tensors
+into its own weights and acknowledges (through a pipe here, a Ray call in the
+demo). The reference is one in-process device-to-device copy of the same
+tensors. The value is copy time / sync time (1.0: the sync costs one copy).
+"""
+
+from __future__ import annotations
+
+import time
+
+from benchmarks.common import Result, Sizes, median, rounded, skipped
+
+NAME = "gpu_ipc_sync_vs_d2d"
+TARGET = 0.8
+
+
+def _receiver(conn, device_index: int) -> None:
+    import torch
+
+    from obsckpt.sync.ipc import IpcWeightReceiver
+
+    torch.cuda.set_device(device_index)
+    receiver = IpcWeightReceiver(device=torch.device("cuda", device_index))
+    while True:
+        payload = conn.recv()
+        if payload is None:
+            break
+        try:
+            ack, _ = receiver.recv(payload)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            ack = {"error": f"{type(exc).__name__}: {exc}"}
+        conn.send(ack)
+    receiver.close()
+
+
+def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
+    import torch
+
+    if not torch.cuda.is_available():
+        return skipped(NAME, ">=", TARGET, "CUDA is not available", unit="x")
+    import torch.multiprocessing as mp
+
+    from obsckpt.sync.ipc import IpcWeightSender
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    per = max(1, sizes.state_bytes // sizes.state_tensors // 2)
+    state = {
+        f"layers.{i}.weight": torch.randn(per, dtype=torch.bfloat16, device=device)
+        for i in range(sizes.state_tensors)
+    }
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    copies = {k: torch.empty_like(t) for k, t in state.items()}
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, device.index), daemon=True)
+    proc.start()
+    sender = IpcWeightSender(device=device, timeout_s=120.0)
+
+    def deliver(payload):
+        parent.send(payload)
+        if not parent.poll(120.0):
+            raise TimeoutError("the receiver did not answer within 120 s")
+        ack = parent.recv()
+        if "error" in ack:
+            raise RuntimeError(ack["error"])
+        return ack
+
+    step = 0
+
+    def sync() -> float:
+        nonlocal step
+        step += 1
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sender.send(state, deliver, step=step)
+        return time.perf_counter() - t0
+
+    def d2d() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k, t in state.items():
+            copies[k].copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    try:
+        sync()  # opens the handles and allocates the buckets once
+        d2d()
+        syncs, refs = [], []
+        for _ in range(max(3, sizes.save_reps)):
+            refs.append(d2d())
+            syncs.append(sync())
+    finally:
+        parent.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        sender.close()
+    s, c = median(syncs), median(refs)
+    log(
+        f"  ipc sync {s * 1e3:.1f} ms vs D2D copy {c * 1e3:.1f} ms "
+        f"({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB"
+    )
+    return Result(
+        NAME,
+        c / s,
+        ">=",
+        TARGET,
+        unit="x",
+        limit="device memory bandwidth (one device-to-device copy of the same bytes)",
+        details={
+            "device": torch.cuda.get_device_name(device),
+            "state_bytes": nbytes,
+            "tensors": len(state),
+            "sync_s": round(s, 6),
+            "d2d_s": round(c, 6),
+            "d2d_GBps": round(nbytes / c / 1e9, 3),
+            "sync_samples_s": rounded(syncs),
+            "d2d_samples_s": rounded(refs),
+            "note": "the sync copies the bytes twice: into the sender's buckets and out "
+            "into the receiver's weights",
+        },
+    )

@@ -1,0 +1,210 @@
+"""Colocated weight sync between two Ray actors: the protocol over shared-memory buffers on CPU.
+
+On a GPU machine the same protocol runs over CUDA IPC handles (the gpu-marked test).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from obsckpt.sync.broadcast import BroadcastError, BroadcastTimeoutError
+from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
+
+
+def model(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Mixed dtypes, odd shapes, one tensor larger than a bucket."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "embed": torch.randn(37, 11, generator=g),
+        "bf16": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-(2**62), 2**62, (13,), generator=g, dtype=torch.int64),
+        "scalar": torch.randn((), generator=g),
+        "big": torch.randn(40, 41, generator=g),  # 6,560 bytes: a bucket of its own
+        "t": torch.randn(6, 9, generator=g).t(),  # not contiguous
+    }
+    for i in range(10):
+        out[f"norm.{i}"] = torch.randn(1 + i, generator=g)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    bad = sorted(set(a) ^ set(b))
+    for k in set(a) & set(b):
+        x, y = a[k].cpu(), b[k].cpu()
+        if x.dtype != y.dtype or x.shape != y.shape:
+            bad.append(k)
+        elif not torch.equal(
+            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)
+        ):
+            bad.append(k)
+    return bad
+
+
+class Trainer:
+    def __init__(self, device: str) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from obsckpt.telemetry import tracing
+        from obsckpt.telemetry.metrics import Metrics
+
+        tracing.setup_tracing("trainer", exporter="memory")
+        self.metrics = Metrics(CollectorRegistry())
+        self.device = device
+        self.sender = IpcWeightSender(
+            device=device, bucket_bytes=4 << 10, timeout_s=60, metrics=self.metrics
+        )
+
+    def set_timeout(self, seconds: float) -> None:
+        self.sender.timeout_s = seconds
+
+    def sync(self, rollout, step: int, seed: int) -> dict:
+        t0 = time.monotonic()
+        try:
+            r = self.sender.send(
+                model(seed, self.device), lambda p: rollout.receive.remote(p), step=step
+            )
+            return {"ok": True, "nbytes": r.nbytes, "backend": r.backend, "method": r.mode}
+        except (BroadcastError, ValueError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - t0}
+
+    def sample(self, name: str, labels: dict) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+    def spans(self) -> list[tuple[str, str, dict]]:
+        from obsckpt.telemetry import tracing
+
+        return [(s["name"], s["status"], s["attributes"]) for s in tracing.finished_spans()]
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class Rollout:
+    def __init__(self, device: str) -> None:
+        from obsckpt.telemetry import tracing
+
+        tracing.setup_tracing("rollout", exporter="memory")
+        self.receiver = IpcWeightReceiver(device=device)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.delay = 0.0
+        self.errors: list[str] = []
+
+    def set_delay(self, seconds: float) -> None:
+        self.delay = seconds
+
+    def receive(self, payload) -> dict:
+        time.sleep(self.delay)
+        try:
+            ack, out = self.receiver.recv(
+                payload, into=self.weights or None, clone=not self.weights
+            )
+        except BroadcastError as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            raise
+        if not self.weights:
+            self.weights = out
+        return ack
+
+    def state(self) -> tuple[int | None, dict[str, torch.Tensor], list[str]]:
+        return self.receiver.last_step, {k: v.cpu() for k, v in self.weights.items()}, self.errors
+
+    def spans(self) -> list[tuple[str, str, dict]]:
+        from obsckpt.telemetry import tracing
+
+        return [(s["name"], s["status"], s["attributes"]) for s in tracing.finished_spans()]
+
+
+def run_protocol(device: str, num_gpus: float) -> None:
+    opts = dict(num_cpus=0, num_gpus=num_gpus, max_concurrency=2)
+    trainer = ray.remote(Trainer).options(**opts).remote(device)
+    rollout = ray.remote(Rollout).options(**opts).remote(device)
+    backend = "cuda_ipc" if device.startswith("cuda") else "shm"
+    try:
+        # Two versions: the buckets are reused, the rollout's weights filled in place.
+        for step, seed in ((1, 1), (2, 2)):
+            r = ray.get(trainer.sync.remote(rollout, step, seed))
+            assert r.get("ok"), r
+            assert r["backend"] == backend and r["method"] == "ipc"
+            last, weights, errors = ray.get(rollout.state.remote())
+            assert last == step and errors == []
+            assert differ(model(seed), weights) == []
+
+        # Versions never go backwards.
+        r = ray.get(trainer.sync.remote(rollout, 2, 3))
+        assert r["error"].startswith("ValueError") and "not newer" in r["error"]
+
+        # A rollout that answers after the sender's deadline: the sender raises in time,
+        # the rollout then refuses the payload and keeps the weights it had.
+        ray.get([trainer.set_timeout.remote(1.0), rollout.set_delay.remote(3.0)])
+        r = ray.get(trainer.sync.remote(rollout, 3, 3))
+        assert r["error"].startswith("BroadcastTimeoutError"), r
+        assert r["elapsed"] < 1.0 + 2.0
+        deadline = time.monotonic() + 60
+        while True:
+            last, weights, errors = ray.get(rollout.state.remote())
+            if errors or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert errors and "after the sender's deadline" in errors[0], errors
+        assert last == 2 and differ(model(2), weights) == []
+
+        # The next sync works.
+        ray.get([trainer.set_timeout.remote(60.0), rollout.set_delay.remote(0.0)])
+        r = ray.get(trainer.sync.remote(rollout, 4, 4))
+        assert r.get("ok"), r
+        last, weights, _ = ray.get(rollout.state.remote())
+        assert last == 4 and differ(model(4), weights) == []
+
+        # Metrics and spans, as for a broadcast.
+        labels = {"backend": backend, "method": "ipc"}
+        count = ray.get(trainer.sample.remote("obsckpt_broadcast_duration_seconds_count", labels))
+        assert count == 3
+        nbytes = sum(v.numel() * v.element_size() for v in model(1).values())
+        assert ray.get(trainer.sample.remote("obsckpt_broadcast_bytes_total", labels)) == 3 * nbytes
+        failed = dict(labels, reason="timeout")
+        assert ray.get(trainer.sample.remote("obsckpt_broadcast_failures_total", failed)) == 1
+        sent = [s for s in ray.get(trainer.spans.remote()) if s[0] == "obsckpt.broadcast"]
+        assert [s[1] for s in sent] == ["UNSET", "UNSET", "ERROR", "UNSET"]
+        assert sent[0][2]["obsckpt.method"] == "ipc" and sent[0][2]["obsckpt.bytes"] == nbytes
+        got = [s for s in ray.get(rollout.spans.remote()) if s[0] == "obsckpt.broadcast"]
+        assert [s[1] for s in got] == ["UNSET", "UNSET", "ERROR", "UNSET"]
+    finally:
+        ray.get(trainer.close.remote())
+        for a in (trainer, rollout):
+            ray.kill(a)
+
+
+def test_ipc_protocol_on_shared_memory(ray_cluster):
+    """Version check, buckets, timeout, metrics and spans over shared-memory buffers."""
+    run_protocol("cpu", 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_ipc_protocol_on_cuda(ray_cluster):
+    """The same protocol over CUDA IPC handles, trainer and rollout sharing one GPU."""
+    run_protocol("cuda:0", 0.5)
+
+
+def test_receiver_refuses_a_foreign_payload(tmp_path):
+    sender = IpcWeightSender(device="cpu", bucket_bytes=1 << 10, shm_dir=str(tmp_path))
+    receiver = IpcWeightReceiver()
+    payloads = []
+    sender.send(model(1), lambda p: payloads.append(p) or {"step": 5}, step=5)
+    ack, out = receiver.recv(payloads[0], clone=True)
+    assert ack["step"] == 5 and differ(model(1), out) == []
+    with pytest.raises(BroadcastError, match="versions never go backwards"):
+        receiver.recv(payloads[0])
+    sender.close()
+    assert list(tmp_path.iterdir()) == []  # the shared-memory files are gone
+    with pytest.raises(BroadcastTimeoutError, match="after the sender's deadline"):
+        stale = IpcWeightSender(device="cpu", timeout_s=0.01, shm_dir=str(tmp_path))
+        late = []
+        with pytest.raises(BroadcastError):
+            stale.send(model(1), lambda p: late.append(p) or {"step": -1}, step=1)
+        time.sleep(0.05)
+        IpcWeightReceiver().recv(late[0])
