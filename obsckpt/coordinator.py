@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -430,11 +431,18 @@ class CheckpointCoordinator:
             saves = dict(self._saves)
             preparing = list(self._preparing.values())
         for future in preparing:
-            future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            try:
+                future.exception(
+                    None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
+            except FutureTimeoutError:
+                pass  # its slot is still being prepared; it keeps its staging below
         for save in saves.values():
             save.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
-            names = [n for n in self._staging if n not in saves or saves[n].done.is_set()]
+            busy = {n for n, f in self._preparing.items() if not f.done()}
+            busy |= {n for n, save in saves.items() if not save.done.is_set()}
+            names = [n for n in self._staging if n not in busy]
             released = [(n, self._staging.pop(n)) for n in names]
         for name, staging in released:
             staging.release()
