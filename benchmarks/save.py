@@ -119,7 +119,7 @@ def sync_save(state: dict[str, torch.Tensor], path: str) -> float:
 def _prepared_first_saves(coord, state, root: str, sizes: Sizes, log) -> tuple[list, list]:
     """(prepare seconds, first-save stall seconds) of fresh slots prepared beforehand."""
     prepares, firsts = [], []
-    step = sizes.save_reps + 1
+    step = sizes.save_reps + 3  # after the overlapped saves' steps
     for rep in range(min(3, sizes.save_reps)):
         coord.close()  # the slots so far are released: each measurement starts from nothing
         slot = f"prepared{rep}"
@@ -191,6 +191,23 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
             + (f", torch.save {syncs[-1]:.3f} s" if rep < sizes.sync_save_reps else "")
         )
 
+    # Overlapped saves (a copy thread on CPU): how soon the call returns, and
+    # how long after the call wait_staged() returns.
+    returns, staged = [], []
+    for rep in range(2):
+        step = sizes.save_reps + 1 + rep
+        t0 = time.perf_counter()
+        handle = coord.save_state_dict_async(
+            "model", state, ckpt_path(step), step, is_state_dict=True, overlap=True
+        )
+        t1 = time.perf_counter()
+        handle.wait_staged()
+        t2 = time.perf_counter()
+        coord.wait_all()
+        shutil.rmtree(os.path.join(root, f"global_step_{step}"), ignore_errors=True)
+        returns.append(t1 - t0)
+        staged.append(t2 - t0)
+
     last = ckpt_path(sizes.save_reps)
     file_bytes = os.path.getsize(last)
     prepares, firsts = _prepared_first_saves(coord, state, root, sizes, log)
@@ -221,6 +238,8 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
                 "torch_copy_s": rounded(copies),
                 "memmove_s": rounded(memmoves),
                 "stall_samples_s": rounded(stalls),
+                "overlap_return_s": round(median(returns), 6),
+                "overlap_wait_staged_s": round(median(staged), 6),
             },
         )
     ]
