@@ -8,6 +8,11 @@ one destination never overlap. The monitor is told when a save starts (admission
 when it ends, successfully or not, with its measurements. A failure is
 stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
 
+State-dict saves copy into one staging arena per slot (see
+:mod:`obsckpt.snapshot`): :meth:`CheckpointCoordinator.prepare` makes it before
+the first save, ``overlap=True`` copies next to the caller's next step, and
+:meth:`CheckpointCoordinator.close` releases it.
+
 Trainer side: :meth:`CheckpointCoordinator.register_and_monitor` registers the
 expected saves of a step and submits it for commit.
 """
@@ -178,8 +183,8 @@ class StagedSave:
 
     @property
     def staged(self) -> bool:
-        """Whether the copies have finished (CUDA: whether the host thread has queued them)."""
-        return self._copy is None or self._copy.done.is_set()
+        """Whether every copy has finished (a failed copy counts as finished)."""
+        return self._copy is None or self._copy.finished()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Until the snapshot's copies are done, then the caller may change its tensors.

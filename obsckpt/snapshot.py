@@ -491,6 +491,10 @@ class StagingCopy:
     def needs_thread(self) -> bool:
         return bool(self._cpu)
 
+    def finished(self) -> bool:
+        """Whether every copy has completed (CUDA ones included), without blocking."""
+        return self.done.is_set() and (self._event is None or self._event.query())
+
     def _check(self, indices) -> None:
         for i in indices:
             key, src, _ = self.copies[i]

@@ -241,6 +241,7 @@ class TestCoordinatorStaging:
         expected = _state()
         handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
         handle.wait_staged(timeout=60)
+        assert handle.staged
         for t in _tensors(sd):
             t.zero_()  # the optimizer step, after wait_staged
         coord.wait_all(timeout=60)
