@@ -338,17 +338,6 @@ class StagingBuffers:
     def arena(self) -> Arena | None:
         return self._arena
 
-    @property
-    def buffers(self) -> list[torch.Tensor]:
-        """The current views, in staging order."""
-        return list(self._buffers)
-
-    def fits(self, obj: Any) -> bool:
-        """Whether ``obj``'s tensors have the shapes and dtypes the buffers have now."""
-        found: list[tuple[str, torch.Tensor]] = []
-        _tensors(obj, found)
-        return [_signature(t) for _, t in found] == self._signatures
-
     def prepare(self, obj: Any) -> bool:
         """Allocate (pin) and pre-fault buffers for ``obj``'s tensors; True if it allocated.
 
