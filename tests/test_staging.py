@@ -309,3 +309,21 @@ class TestCuda:
             copier.wait(30)
         with pytest.raises(TensorMutatedError):
             copier.finish()
+
+    def test_overlapped_save_of_a_cuda_state(self, coordinator, tmp_path):
+        coord, metrics = coordinator
+        sd = {f"w{i}": torch.randn(512, 1024, device="cuda") for i in range(4)}
+        expected = {k: v.cpu() for k, v in sd.items()}
+        coord.prepare("model", sd)
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        handle.wait_staged(timeout=60)
+        for t in sd.values():
+            t.zero_()  # queued after the side stream's copies
+        coord.wait_all(timeout=60)
+        loaded = torch.load(_path(tmp_path, 1), weights_only=True)
+        for k in sd:
+            assert torch.equal(loaded[k], expected[k]), k
+        pinned = metrics.registry.get_sample_value(
+            "obsckpt_staging_pinned_bytes", {"slot": "model"}
+        )
+        assert pinned == coord.staging_bytes("model")[1] > 0
