@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 from benchmarks.common import SIZES, Result, loadavg, machine_info  # noqa: E402
 
 SMOKE_ENV = "OBSCKPT_BENCH_SMOKE"
-BENCHMARKS = ("save", "rss", "telemetry", "commit_lag", "broadcast", "gpu")
+BENCHMARKS = ("save", "peers", "rss", "telemetry", "commit_lag", "broadcast", "gpu")
 
 
 def _log(msg: str) -> None:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     ray = None
     try:
-        if {"save", "rss", "telemetry", "commit_lag"} & set(wanted):
+        if {"save", "peers", "rss", "telemetry", "commit_lag"} & set(wanted):
             ray = _start_ray(f"obsckpt-bench-{run_id}")
         for name in wanted:
             # The previous benchmark's files are written back and its deleted ones
@@ -200,6 +200,18 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
             return run_save_benchmarks(sizes, bench_dir, monitor, _log)
         finally:
             ray.kill(monitor)
+    if name == "peers":
+        from benchmarks.peers import run_peers
+        from obsckpt import CheckpointMonitor
+
+        monitor = CheckpointMonitor.get_actor(
+            namespace=f"obsckpt-bench-{run_id}-peers",
+            default_local_dir=os.path.join(bench_dir, "peers"),
+        )
+        try:
+            return run_peers(sizes, bench_dir, monitor, _log)
+        finally:
+            ray.kill(monitor)
     if name == "rss":
         from benchmarks.rss import run_peak_rss
 
@@ -218,10 +230,10 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
 
         return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
     if name == "gpu":
-        from benchmarks.gpu import run_gpu_stall
+        from benchmarks.gpu import run_gpu_benchmarks
         from benchmarks.gpu_sync import run_gpu_ipc_sync
 
-        return [run_gpu_stall(sizes, _log), run_gpu_ipc_sync(sizes, _log)]
+        return run_gpu_benchmarks(sizes, _log) + [run_gpu_ipc_sync(sizes, _log)]
     raise ValueError(f"unknown benchmark {name!r}")
 
 

@@ -9,6 +9,12 @@ Every repetition measures, one after the other on the same state:
   aligned buffer, then fsync): what the filesystem itself sustains;
 * ``torch.save`` + fsync of the same state (default settings), the synchronous
   baseline (fewer repetitions: it is the slow one).
+
+After them, the first save of fresh slots with :meth:`prepare` called first,
+against the second save of the same slot right after (``first_save_vs_warm``),
+and the very first save of the run, which allocated its staging on the
+caller's path (in the details as ``cold_first_save_s``, and against the warm
+stall above as ``cold_first_save_vs_warm``).
 """
 
 from __future__ import annotations
@@ -111,6 +117,43 @@ def sync_save(state: dict[str, torch.Tensor], path: str) -> float:
     return time.perf_counter() - t0
 
 
+def _prepared_first_saves(coord, state, root: str, sizes: Sizes, log) -> tuple[list, list, list]:
+    """(prepare, first-save stall, second-save stall) seconds of fresh slots prepared beforehand.
+
+    The second save of the same slot, right after, is the warm stall the first
+    is compared with: same slot, same moment, so machine noise hits both alike.
+    """
+    prepares, firsts, seconds = [], [], []
+    step = sizes.save_reps + 3  # after the overlapped saves' steps
+    for rep in range(min(3, sizes.save_reps)):
+        coord.close()  # the slots so far are released: each measurement starts from nothing
+        slot = f"prepared{rep}"
+        t0 = time.perf_counter()
+        coord.prepare(slot, state)
+        t1 = time.perf_counter()
+        coord.save_state_dict_async(
+            slot, state, os.path.join(root, slot, f"global_step_{step}", "model.pt"), step
+        )
+        t2 = time.perf_counter()
+        coord.wait_all()
+        t3 = time.perf_counter()
+        coord.save_state_dict_async(
+            slot, state, os.path.join(root, slot, f"global_step_{step + 1}", "model.pt"), step + 1
+        )
+        t4 = time.perf_counter()
+        coord.wait_all()
+        shutil.rmtree(os.path.join(root, slot), ignore_errors=True)
+        prepares.append(t1 - t0)
+        firsts.append(t2 - t1)
+        seconds.append(t4 - t3)
+        log(
+            f"  prepared slot {rep + 1}: prepare {t1 - t0:.3f} s, first stall "
+            f"{(t2 - t1) * 1e3:.1f} ms, second {(t4 - t3) * 1e3:.1f} ms"
+        )
+    coord.close()
+    return prepares, firsts, seconds
+
+
 def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
     from obsckpt import CheckpointCoordinator
 
@@ -127,7 +170,9 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
         return os.path.join(root, f"global_step_{step}", "actor", "model_world_size_1_rank_0.pt")
 
     # Warm-up: allocates the staging buffers (first-save cost is not the steady state).
+    t0 = time.perf_counter()
     coord.save_state_dict_async("model", state, ckpt_path(0), 0, is_state_dict=True)
+    cold_first = time.perf_counter() - t0
     coord.wait_all()
     first_file_bytes = os.path.getsize(ckpt_path(0))
 
@@ -160,8 +205,26 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
             + (f", torch.save {syncs[-1]:.3f} s" if rep < sizes.sync_save_reps else "")
         )
 
+    # Overlapped saves (a copy thread on CPU): how soon the call returns, and
+    # how long after the call wait_staged() returns.
+    returns, staged = [], []
+    for rep in range(2):
+        step = sizes.save_reps + 1 + rep
+        t0 = time.perf_counter()
+        handle = coord.save_state_dict_async(
+            "model", state, ckpt_path(step), step, is_state_dict=True, overlap=True
+        )
+        t1 = time.perf_counter()
+        handle.wait_staged()
+        t2 = time.perf_counter()
+        coord.wait_all()
+        shutil.rmtree(os.path.join(root, f"global_step_{step}"), ignore_errors=True)
+        returns.append(t1 - t0)
+        staged.append(t2 - t0)
+
     last = ckpt_path(sizes.save_reps)
     file_bytes = os.path.getsize(last)
+    prepares, firsts, seconds = _prepared_first_saves(coord, state, root, sizes, log)
     loaded = torch.load(last, mmap=True, weights_only=True)
     loaded_ok = list(loaded) == list(state) and all(
         torch.equal(loaded[k], state[k]) for k in list(state)[:: max(1, len(state) // 4)]
@@ -189,9 +252,34 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
                 "torch_copy_s": rounded(copies),
                 "memmove_s": rounded(memmoves),
                 "stall_samples_s": rounded(stalls),
+                "overlap_return_s": round(median(returns), 6),
+                "overlap_wait_staged_s": round(median(staged), 6),
             },
         )
     ]
+    first, second = median(firsts), median(seconds)
+    results.append(
+        Result(
+            "first_save_vs_warm",
+            first / second,
+            "<=",
+            1.5,
+            unit="x",
+            limit="a warm save's stall (one copy into staging that is already mapped and faulted in)",
+            details={
+                **common,
+                "first_save_after_prepare_s": round(first, 6),
+                "second_save_s": round(second, 6),
+                "prepare_s": round(median(prepares), 6),
+                "first_save_samples_s": rounded(firsts),
+                "second_save_samples_s": rounded(seconds),
+                "prepare_samples_s": rounded(prepares),
+                "cold_first_save_s": round(cold_first, 6),
+                "cold_first_save_vs_warm": round(cold_first / stall, 3),
+                "warm_stall_s": round(stall, 6),
+            },
+        )
+    )
     sync = median(syncs)
     results.append(
         Result(

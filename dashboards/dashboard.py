@@ -280,6 +280,28 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 viz="bargauge",
                 instant=True,
             ),
+            PanelSpec(
+                "Staging memory",
+                "Host memory held for staging per slot in the worker processes, and the "
+                "pinned (CUDA-registered) part of it.",
+                "bytes",
+                [
+                    (f"sum by (slot) ({m('obsckpt_staging_bytes')})", "staging {{slot}}"),
+                    (f"sum by (slot) ({m('obsckpt_staging_pinned_bytes')})", "pinned {{slot}}"),
+                ],
+            ),
+            PanelSpec(
+                "Cold saves",
+                "Saves that allocated their staging on the training path (no prepare() for "
+                "these shapes): their stall includes allocation and page faults.",
+                "none",
+                [
+                    (
+                        f"sum by (slot) (increase({m('obsckpt_staging_cold_saves_total')}[{RATE}]))",
+                        "{{slot}}",
+                    )
+                ],
+            ),
         ],
     ),
     (

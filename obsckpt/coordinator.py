@@ -8,6 +8,11 @@ one destination never overlap. The monitor is told when a save starts (admission
 when it ends, successfully or not, with its measurements. A failure is
 stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
 
+State-dict saves copy into one staging arena per slot (see
+:mod:`obsckpt.snapshot`): :meth:`CheckpointCoordinator.prepare` makes it before
+the first save, ``overlap=True`` copies next to the caller's next step, and
+:meth:`CheckpointCoordinator.close` releases it.
+
 Trainer side: :meth:`CheckpointCoordinator.register_and_monitor` registers the
 expected saves of a step and submits it for commit.
 """
@@ -21,6 +26,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +115,25 @@ class _SaveThreads:
         # for a busy thread.
         self._work.put((fn, name))
 
+    def warm(self, idle: int) -> None:
+        """Start threads until at least ``idle`` are idle, so the next saves start none."""
+        while True:
+            with self._lock:
+                if self._idle >= idle:
+                    return
+                self._started += 1
+                self._idle += 1
+                number = self._started
+            try:
+                threading.Thread(
+                    target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
+                ).start()
+            except BaseException:
+                with self._lock:
+                    self._started -= 1
+                    self._idle -= 1
+                raise
+
     def _serve(self) -> None:
         me = threading.current_thread()
         idle_name = me.name
@@ -140,6 +166,49 @@ class _Save:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+class StagedSave:
+    """What :meth:`CheckpointCoordinator.save_state_dict_async` returns.
+
+    Call :meth:`wait_staged` before changing the saved tensors in place (the
+    optimizer step). Without ``overlap`` the state is staged before the save
+    call returns, and it returns at once.
+    """
+
+    __slots__ = ("slot", "step", "_copy")
+
+    def __init__(self, slot: str, step: int, copy: Any = None) -> None:
+        self.slot = slot
+        self.step = step
+        self._copy = copy  # snapshot.StagingCopy of an overlapped save
+
+    @property
+    def staged(self) -> bool:
+        """Whether every copy has finished (a failed copy counts as finished)."""
+        return self._copy is None or self._copy.finished()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Until the snapshot's copies are done, then the caller may change its tensors.
+
+        CUDA sources: the caller's current stream waits for the side stream's
+        copies (an event; the host does not block). CPU sources: blocks until
+        the copy thread has finished.
+
+        Raises:
+            SaveTimeoutError: the copies did not finish within ``timeout`` seconds.
+            TensorMutatedError: a tensor was changed in place before its copy
+                finished; this save fails (its step never commits).
+        """
+        if self._copy is None:
+            return
+        if not self._copy.wait(timeout):
+            raise SaveTimeoutError(
+                f"staging of slot {self.slot!r} step {self.step} did not finish within "
+                f"{timeout} s ({len(self._copy.copies)} tensors)",
+                slot=self.slot,
+                step=self.step,
+            )
+
+
 class CheckpointCoordinator:
     """Runs saves in background threads and coordinates them with the monitor.
 
@@ -150,6 +219,8 @@ class CheckpointCoordinator:
         save_timeout: seconds after which a running save is reported failed (its
             step never commits) and a join on its slot gives up; None waits forever.
         rpc_timeout: seconds to wait for a monitor RPC that is not an admission.
+        metrics: an :class:`obsckpt.telemetry.metrics.Metrics` to record this
+            process's staging memory and cold saves into (optional).
     """
 
     def __init__(
@@ -159,6 +230,7 @@ class CheckpointCoordinator:
         rank: int | None = None,
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
+        metrics: Any = None,
     ) -> None:
         if save_timeout is not None and (
             isinstance(save_timeout, bool)
@@ -174,6 +246,8 @@ class CheckpointCoordinator:
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
         self._staging: dict[str, Any] = {}  # slot -> snapshot.StagingBuffers
+        self._preparing: dict[str, Future] = {}  # slot -> prepare() running in the background
+        self.metrics = metrics
         # Tickets of running saves, renewed by one heartbeat thread so the monitor
         # can tell a slow save from a rank that died.
         self._leases: set[int] = set()
@@ -254,31 +328,173 @@ class CheckpointCoordinator:
         is_state_dict: bool = False,
         *,
         trace_context: dict | None = None,
-    ) -> None:
+        overlap: bool = False,
+    ) -> StagedSave:
         """Snapshot ``state_dict`` into staging buffers, then write it in the background.
 
-        Returns once every tensor is copied (pinned host buffers when CUDA is
-        present, reused across calls of the same slot), so the caller may
-        change its tensors right away. The background thread writes a file
-        ``torch.load`` reads, fsyncs it and renames it into place.
+        Without ``overlap``, returns once every tensor is copied into the
+        slot's staging buffers (one arena per slot, pinned when CUDA is
+        present, reused across calls while the shapes match), so the caller
+        may change its tensors right away. With ``overlap``, returns once the
+        copies are queued: CUDA tensors are copied on a side stream ordered
+        after the caller's queued work, CPU tensors by a copy thread; the
+        caller must call :meth:`StagedSave.wait_staged` on the result before
+        changing the tensors in place (forward and backward passes do not
+        change the weights; the optimizer step does). A tensor changed before
+        its copy finished fails the save with ``TensorMutatedError``.
+
+        The background thread writes a file ``torch.load`` reads, fsyncs it
+        and renames it into place. A save that had to allocate its staging
+        (no :meth:`prepare` for these shapes) is logged and counted in
+        ``obsckpt_staging_cold_saves_total``.
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
-        from obsckpt.snapshot import StagingBuffers, write_torch_file
+        from obsckpt.snapshot import StagingCopy, write_torch_file
 
         validate_slot(name)
         validate_step(global_step)
         path = os.fspath(path)
         join_wait = self._join(name)
 
-        staging = self._staging.get(name)
-        if staging is None:
-            staging = self._staging[name] = StagingBuffers()
-        snapshot = staging.stage(state_dict)
+        staging = self._staging_for(name)
+        allocations = staging.allocations
+        copier = None
+        if overlap:
+            snapshot, copies = staging.plan(state_dict)
+            copier = StagingCopy(staging, copies)
+        else:
+            snapshot = staging.stage(state_dict)
+        if staging.allocations != allocations:
+            self._cold_save(name, global_step, staging)
+        if copier is not None and copier.needs_thread:
+            # Kept threads: the copy thread costs a queue put, not a thread start.
+            _THREADS.submit(copier.run_cpu, f"obsckpt-stage-{name}-step{global_step}")
 
         def write() -> list[FileRecord]:
+            if copier is not None:
+                copier.finish()
             return [write_torch_file(snapshot, path)]
 
         self._submit(name, write, global_step, is_state_dict, trace_context, join_wait=join_wait)
+        return StagedSave(name, global_step, copier)
+
+    def prepare(self, name: str, state_dict: Any, *, background: bool = False) -> Future:
+        """Allocate, pin and pre-fault slot ``name``'s staging for ``state_dict``'s shapes.
+
+        Call it at start-up (or with ``background=True`` while the first steps
+        train) so the first save of the slot stalls no longer than a later one:
+        the staging arena is mapped and its pages faulted in (registered with
+        CUDA when pinned), and save threads are started. Only shapes and
+        dtypes are read (``meta`` tensors will do). A save of the slot waits for
+        a background prepare of it to finish.
+
+        Returns:
+            A future, done when the slot is prepared; its result is the bytes staged.
+        """
+        from obsckpt import snapshot  # noqa: F401 - the import is part of what is prepared
+
+        validate_slot(name)
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                _THREADS.warm(2)  # a save and an overlapped copy start no thread
+                staging = self._staging_for(name, wait_prepare=False)
+                staging.prepare(state_dict)
+                self._record_staging(name, staging)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(exc)
+            else:
+                future.set_result(staging.bytes_allocated)
+
+        with self._lock:
+            previous = self._preparing.get(name)
+            self._preparing[name] = future
+        if previous is not None:
+            previous.exception()  # one prepare of a slot at a time
+        if background:
+            threading.Thread(target=run, name=f"obsckpt-prepare-{name}", daemon=True).start()
+        else:
+            run()
+            future.result()
+        return future
+
+    def staging_bytes(self, name: str | None = None) -> tuple[int, int]:
+        """(staging bytes, of which pinned) held for slot ``name`` (or all slots)."""
+        with self._lock:
+            slots = [s for n, s in self._staging.items() if name is None or n == name]
+        return sum(s.bytes_allocated for s in slots), sum(s.pinned_bytes for s in slots)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for running saves, then release every slot's staging (unregistering pinned memory).
+
+        Errors of failed saves stay for :meth:`wait_all`. A slot whose save is
+        still running after ``timeout`` keeps its staging.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            saves = dict(self._saves)
+            preparing = list(self._preparing.values())
+        for future in preparing:
+            try:
+                future.exception(
+                    None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
+            except FutureTimeoutError:
+                pass  # its slot is still being prepared; it keeps its staging below
+        for save in saves.values():
+            save.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            busy = {n for n, f in self._preparing.items() if not f.done()}
+            busy |= {n for n, save in saves.items() if not save.done.is_set()}
+            names = [n for n in self._staging if n not in busy]
+            released = [(n, self._staging.pop(n)) for n in names]
+        for name, staging in released:
+            staging.release()
+            self._record_staging(name, staging)
+
+    def _staging_for(self, name: str, *, wait_prepare: bool = True) -> Any:
+        from obsckpt.snapshot import StagingBuffers
+
+        if wait_prepare:
+            with self._lock:
+                future = self._preparing.pop(name, None)
+            if future is not None and future.exception() is not None:
+                self.logger.warning(
+                    "obsckpt: prepare() of slot %r failed (%s); the save allocates its staging",
+                    name,
+                    future.exception(),
+                )
+        with self._lock:
+            staging = self._staging.get(name)
+            if staging is None:
+                staging = self._staging[name] = StagingBuffers()
+        return staging
+
+    def _cold_save(self, name: str, step: int, staging: Any) -> None:
+        self.logger.info(
+            "obsckpt: save of slot %r step %d allocated its staging (%.1f MiB in %.3f s) on the "
+            "caller's path; call prepare() at start-up to take this out of the first save",
+            name,
+            step,
+            staging.bytes_allocated / (1 << 20),
+            staging.last_allocation_s,
+        )
+        if self.metrics is not None:
+            try:
+                self.metrics.staging_cold_saves.labels(name).inc()
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+                self.logger.warning("obsckpt: recording a cold save failed: %s", exc)
+        self._record_staging(name, staging)
+
+    def _record_staging(self, name: str, staging: Any) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.staging_bytes.labels(name).set(staging.bytes_allocated)
+            self.metrics.staging_pinned_bytes.labels(name).set(staging.pinned_bytes)
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
+            self.logger.warning("obsckpt: recording staging bytes failed: %s", exc)
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Join every slot; raise the first background failure (once), with slot and step.

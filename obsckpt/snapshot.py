@@ -1,11 +1,17 @@
 """Snapshot a state dict into reusable staging buffers; write it durably.
 
 The training loop is blocked only for :meth:`StagingBuffers.stage`: one copy
-of each tensor into a buffer kept from the previous save of the same slot
-(pinned host memory when CUDA is present, so device→host copies run at
-full bandwidth). :func:`write_torch_file` then runs in the background and
-writes the staged tensors to disk straight from those buffers, which are
-page-aligned for that purpose.
+of each tensor into a buffer kept from the previous save of the same slot.
+A slot's buffers are views of one anonymous mapping (an :class:`Arena`),
+registered as pinned memory with CUDA when CUDA is present so device→host
+copies run at full bandwidth, without the caching host allocator's rounding
+of each buffer to a power of two. :func:`write_torch_file` then runs in the
+background and writes the staged tensors to disk straight from those views,
+which are page-aligned for that purpose.
+
+With :meth:`StagingBuffers.plan` the copy can also run apart from the caller:
+on a side CUDA stream, or on a copy thread for CPU tensors (see
+:class:`StagingCopy`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import mmap
 import os
 import pickle
 import queue
+import sys
 import threading
+import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -28,10 +37,15 @@ import torch
 
 from obsckpt.commit import FileRecord, crc32, fsync_dir
 
-try:  # DTensor shards (FSDP2) are staged as their local tensor plus placement.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+
+def _dtensor_type() -> type | None:
+    """DTensor, if its module is loaded; a state dict with DTensors has loaded it.
+
+    Importing ``torch.distributed.tensor`` here would pull in sympy, seconds
+    of the first save's stall for a state dict that has no DTensor at all.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 # The writer's chunks, for the bytes that cannot be written from where they lie
@@ -146,70 +160,244 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).ctypes.data
 
 
-def _empty_aligned(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data starts on a page boundary.
+# Views of at least the direct-write size start on a page (they are written to
+# disk from their memory); smaller ones on torch's own 64-byte alignment, so a
+# state of many small tensors does not pay a page each.
+_SMALL_ALIGN = 64
+_CUDA_HOST_REGISTER_PORTABLE = 1
 
-    Direct I/O needs aligned memory; torch's allocator aligns to 64 bytes, so
-    large staging buffers are anonymous mappings instead (freed with the tensor).
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _DIRECT_MIN:
-        return torch.empty(shape, dtype=dtype)
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _cuda_host_register(address: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` at ``address`` for CUDA (``cudaHostRegister``); False if refused."""
     try:
-        raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+    except Exception:  # noqa: BLE001 - staging still works unpinned, only slower
+        return False
+    return int(getattr(err, "value", err)) == 0
+
+
+def _cuda_host_unregister(address: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001 - nothing more can be done at release
+        pass
+
+
+class Arena:
+    """One page-aligned anonymous mapping, carved into tensor views.
+
+    Each view is a tensor with a storage of its own (``torch.save`` writes
+    it as its own record) whose memory lies inside the mapping. With
+    ``pin=True`` the whole mapping is registered with CUDA
+    (``cudaHostRegister``): one page-locked region for the slot, exactly its
+    size. :meth:`release` unregisters it and drops the arena's reference; the
+    mapping is unmapped when the last view is gone (views keep it alive,
+    never the other way round).
+
+    Args:
+        nbytes: size of the mapping (rounded up to a page).
+        pin: register the mapping with CUDA.
+        populate: fault every page in now (``MAP_POPULATE``), so the first
+            copy into the views does not pay the page faults.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False, populate: bool = False) -> None:
+        if nbytes < 0:
+            raise ValueError(f"an arena's size must be >= 0 bytes, got {nbytes!r}")
+        self.nbytes = max(_ALIGN, _round_up(nbytes, _ALIGN))
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate and not pin:  # registering faults the pages in anyway
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mm: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        probe = np.frombuffer(self._mm, np.uint8, count=1)
+        self.address: int = probe.ctypes.data
+        del probe
+        self.pinned = pin and _cuda_host_register(self.address, self.nbytes)
+        # Unregistered however the arena goes, before the mapping can be unmapped.
+        self._finalizer = (
+            weakref.finalize(self, _cuda_host_unregister, self.address) if self.pinned else None
+        )
+
+    @property
+    def released(self) -> bool:
+        return self._mm is None
+
+    def mapping(self) -> mmap.mmap | None:
+        """The mapping itself while the arena holds it (None once released)."""
+        return self._mm
+
+    def view(self, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+        """A tensor of ``shape`` and ``dtype`` whose memory starts ``offset`` bytes into the mapping."""
+        if self._mm is None:
+            raise RuntimeError("this staging arena was released; allocate a new one")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"a view of {nbytes} bytes at offset {offset} does not fit an arena of "
+                f"{self.nbytes} bytes"
+            )
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
         return raw.view(dtype).view(shape)
-    except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
-        return torch.empty(shape, dtype=dtype)
+
+    def release(self) -> None:
+        """Unregister (CUDA) and let go of the mapping; views still held keep their memory."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.pinned = False
+        self._mm = None
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes in one arena, and the arena's size."""
+    offsets = []
+    end = 0
+    for n in sizes:
+        end = _round_up(end, _ALIGN if n >= _DIRECT_MIN else _SMALL_ALIGN)
+        offsets.append(end)
+        end += n
+    return offsets, end
 
 
 def _signature(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype)
 
 
+@functools.cache
+def _can_view(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(dtype.itemsize, dtype=torch.uint8).view(dtype)
+    except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
+        return False
+    return True
+
+
+class TensorMutatedError(RuntimeError):
+    """A tensor being staged was changed in place before its copy had finished."""
+
+
+def _local(obj: Any) -> Any:
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(obj, dtensor):
+        return obj.to_local()
+    return obj
+
+
+def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], key: str = "") -> None:
+    """The tensors :meth:`StagingBuffers.plan` stages, in its order, with their keys."""
+    obj = _local(obj)
+    if isinstance(obj, torch.Tensor):
+        out.append((key, obj.detach()))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _tensors(v, out, f"{key}.{k}" if key else str(k))
+    elif isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        for i, v in enumerate(obj):
+            _tensors(v, out, f"{key}.{i}" if key else str(i))
+
+
 class StagingBuffers:
-    """Host buffers for one slot, reused while the state dict keeps its shapes."""
+    """Host buffers for one slot, reused while the state dict keeps its shapes.
+
+    The buffers are views of one :class:`Arena` (pinned when ``pin_memory``);
+    a state dict of other shapes or dtypes gets a new arena, and the old one
+    is released.
+    """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._arena: Arena | None = None
+        self._signatures: list[tuple] = []
         self._buffers: list[torch.Tensor] = []
-        self._cursor = 0
+        self._loose_bytes = 0  # buffers outside the arena (dtypes that cannot view bytes)
+        self._stream = None  # side CUDA stream of overlapped copies
+        # How the last allocation went, for the caller's telemetry.
+        self.allocations = 0
+        self.last_allocation_s = 0.0
 
     @property
     def bytes_allocated(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+        """Host bytes this slot's staging holds (the arena plus any loose buffers)."""
+        arena = self._arena.nbytes if self._arena is not None else 0
+        return arena + self._loose_bytes
 
-    def _buffer_for(self, t: torch.Tensor) -> torch.Tensor:
-        i = self._cursor
-        self._cursor += 1
-        if i < len(self._buffers) and _signature(self._buffers[i]) == _signature(t):
-            return self._buffers[i]
-        if self.pin_memory:  # pinned blocks are page-aligned already
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        else:
-            buf = _empty_aligned(t.shape, t.dtype)
-        if i < len(self._buffers):
-            self._buffers[i] = buf
-        else:
-            self._buffers.append(buf)
-        return buf
+    @property
+    def pinned_bytes(self) -> int:
+        """Of :attr:`bytes_allocated`, the page-locked (CUDA-registered) bytes."""
+        arena = self._arena.nbytes if self._arena is not None and self._arena.pinned else 0
+        return arena + (self._loose_bytes if self.pin_memory else 0)
 
-    def stage(self, obj: Any) -> Any:
-        """A copy of ``obj`` whose tensors live in this slot's staging buffers.
+    @property
+    def arena(self) -> Arena | None:
+        return self._arena
 
-        Returns once every copy has completed, so the caller may mutate its
-        tensors immediately. Containers are rebuilt; other leaves are deep-copied.
+    def prepare(self, obj: Any) -> bool:
+        """Allocate (pin) and pre-fault buffers for ``obj``'s tensors; True if it allocated.
+
+        Only shapes and dtypes are read: ``obj`` may hold tensors on any
+        device, ``meta`` included.
         """
-        self._cursor = 0
-        out = self._stage(obj)
-        del self._buffers[self._cursor :]
-        if self.pin_memory and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return out
+        found: list[tuple[str, torch.Tensor]] = []
+        _tensors(obj, found)
+        return self._ensure([t for _, t in found], populate=True)
 
-    def _stage(self, obj: Any) -> Any:
-        if DTensor is not None and isinstance(obj, DTensor):
-            local = self._stage(obj.to_local())
-            return DTensor.from_local(
+    def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
+        signatures = [_signature(t) for t in tensors]
+        if signatures == self._signatures and self._arena is not None:
+            return False
+        t0 = time.perf_counter()
+        self.release()
+        viewable = [_can_view(t.dtype) for t in tensors]
+        sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, viewable, strict=True)]
+        offsets, total = _layout(sizes)
+        arena = Arena(total, pin=self.pin_memory, populate=populate)
+        buffers = []
+        for t, ok, offset in zip(tensors, viewable, offsets, strict=True):
+            if ok and t.numel():
+                buffers.append(arena.view(offset, t.shape, t.dtype))
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory and ok)
+                self._loose_bytes += _nbytes(buf)
+                buffers.append(buf)
+        self._arena, self._signatures, self._buffers = arena, signatures, buffers
+        self.allocations += 1
+        self.last_allocation_s = time.perf_counter() - t0
+        return True
+
+    def release(self) -> None:
+        """Drop the buffers; the arena is unregistered and unmapped once no view is held."""
+        if self._arena is not None:
+            self._arena.release()
+        self._arena = None
+        self._signatures, self._buffers = [], []
+        self._loose_bytes = 0
+
+    def plan(self, obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """``obj`` rebuilt around this slot's buffers, and the copies still to make.
+
+        Returns ``(snapshot, copies)``: ``snapshot`` has ``obj``'s structure
+        with its tensors replaced by staging buffers (not yet filled) and other
+        leaves deep-copied; ``copies`` lists ``(key, source, buffer)``.
+        """
+        found: list[tuple[str, torch.Tensor]] = []
+        _tensors(obj, found)
+        self._ensure([t for _, t in found], populate=False)
+        copies = [(key, src, buf) for (key, src), buf in zip(found, self._buffers, strict=True)]
+        it = iter(self._buffers)
+        return self._rebuild(obj, it), copies
+
+    def _rebuild(self, obj: Any, it) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
+            local = self._rebuild(obj.to_local(), it)
+            return dtensor.from_local(
                 local,
                 obj.device_mesh,
                 obj.placements,
@@ -218,17 +406,141 @@ class StagingBuffers:
                 stride=obj.stride(),
             )
         if isinstance(obj, torch.Tensor):
-            src = obj.detach()
-            buf = self._buffer_for(src)
-            buf.copy_(src, non_blocking=self.pin_memory and src.is_cuda)
-            return buf
+            return next(it)
         if isinstance(obj, dict):
-            return type(obj)((k, self._stage(v)) for k, v in obj.items())
+            return type(obj)((k, self._rebuild(v, it)) for k, v in obj.items())
         if isinstance(obj, list):
-            return [self._stage(v) for v in obj]
+            return [self._rebuild(v, it) for v in obj]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._stage(v) for v in obj)
+            return tuple(self._rebuild(v, it) for v in obj)
         return copy.deepcopy(obj)
+
+    def stage(self, obj: Any) -> Any:
+        """A copy of ``obj`` whose tensors live in this slot's staging buffers.
+
+        Returns once every copy has completed, so the caller may mutate its
+        tensors immediately. Containers are rebuilt; other leaves are deep-copied.
+        """
+        out, copies = self.plan(obj)
+        non_blocking = self.pin_memory
+        cuda = False
+        for _, src, buf in copies:
+            cuda = cuda or src.is_cuda
+            buf.copy_(src, non_blocking=non_blocking and src.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def side_stream(self):
+        """This slot's CUDA stream for overlapped copies (created on first use)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+class StagingCopy:
+    """An overlapped copy of planned staging copies, with a check for early mutation.
+
+    CUDA sources are copied on the slot's side stream, ordered after the
+    work the caller's stream has queued so far; the caller's stream is not
+    blocked. :meth:`wait` makes the caller's current stream wait for the
+    copies (an event, no host block), so the optimizer step queued after it
+    runs after them. CPU sources are copied by :meth:`run_cpu` on another
+    thread while the caller goes on (see the coordinator). Every source's
+    version counter (``tensor._version``, bumped by each in-place operation) is
+    read when the copy is planned and compared when its copy has finished: a
+    change means the caller modified the tensor before staging finished, and
+    the save fails with :class:`TensorMutatedError` instead of writing a mix
+    of two steps.
+    """
+
+    def __init__(self, staging: StagingBuffers, copies: list) -> None:
+        self.copies = copies
+        self.versions = [src._version for _, src, _ in copies]
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._event = None
+        self._lock = threading.Lock()
+        self._ordered = False  # the caller's stream waits for the copies (wait() was called)
+        cuda = [(k, s, b) for k, s, b in copies if s.is_cuda]
+        self._cpu = [(i, c) for i, c in enumerate(copies) if not c[1].is_cuda]
+        if cuda:
+            side = staging.side_stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _, src, buf in cuda:
+                    buf.copy_(src, non_blocking=True)
+                    src.record_stream(side)
+            self._event = torch.cuda.Event()
+            self._event.record(side)
+        if not self._cpu:
+            self.done.set()
+
+    @property
+    def needs_thread(self) -> bool:
+        return bool(self._cpu)
+
+    def finished(self) -> bool:
+        """Whether every copy has completed (CUDA ones included), without blocking."""
+        return self.done.is_set() and (self._event is None or self._event.query())
+
+    def _check(self, indices) -> None:
+        for i in indices:
+            key, src, _ = self.copies[i]
+            if src._version != self.versions[i]:
+                raise TensorMutatedError(
+                    f"tensor {key!r} was modified in place before its staging copy had "
+                    f"finished (version {self.versions[i]} -> {src._version}); the save is "
+                    "abandoned. Call wait_staged() on the save's handle before the "
+                    "optimizer step (or any in-place change of the saved tensors)"
+                )
+
+    def run_cpu(self) -> None:
+        """Copy the CPU sources, checking each one's version right after its copy."""
+        try:
+            for i, (_, src, buf) in self._cpu:
+                buf.copy_(src)
+                self._check((i,))
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() and by the write
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Order the caller's work after the copies; False on timeout. Raises a mutation found."""
+        if not self.done.wait(timeout):
+            return False
+        if self._event is not None:
+            with self._lock:
+                if not self._ordered and self.error is None:
+                    try:
+                        self._check(self._cuda_indices())
+                    except TensorMutatedError as exc:
+                        self.error = exc
+                    else:
+                        torch.cuda.current_stream().wait_event(self._event)
+                        self._ordered = True
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def _cuda_indices(self) -> list[int]:
+        return [i for i, (_, src, _) in enumerate(self.copies) if src.is_cuda]
+
+    def finish(self) -> None:
+        """For the writer: block until every copy is in host memory; raise a mutation found."""
+        self.done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+            with self._lock:
+                if not self._ordered and self.error is None:
+                    # Changes queued without waiting may have run before the copies.
+                    try:
+                        self._check(self._cuda_indices())
+                    except TensorMutatedError as exc:
+                        self.error = exc
+        if self.error is not None:
+            raise self.error
 
 
 class _PipelinedSink:
@@ -467,8 +779,7 @@ def _storages(obj: Any) -> dict[int, int]:
     stack = [obj]
     while stack:
         item = stack.pop()
-        if DTensor is not None and isinstance(item, DTensor):
-            item = item.to_local()
+        item = _local(item)
         if isinstance(item, torch.Tensor):
             if item.device.type == "cpu":
                 storage = item.untyped_storage()

@@ -27,10 +27,16 @@ EXPECTED = {
     "bucketed_vs_per_tensor": ">= 2",
     "broadcast_vs_raw": ">= 0.8",
     "peak_extra_rss_ratio": "<= 1.15",
+    "first_save_vs_warm": "<= 1.5",
+    "peer_dcp_stall_ratio": ">= 1.3",
+    "peer_dcp_durable_ratio": ">= 1.1",
 }
 GPU_ONLY = (
     "gpu_stall_vs_d2h",
     "gpu_ipc_sync_vs_d2d",
+    "gpu_pinned_bytes_ratio",
+    "gpu_first_save_vs_warm",
+    "gpu_overlapped_stall_vs_d2h",
     "nccl_bucketed_vs_per_tensor",
     "nccl_broadcast_vs_raw",
 )
@@ -102,6 +108,25 @@ class TestSmokeRun:
             assert name in proc.stdout
         assert "smoke" in proc.stdout
         assert "smoke mode" in proc.stderr
+
+    def test_peers_report_their_own_numbers(self, smoke_run):
+        _, doc = smoke_run
+        for name in ("peer_dcp_stall_ratio", "peer_dcp_durable_ratio"):
+            r = doc["results"][name]
+            obsckpt, dcp = r["obsckpt"], r["dcp_default_stager"]
+            assert obsckpt["stall_s"] > 0 and obsckpt["durable_s"] >= obsckpt["stall_s"]
+            assert dcp["stall_s"] > 0 and dcp["durable_s"] >= dcp["stall_s"]
+            assert dcp["thread_count"] == obsckpt["writer_threads"]
+            assert r["torch_save_fsync"]["durable_s"] > 0
+            best = r["dcp_default_stager"] if r["compared_with"] == "dcp_default_stager" else None
+            if best is not None:
+                key = "stall_s" if name == "peer_dcp_stall_ratio" else "durable_s"
+                assert r["value"] == pytest.approx(best[key] / obsckpt[key], rel=1e-2)
+
+    def test_first_save_reports_prepare_and_cold_numbers(self, smoke_run):
+        _, doc = smoke_run
+        r = doc["results"]["first_save_vs_warm"]
+        assert r["prepare_s"] > 0 and r["cold_first_save_s"] > 0 and r["warm_stall_s"] > 0
 
     def test_saved_checkpoint_was_loadable(self, smoke_run):
         _, doc = smoke_run

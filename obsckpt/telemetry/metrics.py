@@ -166,6 +166,29 @@ METRICS: tuple[MetricSpec, ...] = (
         "rank_last_save_duration",
     ),
     MetricSpec(
+        "obsckpt_staging_bytes",
+        "gauge",
+        ("slot",),
+        "Host memory held by a slot's staging buffers in this worker process "
+        "(one arena per slot; 0 after close).",
+        "staging_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_staging_pinned_bytes",
+        "gauge",
+        ("slot",),
+        "Of obsckpt_staging_bytes, the page-locked (CUDA-registered) bytes.",
+        "staging_pinned_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_staging_cold_saves_total",
+        "counter",
+        ("slot",),
+        "Saves that allocated their slot's staging on the caller's path (no prepare() "
+        "for these shapes): their stall includes the allocation and page faults.",
+        "staging_cold_saves",
+    ),
+    MetricSpec(
         "obsckpt_broadcast_duration_seconds",
         "histogram",
         ("backend", "method"),
@@ -285,6 +308,9 @@ class Metrics:
     abandoned_steps: Gauge
     step_failures: Counter
     rank_last_save_duration: Gauge
+    staging_bytes: Gauge
+    staging_pinned_bytes: Gauge
+    staging_cold_saves: Counter
     broadcast_duration: Histogram
     broadcast_bytes: Counter
     broadcast_failures: Counter

@@ -1,0 +1,329 @@
+"""Staging arenas, prepare() and overlapped saves."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import weakref
+
+import pytest
+import ray
+import torch
+from prometheus_client import CollectorRegistry
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.errors import SaveError
+from obsckpt.snapshot import (
+    Arena,
+    StagingBuffers,
+    StagingCopy,
+    TensorMutatedError,
+    write_torch_file,
+)
+from obsckpt.telemetry.metrics import Metrics
+
+MiB = 1 << 20
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device: pinned (cudaHostRegister) arenas and side-stream copies",
+)
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.rand(MiB // 4 + 3, generator=g),  # just over 1 MiB: page-aligned
+        "bf16": torch.rand(3, MiB, generator=g).to(torch.bfloat16),
+        "small": torch.rand(10, generator=g),
+        "int": torch.arange(7),
+        "nested": {"flags": torch.zeros(2 * MiB, dtype=torch.bool), "step": 3},
+    }
+
+
+def _tensors(sd: dict) -> list[torch.Tensor]:
+    return [sd["big"], sd["bf16"], sd["small"], sd["int"], sd["nested"]["flags"]]
+
+
+class TestArena:
+    """A slot's buffers are views of one mapping, aligned, reused, resized and released."""
+
+    def test_views_alias_one_mapping_with_storages_of_their_own(self):
+        staging = StagingBuffers(pin_memory=False)
+        snap = staging.stage(_state())
+        arena = staging.arena
+        views = _tensors(snap)
+        for v in views:
+            assert arena.address <= v.data_ptr() < arena.address + arena.nbytes
+            assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+        ends = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
+        assert all(
+            a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:], strict=False)
+        )
+        # One mapping, the size of the state up to alignment.
+        state_bytes = sum(t.numel() * t.element_size() for t in _tensors(_state()))
+        assert staging.bytes_allocated == arena.nbytes
+        assert state_bytes <= arena.nbytes <= state_bytes * 1.02
+
+    def test_alignment(self):
+        staging = StagingBuffers(pin_memory=False)
+        snap = staging.stage(_state())
+        for key in ("big", "bf16"):
+            assert snap[key].data_ptr() % 4096 == 0, key
+        assert snap["nested"]["flags"].data_ptr() % 4096 == 0
+        assert snap["small"].data_ptr() % 64 == 0 and snap["int"].data_ptr() % 64 == 0
+        assert staging.arena.nbytes % 4096 == 0
+
+    def test_reused_while_shapes_match_and_resized_when_they_change(self):
+        staging = StagingBuffers(pin_memory=False)
+        first = staging.stage(_state(0))
+        arena = staging.arena
+        second = staging.stage(_state(1))
+        assert staging.arena is arena and staging.allocations == 1
+        assert second["big"].data_ptr() == first["big"].data_ptr()
+        assert torch.equal(second["big"], _state(1)["big"])
+        bigger = _state(1)
+        bigger["big"] = torch.rand(2 * MiB)
+        third = staging.stage(bigger)
+        assert staging.allocations == 2 and staging.arena is not arena
+        assert arena.released
+        assert staging.bytes_allocated >= 8 * MiB and torch.equal(third["big"], bigger["big"])
+        dtype_change = dict(bigger, small=bigger["small"].double())
+        staging.stage(dtype_change)
+        assert staging.allocations == 3
+
+    def test_release_unmaps_once_no_view_is_held(self):
+        staging = StagingBuffers(pin_memory=False)
+        snap = staging.stage(_state())
+        mapping = weakref.ref(staging.arena.mapping())
+        arena = staging.arena
+        staging.release()
+        assert staging.bytes_allocated == 0 and arena.released
+        with pytest.raises(RuntimeError, match="released"):
+            arena.view(0, (4,), torch.float32)
+        # A view still held keeps its memory valid ...
+        assert mapping() is not None and torch.equal(snap["big"], _state()["big"])
+        del snap
+        gc.collect()
+        # ... and the mapping goes with the last one.
+        assert mapping() is None
+
+    def test_written_file_holds_each_tensor_once(self, tmp_path):
+        sd = _state()
+        snap = StagingBuffers(pin_memory=False).stage(sd)
+        rec = write_torch_file(snap, tmp_path / "m.pt")
+        state_bytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
+        assert rec.size < state_bytes + 64 * 1024
+        loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+        for a, b in zip(_tensors(loaded), _tensors(sd), strict=True):
+            assert torch.equal(a, b)
+        assert loaded["nested"]["step"] == 3
+
+    def test_view_outside_the_mapping_is_refused(self):
+        arena = Arena(4096)
+        with pytest.raises(ValueError, match="does not fit"):
+            arena.view(4000, (100,), torch.uint8)
+        with pytest.raises(ValueError, match="size"):
+            Arena(-1)
+
+
+class TestPrepare:
+    """prepare() allocates a slot's staging, so the first save allocates nothing."""
+
+    def test_prepare_sizes_the_staging_from_shapes_alone(self):
+        staging = StagingBuffers(pin_memory=False)
+        meta = {
+            k: torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for k, t in _state().items()
+            if isinstance(t, torch.Tensor)
+        }
+        meta["nested"] = {"flags": torch.empty(2 * MiB, dtype=torch.bool, device="meta")}
+        assert staging.prepare(meta) is True
+        assert staging.prepare(meta) is False
+        staging.stage(_state())
+        assert staging.allocations == 1
+
+
+class TestStagingCopy:
+    """An overlapped copy fails rather than staging a tensor changed before its copy."""
+
+    def test_copy_thread_stages_the_values_of_the_call(self):
+        sd = _state()
+        expected = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        staging = StagingBuffers(pin_memory=False)
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        assert copier.needs_thread and not copier.done.is_set()
+        t = threading.Thread(target=copier.run_cpu)
+        t.start()
+        assert copier.wait(30)
+        t.join()
+        copier.finish()
+        for k, v in expected.items():
+            assert torch.equal(snap[k], v), k
+
+    def test_mutation_before_the_copy_is_caught(self):
+        sd = _state()
+        staging = StagingBuffers(pin_memory=False)
+        _, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        sd["nested"]["flags"].fill_(True)  # in place, before the copy thread ran
+        copier.run_cpu()
+        with pytest.raises(TensorMutatedError, match=r"'nested\.flags'.*wait_staged"):
+            copier.wait(1)
+        with pytest.raises(TensorMutatedError):
+            copier.finish()
+
+    def test_mutation_after_the_copy_is_allowed(self):
+        sd = _state()
+        staging = StagingBuffers(pin_memory=False)
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        copier.run_cpu()
+        copier.wait(1)
+        before = sd["big"].clone()
+        sd["big"].add_(1)
+        copier.finish()
+        assert torch.equal(snap["big"], before)
+
+
+@pytest.fixture
+def coordinator(namespace, tmp_path):
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(tmp_path), metrics_port=0
+    )
+    ray.get(monitor.status.remote())
+    metrics = Metrics(CollectorRegistry())
+    coord = CheckpointCoordinator(monitor, rank=0, metrics=metrics)
+    yield coord, metrics
+    coord.close(timeout=60)
+    ray.kill(monitor)
+
+
+def _path(root, step: int):
+    return root / f"global_step_{step}" / "actor" / "model.pt"
+
+
+class TestCoordinatorStaging:
+    """Through the public API: prepare, cold saves, overlapped saves, close."""
+
+    def test_prepared_first_save_allocates_nothing(self, coordinator, tmp_path, caplog):
+        coord, metrics = coordinator
+        sd = _state()
+        future = coord.prepare("model", sd, background=True)
+        assert future.result(timeout=60) == coord.staging_bytes("model")[0] > 0
+        with caplog.at_level(logging.INFO, logger="obsckpt.coordinator"):
+            handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1)
+            coord.wait_all(timeout=60)
+        assert handle.staged
+        assert "allocated its staging" not in caplog.text
+        value = metrics.registry.get_sample_value
+        assert value("obsckpt_staging_cold_saves_total", {"slot": "model"}) in (None, 0.0)
+        assert value("obsckpt_staging_bytes", {"slot": "model"}) == coord.staging_bytes()[0]
+        assert value("obsckpt_staging_pinned_bytes", {"slot": "model"}) == 0
+        coord.close()
+        assert value("obsckpt_staging_bytes", {"slot": "model"}) == 0
+        assert coord.staging_bytes() == (0, 0)
+
+    def test_cold_save_is_logged_and_counted(self, coordinator, tmp_path, caplog):
+        coord, metrics = coordinator
+        with caplog.at_level(logging.INFO, logger="obsckpt.coordinator"):
+            coord.save_state_dict_async("model", _state(), _path(tmp_path, 1), 1)
+            coord.save_state_dict_async("model", _state(1), _path(tmp_path, 2), 2)
+            coord.wait_all(timeout=60)
+        assert caplog.text.count("allocated its staging") == 1
+        value = metrics.registry.get_sample_value
+        assert value("obsckpt_staging_cold_saves_total", {"slot": "model"}) == 1
+
+    def test_overlapped_save_writes_the_values_of_the_call(self, coordinator, tmp_path):
+        coord, _ = coordinator
+        sd = _state()
+        expected = _state()
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        handle.wait_staged(timeout=60)
+        assert handle.staged
+        for t in _tensors(sd):
+            t.zero_()  # the optimizer step, after wait_staged
+        coord.wait_all(timeout=60)
+        loaded = torch.load(_path(tmp_path, 1), weights_only=True)
+        for a, b in zip(_tensors(loaded), _tensors(expected), strict=True):
+            assert torch.equal(a, b)
+
+    def test_tensor_changed_before_staging_finished_fails_the_save(
+        self, coordinator, tmp_path, monkeypatch
+    ):
+        coord, _ = coordinator
+        go = threading.Event()
+        run_cpu = StagingCopy.run_cpu
+
+        def slow_copy(self):  # the copy thread starts late: the caller got there first
+            go.wait(30)
+            run_cpu(self)
+
+        monkeypatch.setattr(StagingCopy, "run_cpu", slow_copy)
+        sd = _state()
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        sd["big"].mul_(2)  # the optimizer step, without wait_staged
+        go.set()
+        with pytest.raises(TensorMutatedError, match="'big'"):
+            handle.wait_staged(timeout=60)
+        with pytest.raises(SaveError, match="TensorMutatedError"):
+            coord.wait_all(timeout=60)
+        assert not _path(tmp_path, 1).exists()
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestCuda:
+    """Pinned arenas and side-stream copies (run where CUDA is present)."""
+
+    def test_arena_is_registered_pinned_memory_of_the_state_size(self):
+        sd = {f"w{i}": torch.randn(1000 + i, 1024, device="cuda") for i in range(8)}
+        staging = StagingBuffers(pin_memory=True)
+        snap = staging.stage(sd)
+        state_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+        assert staging.pinned_bytes == staging.bytes_allocated <= state_bytes * 1.02
+        assert all(v.is_pinned() for v in snap.values())
+        for k in sd:
+            assert torch.equal(snap[k], sd[k].cpu())
+        staging.release()
+        assert staging.pinned_bytes == 0
+
+    def test_side_stream_copy_and_mutation_check(self):
+        sd = {f"w{i}": torch.randn(1024, 1024, device="cuda") for i in range(4)}
+        expected = {k: v.cpu() for k, v in sd.items()}
+        staging = StagingBuffers(pin_memory=True)
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        assert not copier.needs_thread
+        assert copier.wait(30)  # the caller's stream now waits for the copies
+        for t in sd.values():
+            t.zero_()
+        copier.finish()
+        for k in sd:
+            assert torch.equal(snap[k], expected[k])
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        sd["w0"].add_(1)  # queued without waiting for the copies
+        with pytest.raises(TensorMutatedError, match="'w0'"):
+            copier.wait(30)
+        with pytest.raises(TensorMutatedError):
+            copier.finish()
+
+    def test_overlapped_save_of_a_cuda_state(self, coordinator, tmp_path):
+        coord, metrics = coordinator
+        sd = {f"w{i}": torch.randn(512, 1024, device="cuda") for i in range(4)}
+        expected = {k: v.cpu() for k, v in sd.items()}
+        coord.prepare("model", sd)
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        handle.wait_staged(timeout=60)
+        for t in sd.values():
+            t.zero_()  # queued after the side stream's copies
+        coord.wait_all(timeout=60)
+        loaded = torch.load(_path(tmp_path, 1), weights_only=True)
+        for k in sd:
+            assert torch.equal(loaded[k], expected[k]), k
+        pinned = metrics.registry.get_sample_value(
+            "obsckpt_staging_pinned_bytes", {"slot": "model"}
+        )
+        assert pinned == coord.staging_bytes("model")[1] > 0
