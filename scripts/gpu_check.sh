@@ -4,7 +4,8 @@
 #      CUDA IPC sync, device selection, the demo on the GPU);
 #   2. the CPU-side tests of paths that broke on a GPU machine (formation with the
 #      default NCCL backend, FSDP2 ranks without a GPU on a CUDA machine);
-#   3. the GPU benchmarks (benchmarks/run.py --only gpu: staging stall, ipc sync);
+#   3. the GPU benchmarks (benchmarks/run.py --only gpu,peers: staging stall, pinned bytes,
+#      first save, overlapped stall, ipc sync; torch DCP and torch.save on a GPU state);
 #   4. optionally (GPU_CHECK_FULL=1, needs more than one 10-minute call) the rest of the suite, without the tests that need
 #      promtool, prometheus or strace (markers needs_promtool, needs_strace).
 #
@@ -59,7 +60,7 @@ phase gpu-regressions 150 "$PY" -m pytest -q -p no:cacheprovider -rs \
   --junitxml="$out/gpu-regressions.xml" tests/test_broadcast.py::TestTimeouts \
   tests/test_broadcast.py::TestFormation \
   tests/test_verl_fsdp.py::test_fsdp2_checkpoint_memory_and_broadcast_sync || failed=1
-phase gpu-bench 110 "$PY" benchmarks/run.py --quick --only gpu --json "$out/gpu-bench.json" \
+phase gpu-bench 130 "$PY" benchmarks/run.py --quick --only gpu,peers --json "$out/gpu-bench.json" \
   || failed=1
 if [ "${GPU_CHECK_FULL:-0}" = 1 ]; then
   phase suite 900 "$PY" -m pytest -q -p no:cacheprovider -rs -x \
