@@ -33,6 +33,11 @@ try:  # DTensor shards (FSDP2) are staged as their local tensor plus placement.
 except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
+try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors: staged through their local shards.
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    Shard = ShardedTensor = None  # type: ignore[assignment,misc]
+
 
 # The writer's chunks, for the bytes that cannot be written from where they lie
 # (headers, pickles, small or unaligned tensors): big enough for full-speed
@@ -207,6 +212,8 @@ class StagingBuffers:
         return out
 
     def _stage(self, obj: Any) -> Any:
+        if ShardedTensor is not None and isinstance(obj, ShardedTensor):
+            return self._stage_sharded(obj)
         if DTensor is not None and isinstance(obj, DTensor):
             local = self._stage(obj.to_local())
             return DTensor.from_local(
@@ -229,6 +236,31 @@ class StagingBuffers:
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._stage(v) for v in obj)
         return copy.deepcopy(obj)
+
+    def _stage_sharded(self, obj: Any) -> Any:
+        """A ShardedTensor over staged copies of this rank's local shards (no communication).
+
+        A ShardedTensor is a tensor subclass whose ops dispatch shard by shard, so
+        it cannot be copied into one global-shaped buffer. Its local shards are
+        copied instead and a new ShardedTensor is built around them from the
+        same global metadata, with every placement moved to the CPU (where the
+        buffers live) so the saved file loads as verl's own CPU-offloaded one.
+        """
+        from torch.distributed import _remote_device
+
+        metadata = copy.deepcopy(obj.metadata())
+        for shard_md in metadata.shards_metadata:
+            shard_md.placement = _remote_device(f"rank:{shard_md.placement.rank()}/cpu")
+        shards = []
+        for shard in obj.local_shards():
+            buf = self._stage(shard.tensor)
+            shard_md = copy.deepcopy(shard.metadata)
+            shard_md.placement = _remote_device(f"rank:{shard_md.placement.rank()}/cpu")
+            shards.append(Shard(buf, shard_md))
+        metadata.tensor_properties.pin_memory = bool(shards) and shards[0].tensor.is_pinned()
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, metadata, process_group=obj._process_group
+        )
 
 
 class _PipelinedSink:
@@ -467,6 +499,9 @@ def _storages(obj: Any) -> dict[int, int]:
     stack = [obj]
     while stack:
         item = stack.pop()
+        if ShardedTensor is not None and isinstance(item, ShardedTensor):
+            stack.extend(shard.tensor for shard in item.local_shards())
+            continue
         if DTensor is not None and isinstance(item, DTensor):
             item = item.to_local()
         if isinstance(item, torch.Tensor):
