@@ -277,9 +277,9 @@ def _patch_trainer(module: Any) -> None:
         wait_for_commit(self)
         return result
 
-    cls.init_workers = init_workers
-    cls._save_checkpoint = _save_checkpoint
-    cls.fit = fit
+    for wrapper in (init_workers, _save_checkpoint, fit):
+        wrapper.obsckpt = True  # type: ignore[attr-defined]
+        setattr(cls, wrapper.__name__, wrapper)
 
 
 def checkpoint_root(trainer: Any) -> str:
