@@ -185,6 +185,11 @@ def make_trainer(root, actor_wg, critic_wg):
     )
 
 
+def params(workers: list) -> list[dict]:
+    """Every worker's full parameters (gathering is a collective: all ranks at once)."""
+    return ray.get([w.params.remote() for w in workers])
+
+
 def iteration(root) -> str | None:
     path = root / "latest_checkpointed_iteration.txt"
     return path.read_text().strip() if path.exists() else None
@@ -275,8 +280,7 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
         assert iteration(root) == "1"
         with pytest.raises(TimeoutError, match="step 2 not committed"):
             verl_install.wait_for_commit(trainer, timeout=1.0)
-        saved_actor = ray.get(actor[0].params.remote())
-        saved_critic = ray.get(critic[0].params.remote())
+        saved_actor, _, saved_critic = params(workers)
         flag.touch()
         assert verl_install.wait_for_commit(trainer, timeout=120) == 2  # what fit() waits for
         assert iteration(root) == "2"
@@ -300,7 +304,7 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
 
         # Training goes on (step 3 not saved); then a new trainer resumes with verl's code.
         ray.get([w.train.remote(3) for w in workers])
-        moved = ray.get(actor[0].params.remote())
+        moved = params(workers)[0]
         assert any(not torch.equal(moved[n], saved_actor[n]) for n in saved_actor)
         resumed = make_trainer(root, WorkerGroup(actor), WorkerGroup(critic))
         RayPPOTrainer._load_checkpoint(resumed)
