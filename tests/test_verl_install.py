@@ -310,12 +310,8 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
         RayPPOTrainer._load_checkpoint(resumed)
         assert resumed.global_steps == 2
         assert resumed.train_dataloader.position == 2
-        for w, saved in (
-            (actor[0], saved_actor),
-            (actor[1], saved_actor),
-            (critic[0], saved_critic),
-        ):
-            now = ray.get(w.params.remote())
-            assert [n for n in saved if not torch.equal(saved[n], now[n])] == []
+        now = params(workers)
+        for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
+            assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
     finally:
         ray.kill(monitor)
