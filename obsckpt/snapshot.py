@@ -48,6 +48,12 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
+def _sharded_tensor_type() -> type | None:
+    """FSDP1's ShardedTensor, if its module is loaded (a state dict holding one has loaded it)."""
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    return getattr(module, "ShardedTensor", None)
+
+
 # The writer's chunks, for the bytes that cannot be written from where they lie
 # (headers, pickles, small or unaligned tensors): big enough for full-speed
 # direct I/O, few enough to stay a small fraction of the state in resident memory.
@@ -283,6 +289,30 @@ class TensorMutatedError(RuntimeError):
     """A tensor being staged was changed in place before its copy had finished."""
 
 
+def _rebuild_sharded(obj: Any, it) -> Any:
+    """A ShardedTensor over this rank's staged local shards (``it``), with no communication.
+
+    It keeps ``obj``'s global metadata, with every placement moved to the CPU
+    where the staging buffers live, so the file loads as verl's own
+    CPU-offloaded sharded state dict does.
+    """
+    from torch.distributed import _remote_device
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    def on_cpu(shard_md: Any) -> Any:
+        shard_md = copy.deepcopy(shard_md)
+        shard_md.placement = _remote_device(f"rank:{shard_md.placement.rank()}/cpu")
+        return shard_md
+
+    metadata = copy.deepcopy(obj.metadata())
+    metadata.shards_metadata = [on_cpu(md) for md in metadata.shards_metadata]
+    shards = [Shard(next(it), on_cpu(shard.metadata)) for shard in obj.local_shards()]
+    metadata.tensor_properties.pin_memory = bool(shards) and shards[0].tensor.is_pinned()
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=obj._process_group
+    )
+
+
 def _local(obj: Any) -> Any:
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(obj, dtensor):
@@ -293,7 +323,13 @@ def _local(obj: Any) -> Any:
 def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], key: str = "") -> None:
     """The tensors :meth:`StagingBuffers.plan` stages, in its order, with their keys."""
     obj = _local(obj)
-    if isinstance(obj, torch.Tensor):
+    sharded = _sharded_tensor_type()
+    if sharded is not None and isinstance(obj, sharded):
+        # A tensor subclass whose ops run shard by shard: staged through its
+        # local shards, never as one global-shaped tensor.
+        for i, shard in enumerate(obj.local_shards()):
+            out.append((f"{key}.shard{i}", shard.tensor.detach()))
+    elif isinstance(obj, torch.Tensor):
         out.append((key, obj.detach()))
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -405,6 +441,9 @@ class StagingBuffers:
                 shape=obj.shape,
                 stride=obj.stride(),
             )
+        sharded = _sharded_tensor_type()
+        if sharded is not None and isinstance(obj, sharded):
+            return _rebuild_sharded(obj, it)
         if isinstance(obj, torch.Tensor):
             return next(it)
         if isinstance(obj, dict):
@@ -780,7 +819,10 @@ def _storages(obj: Any) -> dict[int, int]:
     while stack:
         item = stack.pop()
         item = _local(item)
-        if isinstance(item, torch.Tensor):
+        sharded = _sharded_tensor_type()
+        if sharded is not None and isinstance(item, sharded):
+            stack.extend(shard.tensor for shard in item.local_shards())
+        elif isinstance(item, torch.Tensor):
             if item.device.type == "cpu":
                 storage = item.untyped_storage()
                 found[storage.data_ptr()] = storage.nbytes()

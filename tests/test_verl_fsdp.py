@@ -413,7 +413,7 @@ def _run_spawned(target, args_per_proc, results, n_results: int) -> list:
     ],
 )
 def test_fsdp1_shards_gather_and_nccl_group(world_size, tmp_path):
-    """FSDP1 DTensor shards merge to the model; summon_full_params yields it; NCCL sends."""
+    """FSDP1 DTensor shards merge to the model; full_params gathers it per tensor; NCCL sends."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Queue()

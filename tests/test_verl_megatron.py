@@ -195,3 +195,68 @@ def test_integrations_do_not_import_verl():
         "assert 'verl' not in sys.modules, 'verl was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class VerlLikeMegatronManager(FakeCheckpointManager):
+    """verl's MegatronCheckpointManager interface: built with keywords, knows its rank."""
+
+    def __init__(self, *, engine: FakeMcoreEngine, checkpoint_config=None, **kwargs) -> None:
+        super().__init__(engine)
+        self.rank = engine.rank
+        self.kwargs = kwargs
+        self.keep_args: list = []
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.keep_args.append(max_ckpt_to_keep)
+        super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+
+
+class TestMegatronCheckpointManager:
+    """Saves are registered and reported, commit only when submitted, and retention is safe."""
+
+    def make(self, monitor):
+        from obsckpt.integrations import MegatronCheckpointManager
+
+        engine = FakeMcoreEngine()
+        manager = MegatronCheckpointManager(
+            engine=engine, base_class=VerlLikeMegatronManager, monitor=monitor, role="actor"
+        )
+        return engine, manager
+
+    def test_save_commit_retention_and_load(self, monitor, tmp_path):
+        engine, manager = self.make(monitor)
+        root = tmp_path / "ckpt"
+        assert manager.kwargs == {"role": "actor"}  # verl's attributes pass through
+        coord = CheckpointCoordinator(monitor, rank=0)
+        for step in (1, 2, 3):
+            path = root / f"global_step_{step}" / "actor"
+            assert manager.save_checkpoint(str(path), None, step, max_ckpt_to_keep=1) == {
+                "state_dict": 0,
+                "checkpoint": 1,
+            }
+            if step < 3:  # step 3 is saved but never submitted
+                asyncio.run(coord.register_and_monitor(step))
+                assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+        # verl's rotation never runs (it would delete before the commit); ours kept the
+        # committed step 2 and the uncommitted step 3, and removed step 1.
+        assert manager.keep_args == [None, None, None]
+        assert not (root / "global_step_1").exists()
+        assert (root / "global_step_2" / "actor" / "model_0.pt").exists()
+        assert (root / "global_step_3" / "actor" / "model_0.pt").exists()
+        saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1)
+        manager.load_checkpoint(str(root / "global_step_3" / "actor"))
+        assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+
+    def test_failed_save_raises_and_never_commits(self, monitor, tmp_path):
+        _, manager = self.make(monitor)
+        manager.base.fail = True
+        root = tmp_path / "ckpt"
+        with pytest.raises(SaveError, match="disk full"):
+            manager.save_checkpoint(str(root / "global_step_4" / "actor"), None, 4)
+        asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(4))
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [4]
+        assert not (root / "latest_checkpointed_iteration.txt").exists()

@@ -1,4 +1,4 @@
-"""verl integrations: FSDP and Megatron helpers and an asynchronous FSDPCheckpointManager.
+"""verl integrations: FSDP and Megatron helpers, checkpoint managers and a one-step install.
 
 Submodules are imported on first use (``from obsckpt.integrations import
 fsdp_save_state_dict`` works); importing this package imports neither verl
@@ -18,6 +18,8 @@ _EXPORTS = {
     "megatron_upload_state_dict": "obsckpt.integrations.verl_megatron",
     "megatron_sync_weight_nccl": "obsckpt.integrations.verl_megatron",
     "FSDPCheckpointManager": "obsckpt.integrations.fsdp_checkpoint_manager",
+    "MegatronCheckpointManager": "obsckpt.integrations.verl_megatron",
+    "install_verl": "obsckpt.integrations.verl_install",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -27,7 +29,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'obsckpt.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    attr = "install" if name == "install_verl" else name
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import warnings
 from typing import Any
 
@@ -36,6 +35,7 @@ from verl.utils.checkpoint.fsdp_checkpoint_manager import (
 
 from obsckpt import commit as disk
 from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.integrations.retention import select_for_removal, step_of
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
     find_processing_class,
@@ -48,45 +48,6 @@ logger = logging.getLogger(__name__)
 
 MONITOR_ACTOR_NAME = "checkpoint_monitor"
 SYNCHRONIZER_ACTOR_NAME = "synchronizer"
-_STEP_COMPONENT = re.compile(r"^global_step_(\d+)$")
-
-
-def step_of(path: str) -> tuple[str, int] | None:
-    """``(root, step)`` for a path inside ``<root>/global_step_<N>/``, else None."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(len(parts) - 1, -1, -1):
-        m = _STEP_COMPONENT.match(parts[i])
-        if m:
-            return os.sep.join(parts[:i]) or os.sep, int(m.group(1))
-    return None
-
-
-def select_for_removal(
-    saved: list[str], max_ckpt_to_keep: int | None, latest: dict[str, int | None]
-) -> list[str]:
-    """Which of ``saved`` (oldest first) retention may delete now.
-
-    Keeps the newest ``max_ckpt_to_keep`` paths and, beyond those, anything
-    that is not provably superseded: a path outside a ``global_step_<N>``
-    directory, the latest committed step of either kind, and every step newer
-    than the latest committed checkpoint (in flight, or not yet known failed).
-    """
-    if not (isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0):
-        return []
-    committed = latest.get("checkpoint")
-    if committed is None:
-        return []
-    protected = {s for s in latest.values() if s is not None}
-    removable = []
-    for path in saved[: max(0, len(saved) - max_ckpt_to_keep)]:
-        located = step_of(path)
-        if located is None:
-            continue
-        step = located[1]
-        if step in protected or step > committed:
-            continue
-        removable.append(path)
-    return removable
 
 
 class FSDPCheckpointManager(VerlFSDPCheckpointManager):
@@ -350,25 +311,68 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         )
 
     def _save_hf_model(self, local_path: str, global_step: int, *, write: bool) -> None:
-        """Gather the full state dict (a collective) and write an HF model on rank 0 in the background."""
+        """Gather the full state dict (a collective) and write an HF model on rank 0 in the background.
+
+        The model class is chosen as verl's own manager chooses it (critic:
+        token classification, actor: causal LM, vision: verl's vision2seq class).
+        """
         from verl.utils.fsdp_utils import get_fsdp_full_state_dict
 
         state_dict = get_fsdp_full_state_dict(self.model, offload_to_cpu=True, rank0_only=True)
         if not write:
             return
         model = unwrap(self.model)
+        config = model.config
+        model_cls = hf_model_class(config, model)  # fails here, not in the background
         hf_dir = os.path.join(local_path, "huggingface")
         processing_class = self.processing_class or find_processing_class(self)
+        trust_remote_code = getattr(self, "trust_remote_code", False)
 
         def save() -> None:
             from accelerate import init_empty_weights
-            from transformers import AutoModelForCausalLM
 
             with init_empty_weights():
-                empty = AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.bfloat16)
+                empty = model_cls.from_config(
+                    config, torch_dtype=torch.bfloat16, trust_remote_code=trust_remote_code
+                )
             empty.to_empty(device="cpu")
+            try:  # verl >= 0.9: tied weights' duplicate keys are dropped before saving
+                from verl.utils.transformers_compat import drop_tied_target_keys
+            except ImportError:
+                pass
+            else:
+                drop_tied_target_keys(state_dict, empty, config)
             empty.save_pretrained(hf_dir, state_dict=state_dict)
             if processing_class is not None:
                 processing_class.save_pretrained(hf_dir)
 
         self.coordinator.save_async("hf_model", save, global_step)
+
+
+def hf_model_class(config: Any, model: Any = None) -> Any:
+    """The ``transformers`` auto class verl's manager writes ``config``'s model with.
+
+    verl reads ``config.architectures[0]``; a config built in memory has none
+    until it is saved, so the model's class name stands in for it then.
+
+    Raises:
+        NotImplementedError: an architecture verl does not export either.
+    """
+    arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+    if "ForTokenClassification" in arch:
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification
+    if "ForCausalLM" in arch:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+    if "ForConditionalGeneration" in arch:
+        from verl.utils.transformers_compat import get_auto_model_for_vision2seq
+
+        return get_auto_model_for_vision2seq()
+    raise NotImplementedError(
+        f"cannot export architectures={getattr(config, 'architectures', None)!r} as an HF model: "
+        "verl exports *ForTokenClassification, *ForCausalLM and *ForConditionalGeneration; "
+        "drop 'hf_model' from checkpoint.save_contents"
+    )

@@ -358,22 +358,25 @@ def fsdp_upload_state_dict(
 def full_params(module: torch.nn.Module) -> Iterator[tuple[list[TensorMeta], Iterator]]:
     """Metadata and a lazy iterator of ``(name, full tensor)`` for FSDP1, FSDP2 or a plain module.
 
-    FSDP2: shapes come from the DTensors (no communication); each tensor is
-    gathered with ``full_tensor()`` when the iterator reaches it, so only one
-    full tensor at a time is alive. FSDP1: inside ``summon_full_params``.
+    Shapes come from the DTensors (no communication); each tensor is gathered
+    with ``full_tensor()`` when the iterator reaches it, so only one full
+    tensor at a time is alive on any rank. FSDP1 is asked for its sharded
+    state dict as DTensors (each FSDP unit is unsharded only while its own
+    shards are taken), not for ``summon_full_params`` over the whole model,
+    which would hold every full parameter on every rank at once.
     """
-    version = fsdp_version(module)
-    if version == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(module, writeback=False, recurse=True):
-            params = [(clean_name(n), p.detach()) for n, p in module.named_parameters()]
-            meta = [TensorMeta(n, p.dtype, tuple(p.shape)) for n, p in params]
-            yield meta, iter(params)
-        return
     from torch.distributed.tensor import DTensor
 
-    state = module.state_dict()
+    if fsdp_version(module) == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+        # Kept on the device: full_tensor() gathers over the mesh's backend (NCCL).
+        cfg = ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=True)
+        with FSDP.state_dict_type(module, StateDictType.SHARDED_STATE_DICT, cfg):
+            state = module.state_dict()
+    else:
+        state = module.state_dict()
     meta = [TensorMeta(clean_name(n), t.dtype, tuple(t.shape)) for n, t in state.items()]
 
     def gen():
@@ -449,8 +452,9 @@ def fsdp_sync_weight_nccl(
 ) -> BroadcastResult | None:
     """Broadcast the full FSDP1/FSDP2 parameters from trainer rank 0; call on every trainer rank.
 
-    FSDP1 gathers inside ``summon_full_params``; FSDP2 gathers each tensor with
-    ``full_tensor()`` as the sender reaches it. Despite the name (kept for
+    Each tensor is gathered with ``full_tensor()`` as the sender reaches it
+    (FSDP1 through its DTensor sharded state dict), so no rank holds the
+    whole model. Despite the name (kept for
     compatibility) the backend is the group's: NCCL on GPUs, gloo on CPUs.
     Returns rank 0's :class:`BroadcastResult`; None on other ranks.
     """

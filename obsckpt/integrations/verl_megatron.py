@@ -161,3 +161,121 @@ def megatron_sync_weight_nccl(
         metrics=metrics,
         monitor=monitor,
     )
+
+
+# ----------------------------------------------------------------------
+# Checkpoint manager
+# ----------------------------------------------------------------------
+
+
+class MegatronCheckpointManager:
+    """verl's Megatron checkpoint manager, its saves reported to and committed by the monitor.
+
+    Built with verl's arguments (``verl_install`` rebinds the name where verl's
+    Megatron engine and workers build it). Megatron's distributed checkpoint
+    has barriers across ranks, so the save itself runs on the calling thread
+    (``CheckpointCoordinator.save_sync``), as the helpers above do: this rank
+    registers one checkpoint save with the monitor first, the monitor is
+    notified when it starts and when it ends (a failure too), and the step
+    commits only when every rank's save is done and the trainer submitted it.
+    verl's own rotation is not given ``max_ckpt_to_keep`` (it deletes before
+    the new save is committed); retention keeps the latest committed step and
+    anything newer, as the FSDP manager's does. Other attributes are verl's.
+
+    Args:
+        *args, **kwargs: verl's ``MegatronCheckpointManager`` arguments.
+        base_class: the manager class wrapped (default: verl's, which needs
+            Megatron-core).
+        ray_namespace, monitor, coordinator: as :class:`FSDPCheckpointManager`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        base_class: Any = None,
+        ray_namespace: str = "",
+        monitor: Any = None,
+        coordinator: Any = None,
+        save_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if base_class is None:
+            from verl.utils.checkpoint.megatron_checkpoint_manager import (
+                MegatronCheckpointManager as base_class,
+            )
+        self.base = base_class(*args, **kwargs)
+        if monitor is None and coordinator is None:
+            import ray
+
+            from obsckpt.monitor import ACTOR_NAME
+
+            try:
+                monitor = ray.get_actor(ACTOR_NAME, namespace=ray_namespace or None)
+            except ValueError as exc:
+                raise RuntimeError(
+                    f"no {ACTOR_NAME!r} actor in Ray namespace {ray_namespace!r}; create it "
+                    "first (CheckpointMonitor.get_actor(...)) or pass monitor="
+                ) from exc
+        if coordinator is None:
+            from obsckpt.coordinator import CheckpointCoordinator
+
+            coordinator = CheckpointCoordinator(
+                monitor, rank=getattr(self.base, "rank", None), save_timeout=save_timeout
+            )
+        self.coordinator = coordinator
+        self.checkpoint_monitor = monitor if monitor is not None else coordinator._monitor
+        self.saved_paths: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["base"], name)
+
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        **kwargs: Any,
+    ) -> dict[str, int]:
+        """Run verl's save with monitor notifications; returns this rank's save counts."""
+        import ray
+
+        if local_path is None:
+            return {"state_dict": 0, "checkpoint": 0}
+        ray.get(
+            self.checkpoint_monitor.register_thread_count.remote(
+                global_step, state_dict_thread_count=0, checkpoint_thread_count=1
+            )
+        )
+        self.coordinator.save_sync(
+            lambda: self.base.save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs),
+            global_step,
+            name="megatron_checkpoint",
+        )
+        if getattr(self.base, "rank", 0) == 0:
+            self.saved_paths.append(local_path)
+            self.enforce_retention(max_ckpt_to_keep)
+        return {"state_dict": 0, "checkpoint": 1}
+
+    def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:
+        """Wait for this rank's saves in flight, then load as verl does."""
+        self.coordinator.wait_all()
+        return self.base.load_checkpoint(local_path, *args, **kwargs)
+
+    def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
+        """Delete step directories beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
+        import shutil
+
+        from obsckpt import commit as disk
+        from obsckpt.integrations.retention import select_for_removal, step_of
+
+        if not self.saved_paths or step_of(self.saved_paths[-1]) is None:
+            return []
+        root = step_of(self.saved_paths[-1])[0]
+        latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
+        doomed = select_for_removal(self.saved_paths, max_ckpt_to_keep, latest)
+        for path in doomed:
+            step_root, step = step_of(path)
+            shutil.rmtree(disk.step_dir(step_root, step), ignore_errors=True)
+        self.saved_paths = [p for p in self.saved_paths if p not in doomed]
+        return doomed

@@ -1,0 +1,49 @@
+"""Which saved steps retention may delete: never the latest committed one, nor newer ones.
+
+Shared by the FSDP and Megatron checkpoint managers; imports neither verl nor torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_STEP_COMPONENT = re.compile(r"^global_step_(\d+)$")
+
+
+def step_of(path: str) -> tuple[str, int] | None:
+    """``(root, step)`` for a path inside ``<root>/global_step_<N>/``, else None."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        m = _STEP_COMPONENT.match(parts[i])
+        if m:
+            return os.sep.join(parts[:i]) or os.sep, int(m.group(1))
+    return None
+
+
+def select_for_removal(
+    saved: list[str], max_ckpt_to_keep: int | None, latest: dict[str, int | None]
+) -> list[str]:
+    """Which of ``saved`` (oldest first) retention may delete now.
+
+    Keeps the newest ``max_ckpt_to_keep`` paths and, beyond those, anything
+    that is not provably superseded: a path outside a ``global_step_<N>``
+    directory, the latest committed step of either kind, and every step newer
+    than the latest committed checkpoint (in flight, or not yet known failed).
+    """
+    if not (isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0):
+        return []
+    committed = latest.get("checkpoint")
+    if committed is None:
+        return []
+    protected = {s for s in latest.values() if s is not None}
+    removable = []
+    for path in saved[: max(0, len(saved) - max_ckpt_to_keep)]:
+        located = step_of(path)
+        if located is None:
+            continue
+        step = located[1]
+        if step in protected or step > committed:
+            continue
+        removable.append(path)
+    return removable

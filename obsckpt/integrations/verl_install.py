@@ -1,0 +1,363 @@
+"""Switch a stock verl job to obsckpt in one step: :func:`install` in the driver.
+
+verl has no setting that chooses its checkpoint manager: every worker builds
+``FSDPCheckpointManager`` (or ``MegatronCheckpointManager``) from the name its
+module imported, and the trainer (``RayPPOTrainer._save_checkpoint``) writes
+``latest_checkpointed_iteration.txt`` itself as soon as the workers return.
+:func:`install` therefore
+
+* registers a Ray ``worker_process_setup_hook`` (merged into the
+  ``runtime_env`` of the next ``ray.init``, the one verl's ``run_ppo`` makes),
+  so every Ray worker process of the job runs :func:`patch`, as does the
+  driver itself;
+* :func:`patch` rebinds the manager names in verl's worker and engine modules
+  to obsckpt's managers, now if they are imported, else the moment they are
+  (an import hook: a worker that never imports verl pays nothing);
+* wraps ``RayPPOTrainer``: ``init_workers`` creates the
+  ``checkpoint_monitor`` (root ``trainer.default_local_dir``) before any
+  worker builds its manager; ``_save_checkpoint`` runs verl's own code with
+  its write of the iteration file diverted (the monitor writes it, atomically,
+  when every rank's files are durable), fsyncs verl's ``data.pt`` and submits
+  the step; ``fit`` waits, before returning, until the last submitted step
+  is committed (verl would exit and kill the save threads).
+
+Resume is verl's own ``_load_checkpoint``: it reads the iteration file, which
+names only committed steps, and each manager waits for its saves in flight
+before loading.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextvars
+import functools
+import importlib.abc
+import importlib.machinery
+import io
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from obsckpt import commit as disk
+
+logger = logging.getLogger(__name__)
+
+HOOK = "obsckpt.integrations.verl_install.worker_setup"
+COMMIT_TIMEOUT_ENV = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
+DEFAULT_COMMIT_TIMEOUT_S = 1800.0
+
+# verl module -> (name bound there, obsckpt module, obsckpt name). verl 0.9 builds
+# managers in its engines; verl 0.7 also in fsdp_workers / megatron_workers.
+MANAGER_SITES: dict[str, tuple[str, str, str]] = {
+    "verl.workers.engine.fsdp.transformer_impl": (
+        "FSDPCheckpointManager",
+        "obsckpt.integrations.fsdp_checkpoint_manager",
+        "FSDPCheckpointManager",
+    ),
+    "verl.workers.engine.veomni.transformer_impl": (
+        "FSDPCheckpointManager",
+        "obsckpt.integrations.fsdp_checkpoint_manager",
+        "FSDPCheckpointManager",
+    ),
+    "verl.workers.fsdp_workers": (
+        "FSDPCheckpointManager",
+        "obsckpt.integrations.fsdp_checkpoint_manager",
+        "FSDPCheckpointManager",
+    ),
+    "verl.workers.engine.megatron.transformer_impl": (
+        "MegatronCheckpointManager",
+        "obsckpt.integrations.verl_megatron",
+        "MegatronCheckpointManager",
+    ),
+    "verl.workers.megatron_workers": (
+        "MegatronCheckpointManager",
+        "obsckpt.integrations.verl_megatron",
+        "MegatronCheckpointManager",
+    ),
+}
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+
+_lock = threading.RLock()
+_patched: set[str] = set()
+_finder: _PatchOnImport | None = None
+_ray_init_wrapped = False
+# Set while verl's _save_checkpoint runs: its write of the iteration file is diverted.
+_diverting: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "obsckpt_verl_diverting", default=False
+)
+
+
+# ----------------------------------------------------------------------
+# The one step
+# ----------------------------------------------------------------------
+
+
+def install() -> None:
+    """Make this verl job checkpoint through obsckpt; call in the driver before ``ray.init``.
+
+    Call it before verl starts Ray (before ``verl.trainer.main_ppo.run_ppo`` or
+    ``main``). If your code calls ``ray.init`` itself, call :func:`install`
+    before that, or pass ``runtime_env=runtime_env(...)`` to it.
+
+    Raises:
+        RuntimeError: Ray is already initialised in this process (the hook can
+            no longer reach the job's workers).
+    """
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError(
+            "obsckpt.integrations.verl_install.install() must run before ray.init(): Ray is "
+            "already initialised, so its workers would keep verl's checkpoint manager. Call "
+            "install() first, or pass runtime_env=verl_install.runtime_env(<yours>) to ray.init"
+        )
+    patch()
+    _wrap_ray_init(ray)
+
+
+def runtime_env(base: dict | None = None) -> dict:
+    """``base`` (a Ray ``runtime_env``) with obsckpt's worker setup hook added.
+
+    Raises:
+        ValueError: ``base`` already names another ``worker_process_setup_hook``.
+    """
+    env = dict(base or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook not in (None, HOOK):
+        raise ValueError(
+            f"runtime_env already has worker_process_setup_hook={hook!r}; call "
+            f"{HOOK}() from that hook instead of adding obsckpt's"
+        )
+    env["worker_process_setup_hook"] = HOOK
+    return env
+
+
+def worker_setup() -> None:
+    """Ray's per-worker setup hook: :func:`patch` in this worker process."""
+    patch()
+
+
+def _wrap_ray_init(ray: Any) -> None:
+    global _ray_init_wrapped
+    with _lock:
+        if _ray_init_wrapped:
+            return
+        original = ray.init
+
+        @functools.wraps(original)
+        def init(*args: Any, **kwargs: Any) -> Any:
+            env = kwargs.get("runtime_env")
+            if env is not None and not isinstance(env, dict):  # an OmegaConf node
+                env = _plain(env)
+            kwargs["runtime_env"] = runtime_env(env)
+            return original(*args, **kwargs)
+
+        ray.init = init
+        _ray_init_wrapped = True
+
+
+def _plain(node: Any) -> dict:
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    except (ImportError, ValueError):
+        return dict(node)
+
+
+# ----------------------------------------------------------------------
+# Patching verl's modules, now or when they are imported
+# ----------------------------------------------------------------------
+
+
+def patch() -> None:
+    """Rebind verl's manager names and wrap its trainer, in this process (idempotent)."""
+    global _finder
+    with _lock:
+        for name in [*MANAGER_SITES, TRAINER_MODULE]:
+            module = sys.modules.get(name)
+            if module is not None:
+                _apply(name, module)
+        if _finder is None:
+            _finder = _PatchOnImport()
+            sys.meta_path.insert(0, _finder)
+
+
+def is_patched(module_name: str) -> bool:
+    """Whether :func:`patch` has been applied to ``module_name`` in this process."""
+    return module_name in _patched
+
+
+def _apply(name: str, module: Any) -> None:
+    with _lock:
+        if name in _patched:
+            return
+        if name == TRAINER_MODULE:
+            _patch_trainer(module)
+        else:
+            attr, source, source_attr = MANAGER_SITES[name]
+            if hasattr(module, attr):
+                import importlib
+
+                setattr(module, attr, getattr(importlib.import_module(source), source_attr))
+        _patched.add(name)
+        logger.info("obsckpt: patched %s", name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Applies :func:`_apply` to a target module right after its code runs."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MANAGER_SITES and fullname != TRAINER_MODULE:
+            return None
+        if fullname in _patched:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, fullname)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _apply(self._name, module)
+
+
+# ----------------------------------------------------------------------
+# The trainer: monitor, iteration file, waiting at exit
+# ----------------------------------------------------------------------
+
+
+def _diverting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+    """``open`` for verl's trainer module: its write of the iteration file goes nowhere."""
+    if (
+        _diverting.get()
+        and "w" in mode
+        and isinstance(file, str | os.PathLike)
+        and os.path.basename(os.fspath(file)) == disk.ITERATION_FILES["checkpoint"]
+    ):
+        return io.StringIO()  # the monitor writes it when the step commits
+    return builtins.open(file, mode, *args, **kwargs)
+
+
+def _patch_trainer(module: Any) -> None:
+    cls = module.RayPPOTrainer
+    module.open = _diverting_open  # looked up in module globals before builtins
+    orig_init_workers = cls.init_workers
+    orig_save = cls._save_checkpoint
+    orig_fit = cls.fit
+
+    @functools.wraps(orig_init_workers)
+    def init_workers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        monitor_for(self)  # before any worker builds its manager (which looks it up)
+        return orig_init_workers(self, *args, **kwargs)
+
+    @functools.wraps(orig_save)
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return save_and_submit(self, lambda: orig_save(self, *args, **kwargs))
+
+    @functools.wraps(orig_fit)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig_fit(self, *args, **kwargs)
+        wait_for_commit(self)
+        return result
+
+    for wrapper in (init_workers, _save_checkpoint, fit):
+        wrapper.obsckpt = True  # type: ignore[attr-defined]
+        setattr(cls, wrapper.__name__, wrapper)
+
+
+def checkpoint_root(trainer: Any) -> str:
+    """``trainer.default_local_dir`` as an absolute path (verl resolves it against the cwd)."""
+    return os.path.abspath(os.fspath(trainer.config.trainer.default_local_dir))
+
+
+def monitor_for(trainer: Any) -> Any:
+    """The job's monitor actor for this trainer's checkpoint root (created if absent)."""
+    monitor = getattr(trainer, "_obsckpt_monitor", None)
+    if monitor is None:
+        from obsckpt.monitor import CheckpointMonitor
+
+        hdfs = trainer.config.trainer.get("default_hdfs_dir", None)
+        if hdfs:
+            raise ValueError(
+                f"trainer.default_hdfs_dir={hdfs!r}: obsckpt's verl integration does not copy "
+                "checkpoints to HDFS (verl 0.9 cannot resume from there either); set it to null"
+            )
+        monitor = CheckpointMonitor.get_actor(default_local_dir=checkpoint_root(trainer))
+        trainer._obsckpt_monitor = monitor
+    return monitor
+
+
+def save_and_submit(trainer: Any, save: Any) -> Any:
+    """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit."""
+    import ray
+
+    monitor = monitor_for(trainer)
+    step = int(trainer.global_steps)
+    token = _diverting.set(True)
+    try:
+        result = save()
+    finally:
+        _diverting.reset(token)
+    step_dir = disk.step_dir(checkpoint_root(trainer), step)
+    data = step_dir / "data.pt"  # verl's dataloader state, written with torch.save
+    if data.exists():
+        disk.fsync_file(data)
+        disk.fsync_dir(step_dir)
+    ray.get(monitor.monitor_step.remote(step, False))
+    trainer._obsckpt_last_submitted = step
+    return result
+
+
+def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 0.2) -> int | None:
+    """Wait until the last step this trainer submitted is committed; returns it.
+
+    Raises:
+        RuntimeError: the step failed or was abandoned (the error names why).
+        TimeoutError: not committed within ``timeout`` seconds (default
+            ``OBSCKPT_VERL_COMMIT_TIMEOUT_S`` or 1800).
+    """
+    import ray
+
+    step = getattr(trainer, "_obsckpt_last_submitted", None)
+    if step is None:
+        return None
+    if timeout is None:
+        timeout = float(os.environ.get(COMMIT_TIMEOUT_ENV, DEFAULT_COMMIT_TIMEOUT_S))
+    monitor = monitor_for(trainer)
+    deadline = time.monotonic() + timeout
+    while True:
+        status = ray.get(monitor.status.remote())
+        latest = status["latest"].get("checkpoint")
+        if latest is not None and latest >= step:
+            return step
+        failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == "checkpoint"]
+        if failed:
+            raise RuntimeError(f"checkpoint of step {step} failed: {failed[0]['error']}")
+        abandoned = [a for a in status["abandoned"] if a["step"] == step]
+        if abandoned:
+            raise RuntimeError(f"checkpoint of step {step} abandoned: {abandoned[0]['reason']}")
+        if time.monotonic() >= deadline:
+            pending = [p for p in status["pending"] if p["step"] == step]
+            raise TimeoutError(
+                f"checkpoint of step {step} not committed after {timeout:.0f} s "
+                f"(latest committed: {latest}; progress: {pending}); raise "
+                f"{COMMIT_TIMEOUT_ENV} or check the workers' logs"
+            )
+        time.sleep(poll_s)

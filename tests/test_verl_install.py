@@ -1,0 +1,317 @@
+"""A stock verl 0.9 job switched to obsckpt by ``verl_install.install()``.
+
+verl's own code runs the save and resume: the trainer's ``_save_checkpoint``
+and ``_load_checkpoint`` (``RayPPOTrainer``'s methods on a minimal trainer
+object: config, step, dataloader, worker groups), the workers' engine
+``FSDPEngine.save_checkpoint`` / ``load_checkpoint``, and the manager each
+engine builds from the name in ``verl.workers.engine.fsdp.transformer_impl``.
+The workers are Ray actors training FSDP2 models on gloo (an actor on two
+ranks, a critic on one); building a real ``FSDPEngine`` needs a GPU and a
+model from the hub, so the engine methods run on an object holding what they
+read (module, manager, offload flags).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import ray
+import torch
+
+from obsckpt.integrations import verl_install
+from obsckpt.sync.broadcast import free_port
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
+
+
+@ray.remote
+class VerlWorker:
+    """One rank of a verl worker group, as the hook leaves it: verl's names patched."""
+
+    def __init__(self, role: str, rank: int, world_size: int, port: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
+
+        verl_install.worker_setup()  # what Ray runs in each worker process after install()
+        from verl.workers.engine.fsdp import transformer_impl
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        if role == "critic":  # verl's critic: a token-classification value head
+            model = LlamaForTokenClassification(LlamaConfig(num_labels=1, **TINY))
+            contents = ["model", "optimizer", "extra", "hf_model"]
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**TINY))
+            contents = ["model", "optimizer", "extra"]
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)
+        # As FSDPEngine.initialize builds it: the module-level name, verl's arguments.
+        manager = transformer_impl.FSDPCheckpointManager(
+            model=model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            processing_class=None,
+            checkpoint_config={"save_contents": contents, "load_contents": contents[:3]},
+            trust_remote_code=False,
+        )
+        self.manager_class = f"{type(manager).__module__}.{type(manager).__name__}"
+        self.engine = types.SimpleNamespace(
+            module=model,
+            checkpoint_manager=manager,
+            _is_offload_param=False,
+            _is_offload_optimizer=False,
+            _uses_fsdp2_cpu_offload_policy=True,  # the model stays where it is (CPU)
+        )
+
+    def info(self) -> str:
+        return self.manager_class
+
+    def train(self, step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        out = self.model(input_ids=ids)
+        out.logits.float().pow(2).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+        FSDPEngine.save_checkpoint(self.engine, *args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs) -> None:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+        FSDPEngine.load_checkpoint(self.engine, *args, **kwargs)
+
+    def block_writes(self, flag: str) -> None:
+        """Hold every file write of this process until ``flag`` exists."""
+        import time
+
+        import obsckpt.snapshot as snapshot
+
+        original = snapshot.write_torch_file
+
+        def held(obj, path):
+            while not os.path.exists(flag):
+                time.sleep(0.05)
+            return original(obj, path)
+
+        snapshot.write_torch_file = held
+
+    def params(self) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in self.model.named_parameters()
+        }
+
+
+class WorkerGroup:
+    """verl's ``ONE_TO_ALL`` dispatch: every rank runs the call; the group returns when all did."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        self._all("save_checkpoint", *args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs) -> None:
+        self._all("load_checkpoint", *args, **kwargs)
+
+
+class DataLoader:
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __len__(self) -> int:
+        return 100
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def make_trainer(root, actor_wg, critic_wg):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(
+        {
+            "trainer": {
+                "default_local_dir": str(root),
+                "default_hdfs_dir": None,
+                "resume_mode": "auto",
+                "del_local_ckpt_after_load": False,
+                "max_actor_ckpt_to_keep": None,
+                "max_critic_ckpt_to_keep": None,
+            },
+            "actor_rollout_ref": {"actor": {"checkpoint": {}}},
+        }
+    )
+    return types.SimpleNamespace(
+        config=config,
+        global_steps=0,
+        use_critic=True,
+        actor_rollout_wg=actor_wg,
+        critic_wg=critic_wg,
+        train_dataloader=DataLoader(),
+    )
+
+
+def params(workers: list) -> list[dict]:
+    """Every worker's full parameters (gathering is a collective: all ranks at once)."""
+    return ray.get([w.params.remote() for w in workers])
+
+
+def iteration(root) -> str | None:
+    path = root / "latest_checkpointed_iteration.txt"
+    return path.read_text().strip() if path.exists() else None
+
+
+def test_install_refuses_once_ray_is_running(ray_cluster):
+    with pytest.raises(RuntimeError, match="must run before ray.init"):
+        verl_install.install()
+
+
+def test_runtime_env_adds_the_hook_and_refuses_to_replace_another():
+    env = verl_install.runtime_env({"env_vars": {"A": "1"}})
+    assert env == {"env_vars": {"A": "1"}, "worker_process_setup_hook": verl_install.HOOK}
+    assert verl_install.runtime_env(env) == env
+    with pytest.raises(ValueError, match="worker_process_setup_hook='mine.setup'"):
+        verl_install.runtime_env({"worker_process_setup_hook": "mine.setup"})
+
+
+DRIVER = """
+import json, sys, ray
+from obsckpt.integrations import verl_install
+verl_install.install()
+ray.init(address=sys.argv[1], runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
+
+@ray.remote(num_cpus=0)
+def probe():
+    from verl.trainer.ppo import ray_trainer
+    from verl.workers.engine.fsdp import transformer_impl
+    return [transformer_impl.FSDPCheckpointManager.__module__,
+            getattr(ray_trainer.RayPPOTrainer._save_checkpoint, "obsckpt", False),
+            getattr(ray_trainer.RayPPOTrainer.fit, "obsckpt", False)]
+
+print(json.dumps(ray.get(probe.remote())))
+"""
+
+
+def test_install_reaches_ray_workers_of_the_job(ray_cluster):
+    """install() before ray.init: a worker process of that job builds obsckpt's manager."""
+    address = ray.get_runtime_context().gcs_address
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("[")][-1]
+    assert json.loads(line) == [
+        "obsckpt.integrations.fsdp_checkpoint_manager",
+        True,
+        True,
+    ]
+
+
+def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
+    verl_install.patch()  # install() does this in the driver
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    assert verl_install.is_patched("verl.trainer.ppo.ray_trainer")
+    root = tmp_path / "ckpt"
+    flag = tmp_path / "release"
+    trainer = make_trainer(root, None, None)
+    monitor = verl_install.monitor_for(trainer)  # init_workers does this before the workers
+    try:
+        actor = [VerlWorker.remote("actor", r, 2, port) for port in [free_port()] for r in (0, 1)]
+        critic = [VerlWorker.remote("critic", 0, 1, free_port())]
+        workers = actor + critic
+        assert set(ray.get([w.info.remote() for w in workers])) == {
+            "obsckpt.integrations.fsdp_checkpoint_manager.FSDPCheckpointManager"
+        }
+        trainer.actor_rollout_wg, trainer.critic_wg = WorkerGroup(actor), WorkerGroup(critic)
+
+        def train_and_save(step: int) -> None:
+            ray.get([w.train.remote(step) for w in workers])
+            trainer.global_steps = step
+            trainer.train_dataloader.position = step
+            RayPPOTrainer._save_checkpoint(trainer)
+
+        train_and_save(1)
+        assert verl_install.wait_for_commit(trainer, timeout=120) == 1
+        assert iteration(root) == "1"
+
+        # Step 2's writes are held: verl's trainer has returned, its data.pt is
+        # there, but the iteration file still names the committed step.
+        ray.get([w.block_writes.remote(str(flag)) for w in workers])
+        train_and_save(2)
+        assert (root / "global_step_2" / "data.pt").exists()
+        assert iteration(root) == "1"
+        with pytest.raises(TimeoutError, match="step 2 not committed"):
+            verl_install.wait_for_commit(trainer, timeout=1.0)
+        saved_actor, _, saved_critic = params(workers)
+        flag.touch()
+        assert verl_install.wait_for_commit(trainer, timeout=120) == 2  # what fit() waits for
+        assert iteration(root) == "2"
+        step_dir = root / "global_step_2"
+        from obsckpt.commit import read_manifest
+
+        listed = {r.path for r in read_manifest(step_dir)}
+        for name in ("actor/model_world_size_2_rank_1.pt", "critic/optim_world_size_1_rank_0.pt"):
+            assert any(p.endswith(name) for p in listed), name
+
+        # The critic's HF export is verl's: a token-classification model.
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        hf_dir = step_dir / "critic" / "huggingface"
+        assert AutoConfig.from_pretrained(hf_dir).architectures == ["LlamaForTokenClassification"]
+        exported = AutoModelForTokenClassification.from_pretrained(
+            hf_dir, torch_dtype=torch.float32
+        )
+        for name, value in exported.named_parameters():
+            assert torch.equal(value, saved_critic[name]), name
+
+        # Training goes on (step 3 not saved); then a new trainer resumes with verl's code.
+        ray.get([w.train.remote(3) for w in workers])
+        moved = params(workers)[0]
+        assert any(not torch.equal(moved[n], saved_actor[n]) for n in saved_actor)
+        resumed = make_trainer(root, WorkerGroup(actor), WorkerGroup(critic))
+        RayPPOTrainer._load_checkpoint(resumed)
+        assert resumed.global_steps == 2
+        assert resumed.train_dataloader.position == 2
+        now = params(workers)
+        for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
+            assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
+    finally:
+        ray.kill(monitor)
