@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from obsckpt.admission import SaveStrategy
-from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.errors import (
     CheckpointDirError,
     IterationFileError,
@@ -13,6 +13,7 @@ from obsckpt.errors import (
     SaveError,
     SaveTimeoutError,
     StepOrderError,
+    TensorMutatedError,
 )
 from obsckpt.monitor import CheckpointMonitor
 
@@ -30,8 +31,10 @@ __all__ = [
     "SaveError",
     "SaveStrategy",
     "SaveTimeoutError",
+    "StagedSave",
     "StepOrderError",
     "Synchronizer",
+    "TensorMutatedError",
 ]
 
 

@@ -19,6 +19,10 @@ class NotificationError(ValueError):
     """A notification does not match what the monitor knows (e.g. more finishes than registrations)."""
 
 
+class TensorMutatedError(RuntimeError):
+    """A tensor being staged was changed in place before its copy had finished."""
+
+
 class SaveError(RuntimeError):
     """A background save failed; carries its slot and step."""
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from obsckpt.commit import FileRecord, crc32, fsync_dir
+from obsckpt.errors import TensorMutatedError
 
 
 def _dtensor_type() -> type | None:
@@ -283,10 +284,6 @@ def _can_view(dtype: torch.dtype) -> bool:
     except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
         return False
     return True
-
-
-class TensorMutatedError(RuntimeError):
-    """A tensor being staged was changed in place before its copy had finished."""
 
 
 def _rebuild_sharded(obj: Any, it) -> Any:
