@@ -19,6 +19,17 @@ class NotificationError(ValueError):
     """A notification does not match what the monitor knows (e.g. more finishes than registrations)."""
 
 
+class PartsMismatchError(NotificationError):
+    """Parts of one save disagree on how many parts it has; their step fails.
+
+    ``failed`` holds the (step, kind) pairs that failed as a result.
+    """
+
+    def __init__(self, message: str, *, failed: list[tuple[int, str]] | None = None) -> None:
+        super().__init__(message)
+        self.failed = list(failed or ())
+
+
 class SaveError(RuntimeError):
     """A background save failed; carries its slot and step."""
 
