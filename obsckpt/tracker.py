@@ -49,6 +49,27 @@ _KEEP_RESOLVED = 64
 
 
 @dataclass(slots=True)
+class Parts:
+    """The parts of one logical save (one step, kind and slot) seen so far."""
+
+    parts: int
+    # Part index -> how many times that part finished ok.
+    done: dict[int, int] = field(default_factory=dict)
+    running: int = 0
+    # Whole rounds (every part finished once more) already counted as finished saves.
+    counted: int = 0
+
+    @property
+    def whole(self) -> int:
+        return min(self.done.get(i, 0) for i in range(self.parts))
+
+    @property
+    def open(self) -> bool:
+        """A part runs, or some parts finished that do not yet make a whole save."""
+        return self.running > 0 or sum(self.done.values()) != self.counted * self.parts
+
+
+@dataclass(slots=True)
 class Progress:
     """What the monitor knows of one step of one kind."""
 
@@ -66,6 +87,9 @@ class Progress:
     resolved_at: float | None = None
     carrier: dict | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
+    # The first counted save of this step and kind that failed, kept even when the
+    # step was already closed (abandoned): its step's checkpoint must not commit.
+    save_failure: str | None = None
     # Saves made of several parts, by slot.
     groups: dict[str | None, Parts] = field(default_factory=dict)
 
@@ -86,27 +110,6 @@ class Progress:
     @property
     def started_at(self) -> float | None:
         return self.first_start if self.first_start is not None else self.first_seen
-
-
-@dataclass(slots=True)
-class Parts:
-    """The parts of one logical save (one step, kind and slot) seen so far."""
-
-    parts: int
-    # Part index -> how many times that part finished ok.
-    done: dict[int, int] = field(default_factory=dict)
-    running: int = 0
-    # Whole rounds (every part finished once more) already counted as finished saves.
-    counted: int = 0
-
-    @property
-    def whole(self) -> int:
-        return min(self.done.get(i, 0) for i in range(self.parts))
-
-    @property
-    def open(self) -> bool:
-        """A part runs, or some parts finished that do not yet make a whole save."""
-        return self.running > 0 or sum(self.done.values()) != self.counted * self.parts
 
 
 def validate_parts(part: object, parts: object) -> None:
@@ -301,7 +304,6 @@ class CommitTracker:
                 self.progress(step, kind).resaving += 1
             return False
         p = self.progress(step, kind)
-        group = None
         if parts is not None:
             group = p.groups.get(slot)
             if group is None:
@@ -365,6 +367,8 @@ class CommitTracker:
         group = p.groups.get(slot) if parts is not None else None
         if group is not None and started and group.running > 0 and group.parts == parts:
             group.running -= 1
+        if not ok and p.save_failure is None:
+            p.save_failure = error or "save failed"
         if self.closed(step, kind):
             self.resaves += 1
             return [] if ok else self._fail(step, kind, error or "save failed")
@@ -425,8 +429,10 @@ class CommitTracker:
                     continue
                 if kind == "checkpoint":
                     sd = kinds["state_dict"]
-                    if sd.state == FAILED:
-                        self._fail(step, "state_dict", sd.error or "state-dict save failed")
+                    if sd.state == FAILED or sd.save_failure is not None:
+                        # Also when the state dict was abandoned before its save failed.
+                        why = sd.error if sd.state == FAILED else sd.save_failure
+                        self._fail(step, "state_dict", why or "state-dict save failed")
                         continue
                     if not sd.balanced or sd.resaving:
                         continue

@@ -106,6 +106,17 @@ class TestFailures:
         assert commit_ready(t) == []
         assert t.latest["checkpoint"] is None
 
+    def test_failed_save_into_an_abandoned_state_dict_fails_its_checkpoint(self):
+        t = CommitTracker()
+        t.start(1, "state_dict")
+        t.submit(2, "state_dict")
+        assert commit_ready(t) == [(2, "state_dict")]  # step 1's state dict is abandoned
+        t.finish(1, "state_dict", ok=False, error="disk full")
+        t.submit(1, "checkpoint")
+        assert commit_ready(t) == []
+        assert t.progress(1, "checkpoint").state == FAILED
+        assert "disk full" in t.progress(1, "checkpoint").error
+
     def test_more_finishes_than_registrations_is_an_error_that_fails_the_step(self):
         t = CommitTracker()
         t.register(2, checkpoint_count=1)
@@ -420,24 +431,32 @@ class CommitMachine(RuleBasedStateMachine):
         self.registered: dict[tuple[int, str], int] = {}
         self.started: dict[tuple[int, str], int] = {}
         self.finished: dict[tuple[int, str], int] = {}
+        # Finishes of counted saves whose step had closed meanwhile (not counted).
+        self.late: dict[tuple[int, str], int] = {}
         self.failed: set[tuple[int, str]] = set()
         self.submitted: set[tuple[int, str]] = set()
         # Re-saves into closed steps: started and finished, not counted by the tracker.
         self.resaving: dict[tuple[int, str], int] = {}
-        # Parts of the split save, by (step, kind, part): started and finished ok.
+        # Parts of the split save, by (step, kind, part): started, ended, and
+        # finished ok while their step was open (the ones that count).
         self.pstarted: dict[tuple[int, str, int], int] = {}
-        self.pfinished: dict[tuple[int, str, int], int] = {}
+        self.pended: dict[tuple[int, str, int], int] = {}
+        self.pdone: dict[tuple[int, str, int], int] = {}
         self.history: dict[str, list[int]] = {"checkpoint": [], "state_dict": []}
+
+    def _ended(self, key: tuple[int, str]) -> int:
+        return self.finished.get(key, 0) + self.late.get(key, 0)
 
     def _balanced(self, key: tuple[int, str]) -> bool:
         """Every registered save finished, none runs, no split save is partial."""
         started = [self.pstarted.get((*key, i), 0) for i in range(PARTS)]
-        done = [self.pfinished.get((*key, i), 0) for i in range(PARTS)]
+        ended = [self.pended.get((*key, i), 0) for i in range(PARTS)]
+        done = [self.pdone.get((*key, i), 0) for i in range(PARTS)]
         split_saves = min(done)
         return (
             self.finished.get(key, 0) + split_saves == self.registered.get(key, 0)
-            and self.started.get(key, 0) <= self.finished.get(key, 0)
-            and started == done
+            and self.started.get(key, 0) <= self.finished.get(key, 0) + self.late.get(key, 0)
+            and started == ended
             and all(n == split_saves for n in done)
         )
 
@@ -494,14 +513,13 @@ class CommitMachine(RuleBasedStateMachine):
         else:
             self.resaving[(step, kind)] = self.resaving.get((step, kind), 0) + 1
 
-    @precondition(
-        lambda self: any(self.started.get(k, 0) > self.finished.get(k, 0) for k in self.started)
-    )
+    @precondition(lambda self: any(self.started.get(k, 0) > self._ended(k) for k in self.started))
     @rule(data=st.data(), ok=st.booleans())
     def finish(self, data, ok):
-        open_keys = sorted(k for k in self.started if self.started[k] > self.finished.get(k, 0))
+        open_keys = sorted(k for k in self.started if self.started[k] > self._ended(k))
         step, kind = data.draw(st.sampled_from(open_keys))
-        self.finished[(step, kind)] = self.finished.get((step, kind), 0) + 1
+        into = self.late if self.t.closed(step, kind) else self.finished
+        into[(step, kind)] = into.get((step, kind), 0) + 1
         try:
             self.t.finish(step, kind, ok=ok, error=None if ok else "injected")
         except NotificationError:
@@ -520,12 +538,15 @@ class CommitMachine(RuleBasedStateMachine):
         else:
             self.resaving[(step, kind)] = self.resaving.get((step, kind), 0) + 1
 
-    @precondition(lambda self: any(n > self.pfinished.get(k, 0) for k, n in self.pstarted.items()))
+    @precondition(lambda self: any(n > self.pended.get(k, 0) for k, n in self.pstarted.items()))
     @rule(data=st.data(), ok=st.booleans())
     def finish_part(self, data, ok):
-        running = sorted(k for k, n in self.pstarted.items() if n > self.pfinished.get(k, 0))
+        running = sorted(k for k, n in self.pstarted.items() if n > self.pended.get(k, 0))
         step, kind, index = data.draw(st.sampled_from(running))
-        self.pfinished[(step, kind, index)] = self.pfinished.get((step, kind, index), 0) + 1
+        key = (step, kind, index)
+        self.pended[key] = self.pended.get(key, 0) + 1
+        if ok and not self.t.closed(step, kind):
+            self.pdone[key] = self.pdone.get(key, 0) + 1
         self.t.finish(
             step,
             kind,
