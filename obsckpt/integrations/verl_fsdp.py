@@ -186,7 +186,7 @@ def fsdp_save_state_dict(
     the save once every part is durable, and a failed part fails the step. The
     number of parts is known from the first part that reports, so a rank that
     starts late holds the commit back instead of leaving the step partial.
-    Nothing here is a collective.
+    The helper adds no collective and no synchronous write of its own.
     Rank 0 also writes the HF config and tokenizer to ``{local_path}/huggingface/``.
 
     A step whose state dict is already committed is not written again (a
