@@ -38,6 +38,7 @@ from obsckpt import commit as disk
 from obsckpt.commit import FileRecord, validate_slot, validate_step
 from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.telemetry import tracing
+from obsckpt.tracker import validate_parts
 
 if TYPE_CHECKING:
     # torch takes seconds to import; the monitor process (which imports this
@@ -164,6 +165,12 @@ class _Save:
     done: threading.Event = field(default_factory=threading.Event)
     reported: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    part: int | None = None  # index among ``parts`` parts of one save (e.g. the rank)
+    parts: int | None = None
+
+    def part_kwargs(self) -> dict[str, int]:
+        """``part``/``parts`` for the monitor's RPCs; nothing for an unsplit save."""
+        return {} if self.parts is None else {"part": self.part, "parts": self.parts}
 
 
 class StagedSave:
@@ -268,6 +275,8 @@ class CheckpointCoordinator:
         *,
         paths: Iterable[str | os.PathLike] | None = None,
         trace_context: dict | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> None:
         """Run ``save_fn`` in a background thread, reported to the monitor.
 
@@ -282,9 +291,18 @@ class CheckpointCoordinator:
             is_state_dict: True for state-dict (weight sync) saves.
             paths: files ``save_fn`` writes (optional).
             trace_context: W3C carrier of the step's trace (default: the current context).
+            part: this save's index among ``parts`` (e.g. the rank), for a save
+                made of several parts, one per process; with ``parts``.
+            parts: how many parts make up the save (e.g. the world size). Every
+                part is reported with its own files; the step counts the save
+                as ONE finished save once every part has finished ok.
+
+        Raises:
+            ValueError: ``part``/``parts`` malformed (both or neither; 0 <= part < parts).
         """
         validate_slot(name)
         validate_step(global_step)
+        validate_parts(part, parts)
         path_list = [os.fspath(p) for p in paths] if paths is not None else None
         self._submit(
             name,
@@ -292,6 +310,8 @@ class CheckpointCoordinator:
             global_step,
             is_state_dict,
             trace_context,
+            part=part,
+            parts=parts,
         )
 
     def save_sync(
@@ -303,15 +323,19 @@ class CheckpointCoordinator:
         name: str = "sync",
         paths: Iterable[str | os.PathLike] | None = None,
         trace_context: dict | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> None:
         """Run ``save_fn`` on this thread with monitor notifications (for saves with barriers).
 
+        ``part``/``parts`` mark one part of a save made of several (see :meth:`save_async`).
         Raises the save's error (as :class:`SaveError`) after reporting it.
         """
         validate_slot(name)
         validate_step(global_step)
+        validate_parts(part, parts)
         path_list = [os.fspath(p) for p in paths] if paths is not None else None
-        save = _Save(name, global_step, disk.kind_of(is_state_dict))
+        save = _Save(name, global_step, disk.kind_of(is_state_dict), part=part, parts=parts)
         carrier = trace_context if trace_context is not None else tracing.inject()
         error = self._run(save, lambda: _run_and_record(save_fn, path_list), carrier, 0.0)
         if error is not None:
@@ -329,6 +353,8 @@ class CheckpointCoordinator:
         *,
         trace_context: dict | None = None,
         overlap: bool = False,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> StagedSave:
         """Snapshot ``state_dict`` into staging buffers, then write it in the background.
 
@@ -346,13 +372,15 @@ class CheckpointCoordinator:
         The background thread writes a file ``torch.load`` reads, fsyncs it
         and renames it into place. A save that had to allocate its staging
         (no :meth:`prepare` for these shapes) is logged and counted in
-        ``obsckpt_staging_cold_saves_total``.
+        ``obsckpt_staging_cold_saves_total``. ``part``/``parts`` mark one part
+        of a save made of several, e.g. each rank's shard (see :meth:`save_async`).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
         from obsckpt.snapshot import StagingCopy, write_torch_file
 
         validate_slot(name)
         validate_step(global_step)
+        validate_parts(part, parts)
         path = os.fspath(path)
         join_wait = self._join(name)
 
@@ -375,7 +403,16 @@ class CheckpointCoordinator:
                 copier.finish()
             return [write_torch_file(snapshot, path)]
 
-        self._submit(name, write, global_step, is_state_dict, trace_context, join_wait=join_wait)
+        self._submit(
+            name,
+            write,
+            global_step,
+            is_state_dict,
+            trace_context,
+            join_wait=join_wait,
+            part=part,
+            parts=parts,
+        )
         return StagedSave(name, global_step, copier)
 
     def prepare(self, name: str, state_dict: Any, *, background: bool = False) -> Future:
@@ -605,10 +642,12 @@ class CheckpointCoordinator:
         trace_context: dict | None,
         *,
         join_wait: float | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> None:
         if join_wait is None:
             join_wait = self._join(name)
-        save = _Save(name, step, disk.kind_of(is_state_dict))
+        save = _Save(name, step, disk.kind_of(is_state_dict), part=part, parts=parts)
         # The caller's context is captured here and formatted as a carrier on the
         # save thread: the caller pays one context read, not the formatting.
         parent = trace_context if trace_context is not None else tracing.capture()
@@ -665,6 +704,7 @@ class CheckpointCoordinator:
                         # The step's context, so the monitor's commit span joins the
                         # step's trace even if the trainer never submits one.
                         trace_context=carrier or tracing.inject() or None,
+                        **save.part_kwargs(),
                     )
                 )
                 if isinstance(admitted, dict) and admitted.get("admission_wait_s"):
@@ -774,6 +814,7 @@ class CheckpointCoordinator:
                 ticket=ticket,
                 slot=save.slot,
                 rank=self.rank,
+                **save.part_kwargs(),
                 **report,
             ),
             timeout=self.rpc_timeout,

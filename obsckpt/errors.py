@@ -23,6 +23,17 @@ class TensorMutatedError(RuntimeError):
     """A tensor being staged was changed in place before its copy had finished."""
 
 
+class PartsMismatchError(NotificationError):
+    """Parts of one save disagree on how many parts it has; their step fails.
+
+    ``failed`` holds the (step, kind) pairs that failed as a result.
+    """
+
+    def __init__(self, message: str, *, failed: list[tuple[int, str]] | None = None) -> None:
+        super().__init__(message)
+        self.failed = list(failed or ())
+
+
 class SaveError(RuntimeError):
     """A background save failed; carries its slot and step."""
 

@@ -24,10 +24,11 @@ from prometheus_client import CollectorRegistry
 from obsckpt import commit as disk
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.commit import KINDS, FileRecord, validate_step
+from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import Metrics
 from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
-from obsckpt.tracker import CommitTracker
+from obsckpt.tracker import CommitTracker, validate_parts
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class _Ticket:
     lease: bool = False
     last_seen: float = 0.0
     resave: bool = False  # into a closed step: not counted by the tracker
+    part: int | None = None  # this save's index among ``parts`` parts of one save
+    parts: int | None = None
 
 
 def _was_restarted() -> bool:
@@ -318,6 +321,8 @@ class CheckpointMonitor:
         pid: int | None = None,
         trace_context: dict | None = None,
         lease: bool = False,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> dict:
         """Admit a save under the strategy; returns once it may run.
 
@@ -326,13 +331,40 @@ class CheckpointMonitor:
         a ticket to hand to :meth:`notify_finished`. With ``lease=True`` the
         caller promises a :meth:`heartbeat` every ``heartbeat_s`` seconds; a save
         whose heartbeats stop for ``lease_timeout_s`` is failed.
+
+        ``part`` and ``parts`` (with ``step``) make this save part ``part`` of a
+        save of ``slot`` made of ``parts`` parts, e.g. one per rank: each part
+        is admitted, leased and reported on its own, and the step counts the
+        save as finished once every part has finished ok.
+
+        Raises:
+            PartsMismatchError: ``parts`` differs from an earlier part's (the step fails).
         """
         if kind is not None and kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        validate_parts(part, parts)
+        if parts is not None and step is None:
+            raise ValueError(
+                f"part={part!r}, parts={parts!r} given without step: a save made of parts "
+                "must name its step"
+            )
         resave = False
         if step is not None:
             validate_step(step)
-            resave = not self.tracker.start(step, kind or "checkpoint", carrier=trace_context)
+            try:
+                resave = not self.tracker.start(
+                    step,
+                    kind or "checkpoint",
+                    carrier=trace_context,
+                    slot=slot,
+                    part=part,
+                    parts=parts,
+                )
+            except PartsMismatchError as exc:
+                logger.error("obsckpt: %s", exc)
+                self._count_failures(exc.failed)
+                await self._after_change()
+                raise
             if resave:
                 logger.info(
                     "obsckpt: save %r of step %d (%s) is a re-save: the step is already "
@@ -343,7 +375,19 @@ class CheckpointMonitor:
                     self.tracker.latest[kind or "checkpoint"],
                 )
         tid = next(self._ticket_ids)
-        ticket = _Ticket(tid, step, kind, slot, rank, node_id, pid, time.time(), resave=resave)
+        ticket = _Ticket(
+            tid,
+            step,
+            kind,
+            slot,
+            rank,
+            node_id,
+            pid,
+            time.time(),
+            resave=resave,
+            part=part,
+            parts=parts,
+        )
         ticket.lease = bool(lease) and self.lease_timeout_s is not None
         self._tickets[tid] = ticket
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
@@ -410,7 +454,15 @@ class CheckpointMonitor:
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:
             failed = self.tracker.finish(
-                info.step, kind, ok=False, error=msg, started=False, resave=info.resave
+                info.step,
+                kind,
+                ok=False,
+                error=msg,
+                started=False,
+                resave=info.resave,
+                slot=info.slot,
+                part=info.part,
+                parts=info.parts,
             )
             self._count_failures(failed)
         await self._after_change()
@@ -429,9 +481,16 @@ class CheckpointMonitor:
         nbytes: int | None = None,
         join_wait_s: float | None = None,
         files: list[dict] | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> None:
-        """A save ended, successfully (``ok``) or not; never leaves the step waiting."""
+        """A save ended, successfully (``ok``) or not; never leaves the step waiting.
+
+        A part of a save (see :meth:`notify_started`) passes the same ``part``
+        and ``parts`` again; its ticket's are used when the ticket is known.
+        """
         validate_step(step)
+        validate_parts(part, parts)
         kind = disk.kind_of(is_state_dict)
         if ticket in self._expired:
             # Its lease ran out and the save was already counted as failed; the
@@ -443,6 +502,8 @@ class CheckpointMonitor:
             return
         info = self._release(ticket)
         slot = slot or (info.slot if info else None)
+        if info is not None and info.parts is not None:
+            part, parts = info.part, info.parts
         started = info is not None and info.step is not None
         records = [FileRecord.from_json(f) for f in files or ()]
         self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info)
@@ -477,6 +538,9 @@ class CheckpointMonitor:
                 files=records,
                 started=started,
                 resave=resave,
+                slot=slot,
+                part=part,
+                parts=parts,
             )
         except Exception:
             await self._after_change()
@@ -662,6 +726,16 @@ class CheckpointMonitor:
                     "in_flight": p.in_flight,
                     "submitted": p.submitted,
                     "state": p.state,
+                    # Saves made of parts still missing some: slot -> parts finished / parts.
+                    "open_parts": {
+                        str(slot): {
+                            "parts": g.parts,
+                            "finished": sorted(i for i, n in g.done.items() if n > g.counted),
+                            "running": g.running,
+                        }
+                        for slot, g in p.groups.items()
+                        if g.open
+                    },
                 }
                 for step, kind, p in t.pending()
             ],
@@ -679,6 +753,8 @@ class CheckpointMonitor:
                     "kind": tk.kind,
                     "slot": tk.slot,
                     "rank": tk.rank,
+                    "part": tk.part,
+                    "parts": tk.parts,
                     "requested": tk.requested,
                     "admitted": tk.admitted,
                 }

@@ -18,6 +18,14 @@ submitting, starting or finishing saves of it again (a checkpoint-sync and a
 full save of one step, a final save repeating the last step, a resume behind
 the state-dict iteration file) changes nothing. The tracker records such
 *re-saves* in :attr:`CommitTracker.resaves` and the monitor logs them.
+
+A save may be made of several *parts* (one per rank, each a real save with
+its own ticket, files and checksums): every part names its index and the
+number of parts, and the parts of one step, kind and slot count as ONE
+finished save once every part has finished ok. The number of parts is
+known from the first part that starts, so a part that starts late holds the
+step back instead of letting it commit partially; a failed part fails the
+step, and parts that disagree on the number of parts fail it too.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from obsckpt.commit import KINDS, FileRecord, validate_step
-from obsckpt.errors import NotificationError
+from obsckpt.errors import NotificationError, PartsMismatchError
 
 PENDING = "pending"
 COMMITTING = "committing"
@@ -38,6 +46,27 @@ ABANDONED = "abandoned"
 _OPEN = (PENDING, COMMITTING)
 # Resolved steps kept for status(); older ones are forgotten.
 _KEEP_RESOLVED = 64
+
+
+@dataclass(slots=True)
+class Parts:
+    """The parts of one logical save (one step, kind and slot) seen so far."""
+
+    parts: int
+    # Part index -> how many times that part finished ok.
+    done: dict[int, int] = field(default_factory=dict)
+    running: int = 0
+    # Whole rounds (every part finished once more) already counted as finished saves.
+    counted: int = 0
+
+    @property
+    def whole(self) -> int:
+        return min(self.done.get(i, 0) for i in range(self.parts))
+
+    @property
+    def open(self) -> bool:
+        """A part runs, or some parts finished that do not yet make a whole save."""
+        return self.running > 0 or sum(self.done.values()) != self.counted * self.parts
 
 
 @dataclass(slots=True)
@@ -58,18 +87,45 @@ class Progress:
     resolved_at: float | None = None
     carrier: dict | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
+    # The first counted save of this step and kind that failed, kept even when the
+    # step was already closed (abandoned): its step's checkpoint must not commit.
+    save_failure: str | None = None
+    # Saves made of several parts, by slot.
+    groups: dict[str | None, Parts] = field(default_factory=dict)
+
+    @property
+    def open_parts(self) -> bool:
+        return any(g.open for g in self.groups.values())
 
     @property
     def balanced(self) -> bool:
-        return self.finished == self.registered and self.in_flight == 0
+        return self.finished == self.registered and self.in_flight == 0 and not self.open_parts
 
     @property
     def active(self) -> bool:
-        return bool(self.registered or self.finished or self.in_flight or self.submitted)
+        return bool(
+            self.registered or self.finished or self.in_flight or self.submitted or self.open_parts
+        )
 
     @property
     def started_at(self) -> float | None:
         return self.first_start if self.first_start is not None else self.first_seen
+
+
+def validate_parts(part: object, parts: object) -> None:
+    """Check a part index and part count (both None for a save that is not split)."""
+    if part is None and parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(
+            f"parts must be a positive integer (how many parts, e.g. ranks, make up the save), "
+            f"got {parts!r}"
+        )
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < parts:
+        raise ValueError(
+            f"part must be an integer in [0, parts={parts}) (this part's index, e.g. the rank), "
+            f"got {part!r}"
+        )
 
 
 def _kind(is_state_dict: bool) -> str:
@@ -217,18 +273,45 @@ class CommitTracker:
             self._fail(step, kind, msg)
             raise NotificationError(msg)
 
-    def start(self, step: int, kind: str, carrier: dict | None = None) -> bool:
+    def start(
+        self,
+        step: int,
+        kind: str,
+        carrier: dict | None = None,
+        *,
+        slot: str | None = None,
+        part: int | None = None,
+        parts: int | None = None,
+    ) -> bool:
         """A save of ``step`` started. Returns False for a re-save into a closed step:
         it is not counted (report its finish with ``resave=True``), except that an
         open checkpoint of the same step waits for a state-dict re-save (both write
-        into the step's directory)."""
+        into the step's directory).
+
+        ``part`` and ``parts`` mark one part of a save of ``slot`` made of
+        ``parts`` parts; the first part to start fixes the number of parts.
+
+        Raises:
+            ValueError: ``part`` or ``parts`` is malformed.
+            PartsMismatchError: ``parts`` differs from what an earlier part of the
+                same step, kind and slot said (the step fails; the part is not counted).
+        """
         validate_step(step)
+        validate_parts(part, parts)
         if self.closed(step, kind):
             self.resaves += 1
             if kind == "state_dict" and not self.closed(step, "checkpoint"):
                 self.progress(step, kind).resaving += 1
             return False
         p = self.progress(step, kind)
+        if parts is not None:
+            group = p.groups.get(slot)
+            if group is None:
+                group = p.groups[slot] = Parts(parts)
+            elif group.parts != parts:
+                msg = self._mismatch(step, kind, slot, part, parts, group.parts)
+                raise PartsMismatchError(msg, failed=self._fail(step, kind, msg))
+            group.running += 1
         p.in_flight += 1
         now = self.clock()
         if p.first_start is None:
@@ -237,6 +320,15 @@ class CommitTracker:
             p.carrier = dict(carrier)
         self._revive(step)
         return True
+
+    def _mismatch(
+        self, step: int, kind: str, slot: str | None, part: int | None, parts: int, known: int
+    ) -> str:
+        return (
+            f"step {step} ({kind}), slot {slot!r}: part {part} says the save has {parts} "
+            f"parts but an earlier part said {known}; every part of one save must pass the "
+            "same parts= (the number of ranks saving it). The step will not be committed"
+        )
 
     def finish(
         self,
@@ -248,6 +340,9 @@ class CommitTracker:
         files: Iterable[FileRecord] = (),
         started: bool = True,
         resave: bool = False,
+        slot: str | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> list[tuple[int, str]]:
         """A save finished (``ok``) or failed. Returns the (step, kind) pairs that failed.
 
@@ -257,19 +352,42 @@ class CommitTracker:
         commits nothing; a failed one still fails its step's open checkpoint.
         More finishes than registrations fail the step only when it is submitted
         (:meth:`submit`), not here.
+
+        A part (``part``/``parts`` given) adds its files; the save it belongs to
+        counts as finished once every one of its parts finished ok. A failed
+        part, or one whose ``parts`` contradicts an earlier part, fails the step.
         """
         validate_step(step)
+        validate_parts(part, parts)
         if resave:
             return self._finish_resave(step, kind, ok=ok, error=error)
         p = self.progress(step, kind)
         if started and p.in_flight > 0:
             p.in_flight -= 1
+        group = p.groups.get(slot) if parts is not None else None
+        if group is not None and started and group.running > 0 and group.parts == parts:
+            group.running -= 1
+        if not ok and p.save_failure is None:
+            p.save_failure = error or "save failed"
         if self.closed(step, kind):
             self.resaves += 1
             return [] if ok else self._fail(step, kind, error or "save failed")
-        p.finished += 1
         for rec in files:
             p.files[rec.path] = rec
+        if parts is None:
+            p.finished += 1
+        else:
+            if group is None:  # a part whose start this tracker never saw
+                group = p.groups[slot] = Parts(parts)
+            elif group.parts != parts:
+                return self._fail(
+                    step, kind, self._mismatch(step, kind, slot, part, parts, group.parts)
+                )
+            if ok:
+                group.done[part] = group.done.get(part, 0) + 1
+                whole = group.whole
+                p.finished += whole - group.counted
+                group.counted = whole
         if not ok:
             return self._fail(step, kind, error or "save failed")
         # More finishes than registrations after submission are not failed here:
@@ -311,8 +429,10 @@ class CommitTracker:
                     continue
                 if kind == "checkpoint":
                     sd = kinds["state_dict"]
-                    if sd.state == FAILED:
-                        self._fail(step, "state_dict", sd.error or "state-dict save failed")
+                    if sd.state == FAILED or sd.save_failure is not None:
+                        # Also when the state dict was abandoned before its save failed.
+                        why = sd.error if sd.state == FAILED else sd.save_failure
+                        self._fail(step, "state_dict", why or "state-dict save failed")
                         continue
                     if not sd.balanced or sd.resaving:
                         continue

@@ -119,6 +119,86 @@ class TestCommitGating:
         assert disk.verify_step(disk.step_dir(root, 2)) == []
 
 
+class TestParts:
+    """Every rank's save is one part of a single save: each is reported, the step waits for all."""
+
+    def test_each_part_reported_and_leased_the_save_counted_once(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+        for w in workers:
+            ray.get(w.save.remote(str(root), 1, ["model"], is_state_dict=True, gated=True, parts=2))
+        submit(monitor, 1, is_state_dict=True, sd=1)  # one save per step, as Trinity registers
+        wait_for(lambda: len(ray.get(monitor.status.remote())["in_flight"]) == 2, what="admission")
+        s = scrape(monitor)
+        assert value(s, "obsckpt_saves_in_flight", kind="state_dict") == 2  # one per part
+        in_flight = ray.get(monitor.status.remote())["in_flight"]
+        assert sorted((t["rank"], t["part"], t["parts"]) for t in in_flight) == [
+            (0, 0, 2),
+            (1, 1, 2),
+        ]
+        ray.get(workers[0].release.remote("model", 1))
+        assert ray.get(workers[0].wait.remote()) is None
+
+        def open_parts():
+            [pending] = ray.get(monitor.status.remote())["pending"]
+            return pending["open_parts"]
+
+        wait_for(lambda: open_parts()["model"]["finished"] == [0], what="part 0 finished")
+        assert disk.read_iteration(root, "state_dict") is None  # part 1 still runs
+        ray.get(workers[1].release.remote("model", 1))
+        assert ray.get(workers[1].wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "state_dict") == 1, what="commit of step 1")
+        manifest = disk.read_manifest(disk.step_dir(root, 1))
+        assert sorted(r.path for r in manifest) == [
+            "actor/model_rank_0.pt",
+            "actor/model_rank_1.pt",
+        ]
+        assert disk.verify_step(disk.step_dir(root, 1)) == []
+        s = scrape(monitor)
+        assert value(s, "obsckpt_saves_total", slot="model", kind="state_dict", result="ok") == 2
+        assert value(s, "obsckpt_saves_in_flight", kind="state_dict") == 0
+
+    def test_a_killed_rank_fails_the_step_through_its_part_lease(self, namespace, root):
+        monitor = make_monitor(namespace, root, lease_timeout_s=2.0)
+        alive, doomed = SaveWorker.remote(namespace, 0), SaveWorker.remote(namespace, 1)
+        ray.get(
+            doomed.save.remote(str(root), 1, ["model"], is_state_dict=True, gated=True, parts=2)
+        )
+        ray.get(alive.save.remote(str(root), 1, ["model"], is_state_dict=True, parts=2))
+        submit(monitor, 1, is_state_dict=True, sd=1)
+        assert ray.get(alive.wait.remote()) is None
+        wait_for(lambda: len(ray.get(monitor.status.remote())["in_flight"]) == 1, what="part 0")
+        ray.kill(doomed)  # no finish, no failure report, no more heartbeats
+        wait_for(lambda: ray.get(monitor.status.remote())["failed"] != [], what="lease expiry")
+        [failed] = ray.get(monitor.status.remote())["failed"]
+        assert failed["step"] == 1 and "sent no heartbeat" in failed["error"]
+        assert disk.read_iteration(root, "state_dict") is None
+
+    def test_conflicting_part_counts_fail_the_step_with_a_clear_error(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        first, second = SaveWorker.remote(namespace, 0), SaveWorker.remote(namespace, 1)
+        ray.get(first.save.remote(str(root), 1, ["model"], is_state_dict=True, parts=2))
+        assert ray.get(first.wait.remote()) is None
+        ray.get(second.save.remote(str(root), 1, ["model"], is_state_dict=True, parts=3))
+        error = ray.get(second.wait.remote())
+        assert "SaveError" in error and "part 1 says the save has 3 parts" in error
+        submit(monitor, 1, is_state_dict=True, sd=1)
+        status = ray.get(monitor.status.remote())
+        [failed] = status["failed"]
+        assert "earlier part said 2" in failed["error"]
+        assert status["in_flight"] == [] and status["pending"] == []
+        assert value(scrape(monitor), "obsckpt_step_failures_total", kind="state_dict") == 1
+        assert disk.read_iteration(root, "state_dict") is None
+
+    def test_bad_parts_fail_in_the_caller(self, namespace, root):
+        coord = CheckpointCoordinator(make_monitor(namespace, root), rank=0)
+        with pytest.raises(ValueError, match=r"part must be an integer in \[0, parts=2\).* got 2"):
+            coord.save_async("model", lambda: None, 1, part=2, parts=2)
+        with pytest.raises(ValueError, match="parts must be a positive integer.* got None"):
+            coord.save_sync(lambda: None, 1, part=0)
+        assert ray.get(coord._monitor.status.remote())["in_flight"] == []
+
+
 @pytest.mark.parametrize("strategy", list(SaveStrategy))
 class TestStrategies:
     """Every strategy admits with Trinity's meaning, and a failed save never deadlocks it."""

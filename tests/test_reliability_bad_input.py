@@ -21,6 +21,7 @@ from obsckpt import (
     CheckpointMonitor,
     IterationFileError,
     NotificationError,
+    PartsMismatchError,
 )
 from obsckpt import commit as disk
 
@@ -97,6 +98,21 @@ class TestBadSaveArguments:
         assert repr(slot) in str(info.value)
         with pytest.raises(ValueError, match="slot name"):
             coord.save_state_dict_async(slot, {}, root / "x.pt", 4)
+        _assert_nothing_lost(root, before)
+
+    @pytest.mark.parametrize(
+        "part,parts,shown",
+        [(0, None, "parts must"), (None, 2, "part must"), (2, 2, "got 2"), (0, 0, "got 0")],
+    )
+    def test_bad_parts(self, committed, part, parts, shown):
+        root, _, before = committed
+        coord = CheckpointCoordinator(None)
+        with pytest.raises(ValueError, match=shown):
+            coord.save_async("model", _noop, 4, part=part, parts=parts)
+        with pytest.raises(ValueError, match=shown):
+            coord.save_state_dict_async("model", {}, root / "x.pt", 4, part=part, parts=parts)
+        with pytest.raises(ValueError, match=shown):
+            coord.save_sync(_noop, 4, part=part, parts=parts)
         _assert_nothing_lost(root, before)
 
     @pytest.mark.parametrize("timeout", [0, -1, "5", True, float("nan")], ids=repr)
@@ -176,6 +192,11 @@ BAD_RPCS = [
     ("notify_started", ("n", "j"), {"step": 4, "kind": "weights"}, "'weights'"),
     ("notify_finished", (-1, False), {}, "-1"),
     ("notify_finished", (None, False), {}, "None"),
+    ("notify_started", ("n", "j"), {"step": 4, "part": 2, "parts": 2}, "parts=2) "),
+    ("notify_started", ("n", "j"), {"step": 4, "part": 0}, "got None"),
+    ("notify_started", ("n", "j"), {"part": 0, "parts": 1}, "without step"),
+    ("notify_finished", (4, False), {"part": 0, "parts": 0}, "got 0"),
+    ("notify_finished", (4, False), {"part": -1, "parts": 2}, "got -1"),
 ]
 
 
@@ -230,6 +251,22 @@ class TestBadNotifications:
         assert status["latest"]["checkpoint"] == COMMITTED
         assert disk.read_iteration(root, "checkpoint") == COMMITTED
         assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+
+    def test_parts_that_disagree(self, committed):
+        root, monitor, before = committed
+
+        async def disagree() -> None:
+            await monitor.register_thread_count(4, checkpoint_thread_count=1)
+            t = await monitor.notify_started("n", "j", step=4, slot="model", part=0, parts=2)
+            await monitor.notify_finished(4, False, ticket=t["ticket"], slot="model")
+            await monitor.notify_started("n", "j", step=4, slot="model", part=1, parts=3)
+
+        with pytest.raises(PartsMismatchError, match="says the save has 3 parts but an earlier"):
+            asyncio.run(disagree())
+        status = asyncio.run(monitor.status())
+        assert [(f["step"], f["kind"]) for f in status["failed"]] == [(4, "checkpoint")]
+        assert status["in_flight"] == []
+        _assert_nothing_lost(root, before)
 
 
 BAD_ITERATION_FILES = {

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from obsckpt.errors import NotificationError
+from obsckpt.commit import FileRecord
+from obsckpt.errors import NotificationError, PartsMismatchError
 from obsckpt.tracker import (
     ABANDONED,
     COMMITTED,
@@ -16,6 +17,12 @@ from obsckpt.tracker import (
     SUPERSEDED,
     CommitTracker,
 )
+
+SLOT = "model_state_dict"
+
+
+def part(rank: int, world: int = 2) -> dict:
+    return {"slot": SLOT, "part": rank, "parts": world}
 
 
 def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
@@ -98,6 +105,17 @@ class TestFailures:
         t.submit(4, "checkpoint")
         assert commit_ready(t) == []
         assert t.latest["checkpoint"] is None
+
+    def test_failed_save_into_an_abandoned_state_dict_fails_its_checkpoint(self):
+        t = CommitTracker()
+        t.start(1, "state_dict")
+        t.submit(2, "state_dict")
+        assert commit_ready(t) == [(2, "state_dict")]  # step 1's state dict is abandoned
+        t.finish(1, "state_dict", ok=False, error="disk full")
+        t.submit(1, "checkpoint")
+        assert commit_ready(t) == []
+        assert t.progress(1, "checkpoint").state == FAILED
+        assert "disk full" in t.progress(1, "checkpoint").error
 
     def test_more_finishes_than_registrations_is_an_error_that_fails_the_step(self):
         t = CommitTracker()
@@ -235,6 +253,140 @@ class TestOrder:
             t.register(1, checkpoint_count=-2)
 
 
+class TestParts:
+    """A save made of parts (one per rank) counts once, when every part finished ok."""
+
+    def test_every_part_is_one_save_with_every_file(self):
+        t = CommitTracker()
+        t.register(1, state_dict_count=1)  # one save per step, as Trinity registers it
+        t.submit(1, "state_dict")
+        for rank in (0, 1):
+            t.start(1, "state_dict", **part(rank))
+        t.finish(1, "state_dict", files=[FileRecord("rank_0.pt", 1, 1)], **part(0))
+        assert commit_ready(t) == []
+        t.finish(1, "state_dict", files=[FileRecord("rank_1.pt", 1, 2)], **part(1))
+        assert t.progress(1, "state_dict").finished == 1
+        assert sorted(t.progress(1, "state_dict").files) == ["rank_0.pt", "rank_1.pt"]
+        assert commit_ready(t) == [(1, "state_dict")]
+
+    def test_a_part_that_starts_late_holds_the_commit_back(self):
+        t = CommitTracker()
+        t.register(2, state_dict_count=1)
+        t.submit(2, "state_dict")
+        # Rank 0 starts and finishes before rank 1 has started: counts balance
+        # by number (one finish, one registration), but the save is not whole.
+        t.start(2, "state_dict", **part(0))
+        t.finish(2, "state_dict", **part(0))
+        assert commit_ready(t) == []
+        assert [s for s, _, _ in t.pending("state_dict")] == [2]
+        t.start(2, "state_dict", **part(1))
+        assert commit_ready(t) == []
+        t.finish(2, "state_dict", **part(1))
+        assert commit_ready(t) == [(2, "state_dict")]
+
+    def test_an_unfinished_split_save_holds_the_step_even_when_other_saves_meet_the_count(self):
+        t = CommitTracker()
+        t.register(3, state_dict_count=1)
+        t.submit(3, "state_dict")
+        t.start(3, "state_dict", **part(0))
+        t.finish(3, "state_dict", **part(0))
+        t.start(3, "state_dict")  # an unsplit save meets the registered count
+        t.finish(3, "state_dict")
+        assert t.progress(3, "state_dict").finished == 1
+        assert commit_ready(t) == []  # the split save is still missing part 1
+        t.start(3, "state_dict", **part(1))
+        t.finish(3, "state_dict", **part(1))
+        # Now two saves finished against one registration: the step waits, as for
+        # any unbalanced count, until the trainer registers the other save.
+        assert commit_ready(t) == []
+        t.register(3, state_dict_count=1)
+        assert commit_ready(t) == [(3, "state_dict")]
+
+    def test_a_failed_part_fails_the_step_and_its_checkpoint(self):
+        t = CommitTracker()
+        t.register(4, state_dict_count=1, checkpoint_count=1)
+        t.start(4, "checkpoint")
+        for rank in (0, 1):
+            t.start(4, "state_dict", **part(rank))
+        t.finish(4, "state_dict", **part(0))
+        failed = t.finish(4, "state_dict", ok=False, error="disk full", **part(1))
+        assert failed == [(4, "state_dict"), (4, "checkpoint")]
+        t.finish(4, "checkpoint")
+        t.submit(4, "state_dict")
+        t.submit(4, "checkpoint")
+        assert commit_ready(t) == []
+        assert t.progress(4, "state_dict").state == FAILED
+        assert "disk full" in t.progress(4, "state_dict").error
+
+    def test_conflicting_parts_fail_the_step_with_a_clear_error(self):
+        t = CommitTracker()
+        t.register(5, state_dict_count=1)
+        t.start(5, "state_dict", **part(0, world=2))
+        with pytest.raises(
+            PartsMismatchError, match=r"part 1 says the save has 3 parts but an earlier part said 2"
+        ) as info:
+            t.start(5, "state_dict", **part(1, world=3))
+        assert info.value.failed == [(5, "state_dict")]
+        t.finish(5, "state_dict", **part(0))
+        t.submit(5, "state_dict")
+        assert commit_ready(t) == []
+        assert t.progress(5, "state_dict").state == FAILED
+        # A finish that contradicts the known count fails the step too (no raise).
+        t.register(6, state_dict_count=1)
+        t.start(6, "state_dict", **part(0, world=2))
+        assert t.finish(6, "state_dict", started=False, **part(1, world=4)) == [(6, "state_dict")]
+        assert "earlier part said 2" in t.progress(6, "state_dict").error
+
+    def test_other_slots_and_steps_are_separate_saves(self):
+        t = CommitTracker()
+        t.register(7, state_dict_count=2)
+        t.submit(7, "state_dict")
+        for slot in ("a", "b"):
+            t.start(7, "state_dict", slot=slot, part=0, parts=1)
+            t.finish(7, "state_dict", slot=slot, part=0, parts=1)
+        t.start(7, "state_dict", slot="c", part=0, parts=3)  # a different parts is no conflict
+        assert t.finish(7, "state_dict", slot="c", part=0, parts=3) == []
+        assert commit_ready(t) == []  # slot c is open
+        for rank in (1, 2):
+            t.start(7, "state_dict", slot="c", part=rank, parts=3)
+            t.finish(7, "state_dict", slot="c", part=rank, parts=3)
+        t.register(7, state_dict_count=1)
+        assert commit_ready(t) == [(7, "state_dict")]
+
+    def test_parts_into_a_committed_step_are_resaves(self):
+        t = CommitTracker()
+        t.register(8, state_dict_count=1)
+        t.submit(8, "state_dict")
+        for rank in (0, 1):
+            t.start(8, "state_dict", **part(rank))
+            t.finish(8, "state_dict", **part(rank))
+        assert commit_ready(t) == [(8, "state_dict")]
+        before = t.resaves
+        # Even a part with another count: the step is closed, nothing is checked or counted.
+        assert t.start(8, "state_dict", **part(0, world=5)) is False
+        assert t.finish(8, "state_dict", resave=True, **part(0, world=5)) == []
+        assert t.resaves == before + 2 and t.latest["state_dict"] == 8
+
+    @pytest.mark.parametrize(
+        "kwargs,message",
+        [
+            ({"part": 0}, r"parts must be a positive integer .* got None"),
+            ({"part": 0, "parts": 0}, r"parts must be a positive integer .* got 0"),
+            ({"part": 2, "parts": 2}, r"part must be an integer in \[0, parts=2\) .* got 2"),
+            ({"part": None, "parts": 2}, r"part must be .* got None"),
+            ({"part": True, "parts": 2}, r"part must be .* got True"),
+            ({"part": 0, "parts": 1.0}, r"parts must be .* got 1.0"),
+        ],
+    )
+    def test_bad_parts_are_named(self, kwargs, message):
+        t = CommitTracker()
+        with pytest.raises(ValueError, match=message):
+            t.start(1, "state_dict", slot=SLOT, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            t.finish(1, "state_dict", slot=SLOT, **kwargs)
+        assert t.steps == {}
+
+
 class TestViews:
     """Pending steps and their start times are what the gauges and status() show."""
 
@@ -259,6 +411,7 @@ class TestViews:
 
 STEPS = st.integers(min_value=0, max_value=6)
 KIND = st.sampled_from(["checkpoint", "state_dict"])
+PARTS = 2
 
 
 class CommitMachine(RuleBasedStateMachine):
@@ -267,7 +420,9 @@ class CommitMachine(RuleBasedStateMachine):
     The model keeps, per (step, kind), the saves that were registered,
     started, finished and failed, independently of the tracker. After every
     commit the invariant checks that the committed step was whole in the
-    model at that moment.
+    model at that moment. Saves also come as parts of one save made of
+    ``PARTS`` parts (one slot per step and kind): such a save counts once
+    when every part has finished, and holds its step while it is partial.
     """
 
     def __init__(self):
@@ -276,25 +431,41 @@ class CommitMachine(RuleBasedStateMachine):
         self.registered: dict[tuple[int, str], int] = {}
         self.started: dict[tuple[int, str], int] = {}
         self.finished: dict[tuple[int, str], int] = {}
+        # Finishes of counted saves whose step had closed meanwhile (not counted).
+        self.late: dict[tuple[int, str], int] = {}
         self.failed: set[tuple[int, str]] = set()
         self.submitted: set[tuple[int, str]] = set()
         # Re-saves into closed steps: started and finished, not counted by the tracker.
         self.resaving: dict[tuple[int, str], int] = {}
+        # Parts of the split save, by (step, kind, part): started, ended, and
+        # finished ok while their step was open (the ones that count).
+        self.pstarted: dict[tuple[int, str, int], int] = {}
+        self.pended: dict[tuple[int, str, int], int] = {}
+        self.pdone: dict[tuple[int, str, int], int] = {}
         self.history: dict[str, list[int]] = {"checkpoint": [], "state_dict": []}
+
+    def _ended(self, key: tuple[int, str]) -> int:
+        return self.finished.get(key, 0) + self.late.get(key, 0)
+
+    def _balanced(self, key: tuple[int, str]) -> bool:
+        """Every registered save finished, none runs, no split save is partial."""
+        started = [self.pstarted.get((*key, i), 0) for i in range(PARTS)]
+        ended = [self.pended.get((*key, i), 0) for i in range(PARTS)]
+        done = [self.pdone.get((*key, i), 0) for i in range(PARTS)]
+        split_saves = min(done)
+        return (
+            self.finished.get(key, 0) + split_saves == self.registered.get(key, 0)
+            and self.started.get(key, 0) <= self.finished.get(key, 0) + self.late.get(key, 0)
+            and started == ended
+            and all(n == split_saves for n in done)
+        )
 
     def _whole(self, step: int, kind: str) -> bool:
         key = (step, kind)
-        ok = (
-            key in self.submitted
-            and key not in self.failed
-            and self.finished.get(key, 0) == self.registered.get(key, 0)
-            and self.started.get(key, 0) <= self.finished.get(key, 0)
-        )
+        ok = key in self.submitted and key not in self.failed and self._balanced(key)
         if kind == "checkpoint":
             sd = (step, "state_dict")
-            ok = ok and sd not in self.failed
-            ok = ok and self.finished.get(sd, 0) == self.registered.get(sd, 0)
-            ok = ok and self.started.get(sd, 0) <= self.finished.get(sd, 0)
+            ok = ok and sd not in self.failed and self._balanced(sd)
             # A state-dict re-save still writing into the step's directory.
             ok = ok and self.resaving.get(sd, 0) == 0
         return ok
@@ -342,18 +513,49 @@ class CommitMachine(RuleBasedStateMachine):
         else:
             self.resaving[(step, kind)] = self.resaving.get((step, kind), 0) + 1
 
-    @precondition(
-        lambda self: any(self.started.get(k, 0) > self.finished.get(k, 0) for k in self.started)
-    )
+    @precondition(lambda self: any(self.started.get(k, 0) > self._ended(k) for k in self.started))
     @rule(data=st.data(), ok=st.booleans())
     def finish(self, data, ok):
-        open_keys = sorted(k for k in self.started if self.started[k] > self.finished.get(k, 0))
+        open_keys = sorted(k for k in self.started if self.started[k] > self._ended(k))
         step, kind = data.draw(st.sampled_from(open_keys))
-        self.finished[(step, kind)] = self.finished.get((step, kind), 0) + 1
+        into = self.late if self.t.closed(step, kind) else self.finished
+        into[(step, kind)] = into.get((step, kind), 0) + 1
         try:
             self.t.finish(step, kind, ok=ok, error=None if ok else "injected")
         except NotificationError:
             raise AssertionError("finish never raises") from None
+        if not ok:
+            self.failed.add((step, kind))
+            if kind == "state_dict":
+                self.failed.add((step, "checkpoint"))
+        self._commit()
+
+    @rule(step=STEPS, kind=KIND, index=st.integers(0, PARTS - 1))
+    def start_part(self, step, kind, index):
+        if self.t.start(step, kind, slot="split", part=index, parts=PARTS):
+            key = (step, kind, index)
+            self.pstarted[key] = self.pstarted.get(key, 0) + 1
+        else:
+            self.resaving[(step, kind)] = self.resaving.get((step, kind), 0) + 1
+
+    @precondition(lambda self: any(n > self.pended.get(k, 0) for k, n in self.pstarted.items()))
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_part(self, data, ok):
+        running = sorted(k for k, n in self.pstarted.items() if n > self.pended.get(k, 0))
+        step, kind, index = data.draw(st.sampled_from(running))
+        key = (step, kind, index)
+        self.pended[key] = self.pended.get(key, 0) + 1
+        if ok and not self.t.closed(step, kind):
+            self.pdone[key] = self.pdone.get(key, 0) + 1
+        self.t.finish(
+            step,
+            kind,
+            ok=ok,
+            error=None if ok else "injected",
+            slot="split",
+            part=index,
+            parts=PARTS,
+        )
         if not ok:
             self.failed.add((step, kind))
             if kind == "state_dict":

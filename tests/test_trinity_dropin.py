@@ -151,12 +151,16 @@ class Worker:
     def full(self) -> dict[str, torch.Tensor]:
         return {n: t.full_tensor().clone() for n, t in self.engine.module.state_dict().items()}
 
-    def save_state_dict(self, local_path: str, global_step: int, delay: float = 0.0) -> int:
+    def save_state_dict(self, local_path: str, global_step: int, gate: str | None = None) -> int:
         import time
 
         from obsckpt.integrations import fsdp_save_state_dict
 
-        time.sleep(delay)  # a rank that starts late
+        if gate is not None:  # a rank that starts late: only once the test creates ``gate``
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate):
+                assert time.monotonic() < deadline, f"{gate} never appeared"
+                time.sleep(0.02)
         self.previous_state_dict_step = global_step
         return fsdp_save_state_dict(
             self.engine, local_path, global_step, self._get_coordinator(), self.log
@@ -343,34 +347,52 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
 
 
 def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path):
-    """The trainer registers and submits while rank 1 has not even started its save."""
+    """The trainer registers and submits while rank 1 has not even started its save.
+
+    Rank 0's shard is written and reported first; the step stays open until
+    rank 1's part is durable too, and then every shard is in the manifest.
+    """
     root = tmp_path / "ckpt"
     port = free_port()
     workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
     trainer = Trainer(namespace, root, workers)
     path = trainer.actor_path(1)
+    gate = tmp_path / "rank1_may_start"
     refs = [
         workers[0].save_state_dict.remote(path, 1),
-        workers[1].save_state_dict.remote(path, 1, delay=2.0),
+        workers[1].save_state_dict.remote(path, 1, gate=str(gate)),
     ]
     asyncio.run(
         trainer.coordinator.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=1)
     )
+    # Rank 0's part is written and reported (its report returns after the monitor
+    # has acted on it): the registered count of one is met by number, yet the
+    # save is not whole, so nothing is committed.
+    assert ray.get(refs[0]) == 1
+    ray.get(workers[0].wait_on_save_thread.remote())
     late_shard = Path(path) / "model_world_size_2_rank_1.pt"
-    seen_before_commit = False
-    while ray.wait(refs, num_returns=2, timeout=0.02)[1]:
-        if disk.read_iteration(root, "state_dict") == 1:
-            assert late_shard.is_file(), "committed before the late rank's shard was written"
-        else:
-            seen_before_commit = True
-    assert seen_before_commit
-    assert ray.get(refs) == [1, 0]
+    assert not late_shard.exists()
+    assert disk.read_iteration(root, "state_dict") is None
+    [pending] = ray.get(trainer.monitor.status.remote())["pending"]
+    assert pending["step"] == 1 and pending["open_parts"] == {
+        "model_state_dict": {"parts": 2, "finished": [0], "running": 0}
+    }
+    gate.touch()
+    assert ray.get(refs[1]) == 0
     wait_until(lambda: disk.read_iteration(root, "state_dict") == 1)
+    assert late_shard.is_file()
     status = ray.get(trainer.monitor.status.remote())
     assert status["failed"] == [] and status["pending"] == []
+    # Every rank's shard is in the step's manifest, with its checksum.
+    step_dir = disk.step_dir(root, 1)
+    manifest = disk.read_manifest(step_dir)
+    assert sorted(r.path for r in manifest if "/model_world_size_" in r.path) == [
+        f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
+    ]
+    assert disk.verify_step(step_dir) == []
     from obsckpt.sync.synchronizer import load_sharded_state_dict
 
-    merged = load_sharded_state_dict(path, manifest_dir=root / "global_step_1")
+    merged = load_sharded_state_dict(path, manifest_dir=step_dir)
     expected = ray.get([w.full.remote() for w in workers])[0]
     assert all(torch.equal(merged[k], v) for k, v in expected.items())
     for w in workers:
@@ -378,7 +400,8 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
 
 
 class TestMegatronReportsOnce:
-    """megatron_save_state_dict: one report per step (rank 0); a committed step is not re-saved."""
+    """megatron_save_state_dict: every rank reports a part of one save; a committed step is
+    not re-saved."""
 
     def test_ranks_and_resave(self, namespace, tmp_path):
         from test_verl_megatron import FakeMcoreEngine
@@ -394,17 +417,20 @@ class TestMegatronReportsOnce:
         )
         coord = CheckpointCoordinator(CheckpointMonitor.get_actor(namespace=namespace))
         path = str(root / "global_step_2" / "actor")
-        # Every rank saves its part; only rank 0 is reported (a rank-1 call reports nothing).
-        assert megatron_save_state_dict(FakeMcoreEngine(rank=1), path, 2, coord, None) == 0
-        assert ray.get(monitor.status.remote())["pending"] == []
-        assert megatron_save_state_dict(FakeMcoreEngine(rank=0), path, 2, coord, None) == 1
+        # Every rank saves and reports its part; the step waits for both parts, and the
+        # helper's return values (0 on rank 1, 1 on rank 0) sum to the one registration.
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=1, world_size=2), path, 2, coord) == 0
         asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
+        [pending] = ray.get(monitor.status.remote())["pending"]
+        assert pending["open_parts"]["megatron_state_dict"]["finished"] == [1]
+        assert disk.read_iteration(root, "state_dict") is None
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=0, world_size=2), path, 2, coord) == 1
         wait_until(lambda: disk.read_iteration(root, "state_dict") == 2)
         before = file_bytes(Path(path))
         assert sorted(before) == ["model_0.pt", "model_1.pt"]
 
         # Checkpoint sync of the committed step again: nothing written, nothing counted.
-        other = FakeMcoreEngine(rank=0)
+        other = FakeMcoreEngine(rank=0, world_size=2)
         with torch.no_grad():
             for p in other.module.parameters():
                 p.add_(1.0)

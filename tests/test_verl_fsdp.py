@@ -13,6 +13,7 @@ import torch
 from metrics_helpers import scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
+from obsckpt import commit as disk
 from obsckpt.sync.broadcast import free_port
 
 
@@ -203,7 +204,8 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     # Checkpoint sync: shards saved in the background, committed by the monitor,
     # merged by the synchronizer. The weights change right after the snapshot.
     expected_1 = full_state_dict(trainers)
-    # Reported once per step (rank 0), as Trinity-RFT registers it.
+    # Every rank's shard is a part of one save: 1 on rank 0 and 0 elsewhere, summing to
+    # the one state-dict save per step that Trinity-RFT registers.
     assert ray.get([t.save_state_dict.remote(str(root), 1) for t in trainers]) == [1, 0]
     coord = CheckpointCoordinator(monitor)
     asyncio.run(coord.register_and_monitor(1, is_state_dict=True, state_dict_thread_count=1))
@@ -212,6 +214,11 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert version == 1 and bits_equal(expected_1, got) == []
     assert (root / "global_step_1" / "actor" / "fsdp_config.json").is_file()
     assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "1"
+    manifest = disk.read_manifest(disk.step_dir(root, 1))
+    assert sorted(r.path for r in manifest if "/model_world_size_" in r.path) == [
+        f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
+    ]
+    assert disk.verify_step(disk.step_dir(root, 1)) == []
 
     # Memory sync: every rank gathers, rank 0 uploads.
     ray.get([t.train_step.remote(2) for t in trainers])

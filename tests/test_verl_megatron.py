@@ -54,9 +54,10 @@ class FakeCheckpointManager:
 
 
 class FakeMcoreEngine:
-    def __init__(self, rank: int = 0) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         torch.manual_seed(0)
         self.rank = rank
+        self.world_size = world_size
         self.module = torch.nn.Sequential(
             torch.nn.Linear(5, 3), torch.nn.Linear(3, 2).to(torch.bfloat16)
         )
@@ -135,6 +136,23 @@ class TestSaveStateDict:
         asyncio.run(coord.register_and_monitor(4, is_state_dict=True, state_dict_thread_count=1))
         status = ray.get(monitor.status.remote())
         assert [f["step"] for f in status["failed"]] == [4]
+        assert not (tmp_path / "ckpt" / "latest_state_dict_iteration.txt").exists()
+
+    def test_a_failed_rank_fails_the_step(self, monitor, tmp_path):
+        """Each rank's save is a part of one save: rank 0's success does not cover rank 1."""
+        path = str(tmp_path / "ckpt" / "global_step_5" / "actor")
+        failing = FakeMcoreEngine(rank=1, world_size=2)
+        failing.checkpoint_mananager.fail = True
+        coord = CheckpointCoordinator(monitor, rank=1)
+        with pytest.raises(SaveError, match="disk full"):
+            megatron_save_state_dict(failing, path, 5, coord, None)
+        rank0 = CheckpointCoordinator(monitor, rank=0)
+        assert megatron_save_state_dict(FakeMcoreEngine(rank=0, world_size=2), path, 5, rank0) == 1
+        asyncio.run(rank0.register_and_monitor(5, is_state_dict=True, state_dict_thread_count=1))
+        status = ray.get(monitor.status.remote())
+        [failed] = status["failed"]
+        assert failed["step"] == 5 and "disk full" in failed["error"]
+        assert status["pending"] == []
         assert not (tmp_path / "ckpt" / "latest_state_dict_iteration.txt").exists()
 
 

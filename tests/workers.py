@@ -40,7 +40,10 @@ class SaveWorker:
         fail_slots: tuple[str, ...] = (),
         sleep: float = 0.0,
         carrier: dict | None = None,
+        parts: int | None = None,
     ) -> None:
+        """Save ``slots``; with ``parts``, each as this rank's part of a save made of parts."""
+        split = {} if parts is None else {"part": self.rank, "parts": parts}
         for slot in slots:
             path = os.path.join(root, f"global_step_{step}", "actor", f"{slot}_rank_{self.rank}.pt")
             gate = None
@@ -53,6 +56,7 @@ class SaveWorker:
                 is_state_dict=is_state_dict,
                 paths=[path],
                 trace_context=carrier,
+                **split,
             )
 
     def _save_fn(self, path, slot, step, gate, fail, sleep):

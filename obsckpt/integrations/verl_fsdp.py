@@ -8,8 +8,9 @@ config as a pair; both shapes are accepted).
 
 * :func:`fsdp_save_state_dict` -- checkpoint sync: every rank's shard is
   snapshotted on the calling thread and written in the background through
-  the :class:`~obsckpt.CheckpointCoordinator` (the monitor commits the step
-  once every rank's file is durable; the Synchronizer then merges them).
+  the :class:`~obsckpt.CheckpointCoordinator`, as one part of a save made of
+  one part per rank (the monitor commits the step once every rank's file is
+  durable; the Synchronizer then merges them).
 * :func:`fsdp_upload_state_dict` -- memory sync: the full state dict is
   gathered (a collective: every rank calls it) and rank 0 hands it to the
   Synchronizer.
@@ -176,14 +177,16 @@ def fsdp_save_state_dict(
 ) -> int:
     """Save every rank's model shard for checkpoint-based weight sync; call on every rank.
 
-    Reported to the monitor once per step, as Trinity-RFT registers it
-    (``state_dict_thread_count=1``): rank 0's shard is snapshotted into the
-    coordinator's staging buffers and written in the background in the
-    ``model_state_dict`` slot, the one save the monitor counts; every other
-    rank writes its shard (temp file, fsync, rename) first, and all ranks meet
-    at a barrier before rank 0 submits its save, so rank 0's report (and so the
-    commit) never comes before another rank's file is durable, however late
-    that rank started.
+    Every rank snapshots its shard into the coordinator's staging buffers on
+    the calling thread (training may change the weights as soon as this
+    returns) and writes it in the background in the ``model_state_dict`` slot
+    (temp file, fsync, rename). Each rank's write is reported to the monitor
+    as one part of a single save made of ``world_size`` parts, with its file
+    and checksum, so every shard is in the step's manifest; the monitor counts
+    the save once every part is durable, and a failed part fails the step. The
+    number of parts is known from the first part that reports, so a rank that
+    starts late holds the commit back instead of leaving the step partial.
+    The helper adds no collective and no synchronous write of its own.
     Rank 0 also writes the HF config and tokenizer to ``{local_path}/huggingface/``.
 
     A step whose state dict is already committed is not written again (a
@@ -199,12 +202,10 @@ def fsdp_save_state_dict(
         trace_context: W3C carrier of the step's trace.
 
     Returns:
-        The number of saves this rank reported to the monitor (1 on rank 0, 0
-        elsewhere; summed over ranks, what ``register_and_monitor(...,
-        state_dict_thread_count=...)`` expects).
+        1 on rank 0 and 0 elsewhere: summed over ranks, the one save per step
+        that ``register_and_monitor(..., state_dict_thread_count=1)`` registers,
+        as Trinity-RFT's trainer does.
     """
-    from obsckpt.snapshot import write_torch_file
-
     log = logger or _log
     rank, world = dist_rank(engine), dist_world_size(engine)
     if _already_committed(coordinator, global_step, log):
@@ -212,48 +213,20 @@ def fsdp_save_state_dict(
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
     path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
-    error: BaseException | None = None
-    if rank != 0:
-        try:
-            write_torch_file(state_dict, path)
-        except Exception as exc:  # noqa: BLE001 - re-raised after rank 0 hears of it
-            error = exc
-    # Rank 0 reports only once every other shard is durable (the step cannot
-    # commit without a rank that started late), and fails the step if one is not.
-    others_ok = all_ranks_ok(error is None)
-    if error is not None:
-        raise error
-    if rank == 0 and not others_ok:
-
-        def fail() -> None:
-            raise OSError(f"another rank could not write its model shard of step {global_step}")
-
-        coordinator.save_sync(
-            fail, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
-        )
     if rank == 0:
         save_hf_metadata(engine.module, local_path, find_processing_class(engine))
-        coordinator.save_state_dict_async(
-            MODEL_SLOT,
-            state_dict,
-            path,
-            global_step,
-            is_state_dict=True,
-            trace_context=trace_context,
-        )
+    coordinator.save_state_dict_async(
+        MODEL_SLOT,
+        state_dict,
+        path,
+        global_step,
+        is_state_dict=True,
+        trace_context=trace_context,
+        part=rank,
+        parts=world,
+    )
     log.info("obsckpt: rank %d saving its model shard of step %d to %s", rank, global_step, path)
     return 1 if rank == 0 else 0
-
-
-def all_ranks_ok(ok: bool) -> bool:
-    """True when ``ok`` on every rank (a collective; True without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    backend = str(dist.get_backend())
-    device = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:

@@ -20,9 +20,9 @@ from typing import Any
 
 from obsckpt.integrations.verl_fsdp import (
     _already_committed,
-    all_ranks_ok,
     broadcast_named_tensors,
     dist_rank,
+    dist_world_size,
     per_tensor_params,
     upload_state_dict,
 )
@@ -70,42 +70,38 @@ def megatron_save_state_dict(
     Runs the engine's own ``save_checkpoint`` (Megatron's distributed
     checkpointing has barriers, so it cannot move to a thread) with the
     checkpoint manager restricted to the model: optimizer, RNG and scheduler
-    states are not needed to serve weights. Reported to the monitor once per
-    step, as Trinity-RFT registers it: rank 0 saves through the coordinator's
-    ``save_sync`` (a failure is reported too), the other ranks save directly,
-    and all ranks agree on success inside rank 0's reported save, so it is
-    reported (ok or failed) only once every rank's part is written or failed. A step whose state dict is already committed is not saved again
-    (logged; 0 on every rank).
+    states are not needed to serve weights. Every rank saves through its
+    coordinator's ``save_sync`` as one part of a single save made of
+    ``world_size`` parts (a failure is reported too, and raised); the monitor
+    counts the save once every rank's part has finished ok, so the step
+    commits only when every part is written, and a failed part fails it. No
+    collective is added to the engine's own. A step whose state dict is
+    already committed is not saved again (logged; 0 on every rank).
 
     Returns:
-        The number of saves this rank reported (1 on rank 0, 0 elsewhere), for
-        ``register_and_monitor(..., state_dict_thread_count=...)``.
+        1 on rank 0 and 0 elsewhere: summed over ranks, the one save per step
+        that ``register_and_monitor(..., state_dict_thread_count=1)`` registers,
+        as Trinity-RFT's trainer does.
     """
     log = logger or _log
     manager = checkpoint_manager(engine)
     if _already_committed(coordinator, global_step, log):
         return 0
-    rank = dist_rank(engine)
+    rank, world = dist_rank(engine), dist_world_size(engine)
 
     def save() -> None:
-        error: BaseException | None = None
-        try:
-            with model_contents_only(manager):
-                engine.save_checkpoint(local_path, global_step=global_step)
-        except Exception as exc:  # noqa: BLE001 - re-raised once every rank has heard of it
-            error = exc
-        # Rank 0 reports only once every rank's part is written, and a failure if one is not.
-        if not all_ranks_ok(error is None) and error is None:
-            error = OSError(f"another rank could not save its part of step {global_step}")
-        if error is not None:
-            raise error
+        with model_contents_only(manager):
+            engine.save_checkpoint(local_path, global_step=global_step)
 
-    if rank == 0:
-        coordinator.save_sync(
-            save, global_step, is_state_dict=True, name=MODEL_SLOT, trace_context=trace_context
-        )
-    else:
-        save()
+    coordinator.save_sync(
+        save,
+        global_step,
+        is_state_dict=True,
+        name=MODEL_SLOT,
+        trace_context=trace_context,
+        part=rank,
+        parts=world,
+    )
     log.info("obsckpt: saved the Megatron model of step %d to %s", global_step, local_path)
     return 1 if rank == 0 else 0
 
