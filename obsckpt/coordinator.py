@@ -226,8 +226,6 @@ class CheckpointCoordinator:
         save_timeout: seconds after which a running save is reported failed (its
             step never commits) and a join on its slot gives up; None waits forever.
         rpc_timeout: seconds to wait for a monitor RPC that is not an admission.
-        metrics: an :class:`obsckpt.telemetry.metrics.Metrics` to record this
-            process's staging memory and cold saves into (optional).
     """
 
     def __init__(
@@ -237,7 +235,6 @@ class CheckpointCoordinator:
         rank: int | None = None,
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
-        metrics: Any = None,
     ) -> None:
         if save_timeout is not None and (
             isinstance(save_timeout, bool)
@@ -254,7 +251,6 @@ class CheckpointCoordinator:
         self._lock = threading.Lock()
         self._staging: dict[str, Any] = {}  # slot -> snapshot.StagingBuffers
         self._preparing: dict[str, Future] = {}  # slot -> prepare() running in the background
-        self.metrics = metrics
         # Tickets of running saves, renewed by one heartbeat thread so the monitor
         # can tell a slow save from a rank that died.
         self._leases: set[int] = set()
@@ -517,21 +513,21 @@ class CheckpointCoordinator:
             staging.bytes_allocated / (1 << 20),
             staging.last_allocation_s,
         )
-        if self.metrics is not None:
-            try:
-                self.metrics.staging_cold_saves.labels(name).inc()
-            except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-                self.logger.warning("obsckpt: recording a cold save failed: %s", exc)
-        self._record_staging(name, staging)
+        self._record_staging(name, staging, cold=True)
 
-    def _record_staging(self, name: str, staging: Any) -> None:
-        if self.metrics is None:
-            return
+    def _record_staging(self, name: str, staging: Any, *, cold: bool = False) -> None:
+        # Sent only when a slot's staging changes (prepare, a cold save, close),
+        # not per save; not waited for: telemetry never stalls training.
         try:
-            self.metrics.staging_bytes.labels(name).set(staging.bytes_allocated)
-            self.metrics.staging_pinned_bytes.labels(name).set(staging.pinned_bytes)
+            self._monitor.record_staging.remote(
+                rank=self.rank,
+                slot=name,
+                nbytes=staging.bytes_allocated,
+                pinned_bytes=staging.pinned_bytes,
+                cold=cold,
+            )
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            self.logger.warning("obsckpt: recording staging bytes failed: %s", exc)
+            self.logger.warning("obsckpt: reporting staging bytes of slot %r failed: %s", name, exc)
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Join every slot; raise the first background failure (once), with slot and step.

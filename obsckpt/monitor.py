@@ -689,6 +689,22 @@ class CheckpointMonitor:
     async def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
         self.metrics.broadcast_failures.labels(backend, method, reason).inc()
 
+    async def record_staging(
+        self,
+        *,
+        rank: int | None,
+        slot: str,
+        nbytes: int,
+        pinned_bytes: int,
+        cold: bool = False,
+    ) -> None:
+        """A worker's staging for ``slot`` changed (allocated, resized or released)."""
+        rank_label, slot_label = _label(rank), _label(slot)
+        self.metrics.staging_bytes.labels(rank_label, slot_label).set(nbytes)
+        self.metrics.staging_pinned_bytes.labels(rank_label, slot_label).set(pinned_bytes)
+        if cold:
+            self.metrics.staging_cold_saves.labels(slot_label).inc()
+
     async def record_upload(self, seconds: float) -> None:
         self.metrics.upload_duration.observe(seconds)
 

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import ray
 import torch
-from prometheus_client import CollectorRegistry
+from metrics_helpers import scrape, value
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.errors import SaveError
@@ -21,7 +21,6 @@ from obsckpt.snapshot import (
     TensorMutatedError,
     write_torch_file,
 )
-from obsckpt.telemetry.metrics import Metrics
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(
@@ -193,11 +192,21 @@ def coordinator(namespace, tmp_path):
         namespace=namespace, default_local_dir=str(tmp_path), metrics_port=0
     )
     ray.get(monitor.status.remote())
-    metrics = Metrics(CollectorRegistry())
-    coord = CheckpointCoordinator(monitor, rank=0, metrics=metrics)
-    yield coord, metrics
+    coord = CheckpointCoordinator(monitor, rank=0)
+    yield coord, monitor
     coord.close(timeout=60)
     ray.kill(monitor)
+
+
+def _staging_samples(monitor) -> dict:
+    """The staging samples on the monitor's /metrics, once the coordinator's reports arrived."""
+    ray.get(monitor.status.remote())  # runs after the reports this process sent before it
+    found = scrape(monitor)
+
+    def get(name: str, **labels: str) -> float | None:
+        return value(found, name, **labels)
+
+    return get
 
 
 def _path(root, step: int):
@@ -208,7 +217,7 @@ class TestCoordinatorStaging:
     """Through the public API: prepare, cold saves, overlapped saves, close."""
 
     def test_prepared_first_save_allocates_nothing(self, coordinator, tmp_path, caplog):
-        coord, metrics = coordinator
+        coord, monitor = coordinator
         sd = _state()
         future = coord.prepare("model", sd, background=True)
         assert future.result(timeout=60) == coord.staging_bytes("model")[0] > 0
@@ -217,23 +226,25 @@ class TestCoordinatorStaging:
             coord.wait_all(timeout=60)
         assert handle.staged
         assert "allocated its staging" not in caplog.text
-        value = metrics.registry.get_sample_value
-        assert value("obsckpt_staging_cold_saves_total", {"slot": "model"}) in (None, 0.0)
-        assert value("obsckpt_staging_bytes", {"slot": "model"}) == coord.staging_bytes()[0]
-        assert value("obsckpt_staging_pinned_bytes", {"slot": "model"}) == 0
+        get = _staging_samples(monitor)
+        assert get("obsckpt_staging_cold_saves_total", slot="model") in (None, 0.0)
+        held = coord.staging_bytes()[0]
+        assert get("obsckpt_staging_bytes", rank="0", slot="model") == held
+        assert get("obsckpt_staging_pinned_bytes", rank="0", slot="model") == 0
         coord.close()
-        assert value("obsckpt_staging_bytes", {"slot": "model"}) == 0
+        assert _staging_samples(monitor)("obsckpt_staging_bytes", rank="0", slot="model") == 0
         assert coord.staging_bytes() == (0, 0)
 
     def test_cold_save_is_logged_and_counted(self, coordinator, tmp_path, caplog):
-        coord, metrics = coordinator
+        coord, monitor = coordinator
         with caplog.at_level(logging.INFO, logger="obsckpt.coordinator"):
             coord.save_state_dict_async("model", _state(), _path(tmp_path, 1), 1)
             coord.save_state_dict_async("model", _state(1), _path(tmp_path, 2), 2)
             coord.wait_all(timeout=60)
         assert caplog.text.count("allocated its staging") == 1
-        value = metrics.registry.get_sample_value
-        assert value("obsckpt_staging_cold_saves_total", {"slot": "model"}) == 1
+        get = _staging_samples(monitor)
+        assert get("obsckpt_staging_cold_saves_total", slot="model") == 1
+        assert get("obsckpt_staging_bytes", rank="0", slot="model") == coord.staging_bytes()[0]
 
     def test_overlapped_save_writes_the_values_of_the_call(self, coordinator, tmp_path):
         coord, _ = coordinator
@@ -311,7 +322,7 @@ class TestCuda:
             copier.finish()
 
     def test_overlapped_save_of_a_cuda_state(self, coordinator, tmp_path):
-        coord, metrics = coordinator
+        coord, monitor = coordinator
         sd = {f"w{i}": torch.randn(512, 1024, device="cuda") for i in range(4)}
         expected = {k: v.cpu() for k, v in sd.items()}
         coord.prepare("model", sd)
@@ -323,7 +334,5 @@ class TestCuda:
         loaded = torch.load(_path(tmp_path, 1), weights_only=True)
         for k in sd:
             assert torch.equal(loaded[k], expected[k]), k
-        pinned = metrics.registry.get_sample_value(
-            "obsckpt_staging_pinned_bytes", {"slot": "model"}
-        )
+        pinned = _staging_samples(monitor)("obsckpt_staging_pinned_bytes", rank="0", slot="model")
         assert pinned == coord.staging_bytes("model")[1] > 0

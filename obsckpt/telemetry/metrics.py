@@ -168,15 +168,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "obsckpt_staging_bytes",
         "gauge",
-        ("slot",),
-        "Host memory held by a slot's staging buffers in this worker process "
-        "(one arena per slot; 0 after close).",
+        ("rank", "slot"),
+        "Host memory held by a slot's staging buffers in each worker process "
+        "(one arena per slot and rank; 0 after close), sent by the workers when it changes.",
         "staging_bytes",
     ),
     MetricSpec(
         "obsckpt_staging_pinned_bytes",
         "gauge",
-        ("slot",),
+        ("rank", "slot"),
         "Of obsckpt_staging_bytes, the page-locked (CUDA-registered) bytes.",
         "staging_pinned_bytes",
     ),
