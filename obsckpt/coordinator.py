@@ -103,14 +103,7 @@ class _SaveThreads:
         if spawn:
             # Started before the work is queued: if the thread cannot start, the
             # caller gets the error and nothing is left in the queue.
-            try:
-                threading.Thread(
-                    target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
-                ).start()
-            except BaseException:
-                with self._lock:
-                    self._started -= 1
-                raise
+            self._spawn(number, idle=False)
         # Each idle thread is either blocked in get() or about to be, and every
         # claim above is matched by exactly one get(): the item never waits
         # for a busy thread.
@@ -125,15 +118,20 @@ class _SaveThreads:
                 self._started += 1
                 self._idle += 1
                 number = self._started
-            try:
-                threading.Thread(
-                    target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
-                ).start()
-            except BaseException:
-                with self._lock:
-                    self._started -= 1
+            self._spawn(number, idle=True)
+
+    def _spawn(self, number: int, *, idle: bool) -> None:
+        """Start thread ``number``, already counted (as idle, if ``idle``); uncount it on failure."""
+        try:
+            threading.Thread(
+                target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
+            ).start()
+        except BaseException:
+            with self._lock:
+                self._started -= 1
+                if idle:
                     self._idle -= 1
-                raise
+            raise
 
     def _serve(self) -> None:
         me = threading.current_thread()
