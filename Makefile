@@ -8,7 +8,7 @@ LINKDIRS  := $(or $(PIP_FIND_LINKS),$(wildcard /opt/wheels))
 FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo lint metrics-doc dashboards bench bench-quick gpu-check clean
+.PHONY: setup test test-verl-min demo lint metrics-doc dashboards bench bench-quick gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,23 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The verl integrations against the lowest verl the verl extra allows (what
+# Trinity-RFT pins). verl 0.7.1 requires numpy<2, and pyarrow 21+ requires NumPy 2.
+VERL_MIN_VENV ?= .venv-verl-min
+VERL_MIN_TESTS := tests/test_fsdp_checkpoint_manager.py tests/test_verl_install.py \
+	tests/test_verl_fsdp.py tests/test_verl_megatron.py tests/test_trinity_dropin.py
+
+$(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt
+	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) venv --quiet --allow-existing --python python3 $(VERL_MIN_VENV)
+	$(UV) pip install --quiet --python $(VERL_MIN_VENV)/bin/python $(FINDLINKS) -c constraints.txt \
+		-e ".[all]" "verl==0.7.1" "pyarrow<21"
+	@touch $@
+
+test-verl-min: $(VERL_MIN_VENV)/.installed
+	$(VERL_MIN_VENV)/bin/python -c 'import verl; assert verl.__version__ == "0.7.1", verl.__version__'
+	$(VERL_MIN_VENV)/bin/python -m pytest $(VERL_MIN_TESTS) $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/obsckpt demo
@@ -47,4 +64,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(LOG_DIR)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_MIN_VENV) .pytest_cache .hypothesis
