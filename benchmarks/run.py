@@ -187,31 +187,29 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if errors else 0
 
 
+def _with_monitor(name: str, bench_dir: str, run_id: str, ray, bench, sizes) -> list[Result]:
+    """Run ``bench(sizes, dir, monitor, log)`` against a monitor of its own, killed afterwards."""
+    from obsckpt import CheckpointMonitor
+
+    monitor = CheckpointMonitor.get_actor(
+        namespace=f"obsckpt-bench-{run_id}-{name}",
+        default_local_dir=os.path.join(bench_dir, name),
+    )
+    try:
+        return bench(sizes, bench_dir, monitor, _log)
+    finally:
+        ray.kill(monitor)
+
+
 def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]:
     if name == "save":
         from benchmarks.save import run_save_benchmarks
-        from obsckpt import CheckpointMonitor
 
-        monitor = CheckpointMonitor.get_actor(
-            namespace=f"obsckpt-bench-{run_id}-save",
-            default_local_dir=os.path.join(bench_dir, "save"),
-        )
-        try:
-            return run_save_benchmarks(sizes, bench_dir, monitor, _log)
-        finally:
-            ray.kill(monitor)
+        return _with_monitor(name, bench_dir, run_id, ray, run_save_benchmarks, sizes)
     if name == "peers":
         from benchmarks.peers import run_peers
-        from obsckpt import CheckpointMonitor
 
-        monitor = CheckpointMonitor.get_actor(
-            namespace=f"obsckpt-bench-{run_id}-peers",
-            default_local_dir=os.path.join(bench_dir, "peers"),
-        )
-        try:
-            return run_peers(sizes, bench_dir, monitor, _log)
-        finally:
-            ray.kill(monitor)
+        return _with_monitor(name, bench_dir, run_id, ray, run_peers, sizes)
     if name == "rss":
         from benchmarks.rss import run_peak_rss
 
