@@ -548,20 +548,27 @@ class StagingCopy:
             return False
         if self._event is not None:
             with self._lock:
-                if not self._ordered and self.error is None:
-                    try:
-                        self._check(self._cuda_indices())
-                    except TensorMutatedError as exc:
-                        self.error = exc
-                    else:
-                        torch.cuda.current_stream().wait_event(self._event)
-                        self._ordered = True
+                if self._cuda_sources_unchanged():
+                    torch.cuda.current_stream().wait_event(self._event)
+                    self._ordered = True
         if self.error is not None:
             raise self.error
         return True
 
-    def _cuda_indices(self) -> list[int]:
-        return [i for i, (_, src, _) in enumerate(self.copies) if src.is_cuda]
+    def _cuda_sources_unchanged(self) -> bool:
+        """With the lock held: check the CUDA sources' versions, unless ordered or failed already.
+
+        True when checked and unchanged; a change is stored as the error.
+        """
+        if self._ordered or self.error is not None:
+            return False
+        cuda = [i for i, (_, src, _) in enumerate(self.copies) if src.is_cuda]
+        try:
+            self._check(cuda)
+        except TensorMutatedError as exc:
+            self.error = exc
+            return False
+        return True
 
     def finish(self) -> None:
         """For the writer: block until every copy is in host memory; raise a mutation found."""
@@ -569,12 +576,8 @@ class StagingCopy:
         if self._event is not None:
             self._event.synchronize()
             with self._lock:
-                if not self._ordered and self.error is None:
-                    # Changes queued without waiting may have run before the copies.
-                    try:
-                        self._check(self._cuda_indices())
-                    except TensorMutatedError as exc:
-                        self.error = exc
+                # Changes queued without waiting may have run before the copies.
+                self._cuda_sources_unchanged()
         if self.error is not None:
             raise self.error
 
