@@ -14,14 +14,16 @@ synchronize). Measured on one bf16 state on the GPU:
   prepare, is in the details);
 * ``gpu_overlapped_stall_vs_d2h``: an overlapped stage (side-stream copy,
   :class:`StagingCopy`) next to a matmul workload on the training stream: how
-  much longer the training stream takes than the workload alone (host time to
-  queue the copies included) ÷ the D2H copy.
+  much longer the training stream takes than the workload alone (the host
+  time to plan the copies and hand them to the copy thread included) ÷ the
+  D2H copy.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.common import Result, Sizes, median, rounded, skipped
 
@@ -175,11 +177,16 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    # A kept copy thread, as the coordinator's: handing it the copies costs a queue put.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-stage")
+    pool.submit(lambda: None).result()
+
     def overlapped() -> tuple[float, float]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         _, plan = staging.plan(state)
         copier = StagingCopy(staging, plan)
+        copier.start(pool.submit)
         t_queue = time.perf_counter() - t0
         matmuls(n_mm)
         copier.wait()  # before the optimizer step: the training stream waits for the copies
@@ -198,7 +205,7 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
     stall_ov = max(0.0, median(together) - median(alone))
     log(
         f"  gpu overlapped: workload {median(alone) * 1e3:.1f} ms alone, "
-        f"{median(together) * 1e3:.1f} ms with the copy (queueing {median(queued) * 1e3:.1f} ms)"
+        f"{median(together) * 1e3:.1f} ms with the copy (hand-off {median(queued) * 1e3:.2f} ms)"
     )
     results.append(
         Result(
@@ -215,11 +222,12 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
                 "matmuls": n_mm,
                 "workload_alone_s": round(median(alone), 6),
                 "workload_with_copy_s": round(median(together), 6),
-                "queue_copies_s": round(median(queued), 6),
+                "hand_off_s": round(median(queued), 6),
                 "workload_alone_samples_s": rounded(alone),
                 "workload_with_copy_samples_s": rounded(together),
             },
         )
     )
+    pool.shutdown()
     staging.release()
     return results

@@ -355,9 +355,9 @@ class CheckpointCoordinator:
         Without ``overlap``, returns once every tensor is copied into the
         slot's staging buffers (one arena per slot, pinned when CUDA is
         present, reused across calls while the shapes match), so the caller
-        may change its tensors right away. With ``overlap``, returns once the
-        copies are queued: CUDA tensors are copied on a side stream ordered
-        after the caller's queued work, CPU tensors by a copy thread; the
+        may change its tensors right away. With ``overlap``, returns at once: a
+        copy thread queues the CUDA tensors' copies on a side stream, ordered
+        after the work the caller had queued, and copies CPU tensors itself; the
         caller must call :meth:`StagedSave.wait_staged` on the result before
         changing the tensors in place (forward and backward passes do not
         change the weights; the optimizer step does). A tensor changed before
@@ -388,9 +388,9 @@ class CheckpointCoordinator:
             snapshot = staging.stage(state_dict)
         if staging.allocations != allocations:
             self._cold_save(name, global_step, staging)
-        if copier is not None and copier.needs_thread:
+        if copier is not None:
             # Kept threads: the copy thread costs a queue put, not a thread start.
-            _THREADS.submit(copier.run_cpu, f"obsckpt-stage-{name}-step{global_step}")
+            copier.start(lambda run: _THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}"))
 
         def write() -> list[FileRecord]:
             if copier is not None:

@@ -10,8 +10,8 @@ background and writes the staged tensors to disk straight from those views,
 which are page-aligned for that purpose.
 
 With :meth:`StagingBuffers.plan` the copy can also run apart from the caller:
-on a side CUDA stream, or on a copy thread for CPU tensors (see
-:class:`StagingCopy`).
+a copy thread queues CUDA copies on a side stream and copies CPU tensors
+itself (see :class:`StagingCopy`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -477,15 +478,17 @@ class StagingBuffers:
 class StagingCopy:
     """An overlapped copy of planned staging copies, with a check for early mutation.
 
-    CUDA sources are copied on the slot's side stream, ordered after the
-    work the caller's stream has queued so far; the caller's stream is not
-    blocked. :meth:`wait` makes the caller's current stream wait for the
-    copies (an event, no host block), so the optimizer step queued after it
-    runs after them. CPU sources are copied by :meth:`run_cpu` on another
-    thread while the caller goes on (see the coordinator). Every source's
-    version counter (``tensor._version``, bumped by each in-place operation) is
-    read when the copy is planned and compared when its copy has finished: a
-    change means the caller modified the tensor before staging finished, and
+    Built on the caller's thread, it only reads each source's version counter
+    and, for CUDA sources, records an event on the caller's current stream;
+    :meth:`run`, on a copy thread, does the rest, so the caller's thread and
+    stream go on at once. CUDA sources are copied on the slot's side stream,
+    after that event (the work the caller had queued when it saved); CPU
+    sources are copied by the thread itself. :meth:`wait` makes the caller's
+    current stream wait for the copies (an event, no host block beyond the
+    copy thread's queueing of them), so the optimizer step queued after it
+    runs after them. Every source's version counter (``tensor._version``,
+    bumped by each in-place operation) is compared when its copy has finished:
+    a change means the caller modified the tensor before staging finished, and
     the save fails with :class:`TensorMutatedError` instead of writing a mix
     of two steps.
     """
@@ -493,28 +496,29 @@ class StagingCopy:
     def __init__(self, staging: StagingBuffers, copies: list) -> None:
         self.copies = copies
         self.versions = [src._version for _, src, _ in copies]
-        self.done = threading.Event()
+        self.done = threading.Event()  # set when the thread has queued or made every copy
         self.error: BaseException | None = None
-        self._event = None
+        self._event = None  # recorded on the side stream after its copies
         self._lock = threading.Lock()
         self._ordered = False  # the caller's stream waits for the copies (wait() was called)
-        cuda = [(k, s, b) for k, s, b in copies if s.is_cuda]
+        self._cuda = [(k, s, b) for k, s, b in copies if s.is_cuda]
         self._cpu = [(i, c) for i, c in enumerate(copies) if not c[1].is_cuda]
-        if cuda:
-            side = staging.side_stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _, src, buf in cuda:
-                    buf.copy_(src, non_blocking=True)
-                    src.record_stream(side)
-            self._event = torch.cuda.Event()
-            self._event.record(side)
-        if not self._cpu:
+        self._side = self._ready = None
+        if self._cuda:
+            self._side = staging.side_stream()
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream())
+        if not copies:
             self.done.set()
 
-    @property
-    def needs_thread(self) -> bool:
-        return bool(self._cpu)
+    def start(self, submit: Callable[[Callable[[], None]], Any] | None = None) -> None:
+        """Run :meth:`run` through ``submit`` (e.g. a thread pool's), else on a new thread."""
+        if self.done.is_set():
+            return
+        if submit is not None:
+            submit(self.run)
+        else:
+            threading.Thread(target=self.run, name="obsckpt-stage", daemon=True).start()
 
     def finished(self) -> bool:
         """Whether every copy has completed (CUDA ones included), without blocking."""
@@ -531,9 +535,19 @@ class StagingCopy:
                     "optimizer step (or any in-place change of the saved tensors)"
                 )
 
-    def run_cpu(self) -> None:
-        """Copy the CPU sources, checking each one's version right after its copy."""
+    def run(self) -> None:
+        """The copy thread's work: queue the CUDA copies, copy the CPU sources (each checked)."""
         try:
+            if self._cuda:
+                side = self._side
+                with torch.cuda.stream(side):
+                    side.wait_event(self._ready)
+                    for _, src, buf in self._cuda:
+                        buf.copy_(src, non_blocking=True)
+                        src.record_stream(side)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                self._event = event
             for i, (_, src, buf) in self._cpu:
                 buf.copy_(src)
                 self._check((i,))

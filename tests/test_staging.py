@@ -152,8 +152,8 @@ class TestStagingCopy:
         staging = StagingBuffers(pin_memory=False)
         snap, copies = staging.plan(sd)
         copier = StagingCopy(staging, copies)
-        assert copier.needs_thread and not copier.done.is_set()
-        t = threading.Thread(target=copier.run_cpu)
+        assert not copier.done.is_set()
+        t = threading.Thread(target=copier.run)
         t.start()
         assert copier.wait(30)
         t.join()
@@ -167,7 +167,7 @@ class TestStagingCopy:
         _, copies = staging.plan(sd)
         copier = StagingCopy(staging, copies)
         sd["nested"]["flags"].fill_(True)  # in place, before the copy thread ran
-        copier.run_cpu()
+        copier.run()
         with pytest.raises(TensorMutatedError, match=r"'nested\.flags'.*wait_staged"):
             copier.wait(1)
         with pytest.raises(TensorMutatedError):
@@ -178,7 +178,7 @@ class TestStagingCopy:
         staging = StagingBuffers(pin_memory=False)
         snap, copies = staging.plan(sd)
         copier = StagingCopy(staging, copies)
-        copier.run_cpu()
+        copier.run()
         copier.wait(1)
         before = sd["big"].clone()
         sd["big"].add_(1)
@@ -265,13 +265,13 @@ class TestCoordinatorStaging:
     ):
         coord, _ = coordinator
         go = threading.Event()
-        run_cpu = StagingCopy.run_cpu
+        run = StagingCopy.run
 
         def slow_copy(self):  # the copy thread starts late: the caller got there first
             go.wait(30)
-            run_cpu(self)
+            run(self)
 
-        monkeypatch.setattr(StagingCopy, "run_cpu", slow_copy)
+        monkeypatch.setattr(StagingCopy, "run", slow_copy)
         sd = _state()
         handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
         sd["big"].mul_(2)  # the optimizer step, without wait_staged
@@ -306,7 +306,8 @@ class TestCuda:
         staging = StagingBuffers(pin_memory=True)
         snap, copies = staging.plan(sd)
         copier = StagingCopy(staging, copies)
-        assert not copier.needs_thread
+        assert not copier.done.is_set()  # nothing queued on the caller's thread
+        copier.start()
         assert copier.wait(30)  # the caller's stream now waits for the copies
         for t in sd.values():
             t.zero_()
@@ -315,11 +316,31 @@ class TestCuda:
             assert torch.equal(snap[k], expected[k])
         snap, copies = staging.plan(sd)
         copier = StagingCopy(staging, copies)
+        copier.start()
         sd["w0"].add_(1)  # queued without waiting for the copies
         with pytest.raises(TensorMutatedError, match="'w0'"):
             copier.wait(30)
         with pytest.raises(TensorMutatedError):
             copier.finish()
+
+    def test_overlapped_copy_sees_the_work_queued_before_it(self):
+        """The copies run after the caller's queued work, though the thread queues them later."""
+        a = torch.randn(4096, 4096, device="cuda")
+        sd = {"w": torch.zeros(4096, 4096, device="cuda")}
+        staging = StagingBuffers(pin_memory=True)
+        staging.prepare(sd)
+        scratch = torch.empty_like(a)
+        torch.cuda.synchronize()
+        for _ in range(20):  # keeps the caller's stream busy well past the hand-off
+            torch.mm(a, a, out=scratch)
+        sd["w"].add_(1)
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        copier.start()
+        assert copier.wait(30)
+        copier.finish()
+        assert torch.equal(snap["w"], torch.ones(4096, 4096))
+        staging.release()
 
     def test_overlapped_save_of_a_cuda_state(self, coordinator, tmp_path):
         coord, monitor = coordinator
