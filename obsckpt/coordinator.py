@@ -390,7 +390,9 @@ class CheckpointCoordinator:
             self._cold_save(name, global_step, staging)
         if copier is not None:
             # Kept threads: the copy thread costs a queue put, not a thread start.
-            copier.start(lambda run: _THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}"))
+            copier.start(
+                lambda run: _THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}")
+            )
 
         def write() -> list[FileRecord]:
             if copier is not None:
