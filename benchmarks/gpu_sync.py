@@ -1,10 +1,15 @@
 """Colocated weight sync on one GPU: the ipc method vs a device-to-device copy of the same bytes.
 
-The trainer side packs the state into its bucket buffers and hands their CUDA
-IPC handles to a second process on the same GPU, which copies the tensors
-into its own weights and acknowledges (through a pipe here, a Ray call in the
-demo). The reference is one in-process device-to-device copy of the same
-tensors. The value is copy time / sync time (1.0: the sync costs one copy).
+The trainer side hands CUDA IPC handles to a second process on the same
+GPU, which copies the tensors into its own weights and acknowledges (through
+a pipe here, a Ray call in the demo). The reference is one in-process
+device-to-device copy of the same tensors. The value is copy time / sync
+time (1.0: the sync costs one copy) for a state that stays in place between
+syncs, as a model updated in place by its optimizer does: the ``direct``
+layout, one copy from the trainer's tensors into the receiver's. The details
+also give the ``buckets`` layout, used when the tensors are new at each
+sync (gathered from shards): packed into the sender's buckets, then copied
+out, two copies.
 """
 
 from __future__ import annotations
@@ -86,23 +91,39 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    reps = max(3, sizes.save_reps)
+    layouts = []
     try:
-        sync()  # opens the handles and allocates the buckets once
+        sync()  # the receiver opens the storages once
         d2d()
         syncs, refs = [], []
-        for _ in range(max(3, sizes.save_reps)):
+        for _ in range(reps):
             refs.append(d2d())
             syncs.append(sync())
+            layouts.append(sender.last_layout)
+        # Tensors new at each sync: the sender switches to its buckets.
+        fresh_syncs, fresh_layouts = [], []
+        for _ in range(reps + 2):
+            fresh = {k: v.clone() for k, v in state.items()}
+            step += 1
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sender.send(fresh, deliver, step=step)
+            fresh_syncs.append(time.perf_counter() - t0)
+            fresh_layouts.append(sender.last_layout)
+            del fresh
+        fresh_syncs, fresh_layouts = fresh_syncs[2:], fresh_layouts[2:]
     finally:
         parent.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
         sender.close()
-    s, c = median(syncs), median(refs)
+    s, c, f = median(syncs), median(refs), median(fresh_syncs)
     log(
-        f"  ipc sync {s * 1e3:.1f} ms vs D2D copy {c * 1e3:.1f} ms "
-        f"({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB"
+        f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}) vs D2D copy "
+        f"{c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB; "
+        f"fresh tensors {f * 1e3:.2f} ms ({'/'.join(sorted(set(fresh_layouts)))})"
     )
     return Result(
         NAME,
@@ -120,7 +141,14 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "d2d_GBps": round(nbytes / c / 1e9, 3),
             "sync_samples_s": rounded(syncs),
             "d2d_samples_s": rounded(refs),
-            "note": "the sync copies the bytes twice: into the sender's buckets and out "
-            "into the receiver's weights",
+            "layouts": layouts,
+            "fresh_tensors": {
+                "sync_s": round(f, 6),
+                "d2d_over_sync": round(c / f, 3),
+                "samples_s": rounded(fresh_syncs),
+                "layouts": fresh_layouts,
+                "note": "new tensors at each sync: packed into the sender's buckets, then "
+                "copied out (two copies)",
+            },
         },
     )

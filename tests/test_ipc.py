@@ -71,6 +71,17 @@ class Trainer:
         except (BroadcastError, ValueError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - t0}
 
+    def sync_in_place(self, rollout, step: int, seed: int) -> dict:
+        """Update one model in place (as an optimizer step does), then send it."""
+        fresh = model(seed, self.device)
+        if not hasattr(self, "kept"):
+            self.kept = fresh
+        with torch.no_grad():
+            for k, v in self.kept.items():
+                v.copy_(fresh[k])
+        r = self.sender.send(self.kept, lambda p: rollout.receive.remote(p), step=step)
+        return {"layout": self.sender.last_layout, "handles": r.collectives}
+
     def sample(self, name: str, labels: dict) -> float | None:
         return self.metrics.registry.get_sample_value(name, labels)
 
@@ -188,6 +199,42 @@ def test_ipc_protocol_on_shared_memory(ray_cluster):
 def test_ipc_protocol_on_cuda(ray_cluster):
     """The same protocol over CUDA IPC handles, trainer and rollout sharing one GPU."""
     run_protocol("cuda:0", 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_ipc_layouts_on_cuda(ray_cluster):
+    """Tensors kept in place: one copy from the trainer's storages, opened once; new tensors
+    at each sync: the sender's buckets; back in place: direct again, with fresh handles."""
+    opts = dict(num_cpus=0, num_gpus=0.5, max_concurrency=2)
+    trainer = ray.remote(Trainer).options(**opts).remote("cuda:0")
+    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0")
+    tensors = len(model(0))
+    try:
+        seen = []
+        plan = [("kept", 1), ("kept", 2), ("kept", 3), ("new", 4), ("new", 5), ("kept", 6)]
+        plan += [("kept", 7), ("kept", 8)]
+        for what, step in plan:
+            if what == "kept":
+                r = ray.get(trainer.sync_in_place.remote(rollout, step, step))
+                seen.append((r["layout"], r["handles"]))
+            else:
+                r = ray.get(trainer.sync.remote(rollout, step, step))
+                assert r.get("ok"), r
+                seen.append(("buckets", None))
+            last, weights, errors = ray.get(rollout.state.remote())
+            assert last == step and errors == [], (step, errors)
+            assert differ(model(step), weights) == [], step
+        # Sync 1 hands out every storage; later in-place syncs only the copy of the
+        # one non-contiguous tensor. After new tensors, one sync sees the storages
+        # new again (buckets), the next goes direct with fresh handles.
+        assert seen[:3] == [("direct", tensors), ("direct", 1), ("direct", 1)], seen
+        assert seen[5][0] == "buckets", seen
+        assert seen[6:] == [("direct", tensors), ("direct", 1)], seen
+    finally:
+        ray.get(trainer.close.remote())
+        for a in (trainer, rollout):
+            ray.kill(a)
 
 
 def test_receiver_refuses_a_foreign_payload(tmp_path):

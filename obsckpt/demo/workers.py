@@ -249,7 +249,7 @@ class TrainerRank:
         )
 
     def make_ipc_sender(self) -> None:
-        """Colocated sync: rank 0 hands the rollout its bucket buffers (CUDA IPC or shared memory)."""
+        """Colocated sync: rank 0 hands the rollout CUDA IPC handles (or shared-memory buckets)."""
         from obsckpt.sync.ipc import IpcWeightSender
 
         self.ipc_sender = IpcWeightSender(

@@ -2,29 +2,43 @@
 
 When the rollout engine runs on the trainer's GPU (verl's hybrid engine),
 sending the weights through a collective is wasted work: both processes can
-map the same device memory. :class:`IpcWeightSender` packs the model into
-bucket buffers of its own (one dtype per bucket, the plan of
-:func:`~obsckpt.sync.broadcast.plan_buckets`), and hands the rollout process
-a small :class:`IpcPayload`: the tensors' names, dtypes and shapes, the step,
-and a handle per bucket. :class:`IpcWeightReceiver` opens the handles (once
-per buffer; they are reused from one sync to the next) and copies the
-tensors into its own weights.
+map the same device memory. :class:`IpcWeightSender` hands the rollout
+process a small :class:`IpcPayload` (the tensors' names, dtypes and shapes,
+the step, and handles to device memory), and :class:`IpcWeightReceiver`
+copies the tensors into its own weights. Two layouts:
 
-On CUDA a handle is a CUDA IPC handle (``torch.multiprocessing.reductions``);
-on the CPU it is a file in shared memory (``/dev/shm``) that both processes
-map, so the same protocol runs, and is tested, without a GPU. The payload
-travels however the caller likes (a Ray actor call in the demo); the sender
-waits for the receiver's acknowledgement within ``timeout_s``.
+* ``direct`` (CUDA): the handles name the trainer's own tensors' storages,
+  so the weights are copied once, straight into the rollout's. It is used
+  while the trainer's tensors stay in place from one sync to the next (a
+  model held whole on the GPU, updated in place by its optimizer); the
+  rollout keeps each storage open, so a sync opens nothing new.
+* ``buckets``: the sender packs the tensors into bucket buffers of its own
+  (one dtype per bucket, the plan of :func:`~obsckpt.sync.broadcast.plan_buckets`)
+  and hands out their handles, opened once and reused. The bytes are
+  copied twice, but nothing is opened per sync. It is used when the
+  tensors are new at each sync (gathered from shards, as FSDP and Megatron
+  do): opening fresh handles per tensor would cost more than the copy. It
+  is also the CPU fallback, where a handle is a file in shared memory
+  (``/dev/shm``) that both processes map, so the same protocol runs, and is
+  tested, without a GPU.
+
+The payload travels however the caller likes (a Ray actor call in the demo);
+the sender waits for the receiver's acknowledgement within ``timeout_s``,
+and does not touch the tensors meanwhile.
 
 The same checks as a broadcast: the step must be newer than the last one
 sent (and received); a payload that reaches the receiver after the sender's
-deadline is refused (the sender may already be rewriting its buffers), and
+deadline is refused (the sender may already be changing its tensors), and
 so is one whose copy finishes after it. Each sync is timed into
 ``obsckpt_broadcast_duration_seconds{method="ipc"}`` (backend ``cuda_ipc`` or
-``shm``), counted on failure, and traced as an ``obsckpt.broadcast`` span.
+``shm``), counted on failure, and traced as an ``obsckpt.broadcast`` span
+whose ``obsckpt.ipc_layout`` attribute names the layout.
 
-The sender keeps one device copy of the model's bytes (its buckets) between
-syncs; :meth:`IpcWeightSender.close` frees it.
+Memory: with ``buckets`` the sender keeps one device copy of the model's
+bytes between syncs; with ``direct`` the rollout keeps the trainer's
+storages of the last sync mapped (for tensors that stay in place that costs
+nothing). :meth:`IpcWeightSender.close` and :meth:`IpcWeightReceiver.close`
+release them.
 """
 
 from __future__ import annotations
@@ -57,7 +71,11 @@ from obsckpt.telemetry import tracing
 logger = logging.getLogger(__name__)
 
 METHOD = "ipc"
-_PAYLOAD_VERSION = 1
+_PAYLOAD_VERSION = 2
+# The direct layout is kept while at least this share of the bytes lies in the
+# same storages as at the sync before; below it the tensors are taken to be new
+# at each sync, and the buckets are cheaper.
+_DIRECT_MIN_KEPT = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +87,16 @@ class IpcPayload:
     backend: str  # "cuda_ipc" or "shm"
     bucket_bytes: int
     meta: tuple[tuple[str, str, tuple[int, ...]], ...]
-    handles: tuple[Any, ...]  # one per bucket, in plan order
-    deadline: float  # wall-clock seconds; the sender may rewrite its buffers after it
+    handles: tuple[Any, ...]  # buckets layout: one per bucket, in plan order
+    deadline: float  # wall-clock seconds; the sender may change its tensors after it
     device_uuid: str | None = None
     trace_context: dict[str, str] | None = None
+    layout: str = "buckets"  # or "direct"
+    # direct layout: (storage id, handle) of storages new to the receiver; per
+    # tensor, (storage id, byte offset); the ids the receiver keeps open.
+    storages: tuple[tuple[int, Any], ...] = ()
+    views: tuple[tuple[int, int], ...] = ()
+    live: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +109,16 @@ def _device_uuid(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+@dataclass(slots=True)
+class _Shared:
+    """A storage of the trainer's whose handle the receiver holds (direct layout)."""
+
+    sid: int
+    ref: Any  # torch's StorageWeakRef: expired once the storage is freed
+
+
 class IpcWeightSender:
-    """Trainer side of the colocated sync: packs buckets, hands out their handles.
+    """Trainer side of the colocated sync: hands out handles to its tensors or buckets.
 
     Args:
         device: where the buckets live (a CUDA device for CUDA IPC; the CPU uses
@@ -96,6 +128,8 @@ class IpcWeightSender:
         metrics: an :class:`obsckpt.telemetry.metrics.Metrics` to record into.
         monitor: the monitor actor handle, to record through its RPCs.
         shm_dir: where the CPU fallback puts its shared-memory files.
+        layout: ``"auto"`` (default: ``direct`` on CUDA while the tensors stay in
+            place, else ``buckets``), ``"direct"`` (CUDA only) or ``"buckets"``.
     """
 
     def __init__(
@@ -107,7 +141,10 @@ class IpcWeightSender:
         metrics: Any = None,
         monitor: Any = None,
         shm_dir: str | None = None,
+        layout: str = "auto",
     ) -> None:
+        if layout not in ("auto", "direct", "buckets"):
+            raise ValueError(f"layout must be 'auto', 'direct' or 'buckets', got {layout!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if not timeout_s > 0:
@@ -122,6 +159,13 @@ class IpcWeightSender:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = "cuda_ipc" if self.device.type == "cuda" else "shm"
+        if layout == "direct" and self.backend != "cuda_ipc":
+            raise ValueError(
+                f"layout 'direct' hands out CUDA IPC handles of the tensors; on {self.device} "
+                "use 'buckets' (or 'auto')"
+            )
+        self.layout = layout
+        self.last_layout: str | None = None
         self.bucket_bytes = int(bucket_bytes)
         self.timeout_s = float(timeout_s)
         self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
@@ -135,6 +179,12 @@ class IpcWeightSender:
         self._uuid = _device_uuid(self.device)
         self.last_step: int | None = None
         self._version = 0
+        # direct layout: storages the receiver holds, by (address, size)
+        self._shared: dict[tuple[int, int], _Shared] = {}
+        self._next_sid = 0
+        self._direct_failed = False
+        # the storages of the last sync's tensors, to see whether they stay in place
+        self._previous: dict[tuple[int, int], Any] = {}
 
     def send(
         self,
@@ -144,7 +194,7 @@ class IpcWeightSender:
         step: int,
         trace_context: Mapping[str, str] | None = None,
     ) -> BroadcastResult:
-        """Pack the tensors, ``deliver`` the payload to the rollout side, wait for its answer.
+        """Hand over the tensors (or pack them), ``deliver`` the payload, wait for the answer.
 
         ``deliver`` returns the receiver's acknowledgement, or a Ray
         ``ObjectRef`` of it (e.g. ``lambda p: rollout.receive_ipc.remote(p)``);
@@ -171,7 +221,28 @@ class IpcWeightSender:
                 sp.set_attribute("obsckpt.backend", self.backend)
                 t0 = time.perf_counter()
                 deadline_mono = time.monotonic() + self.timeout_s
-                self._pack(items, meta)
+                # The receiver's deadline is the sender's: set before any work.
+                deadline_wall = time.time() + self.timeout_s
+                layout = self._choose_layout(items, meta)
+                direct: dict[str, Any] = {}
+                if layout == "direct":
+                    try:
+                        direct = self._share(items)
+                    except RuntimeError as exc:  # e.g. memory CUDA cannot export
+                        logger.warning(
+                            "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
+                            "the ipc sync packs them into buckets from now on",
+                            exc,
+                        )
+                        self._direct_failed = True
+                        layout = "buckets"
+                if layout == "buckets":
+                    self._shared.clear()
+                    self._pack(items, meta)
+                elif self.device.type == "cuda":
+                    # The receiver reads on its own stream: the tensors must be written first.
+                    torch.cuda.synchronize(self.device)
+                sp.set_attribute("obsckpt.ipc_layout", layout)
                 self._version += 1
                 payload = IpcPayload(
                     version=_PAYLOAD_VERSION,
@@ -179,10 +250,12 @@ class IpcWeightSender:
                     backend=self.backend,
                     bucket_bytes=self.bucket_bytes,
                     meta=tuple(m.to_wire() for m in meta),
-                    handles=self._handles,
-                    deadline=time.time() + self.timeout_s,
+                    handles=self._handles if layout == "buckets" else (),
+                    deadline=deadline_wall,
                     device_uuid=self._uuid,
                     trace_context=tracing.inject() or None,
+                    layout=layout,
+                    **direct,
                 )
                 ack = self._await(deliver(payload), deadline_mono)
                 if not isinstance(ack, Mapping) or ack.get("step") != step:
@@ -191,13 +264,75 @@ class IpcWeightSender:
                         "it must return IpcWeightReceiver.recv's acknowledgement"
                     )
                 seconds = time.perf_counter() - t0
-        except BroadcastError as exc:
-            if self.telemetry:
+        except BaseException as exc:
+            # The receiver may not have opened this sync's storages: the next sync
+            # hands every storage out afresh (under new ids).
+            self._shared.clear()
+            if isinstance(exc, BroadcastError) and self.telemetry:
                 self.telemetry.failure(self.backend, METHOD, exc)
             raise
         self.last_step = step
+        self.last_layout = layout
         self.telemetry.broadcast(self.backend, seconds, nbytes, METHOD)
-        return BroadcastResult(seconds, nbytes, len(meta), len(self._plan), self.backend, METHOD)
+        handles = len(self._plan) if layout == "buckets" else len(payload.storages)
+        return BroadcastResult(seconds, nbytes, len(meta), handles, self.backend, METHOD)
+
+    def _choose_layout(self, items: list[tuple[str, torch.Tensor]], meta: list[TensorMeta]) -> str:
+        """``direct`` while the tensors stay in the same storages from sync to sync."""
+        if self.backend != "cuda_ipc" or self.layout == "buckets" or self._direct_failed:
+            return "buckets"
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        previous, self._previous = self._previous, {}
+        kept = 0
+        for (_, t), m in zip(items, meta, strict=True):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            ref = previous.get(key)
+            if ref is not None and not ref.expired():
+                kept += m.nbytes
+            self._previous[key] = (
+                ref if ref is not None and not ref.expired() else StorageWeakRef(st)
+            )
+        if self.layout == "direct" or not previous:
+            return "direct"  # the first sync: nothing to compare with yet
+        total = sum(m.nbytes for m in meta)
+        return "direct" if kept >= _DIRECT_MIN_KEPT * total else "buckets"
+
+    def _share(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """The direct layout's fields: handles of storages new to the receiver, views, live ids."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if self._plan:  # the buckets of an earlier layout are not needed any more
+            self._free()
+            self._plan_key = None
+        shared: dict[tuple[int, int], _Shared] = {}
+        storages: list[tuple[int, Any]] = []
+        views: list[tuple[int, int]] = []
+        for i, (_, t) in enumerate(items):
+            t = t.detach()
+            if t.device != self.device or not t.is_contiguous():
+                t = t.to(self.device).contiguous()  # a copy, alive until the acknowledgement
+                items[i] = (items[i][0], t)
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            entry = shared.get(key) or self._shared.get(key)
+            if entry is None or entry.ref.expired():
+                entry = _Shared(self._next_sid, StorageWeakRef(st))
+                self._next_sid += 1
+                storages.append((entry.sid, self._share_storage(st)))
+            shared[key] = entry
+            views.append((entry.sid, t.storage_offset() * t.element_size()))
+        self._shared = shared
+        live = tuple(sorted({e.sid for e in shared.values()}))
+        return {"storages": tuple(storages), "views": tuple(views), "live": live}
+
+    def _share_storage(self, storage: torch.UntypedStorage) -> Any:
+        """A CUDA IPC handle of a whole storage (torch's reduction of a byte tensor over it)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        return ("cuda", reduce_tensor(whole))
 
     def _pack(self, items: list[tuple[str, torch.Tensor]], meta: list[TensorMeta]) -> None:
         key = (self.bucket_bytes, tuple(meta))
@@ -276,6 +411,8 @@ class IpcWeightSender:
         """Free the buckets (and their shared-memory files)."""
         self._free()
         self._plan_key = None
+        self._shared.clear()
+        self._previous.clear()
         self.telemetry.flush(10.0)
 
     def __del__(self) -> None:
@@ -297,7 +434,9 @@ class IpcWeightReceiver:
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._opened: dict[Any, torch.Tensor] = {}
+        self._opened: dict[Any, torch.Tensor] = {}  # buckets layout, by handle
+        self._storages: dict[int, torch.Tensor] = {}  # direct layout, by storage id
+        self._views: dict[tuple, torch.Tensor] = {}  # direct layout: views into them
         self._area: dict[str, torch.Tensor] = {}
         self.last_step: int | None = None
         self.last_seconds: float | None = None
@@ -341,19 +480,30 @@ class IpcWeightReceiver:
             self._check_deadline(payload, "arrived")
             meta = [TensorMeta.from_wire(m) for m in payload.meta]
             sp.set_attribute("obsckpt.bytes", sum(m.nbytes for m in meta))
-            plan = plan_buckets(meta, payload.bucket_bytes)
-            if len(plan) != len(payload.handles):
-                raise BroadcastError(
-                    f"the payload has {len(payload.handles)} buckets, its metadata plans "
-                    f"{len(plan)}; sender and receiver disagree on the protocol"
-                )
+            sp.set_attribute("obsckpt.ipc_layout", payload.layout)
             out: dict[str, torch.Tensor] = {}
-            for bucket, handle in zip(plan, payload.handles, strict=True):
-                flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
-                for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                    m = meta[i]
-                    src = flat[off : off + m.numel].view(m.shape)
+            if payload.layout == "direct":
+                for m, src in zip(meta, self._direct_sources(payload, meta), strict=True):
                     out[m.name] = self._land(m, src, into, clone)
+            elif payload.layout == "buckets":
+                self._drop_storages(())
+                plan = plan_buckets(meta, payload.bucket_bytes)
+                if len(plan) != len(payload.handles):
+                    raise BroadcastError(
+                        f"the payload has {len(payload.handles)} buckets, its metadata plans "
+                        f"{len(plan)}; sender and receiver disagree on the protocol"
+                    )
+                for bucket, handle in zip(plan, payload.handles, strict=True):
+                    flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
+                    for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+                        m = meta[i]
+                        src = flat[off : off + m.numel].view(m.shape)
+                        out[m.name] = self._land(m, src, into, clone)
+            else:
+                raise BroadcastError(
+                    f"unknown ipc layout {payload.layout!r}; run the same obsckpt version on "
+                    "both sides"
+                )
             devices = {t.device for t in out.values() if t.is_cuda}
             for d in devices:
                 torch.cuda.synchronize(d)
@@ -373,8 +523,67 @@ class IpcWeightReceiver:
                 "buffers, so they are not used"
             )
 
+    def _direct_sources(self, payload: IpcPayload, meta: list[TensorMeta]) -> list[torch.Tensor]:
+        """The sender's tensors, as views of its storages (opened once, kept while live)."""
+        if len(payload.views) != len(meta):
+            raise BroadcastError(
+                f"the payload has {len(payload.views)} views for {len(meta)} tensors; sender "
+                "and receiver disagree on the protocol"
+            )
+        for sid, handle in payload.storages:
+            self._storages[sid] = self._open_storage(handle, payload)
+        self._drop_storages(payload.live)
+        sources = []
+        for m, (sid, offset) in zip(meta, payload.views, strict=True):
+            key = (sid, offset, m.dtype, m.shape)
+            src = self._views.get(key)
+            if src is None:
+                storage = self._storages.get(sid)
+                if storage is None or offset + m.nbytes > storage.numel():
+                    raise BroadcastError(
+                        f"{m.name!r}: the payload points into storage {sid}, which this "
+                        "rollout does not hold (or not that far); sender and receiver "
+                        "disagree on the protocol"
+                    )
+                src = storage[offset : offset + m.nbytes].view(m.dtype).view(m.shape)
+                self._views[key] = src
+            sources.append(src)
+        return sources
+
+    def _drop_storages(self, live: Iterable[int]) -> None:
+        """Close the sender's storages not in ``live`` (the sender may free or reuse them)."""
+        keep = set(live)
+        for sid in [s for s in self._storages if s not in keep]:
+            del self._storages[sid]
+        if len(self._views) and any(k[0] not in keep for k in self._views):
+            self._views = {k: v for k, v in self._views.items() if k[0] in keep}
+
+    def _open_storage(self, handle: Any, payload: IpcPayload) -> torch.Tensor:
+        """A byte tensor over one of the sender's storages."""
+        if handle[0] != "cuda":
+            raise BroadcastError(f"unknown ipc storage handle kind {handle[0]!r}")
+        return self._rebuild_cuda(handle[1], payload)
+
+    def _rebuild_cuda(self, reduced: Any, payload: IpcPayload) -> torch.Tensor:
+        rebuild, args = reduced
+        device = self.device or torch.device("cuda", torch.cuda.current_device())
+        mine = _device_uuid(device)
+        if payload.device_uuid is not None and mine != payload.device_uuid:
+            raise BroadcastError(
+                f"the sender's tensors are on GPU {payload.device_uuid}, this rollout "
+                f"runs on {mine}; the ipc method needs both on the same GPU (use "
+                "sync_method='broadcast' across GPUs)"
+            )
+        args = list(args)
+        args[6] = device.index  # the sender's index may name another device here
+        return rebuild(*args)
+
     def _open(self, handle: Any, payload: IpcPayload) -> torch.Tensor:
-        key = handle[1] if handle[0] == "shm" else (handle[1][1][7], payload.device_uuid)
+        if handle[0] == "shm":
+            key = handle[1]
+        else:  # segment handle, offset and size: two buckets may share a segment
+            args = handle[1][1]
+            key = (args[7], args[9], args[8], payload.device_uuid)
         buf = self._opened.get(key)
         if buf is not None:
             return buf
@@ -382,18 +591,7 @@ class IpcWeightReceiver:
             _, path, size = handle
             buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         elif handle[0] == "cuda":
-            rebuild, args = handle[1]
-            device = self.device or torch.device("cuda", torch.cuda.current_device())
-            mine = _device_uuid(device)
-            if payload.device_uuid is not None and mine != payload.device_uuid:
-                raise BroadcastError(
-                    f"the sender's buckets are on GPU {payload.device_uuid}, this rollout "
-                    f"runs on {mine}; the ipc method needs both on the same GPU (use "
-                    "sync_method='broadcast' across GPUs)"
-                )
-            args = list(args)
-            args[6] = device.index  # the sender's index may name another device here
-            buf = rebuild(*args)
+            buf = self._rebuild_cuda(handle[1], payload)
         else:
             raise BroadcastError(f"unknown ipc handle kind {handle[0]!r}")
         self._opened[key] = buf
@@ -419,6 +617,7 @@ class IpcWeightReceiver:
         return dst
 
     def close(self) -> None:
-        """Unmap the sender's buffers and drop the receive area."""
+        """Unmap the sender's buffers and storages and drop the receive area."""
         self._opened.clear()
+        self._drop_storages(())
         self._area.clear()
