@@ -255,3 +255,72 @@ def test_receiver_refuses_a_foreign_payload(tmp_path):
             stale.send(model(1), lambda p: late.append(p) or {"step": -1}, step=1)
         time.sleep(0.05)
         IpcWeightReceiver().recv(late[0])
+
+
+def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
+    """The direct layout's choices and ids, in one process on the CPU.
+
+    CUDA IPC handles need a GPU (see test_ipc_layouts_on_cuda); here a handle
+    names a storage in a table both sides read, and everything else (layout
+    choice, storage ids, live sets, cached views, fallback to buckets) is the
+    real code, with the payload pickled on the way as it is between processes.
+    """
+    import pickle
+
+    table: dict[int, torch.UntypedStorage] = {}
+
+    def share(self, storage):
+        table[storage.data_ptr()] = storage
+        return ("cuda", storage.data_ptr())
+
+    def open_storage(self, handle, payload):
+        return torch.empty(0, dtype=torch.uint8).set_(table[handle[1]])
+
+    monkeypatch.setattr(IpcWeightSender, "_share_storage", share)
+    monkeypatch.setattr(IpcWeightReceiver, "_open_storage", open_storage)
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
+    sender.backend = "cuda_ipc"  # what a CUDA device sets
+    receiver = IpcWeightReceiver(device="cpu")
+    payloads = []
+
+    def deliver(p):
+        payloads.append(pickle.loads(pickle.dumps(p)))
+        return receiver.recv(payloads[-1])[0]
+
+    kept = model(0)
+    steps = iter(range(1, 100))
+
+    def sync_in_place(seed):
+        want = {k: v for k, v in model(seed).items() if k in kept}
+        for k, v in want.items():
+            kept[k].copy_(v)
+        step = next(steps)
+        sender.send(kept, deliver, step=step)
+        assert receiver.last_step == step
+        assert differ(want, {k: receiver._area[k] for k in want}) == []
+        return sender.last_layout, len(payloads[-1].storages)
+
+    def sync_new(seed):
+        sender.send(model(seed), deliver, step=next(steps))
+        assert differ(model(seed), receiver._area) == []
+        return sender.last_layout, len(payloads[-1].storages)
+
+    n = len(kept)
+    assert sync_in_place(1) == ("direct", n)  # every storage handed out once
+    assert sync_in_place(2) == ("direct", 1)  # only the non-contiguous tensor's copy
+    del kept["t"]  # every tensor dense and in place: the same views, nothing opened
+    assert sync_in_place(3) == ("direct", 0)
+    sources = receiver._sources
+    assert sync_in_place(4) == ("direct", 0) and receiver._sources is sources
+    assert len(receiver._storages) == n - 1 and payloads[-1].views == payloads[-2].views
+    # New tensors at each sync: buckets, and the receiver lets the storages go.
+    assert sync_new(5) == ("buckets", 0)
+    assert receiver._storages == {} and len(receiver._opened) > 0
+    assert sync_new(6) == ("buckets", 0)
+    kept = model(0)
+    assert sync_in_place(7) == ("buckets", 0)  # new storages once more: no history yet
+    assert sync_in_place(8) == ("direct", n)  # they stayed: direct, under fresh ids
+    ids = {sid for sid, _ in payloads[-1].storages}
+    assert ids.isdisjoint(sid for p in payloads[:4] for sid, _ in p.storages)
+    sender.close()
+    receiver.close()

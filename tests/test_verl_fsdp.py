@@ -297,6 +297,15 @@ def unplain(data: dict[str, tuple[str, tuple[int, ...], bytes]]) -> dict[str, to
     }
 
 
+def _local_numel(t) -> int:
+    """Elements this rank holds: a DTensor's or ShardedTensor's local part; NO_SHARD's whole tensor."""
+    if hasattr(t, "to_local"):
+        return t.to_local().numel()
+    if hasattr(t, "local_shards"):
+        return sum(s.tensor.numel() for s in t.local_shards())
+    return t.numel()
+
+
 def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -> None:
     """One GPU per rank: FSDP1 shards (saved and merged as the Synchronizer does), gathered
     parameters, and an NCCL weight-sync group (rank 0 -> rank 1 when there are two)."""
@@ -319,7 +328,7 @@ def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -
         strategy = ShardingStrategy.FULL_SHARD if world_size > 1 else ShardingStrategy.NO_SHARD
         fsdp = FSDP(model, device_id=rd.device, use_orig_params=True, sharding_strategy=strategy)
         shard = sharded_model_state_dict(fsdp)
-        local_numel = sum(v.to_local().numel() for v in shard.values())
+        local_numel = sum(_local_numel(v) for v in shard.values())
         torch.save(shard, os.path.join(shard_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
         dist.barrier()
         merged = load_sharded_state_dict(shard_dir) if rank == 0 else {}
@@ -420,7 +429,7 @@ def _run_spawned(target, args_per_proc, results, n_results: int) -> list:
     ],
 )
 def test_fsdp1_shards_gather_and_nccl_group(world_size, tmp_path):
-    """FSDP1 DTensor shards merge to the model; full_params gathers it per tensor; NCCL sends."""
+    """FSDP1 shards merge to the model; full_params gathers it per tensor; NCCL sends."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Queue()

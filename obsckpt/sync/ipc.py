@@ -114,7 +114,7 @@ class _Shared:
     """A storage of the trainer's whose handle the receiver holds (direct layout)."""
 
     sid: int
-    ref: Any  # torch's StorageWeakRef: expired once the storage is freed
+    storage: torch.UntypedStorage  # held until a sync no longer uses it
 
 
 class IpcWeightSender:
@@ -179,11 +179,20 @@ class IpcWeightSender:
         self._uuid = _device_uuid(self.device)
         self.last_step: int | None = None
         self._version = 0
-        # direct layout: storages the receiver holds, by (address, size)
+        self._meta: list[TensorMeta] = []
+        self._wire: tuple = ()
+        self._sizes: list[int] = []
+        # direct layout: storages the receiver holds, by (address, size); held
+        # here too, so no other storage can take their address meanwhile
         self._shared: dict[tuple[int, int], _Shared] = {}
+        self._last_keys: list | None = None  # and the views they gave, for the next sync
+        self._last_offsets: list | None = None
+        self._last_views: tuple = ()
+        self._last_live: tuple = ()
         self._next_sid = 0
         self._direct_failed = False
-        # the storages of the last sync's tensors, to see whether they stay in place
+        # buckets layout: weak references to the last sync's storages, to see
+        # whether the tensors stay in place
         self._previous: dict[tuple[int, int], Any] = {}
 
     def send(
@@ -214,7 +223,11 @@ class IpcWeightSender:
             )
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         meta = tensor_meta(items)
-        nbytes = sum(m.nbytes for m in meta)
+        if meta != self._meta:  # computed once per layout of the model, not per sync
+            self._meta = meta
+            self._wire = tuple(m.to_wire() for m in meta)
+            self._sizes = [m.nbytes for m in meta]
+        nbytes = sum(self._sizes)
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.method": METHOD}
         try:
             with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
@@ -223,11 +236,11 @@ class IpcWeightSender:
                 deadline_mono = time.monotonic() + self.timeout_s
                 # The receiver's deadline is the sender's: set before any work.
                 deadline_wall = time.time() + self.timeout_s
-                layout = self._choose_layout(items, meta)
+                layout, storages = self._choose_layout(items)
                 direct: dict[str, Any] = {}
                 if layout == "direct":
                     try:
-                        direct = self._share(items)
+                        direct = self._share(items, storages)
                     except RuntimeError as exc:  # e.g. memory CUDA cannot export
                         logger.warning(
                             "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
@@ -238,6 +251,7 @@ class IpcWeightSender:
                         layout = "buckets"
                 if layout == "buckets":
                     self._shared.clear()
+                    self._last_keys = None
                     self._pack(items, meta)
                 elif self.device.type == "cuda":
                     # The receiver reads on its own stream: the tensors must be written first.
@@ -249,7 +263,7 @@ class IpcWeightSender:
                     step=step,
                     backend=self.backend,
                     bucket_bytes=self.bucket_bytes,
-                    meta=tuple(m.to_wire() for m in meta),
+                    meta=self._wire,
                     handles=self._handles if layout == "buckets" else (),
                     deadline=deadline_wall,
                     device_uuid=self._uuid,
@@ -268,6 +282,7 @@ class IpcWeightSender:
             # The receiver may not have opened this sync's storages: the next sync
             # hands every storage out afresh (under new ids).
             self._shared.clear()
+            self._last_keys = None
             if isinstance(exc, BroadcastError) and self.telemetry:
                 self.telemetry.failure(self.backend, METHOD, exc)
             raise
@@ -277,55 +292,84 @@ class IpcWeightSender:
         handles = len(self._plan) if layout == "buckets" else len(payload.storages)
         return BroadcastResult(seconds, nbytes, len(meta), handles, self.backend, METHOD)
 
-    def _choose_layout(self, items: list[tuple[str, torch.Tensor]], meta: list[TensorMeta]) -> str:
-        """``direct`` while the tensors stay in the same storages from sync to sync."""
+    def _choose_layout(self, items: list[tuple[str, torch.Tensor]]) -> tuple[str, list]:
+        """``direct`` while the tensors stay in the same storages from sync to sync.
+
+        Returns the layout and, for ``direct``, the tensors' storages.
+        """
         if self.backend != "cuda_ipc" or self.layout == "buckets" or self._direct_failed:
-            return "buckets"
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        previous, self._previous = self._previous, {}
-        kept = 0
-        for (_, t), m in zip(items, meta, strict=True):
-            st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-            ref = previous.get(key)
-            if ref is not None and not ref.expired():
-                kept += m.nbytes
-            self._previous[key] = (
-                ref if ref is not None and not ref.expired() else StorageWeakRef(st)
+            return "buckets", []
+        storages = [t.untyped_storage() for _, t in items]
+        if self.layout == "direct" or not (self._shared or self._previous):
+            return "direct", storages  # forced, or the first sync: nothing to compare with
+        total = sum(self._sizes)
+        if self._shared:  # direct last time: the storages it handed out are held
+            kept = sum(
+                n
+                for st, n in zip(storages, self._sizes, strict=True)
+                if (st.data_ptr(), st.nbytes()) in self._shared
             )
-        if self.layout == "direct" or not previous:
-            return "direct"  # the first sync: nothing to compare with yet
-        total = sum(m.nbytes for m in meta)
-        return "direct" if kept >= _DIRECT_MIN_KEPT * total else "buckets"
+        else:
+            from torch.multiprocessing.reductions import StorageWeakRef
 
-    def _share(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+            previous, self._previous, kept = self._previous, {}, 0
+            for st, n in zip(storages, self._sizes, strict=True):
+                key = (st.data_ptr(), st.nbytes())
+                ref = previous.get(key)
+                if ref is None or ref.expired():
+                    ref = StorageWeakRef(st)
+                else:
+                    kept += n
+                self._previous[key] = ref
+        if kept >= _DIRECT_MIN_KEPT * total:
+            self._previous = {}
+            return "direct", storages
+        if self._shared:  # leaving direct: remember these storages to compare with next time
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self._previous = {(st.data_ptr(), st.nbytes()): StorageWeakRef(st) for st in storages}
+        return "buckets", []
+
+    def _share(self, items: list[tuple[str, torch.Tensor]], storages: list) -> dict[str, Any]:
         """The direct layout's fields: handles of storages new to the receiver, views, live ids."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         if self._plan:  # the buckets of an earlier layout are not needed any more
             self._free()
             self._plan_key = None
-        shared: dict[tuple[int, int], _Shared] = {}
-        storages: list[tuple[int, Any]] = []
+        # The same storages, offsets and dense tensors as the last sync: the same views.
+        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
+        offsets = [t.storage_offset() for _, t in items]
+        if (
+            keys == self._last_keys
+            and offsets == self._last_offsets
+            and all(t.is_contiguous() for _, t in items)
+        ):
+            return {"storages": (), "views": self._last_views, "live": self._last_live}
+        self._last_keys = self._last_offsets = None
+        held, shared = self._shared, {}
+        new: list[tuple[int, Any]] = []
         views: list[tuple[int, int]] = []
-        for i, (_, t) in enumerate(items):
-            t = t.detach()
-            if t.device != self.device or not t.is_contiguous():
-                t = t.to(self.device).contiguous()  # a copy, alive until the acknowledgement
-                items[i] = (items[i][0], t)
-            st = t.untyped_storage()
+        device = self.device
+        for i, (name, t) in enumerate(items):
+            st = storages[i]
+            if t.device != device or not t.is_contiguous():
+                t = t.detach().to(device).contiguous()  # a copy, alive until the answer
+                items[i] = (name, t)
+                st = t.untyped_storage()
             key = (st.data_ptr(), st.nbytes())
-            entry = shared.get(key) or self._shared.get(key)
-            if entry is None or entry.ref.expired():
-                entry = _Shared(self._next_sid, StorageWeakRef(st))
+            entry = shared.get(key) or held.get(key)
+            if entry is None:
+                entry = _Shared(self._next_sid, st)
                 self._next_sid += 1
-                storages.append((entry.sid, self._share_storage(st)))
+                new.append((entry.sid, self._share_storage(st)))
             shared[key] = entry
             views.append((entry.sid, t.storage_offset() * t.element_size()))
         self._shared = shared
         live = tuple(sorted({e.sid for e in shared.values()}))
-        return {"storages": tuple(storages), "views": tuple(views), "live": live}
+        if all(items[i][1].untyped_storage().data_ptr() == k[0] for i, k in enumerate(keys)):
+            # No tensor was copied (each was dense and on the device): reusable next time.
+            self._last_keys, self._last_offsets = keys, offsets
+            self._last_views, self._last_live = tuple(views), live
+        return {"storages": tuple(new), "views": tuple(views), "live": live}
 
     def _share_storage(self, storage: torch.UntypedStorage) -> Any:
         """A CUDA IPC handle of a whole storage (torch's reduction of a byte tensor over it)."""
@@ -412,6 +456,7 @@ class IpcWeightSender:
         self._free()
         self._plan_key = None
         self._shared.clear()
+        self._last_keys = None
         self._previous.clear()
         self.telemetry.flush(10.0)
 
@@ -438,6 +483,14 @@ class IpcWeightReceiver:
         self._storages: dict[int, torch.Tensor] = {}  # direct layout, by storage id
         self._views: dict[tuple, torch.Tensor] = {}  # direct layout: views into them
         self._area: dict[str, torch.Tensor] = {}
+        # The last payload's metadata, parsed; the area's tensors in its order.
+        self._wire: tuple = ()
+        self._meta: list[TensorMeta] = []
+        self._nbytes = 0
+        self._dsts: list[torch.Tensor] | None = None
+        # direct layout: the last payload's views and the sources they gave
+        self._views_wire: tuple = ()
+        self._sources: list[torch.Tensor] = []
         self.last_step: int | None = None
         self.last_seconds: float | None = None
 
@@ -478,13 +531,22 @@ class IpcWeightReceiver:
                     f"step {self.last_step} and versions never go backwards"
                 )
             self._check_deadline(payload, "arrived")
-            meta = [TensorMeta.from_wire(m) for m in payload.meta]
-            sp.set_attribute("obsckpt.bytes", sum(m.nbytes for m in meta))
+            if payload.meta != self._wire:  # parsed once per layout of the model
+                self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
+                self._wire = payload.meta
+                self._nbytes = sum(m.nbytes for m in self._meta)
+                self._dsts = None
+            meta, nbytes = self._meta, self._nbytes
+            sp.set_attribute("obsckpt.bytes", nbytes)
             sp.set_attribute("obsckpt.ipc_layout", payload.layout)
             out: dict[str, torch.Tensor] = {}
             if payload.layout == "direct":
-                for m, src in zip(meta, self._direct_sources(payload, meta), strict=True):
-                    out[m.name] = self._land(m, src, into, clone)
+                sources = self._direct_sources(payload, meta)
+                if into is None and not clone:
+                    out = self._land_in_area(meta, sources)
+                else:
+                    for m, src in zip(meta, sources, strict=True):
+                        out[m.name] = self._land(m, src, into, clone)
             elif payload.layout == "buckets":
                 self._drop_storages(())
                 plan = plan_buckets(meta, payload.bucket_bytes)
@@ -511,7 +573,7 @@ class IpcWeightReceiver:
             self._check_deadline(payload, "was copied")
             self.last_step = payload.step
             self.last_seconds = time.perf_counter() - t0
-        ack = {"step": payload.step, "nbytes": sum(m.nbytes for m in meta)}
+        ack = {"step": payload.step, "nbytes": nbytes}
         return ack, out
 
     def _check_deadline(self, payload: IpcPayload, what: str) -> None:
@@ -530,9 +592,12 @@ class IpcWeightReceiver:
                 f"the payload has {len(payload.views)} views for {len(meta)} tensors; sender "
                 "and receiver disagree on the protocol"
             )
+        if not payload.storages and payload.views == self._views_wire:
+            return self._sources  # the same storages and views as the last sync
         for sid, handle in payload.storages:
             self._storages[sid] = self._open_storage(handle, payload)
         self._drop_storages(payload.live)
+        self._views_wire, self._sources = (), []
         sources = []
         for m, (sid, offset) in zip(meta, payload.views, strict=True):
             key = (sid, offset, m.dtype, m.shape)
@@ -548,13 +613,17 @@ class IpcWeightReceiver:
                 src = storage[offset : offset + m.nbytes].view(m.dtype).view(m.shape)
                 self._views[key] = src
             sources.append(src)
+        self._views_wire, self._sources = payload.views, sources
         return sources
 
     def _drop_storages(self, live: Iterable[int]) -> None:
         """Close the sender's storages not in ``live`` (the sender may free or reuse them)."""
         keep = set(live)
-        for sid in [s for s in self._storages if s not in keep]:
+        gone = [s for s in self._storages if s not in keep]
+        for sid in gone:
             del self._storages[sid]
+        if gone:
+            self._views_wire, self._sources = (), []
         if len(self._views) and any(k[0] not in keep for k in self._views):
             self._views = {k: v for k, v in self._views.items() if k[0] in keep}
 
@@ -597,11 +666,22 @@ class IpcWeightReceiver:
         self._opened[key] = buf
         return buf
 
+    def _land_in_area(self, meta: list[TensorMeta], sources: list[torch.Tensor]) -> dict:
+        """Copy every source into the receive area (its tensors listed once per layout)."""
+        if self._dsts is None:
+            self._dsts = [
+                self._land(m, src, None, False) for m, src in zip(meta, sources, strict=True)
+            ]
+            return {m.name: d for m, d in zip(meta, self._dsts, strict=True)}
+        for dst, src in zip(self._dsts, sources, strict=True):
+            dst.copy_(src)
+        return {m.name: d for m, d in zip(meta, self._dsts, strict=True)}
+
     def _land(self, m: TensorMeta, src: torch.Tensor, into, clone: bool) -> torch.Tensor:
         device = self.device or src.device
         if into is not None and m.name in into:
             dst = into[m.name]
-            if tuple(dst.shape) != m.shape:
+            if dst.shape != m.shape:
                 raise BroadcastError(
                     f"{m.name!r}: sent {m.shape}, into= has {tuple(dst.shape)}; pass tensors "
                     "of the sender's shapes"
@@ -613,6 +693,7 @@ class IpcWeightReceiver:
         dst = self._area.get(m.name)
         if dst is None or dst.shape != src.shape or dst.dtype != src.dtype or dst.device != device:
             dst = self._area[m.name] = torch.empty(m.shape, dtype=m.dtype, device=device)
+            self._dsts = None
         dst.copy_(src)
         return dst
 
@@ -621,3 +702,4 @@ class IpcWeightReceiver:
         self._opened.clear()
         self._drop_storages(())
         self._area.clear()
+        self._dsts = None
