@@ -6,11 +6,14 @@
 #      default NCCL backend, FSDP2 ranks without a GPU on a CUDA machine);
 #   3. the GPU benchmarks (benchmarks/run.py --only gpu,peers: staging stall, pinned bytes,
 #      first save, overlapped stall, ipc sync; torch DCP and torch.save on a GPU state);
-#   4. optionally (GPU_CHECK_FULL=1, needs more than one 10-minute call) the rest of the suite, without the tests that need
-#      promtool, prometheus or strace (markers needs_promtool, needs_strace).
+#   4. in a call of its own (GPU_CHECK_PHASES=suite) the rest of the suite, without the
+#      tests that need promtool, prometheus, strace or a package index (markers
+#      needs_promtool, needs_strace, needs_index), on GPU_CHECK_WORKERS pytest-xdist
+#      workers (default 4; 0: none).
 #
 # Usage: scripts/gpu_check.sh LOG_DIR        (or: make gpu-check LOG_DIR=...)
-# Environment: PYTHON (default python3), GPU_CHECK_FULL=1, EXTRA_SITE (a directory
+# Environment: PYTHON (default python3), GPU_CHECK_PHASES (default "tests regressions
+# bench"; "suite" for phase 4), GPU_CHECK_WORKERS, EXTRA_SITE (a directory
 # of extra packages put first on PYTHONPATH, e.g. Ray unpacked where none is installed).
 # Writes LOG_DIR/{env.txt,gpu-tests.*,gpu-regressions.*,gpu-bench.{log,json},suite.log,
 # summary.txt}; exits non-zero if any phase failed.
@@ -52,19 +55,23 @@ phase() {  # name, seconds, command...
 
 touch "$out/summary.txt"
 failed=0
-phase gpu-tests 280 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu --continue-on-collection-errors \
-  --junitxml="$out/gpu-tests.xml" tests || failed=1
+want() { case " ${GPU_CHECK_PHASES:-tests regressions bench} " in *" $1 "*) return 0 ;; esac; return 1; }
+want tests && { phase gpu-tests 280 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu --continue-on-collection-errors \
+  --junitxml="$out/gpu-tests.xml" tests || failed=1; }
 # The paths that failed on a GPU machine before: the formation check with the default
 # (NCCL) backend, and FSDP2 ranks without a GPU on a machine with CUDA.
-phase gpu-regressions 150 "$PY" -m pytest -q -p no:cacheprovider -rs \
+want regressions && { phase gpu-regressions 150 "$PY" -m pytest -q -p no:cacheprovider -rs \
   --junitxml="$out/gpu-regressions.xml" tests/test_broadcast.py::TestTimeouts \
   tests/test_broadcast.py::TestFormation \
-  tests/test_verl_fsdp.py::test_fsdp2_checkpoint_memory_and_broadcast_sync || failed=1
-phase gpu-bench 130 "$PY" benchmarks/run.py --quick --only gpu,peers --json "$out/gpu-bench.json" \
-  || failed=1
-if [ "${GPU_CHECK_FULL:-0}" = 1 ]; then
-  phase suite 900 "$PY" -m pytest -q -p no:cacheprovider -rs -x \
-    -m "not gpu and not needs_promtool and not needs_strace" tests || failed=1
+  tests/test_verl_fsdp.py::test_fsdp2_checkpoint_memory_and_broadcast_sync || failed=1; }
+want bench && { phase gpu-bench 130 "$PY" benchmarks/run.py --quick --only gpu,peers \
+  --json "$out/gpu-bench.json" || failed=1; }
+if want suite; then
+  workers=${GPU_CHECK_WORKERS:-4}
+  phase suite "${GPU_CHECK_SUITE_S:-560}" "$PY" -m pytest -q -p no:cacheprovider -rs \
+    $([ "$workers" != 0 ] && echo "-n $workers --dist loadfile") --junitxml="$out/suite.xml" \
+    -m "not gpu and not needs_promtool and not needs_strace and not needs_index" tests \
+    || failed=1
 fi
 echo "total: $(( $(date +%s) - start )) s, $( [ $failed = 0 ] && echo ok || echo FAILED )" \
   | tee -a "$out/summary.txt"

@@ -173,6 +173,7 @@ class TestDockerfileParsing:
 
 
 @pytest.mark.slow
+@pytest.mark.needs_index
 class TestComposeJobRuns:
     """The compose service's command, in the image's environment, commits a checkpoint and serves /metrics."""
 
