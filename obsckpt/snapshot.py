@@ -340,9 +340,11 @@ def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], key: str = "") -> No
 class StagingBuffers:
     """Host buffers for one slot, reused while the state dict keeps its shapes.
 
-    The buffers are views of one :class:`Arena` (pinned when ``pin_memory``);
-    a state dict of other shapes or dtypes gets a new arena, and the old one
-    is released.
+    The buffers are views of one :class:`Arena`, pinned when ``pin_memory``
+    (default: CUDA is available) and the state has CUDA tensors (or ``meta``
+    ones, from :meth:`prepare`): a state held on the CPU gains nothing from
+    locked pages. A state dict of other shapes or dtypes, or one that now
+    needs pinning, gets a new arena, and the old one is released.
     """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
@@ -351,6 +353,7 @@ class StagingBuffers:
         self._signatures: list[tuple] = []
         self._buffers: list[torch.Tensor] = []
         self._loose_bytes = 0  # buffers outside the arena (dtypes that cannot view bytes)
+        self._pinned = False  # whether the current buffers are pinned
         self._stream = None  # side CUDA stream of overlapped copies
         # How the last allocation went, for the caller's telemetry.
         self.allocations = 0
@@ -366,7 +369,7 @@ class StagingBuffers:
     def pinned_bytes(self) -> int:
         """Of :attr:`bytes_allocated`, the page-locked (CUDA-registered) bytes."""
         arena = self._arena.nbytes if self._arena is not None and self._arena.pinned else 0
-        return arena + (self._loose_bytes if self.pin_memory else 0)
+        return arena + (self._loose_bytes if self._pinned else 0)
 
     @property
     def arena(self) -> Arena | None:
@@ -384,23 +387,25 @@ class StagingBuffers:
 
     def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
         signatures = [_signature(t) for t in tensors]
-        if signatures == self._signatures and self._arena is not None:
+        pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
+        if signatures == self._signatures and self._arena is not None and self._pinned >= pin:
             return False
         t0 = time.perf_counter()
         self.release()
         viewable = [_can_view(t.dtype) for t in tensors]
         sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, viewable, strict=True)]
         offsets, total = _layout(sizes)
-        arena = Arena(total, pin=self.pin_memory, populate=populate)
+        arena = Arena(total, pin=pin, populate=populate)
         buffers = []
         for t, ok, offset in zip(tensors, viewable, offsets, strict=True):
             if ok and t.numel():
                 buffers.append(arena.view(offset, t.shape, t.dtype))
             else:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory and ok)
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and ok)
                 self._loose_bytes += _nbytes(buf)
                 buffers.append(buf)
         self._arena, self._signatures, self._buffers = arena, signatures, buffers
+        self._pinned = pin
         self.allocations += 1
         self.last_allocation_s = time.perf_counter() - t0
         return True
@@ -412,6 +417,7 @@ class StagingBuffers:
         self._arena = None
         self._signatures, self._buffers = [], []
         self._loose_bytes = 0
+        self._pinned = False
 
     def plan(self, obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor, torch.Tensor]]]:
         """``obj`` rebuilt around this slot's buffers, and the copies still to make.
@@ -459,7 +465,7 @@ class StagingBuffers:
         tensors immediately. Containers are rebuilt; other leaves are deep-copied.
         """
         out, copies = self.plan(obj)
-        non_blocking = self.pin_memory
+        non_blocking = self._pinned
         cuda = False
         for _, src, buf in copies:
             cuda = cuda or src.is_cuda

@@ -7,9 +7,9 @@
 #   3. the GPU benchmarks (benchmarks/run.py --only gpu,peers: staging stall, pinned bytes,
 #      first save, overlapped stall, ipc sync; torch DCP and torch.save on a GPU state);
 #   4. in a call of its own (GPU_CHECK_PHASES=suite) the rest of the suite, without the
-#      tests that need promtool, prometheus, strace or a package index (markers
-#      needs_promtool, needs_strace, needs_index), on GPU_CHECK_WORKERS pytest-xdist
-#      workers (default 4; 0: none).
+#      tests that need promtool, prometheus, strace, a package index or the installed
+#      console script (markers needs_promtool, needs_strace, needs_index, needs_install),
+#      on GPU_CHECK_WORKERS pytest-xdist workers (default 4; 0: none).
 #
 # Usage: scripts/gpu_check.sh LOG_DIR        (or: make gpu-check LOG_DIR=...)
 # Environment: PYTHON (default python3), GPU_CHECK_PHASES (default "tests regressions
@@ -70,7 +70,8 @@ if want suite; then
   workers=${GPU_CHECK_WORKERS:-4}
   phase suite "${GPU_CHECK_SUITE_S:-560}" "$PY" -m pytest -q -p no:cacheprovider -rs \
     $([ "$workers" != 0 ] && echo "-n $workers --dist loadfile") --junitxml="$out/suite.xml" \
-    -m "not gpu and not needs_promtool and not needs_strace and not needs_index" tests \
+    -m "not gpu and not needs_promtool and not needs_strace and not needs_index and not needs_install" \
+    tests \
     || failed=1
 fi
 echo "total: $(( $(date +%s) - start )) s, $( [ $failed = 0 ] && echo ok || echo FAILED )" \

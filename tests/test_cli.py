@@ -216,11 +216,13 @@ class TestErrors:
         code, _out, err = run("verify", str(root), "--step", "3")
         assert code == 2 and err.count("\n") == 1 and "step 3 is not on disk" in err
 
+    @pytest.mark.needs_install
     def test_entry_point_exit_code(self, tmp_path):
         import subprocess
         import sys
 
         exe = Path(sys.executable).with_name("obsckpt")
+        assert exe.exists(), f"no console script {exe}: install the package (make setup)"
         proc = subprocess.run(
             [str(exe), "verify", str(tmp_path / "nope")], capture_output=True, text=True
         )

@@ -22,7 +22,10 @@ class TestDemoRun:
     def test_end_to_end(self, ray_cluster, tmp_path):
         root = tmp_path / "ckpt"
         out, err = io.StringIO(), io.StringIO()
-        cfg = DemoConfig(steps=4, save_every=2, ckpt_dir=str(root), metrics_host="127.0.0.1")
+        # The CPU plan, also on a GPU machine (the GPU plan: test_demo_on_gpu).
+        cfg = DemoConfig(
+            steps=4, save_every=2, device="cpu", ckpt_dir=str(root), metrics_host="127.0.0.1"
+        )
         result = run_demo(cfg, out=out, err=err, handle_signals=False)
 
         assert result.exit_code == 0, err.getvalue()

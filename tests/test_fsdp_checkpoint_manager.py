@@ -26,10 +26,14 @@ class Rank:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from obsckpt.integrations import FSDPCheckpointManager
+        from obsckpt.sync.device import setup_rank_device
 
         torch.set_num_threads(1)
+        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
+        rd = setup_rank_device()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.init_process_group(rd.backend, rank=rank, world_size=2)
+        mesh = rd.mesh(2)
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=64,
@@ -42,8 +46,8 @@ class Rank:
         )
         model = LlamaForCausalLM(config)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)

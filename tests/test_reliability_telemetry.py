@@ -8,6 +8,7 @@ import socket
 import time
 import uuid
 
+import pytest
 import ray
 from reliability_helpers import (
     assert_root_consistent,
@@ -38,6 +39,12 @@ class TestUnreachableCollector:
     rank, every step commits on time; export failures are counted, not raised."""
 
     def test_steps_commit_while_exports_fail(self, ray_cluster, tmp_path):
+        try:
+            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        except ImportError:
+            pytest.fail(
+                "the OTLP exporter is not installed: install the otlp extra (make setup does)"
+            )
         namespace = f"otlp-{uuid.uuid4().hex[:8]}"
         root = str(tmp_path / "root")
         env = {

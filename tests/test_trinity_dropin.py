@@ -121,14 +121,19 @@ class Worker:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
+        from obsckpt.sync.device import setup_rank_device
+
         torch.set_num_threads(1)
+        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
+        rd = setup_rank_device()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
+        mesh = rd.mesh(world_size)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5))
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.engine = Engine(model, rank)
         self.rank, self.world = rank, world_size
         self.namespace = namespace

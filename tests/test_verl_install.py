@@ -49,9 +49,14 @@ class VerlWorker:
         verl_install.worker_setup()  # what Ray runs in each worker process after install()
         from verl.workers.engine.fsdp import transformer_impl
 
+        from obsckpt.sync.device import setup_rank_device
+
         torch.set_num_threads(1)
+        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
+        rd = setup_rank_device()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
+        mesh = rd.mesh(world_size)
         torch.manual_seed(0)
         if role == "critic":  # verl's critic: a token-classification value head
             model = LlamaForTokenClassification(LlamaConfig(num_labels=1, **TINY))
@@ -60,8 +65,8 @@ class VerlWorker:
             model = LlamaForCausalLM(LlamaConfig(**TINY))
             contents = ["model", "optimizer", "extra"]
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)

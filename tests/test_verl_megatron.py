@@ -176,13 +176,17 @@ def test_sync_weight_over_gloo_bucketed():
     received: dict = {}
 
     def receiver() -> None:
-        group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30)
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=1, world_size=2, backend="gloo", timeout_s=30
+        )
         received.update(WeightBroadcaster(group).recv(clone=True))
         group.close()
 
     t = threading.Thread(target=receiver, name="receiver")
     t.start()
-    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=30)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=0, world_size=2, backend="gloo", timeout_s=30
+    )
     engine = FakeMcoreEngine()
     metrics = Metrics(CollectorRegistry())
     result = megatron_sync_weight_nccl(engine, group, step=6, metrics=metrics)
