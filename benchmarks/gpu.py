@@ -196,16 +196,35 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
         copier.finish()
         return total, t_queue
 
+    side = torch.cuda.Stream()
+    bufs = list(staging.plan(state)[1])
+
+    def raw_copy() -> float:
+        """The floor: the same copies on a side stream, queued inline, with no obsckpt code."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _, src, buf in bufs:
+                buf.copy_(src, non_blocking=True)
+        matmuls(n_mm)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     workload_alone()
-    alone, together, queued = [], [], []
+    raw_copy()
+    alone, together, queued, raw = [], [], [], []
     for _ in range(reps):
         alone.append(workload_alone())
+        raw.append(raw_copy())
         total, q = overlapped()
         together.append(total)
         queued.append(q)
     stall_ov = max(0.0, median(together) - median(alone))
     log(
         f"  gpu overlapped: workload {median(alone) * 1e3:.1f} ms alone, "
+        f"{median(raw) * 1e3:.1f} ms next to a bare side-stream copy, "
         f"{median(together) * 1e3:.1f} ms with the copy (hand-off {median(queued) * 1e3:.2f} ms)"
     )
     results.append(
@@ -223,6 +242,9 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
                 "matmuls": n_mm,
                 "workload_alone_s": round(median(alone), 6),
                 "workload_with_copy_s": round(median(together), 6),
+                # the GPU's own cost of a concurrent D2H copy (HBM, clocks): a floor
+                "workload_with_raw_copy_s": round(median(raw), 6),
+                "raw_copy_stall_vs_d2h": round(max(0.0, median(raw) - median(alone)) / c, 4),
                 "hand_off_s": round(median(queued), 6),
                 "workload_alone_samples_s": rounded(alone),
                 "workload_with_copy_samples_s": rounded(together),

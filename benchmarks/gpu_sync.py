@@ -3,8 +3,10 @@
 The trainer side hands CUDA IPC handles to a second process on the same
 GPU, which copies the tensors into its own weights and acknowledges (through
 a pipe here, a Ray call in the demo). The reference is one in-process
-device-to-device copy of the same tensors. The value is copy time / sync
-time (1.0: the sync costs one copy) for a state that stays in place between
+device-to-device copy of the same tensors, one ``copy_`` per tensor. The
+value is copy time / sync time (1.0: the sync costs one copy); the details
+also give one batched copy (``torch._foreach_copy_``, which the receiver
+uses) for a state that stays in place between
 syncs, as a model updated in place by its optimizer does: the ``direct``
 layout, one copy from the trainer's tensors into the receiver's. The details
 also give the ``buckets`` layout, used when the tensors are new at each
@@ -91,14 +93,23 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def d2d_batched() -> float:  # one batched copy (what the receiver uses), for the details
+        dsts, srcs = list(copies.values()), list(state.values())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dsts, srcs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     reps = max(3, sizes.save_reps)
     layouts = []
     try:
         sync()  # the receiver opens the storages once
         d2d()
-        syncs, refs = [], []
+        syncs, refs, batched = [], [], []
         for _ in range(reps):
             refs.append(d2d())
+            batched.append(d2d_batched())
             syncs.append(sync())
             layouts.append(sender.last_layout)
         # Tensors new at each sync: the sender switches to its buckets.
@@ -141,6 +152,8 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "d2d_GBps": round(nbytes / c / 1e9, 3),
             "sync_samples_s": rounded(syncs),
             "d2d_samples_s": rounded(refs),
+            "d2d_batched_s": round(median(batched), 6),
+            "d2d_batched_over_sync": round(median(batched) / s, 3),
             "layouts": layouts,
             "fresh_tensors": {
                 "sync_s": round(f, 6),

@@ -50,6 +50,10 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
+# Leaves that are plain tensors (not DTensor, ShardedTensor or another subclass).
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def _sharded_tensor_type() -> type | None:
     """FSDP1's ShardedTensor, if its module is loaded (a state dict holding one has loaded it)."""
     module = sys.modules.get("torch.distributed._shard.sharded_tensor")
@@ -320,6 +324,9 @@ def _local(obj: Any) -> Any:
 
 def _tensors(obj: Any, out: list[tuple[str, torch.Tensor]], key: str = "") -> None:
     """The tensors :meth:`StagingBuffers.plan` stages, in its order, with their keys."""
+    if type(obj) in _PLAIN_TENSORS:  # the common leaf, without the subclass lookups
+        out.append((key, obj.detach()))
+        return
     obj = _local(obj)
     sharded = _sharded_tensor_type()
     if sharded is not None and isinstance(obj, sharded):
@@ -434,6 +441,8 @@ class StagingBuffers:
         return self._rebuild(obj, it), copies
 
     def _rebuild(self, obj: Any, it) -> Any:
+        if type(obj) in _PLAIN_TENSORS:  # the common leaf, without the subclass lookups
+            return next(it)
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
             local = self._rebuild(obj.to_local(), it)

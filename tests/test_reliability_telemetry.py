@@ -40,11 +40,9 @@ class TestUnreachableCollector:
 
     def test_steps_commit_while_exports_fail(self, ray_cluster, tmp_path):
         try:
-            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
-        except ImportError:
-            pytest.fail(
-                "the OTLP exporter is not installed: install the otlp extra (make setup does)"
-            )
+            import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        except ImportError as exc:
+            pytest.fail(f"the OTLP exporter cannot be imported ({exc}): install the otlp extra")
         namespace = f"otlp-{uuid.uuid4().hex[:8]}"
         root = str(tmp_path / "root")
         env = {

@@ -82,10 +82,11 @@ def _otlp_exporter() -> SpanExporter | None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
+    except ImportError as exc:
         logger.warning(
-            "obsckpt: OTEL_TRACES_EXPORTER asks for otlp but the exporter is not installed; "
-            "install obsckpt[otlp] to send traces"
+            "obsckpt: OTEL_TRACES_EXPORTER asks for otlp but the exporter cannot be imported "
+            "(%s); install obsckpt[otlp] to send traces",
+            exc,
         )
         return None
     return OTLPSpanExporter()
