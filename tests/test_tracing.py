@@ -68,10 +68,13 @@ class TestTraceAcrossRay:
             assert attrs["obsckpt.step"] == 3 and attrs["obsckpt.slot"] == "model"
             assert attrs["obsckpt.kind"] == "checkpoint" and attrs["obsckpt.bytes"] > 0
         assert sorted(s["attributes"]["obsckpt.rank"] for s in saves) == [0, 1]
-        # Only a wait that lasted is recorded: here the rank that queued behind the other.
-        [admission] = by_name(worker_spans, "obsckpt.admission_wait")
-        assert admission["parent_span_id"] in {s["span_id"] for s in saves}
-        assert admission["end_time"] - admission["start_time"] >= 0.1e9
+        # Only a wait that lasted is recorded: the rank that queued behind the other, and
+        # rank 0's own admission only if a loaded machine made it last (>= 1 ms).
+        rank_of = {s["span_id"]: s["attributes"]["obsckpt.rank"] for s in saves}
+        waits = by_name(worker_spans, "obsckpt.admission_wait")
+        lasted = {rank_of[w["parent_span_id"]]: w["end_time"] - w["start_time"] for w in waits}
+        assert len(lasted) == len(waits) and lasted.get(1, 0) >= 0.1e9, lasted
+        assert all(ns >= tracing.MIN_WAIT_SPAN_S * 1e9 for ns in lasted.values()), lasted
 
         [commit_span] = by_name(ray.get(monitor.debug_spans.remote()), "obsckpt.commit")
         assert commit_span["trace_id"] == step_span["trace_id"]
