@@ -21,19 +21,14 @@ from obsckpt.sync.broadcast import free_port
 @ray.remote
 class Rank:
     def __init__(self, namespace: str, rank: int, port: int) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaConfig, LlamaForCausalLM
+        from workers import cpu_fsdp_group
 
         from obsckpt.integrations import FSDPCheckpointManager
-        from obsckpt.sync.device import setup_rank_device
 
         torch.set_num_threads(1)
-        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
-        rd = setup_rank_device()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(rd.backend, rank=rank, world_size=2)
-        mesh = rd.mesh(2)
+        mesh = cpu_fsdp_group(rank, 2, port)
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=64,

@@ -118,17 +118,11 @@ class Worker:
     """One rank of Trinity's actor worker: saves as its save_state_dict / save_checkpoint do."""
 
     def __init__(self, namespace: str, rank: int, world_size: int, port: int) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
-
-        from obsckpt.sync.device import setup_rank_device
+        from workers import cpu_fsdp_group
 
         torch.set_num_threads(1)
-        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
-        rd = setup_rank_device()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
-        mesh = rd.mesh(world_size)
+        mesh = cpu_fsdp_group(rank, world_size, port)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5))
         for layer in model:

@@ -49,21 +49,15 @@ class TrainerRank:
     """One FSDP2 rank (gloo) with a coordinator reporting to the job's monitor."""
 
     def __init__(self, namespace: str, rank: int, world_size: int, port: int) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
+        from workers import cpu_fsdp_group
 
-        from obsckpt.sync.device import setup_rank_device
         from obsckpt.telemetry import tracing
 
         tracing.setup_tracing("trainer", exporter="memory")
         torch.set_num_threads(1)
-        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA
-        # (FSDP2's default mesh would take the machine's accelerator).
-        rd = setup_rank_device()
-        assert rd.backend == "gloo", rd
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
-        mesh = rd.mesh(world_size)
+        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
+        mesh = cpu_fsdp_group(rank, world_size, port)
         model = build_model()
         for layer in model:
             fully_shard(layer, mesh=mesh)

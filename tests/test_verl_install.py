@@ -42,21 +42,15 @@ class VerlWorker:
     """One rank of a verl worker group, as the hook leaves it: verl's names patched."""
 
     def __init__(self, role: str, rank: int, world_size: int, port: int) -> None:
-        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
         verl_install.worker_setup()  # what Ray runs in each worker process after install()
         from verl.workers.engine.fsdp import transformer_impl
-
-        from obsckpt.sync.device import setup_rank_device
+        from workers import cpu_fsdp_group
 
         torch.set_num_threads(1)
-        # No GPU from Ray: CPU, gloo and a CPU mesh, even on a machine with CUDA.
-        rd = setup_rank_device()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
-        mesh = rd.mesh(world_size)
+        mesh = cpu_fsdp_group(rank, world_size, port)
         torch.manual_seed(0)
         if role == "critic":  # verl's critic: a token-classification value head
             model = LlamaForTokenClassification(LlamaConfig(num_labels=1, **TINY))

@@ -101,3 +101,20 @@ class SaveWorker:
         from obsckpt.telemetry import tracing
 
         return tracing.finished_spans()
+
+
+def cpu_fsdp_group(rank: int, world_size: int, port: int):
+    """Join a gloo group as a rank Ray gave no GPU; returns its CPU DeviceMesh for FSDP2.
+
+    The device is chosen before the group and the mesh: on a machine with CUDA,
+    FSDP2's default mesh would otherwise take the accelerator.
+    """
+    import torch.distributed as dist
+
+    from obsckpt.sync.device import setup_rank_device
+
+    rd = setup_rank_device()
+    assert rd.backend == "gloo", rd
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
+    return rd.mesh(world_size)
