@@ -195,10 +195,8 @@ class IpcWeightSender:
         # direct layout: storages the receiver holds, by (address, size); held
         # here too, so no other storage can take their address meanwhile
         self._shared: dict[tuple[int, int], _Shared] = {}
-        self._last_keys: list | None = None  # and the views they gave, for the next sync
-        self._last_offsets: list | None = None
-        self._last_views: tuple = ()
-        self._last_live: tuple = ()
+        # the last direct sync's storage keys and offsets, and the fields they gave
+        self._reuse: tuple[list, list, dict[str, Any]] | None = None
         self._next_sid = 0
         self._direct_failed = False
         # buckets layout: weak references to the last sync's storages, to see
@@ -246,11 +244,11 @@ class IpcWeightSender:
                 deadline_mono = time.monotonic() + self.timeout_s
                 # The receiver's deadline is the sender's: set before any work.
                 deadline_wall = time.time() + self.timeout_s
-                layout, storages = self._choose_layout(items)
+                layout, storages, keys = self._choose_layout(items)
                 direct: dict[str, Any] = {}
                 if layout == "direct":
                     try:
-                        direct = self._share(items, storages)
+                        direct = self._share(items, storages, keys)
                     except RuntimeError as exc:  # e.g. memory CUDA cannot export
                         logger.warning(
                             "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
@@ -260,8 +258,7 @@ class IpcWeightSender:
                         self._direct_failed = True
                         layout = "buckets"
                 if layout == "buckets":
-                    self._shared.clear()
-                    self._last_keys = None
+                    self._forget_shared()
                     self._pack(items, meta)
                 elif self.device.type == "cuda":
                     # The receiver reads on its own stream: the tensors must be written first.
@@ -291,8 +288,7 @@ class IpcWeightSender:
         except BaseException as exc:
             # The receiver may not have opened this sync's storages: the next sync
             # hands every storage out afresh (under new ids).
-            self._shared.clear()
-            self._last_keys = None
+            self._forget_shared()
             if isinstance(exc, BroadcastError) and self.telemetry:
                 self.telemetry.failure(self.backend, METHOD, exc)
             raise
@@ -302,70 +298,69 @@ class IpcWeightSender:
         handles = len(self._plan) if layout == "buckets" else len(payload.storages)
         return BroadcastResult(seconds, nbytes, len(meta), handles, self.backend, METHOD)
 
-    def _choose_layout(self, items: list[tuple[str, torch.Tensor]]) -> tuple[str, list]:
+    def _choose_layout(self, items: list[tuple[str, torch.Tensor]]) -> tuple[str, list, list]:
         """``direct`` while the tensors stay in the same storages from sync to sync.
 
-        Returns the layout and, for ``direct``, the tensors' storages.
+        Returns the layout and, for ``direct``, the tensors' storages and their
+        ``(address, size)`` keys.
         """
         if self.backend != "cuda_ipc" or self.layout == "buckets" or self._direct_failed:
-            return "buckets", []
+            return "buckets", [], []
+        from torch.multiprocessing.reductions import StorageWeakRef
+
         storages = [t.untyped_storage() for _, t in items]
+        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
         if self.layout == "direct" or not (self._shared or self._previous):
-            return "direct", storages  # forced, or the first sync: nothing to compare with
-        total = sum(self._sizes)
+            return "direct", storages, keys  # forced, or the first sync: nothing to compare with
         if self._shared:  # direct last time: the storages it handed out are held
-            kept = sum(
-                n
-                for st, n in zip(storages, self._sizes, strict=True)
-                if (st.data_ptr(), st.nbytes()) in self._shared
-            )
-        else:
-            from torch.multiprocessing.reductions import StorageWeakRef
-
-            previous, self._previous, kept = self._previous, {}, 0
-            for st, n in zip(storages, self._sizes, strict=True):
-                key = (st.data_ptr(), st.nbytes())
-                ref = previous.get(key)
-                if ref is None or ref.expired():
-                    ref = StorageWeakRef(st)
-                else:
+            kept = sum(n for k, n in zip(keys, self._sizes, strict=True) if k in self._shared)
+        else:  # buckets last time: weak references to its storages
+            previous, kept = self._previous, 0
+            for k, n in zip(keys, self._sizes, strict=True):
+                ref = previous.get(k)
+                if ref is not None and not ref.expired():
                     kept += n
-                self._previous[key] = ref
-        if kept >= _DIRECT_MIN_KEPT * total:
+        if kept >= _DIRECT_MIN_KEPT * sum(self._sizes):
             self._previous = {}
-            return "direct", storages
-        if self._shared:  # leaving direct: remember these storages to compare with next time
-            from torch.multiprocessing.reductions import StorageWeakRef
+            return "direct", storages, keys
+        # Buckets: remember these storages, to compare with at the next sync.
+        previous = self._previous
+        self._previous = {}
+        for k, st in zip(keys, storages, strict=True):
+            ref = previous.get(k)
+            self._previous[k] = ref if ref is not None and not ref.expired() else StorageWeakRef(st)
+        return "buckets", [], []
 
-            self._previous = {(st.data_ptr(), st.nbytes()): StorageWeakRef(st) for st in storages}
-        return "buckets", []
-
-    def _share(self, items: list[tuple[str, torch.Tensor]], storages: list) -> dict[str, Any]:
+    def _share(
+        self, items: list[tuple[str, torch.Tensor]], storages: list, keys: list
+    ) -> dict[str, Any]:
         """The direct layout's fields: handles of storages new to the receiver, views, live ids."""
         if self._plan:  # the buckets of an earlier layout are not needed any more
             self._free()
             self._plan_key = None
         # The same storages, offsets and dense tensors as the last sync: the same views.
-        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
         offsets = [t.storage_offset() for _, t in items]
         if (
-            keys == self._last_keys
-            and offsets == self._last_offsets
+            self._reuse is not None
+            and keys == self._reuse[0]
+            and offsets == self._reuse[1]
             and all(t.is_contiguous() for _, t in items)
         ):
-            return {"storages": (), "views": self._last_views, "live": self._last_live}
-        self._last_keys = self._last_offsets = None
+            return self._reuse[2]
+        self._reuse = None
         held, shared = self._shared, {}
         new: list[tuple[int, Any]] = []
         views: list[tuple[int, int]] = []
         device = self.device
+        copied = False
         for i, (name, t) in enumerate(items):
-            st = storages[i]
+            st, key = storages[i], keys[i]
             if t.device != device or not t.is_contiguous():
                 t = t.detach().to(device).contiguous()  # a copy, alive until the answer
                 items[i] = (name, t)
                 st = t.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
+                key = (st.data_ptr(), st.nbytes())
+                copied = True
             entry = shared.get(key) or held.get(key)
             if entry is None:
                 entry = _Shared(self._next_sid, st)
@@ -375,11 +370,14 @@ class IpcWeightSender:
             views.append((entry.sid, t.storage_offset() * t.element_size()))
         self._shared = shared
         live = tuple(sorted({e.sid for e in shared.values()}))
-        if all(items[i][1].untyped_storage().data_ptr() == k[0] for i, k in enumerate(keys)):
-            # No tensor was copied (each was dense and on the device): reusable next time.
-            self._last_keys, self._last_offsets = keys, offsets
-            self._last_views, self._last_live = tuple(views), live
+        if not copied:  # each tensor was dense and on the device: reusable next time
+            self._reuse = (keys, offsets, {"storages": (), "views": tuple(views), "live": live})
         return {"storages": tuple(new), "views": tuple(views), "live": live}
+
+    def _forget_shared(self) -> None:
+        """Hand every storage out afresh at the next direct sync."""
+        self._shared.clear()
+        self._reuse = None
 
     def _share_storage(self, storage: torch.UntypedStorage) -> Any:
         """A CUDA IPC handle of a whole storage (torch's reduction of a byte tensor over it)."""
@@ -465,8 +463,7 @@ class IpcWeightSender:
         """Free the buckets (and their shared-memory files)."""
         self._free()
         self._plan_key = None
-        self._shared.clear()
-        self._last_keys = None
+        self._forget_shared()
         self._previous.clear()
         self.telemetry.flush(10.0)
 
