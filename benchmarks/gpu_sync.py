@@ -8,7 +8,9 @@ value is copy time / sync time (1.0: the sync costs one copy); the details
 also give one batched copy (``torch._foreach_copy_``, which the receiver
 uses) for a state that stays in place between
 syncs, as a model updated in place by its optimizer does: the ``direct``
-layout, one copy from the trainer's tensors into the receiver's. The details
+layout, one copy from the trainer's tensors into the receiver's. They split
+the sync's time into the receiver's part (copy included), the transport's
+round trip (a ping through the same pipe) and the sender's own. They
 also give the ``buckets`` layout, used when the tensors are new at each
 sync (gathered from shards): packed into the sender's buckets, then copied
 out, two copies.
@@ -35,8 +37,12 @@ def _receiver(conn, device_index: int) -> None:
         payload = conn.recv()
         if payload is None:
             break
+        if payload == "ping":  # the transport alone: two wake-ups, nothing else
+            conn.send("pong")
+            continue
         try:
             ack, _ = receiver.recv(payload)
+            ack["receiver_s"] = receiver.last_seconds
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             ack = {"error": f"{type(exc).__name__}: {exc}"}
         conn.send(ack)
@@ -66,6 +72,8 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     proc.start()
     sender = IpcWeightSender(device=device, timeout_s=120.0)
 
+    receiver_s: list[float] = []
+
     def deliver(payload):
         parent.send(payload)
         if not parent.poll(120.0):
@@ -73,7 +81,14 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         ack = parent.recv()
         if "error" in ack:
             raise RuntimeError(ack["error"])
+        receiver_s.append(ack["receiver_s"])
         return ack
+
+    def ping() -> float:
+        t0 = time.perf_counter()
+        parent.send("ping")
+        parent.recv()
+        return time.perf_counter() - t0
 
     step = 0
 
@@ -106,12 +121,15 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     try:
         sync()  # the receiver opens the storages once
         d2d()
-        syncs, refs, batched = [], [], []
+        syncs, refs, batched, pings = [], [], [], []
+        receiver_s.clear()
         for _ in range(reps):
             refs.append(d2d())
             batched.append(d2d_batched())
+            pings.append(ping())
             syncs.append(sync())
             layouts.append(sender.last_layout)
+        in_receiver = list(receiver_s)
         # Tensors new at each sync: the sender switches to its buckets.
         fresh_syncs, fresh_layouts = [], []
         for _ in range(reps + 2):
@@ -131,10 +149,13 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             proc.kill()
         sender.close()
     s, c, f = median(syncs), median(refs), median(fresh_syncs)
+    r, p = median(in_receiver), median(pings)
     log(
         f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}) vs D2D copy "
         f"{c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB; "
-        f"fresh tensors {f * 1e3:.2f} ms ({'/'.join(sorted(set(fresh_layouts)))})"
+        f"in the receiver {r * 1e3:.2f} ms, transport {p * 1e3:.2f} ms, the sender's own "
+        f"{(s - r - p) * 1e3:.2f} ms; fresh tensors {f * 1e3:.2f} ms "
+        f"({'/'.join(sorted(set(fresh_layouts)))})"
     )
     return Result(
         NAME,
@@ -155,6 +176,12 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "d2d_batched_s": round(median(batched), 6),
             "d2d_batched_over_sync": round(median(batched) / s, 3),
             "layouts": layouts,
+            # Where a sync's time goes: the receiver's recv (copy and synchronize
+            # included), the transport's round trip (a ping through the same pipe),
+            # and the rest, the sender's own work.
+            "receiver_s": round(r, 6),
+            "transport_s": round(p, 6),
+            "sender_own_s": round(s - r - p, 6),
             "fresh_tensors": {
                 "sync_s": round(f, 6),
                 "d2d_over_sync": round(c / f, 3),

@@ -291,7 +291,7 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
     steps = iter(range(1, 100))
 
     def sync_in_place(seed):
-        want = {k: v for k, v in model(seed).items() if k in kept}
+        want = {k: v.reshape(kept[k].shape) for k, v in model(seed).items() if k in kept}
         for k, v in want.items():
             kept[k].copy_(v)
         step = next(steps)
@@ -309,18 +309,56 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
     assert sync_in_place(1) == ("direct", n)  # every storage handed out once
     assert sync_in_place(2) == ("direct", 1)  # only the non-contiguous tensor's copy
     del kept["t"]  # every tensor dense and in place: the same views, nothing opened
-    assert sync_in_place(3) == ("direct", 0)
+    assert sync_in_place(3) == ("direct", 0) and payloads[-1].described
     sources = receiver._sources
+    # Nothing changed: the payload names the layout the receiver holds, and no more.
     assert sync_in_place(4) == ("direct", 0) and receiver._sources is sources
-    assert len(receiver._storages) == n - 1 and payloads[-1].views == payloads[-2].views
+    assert not payloads[-1].described and payloads[-1].meta == payloads[-1].views == ()
+    assert payloads[-1].layout_id == payloads[-2].layout_id
+    assert len(receiver._storages) == n - 1
+    # The same storage and offset, another shape: described again, never a stale view.
+    kept["embed"] = kept["embed"].view(11, 37)
+    assert sync_in_place(5) == ("direct", 0) and payloads[-1].described
+    assert receiver._area["embed"].shape == (11, 37)
+    # A receiver that was never sent the layout (a restarted rollout) refuses the
+    # payload; the sender then describes the layout again.
+    receiver = IpcWeightReceiver(device="cpu")
+    with pytest.raises(BroadcastError, match="was never sent"):
+        sync_in_place(6)
+    assert sync_in_place(7) == ("direct", n - 1) and payloads[-1].described
     # New tensors at each sync: buckets, and the receiver lets the storages go.
-    assert sync_new(5) == ("buckets", 0)
+    assert sync_new(8) == ("buckets", 0)
     assert receiver._storages == {} and len(receiver._opened) > 0
-    assert sync_new(6) == ("buckets", 0)
+    assert sync_new(9) == ("buckets", 0) and not payloads[-1].described
     kept = model(0)
-    assert sync_in_place(7) == ("buckets", 0)  # new storages once more: no history yet
-    assert sync_in_place(8) == ("direct", n)  # they stayed: direct, under fresh ids
+    assert sync_in_place(10) == ("buckets", 0)  # new storages once more: no history yet
+    assert sync_in_place(11) == ("direct", n)  # they stayed: direct, under fresh ids
+    assert payloads[-1].described
     ids = {sid for sid, _ in payloads[-1].storages}
     assert ids.isdisjoint(sid for p in payloads[:4] for sid, _ in p.storages)
     sender.close()
     receiver.close()
+
+
+def test_receiver_targets_follow_into(tmp_path):
+    """The receiver keeps its list of targets between syncs, but never past a change to into=."""
+    sender = IpcWeightSender(device="cpu", bucket_bytes=1 << 10, shm_dir=str(tmp_path))
+    receiver = IpcWeightReceiver()
+    mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
+
+    def sync(step, into):
+        sender.send(model(step), lambda p: receiver.recv(p, into=into)[0], step=step)
+
+    sync(1, mine)
+    sync(2, mine)
+    assert differ(model(2), mine) == []
+    replaced = mine["embed"]
+    mine["embed"] = torch.zeros_like(replaced)  # a new tensor under the same name
+    sync(3, mine)
+    assert differ(model(3), mine) == [] and differ({"embed": model(2)["embed"]}, {"embed": replaced}) == []
+    sync(4, dict(mine))  # another mapping of the same tensors
+    assert differ(model(4), mine) == []
+    mine["embed"].resize_(11, 37)  # resized in place: refused, not broadcast into
+    with pytest.raises(BroadcastError, match="into= has"):
+        sync(5, mine)
+    sender.close()

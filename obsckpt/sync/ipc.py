@@ -26,6 +26,15 @@ The payload travels however the caller likes (a Ray actor call in the demo);
 the sender waits for the receiver's acknowledgement within ``timeout_s``,
 and does not touch the tensors meanwhile.
 
+A sync costs the copy plus a fixed part: the two processes' wake-ups and the
+bookkeeping on both sides. The bookkeeping does not grow with the number of
+tensors more than it must: each layout of the weights (names, dtypes,
+shapes, and the handles and views that locate them) gets an id, its
+description travels once, and later payloads name the id only, while the
+receiver keeps the views and target tensors that layout gave it. The sender
+sees that a layout is unchanged from a cheap fingerprint of its tensors
+(address, shape, dtype, density), not by rebuilding the description.
+
 The same checks as a broadcast: the step must be newer than the last one
 sent (and received); a payload that reaches the receiver after the sender's
 deadline is refused (the sender may already be changing its tensors), and
@@ -44,13 +53,14 @@ release them.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,7 +81,7 @@ from obsckpt.telemetry import tracing
 logger = logging.getLogger(__name__)
 
 METHOD = "ipc"
-_PAYLOAD_VERSION = 2
+_PAYLOAD_VERSION = 3
 # The direct layout is kept while at least this share of the bytes lies in the
 # same storages as at the sync before; below it the tensors are taken to be new
 # at each sync, and the buckets are cheaper.
@@ -80,7 +90,13 @@ _DIRECT_MIN_KEPT = 0.9
 
 @dataclass(frozen=True, slots=True)
 class IpcPayload:
-    """What the rollout process needs to take one version of the weights (picklable)."""
+    """What the rollout process needs to take one version of the weights (picklable).
+
+    ``meta``, ``views`` and ``live`` describe layout ``layout_id``. When the
+    receiver already holds that layout (the last sync it acknowledged used
+    it), ``described`` is false and they are left empty, as are ``handles``
+    and ``storages``.
+    """
 
     version: int
     step: int
@@ -97,10 +113,9 @@ class IpcPayload:
     storages: tuple[tuple[int, Any], ...] = ()
     views: tuple[tuple[int, int], ...] = ()
     live: tuple[int, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(TensorMeta.from_wire(m).nbytes for m in self.meta)
+    layout_id: tuple[str, int] | None = None  # (the sender's token, a counter)
+    described: bool = True  # False: meta, views and live are those of layout_id
+    nbytes: int = 0
 
 
 def _device_uuid(device: torch.device) -> str | None:
@@ -109,10 +124,49 @@ def _device_uuid(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
+@dataclass(slots=True)
+class _Fingerprint:
+    """What must stay the same for a layout to be reused: cheap to take, compared whole."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    ptrs: list[int]
+    dense: list[bool]
+
+    @classmethod
+    def of(cls, names: list[str], tensors: list[torch.Tensor]) -> _Fingerprint:
+        return cls(
+            names,
+            list(map(_shape, tensors)),
+            list(map(_dtype, tensors)),
+            list(map(_data_ptr, tensors)),
+            list(map(_is_contiguous, tensors)),
+        )
+
+    def same_meta(self, other: _Fingerprint | None) -> bool:
+        return (
+            other is not None
+            and self.names == other.names
+            and self.shapes == other.shapes
+            and self.dtypes == other.dtypes
+        )
+
+    def same_place(self, other: _Fingerprint | None) -> bool:
+        """The same tensors at the same addresses, each dense: the same direct views."""
+        return self.same_meta(other) and self.ptrs == other.ptrs and all(self.dense)
+
+
 def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair; on CUDA one batched launch per dtype, not one per tensor."""
+    """``dst.copy_(src)`` for each pair, in one call (on CUDA, batched launches, not one per tensor)."""
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None and dsts and dsts[0].is_cuda:
+    if foreach is not None:
         foreach(dsts, srcs)
     else:
         for dst, src in zip(dsts, srcs, strict=True):
@@ -184,19 +238,32 @@ class IpcWeightSender:
         self._plan_key: tuple | None = None
         self._plan: list[Bucket] = []
         self._buffers: list[torch.Tensor] = []
+        self._slots: list[torch.Tensor] = []  # per tensor, its place in a buffer
+        self._alloc_gen = 0
         self._handles: tuple[Any, ...] = ()
         self._paths: list[str] = []
         self._uuid = _device_uuid(self.device)
         self.last_step: int | None = None
         self._version = 0
+        # The model's layout: its description, and the fingerprint it was taken from.
+        self._fp: _Fingerprint | None = None
         self._meta: list[TensorMeta] = []
+        self._meta_gen = 0
         self._wire: tuple = ()
         self._sizes: list[int] = []
+        self._nbytes = 0
+        # What identifies the layout last described (kind, metadata, views or
+        # buffers), its id, and the id the receiver acknowledged last.
+        self._layout_key: tuple | None = None
+        self._token = uuid.uuid4().hex[:12]
+        self._layout_n = 0
+        self._acked_id: tuple[str, int] | None = None
         # direct layout: storages the receiver holds, by (address, size); held
         # here too, so no other storage can take their address meanwhile
         self._shared: dict[tuple[int, int], _Shared] = {}
-        # the last direct sync's storage keys and offsets, and the fields they gave
-        self._reuse: tuple[list, list, dict[str, Any]] | None = None
+        # the last direct sync's fingerprint and the fields it gave, while no
+        # tensor had to be copied
+        self._reuse: tuple[_Fingerprint, dict[str, Any]] | None = None
         self._next_sid = 0
         self._direct_failed = False
         # buckets layout: weak references to the last sync's storages, to see
@@ -219,6 +286,7 @@ class IpcWeightSender:
 
         Raises:
             ValueError: ``step`` is not newer than the last step sent.
+            TypeError: a value is not a tensor.
             BroadcastTimeoutError: no acknowledgement within ``timeout_s``.
             BroadcastError: the receiver failed or refused the payload.
         """
@@ -229,13 +297,22 @@ class IpcWeightSender:
                 f"step {step} is not newer than step {self.last_step}, the last one sent; "
                 "weight versions never go backwards"
             )
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        meta = tensor_meta(items)
-        if meta != self._meta:  # computed once per layout of the model, not per sync
-            self._meta = meta
-            self._wire = tuple(m.to_wire() for m in meta)
-            self._sizes = [m.nbytes for m in meta]
-        nbytes = sum(self._sizes)
+        if isinstance(named_tensors, Mapping):
+            names, tensors = list(named_tensors.keys()), list(named_tensors.values())
+        else:
+            pairs = list(named_tensors)
+            names, tensors = [n for n, _ in pairs], [t for _, t in pairs]
+        fp = self._fingerprint(names, tensors)
+        if not fp.same_meta(self._fp):  # described once per layout of the model, not per sync
+            meta = tensor_meta(zip(names, tensors, strict=True))
+            if meta != self._meta:
+                self._meta = meta
+                self._meta_gen += 1
+                self._wire = tuple(m.to_wire() for m in meta)
+                self._sizes = [m.nbytes for m in meta]
+                self._nbytes = sum(self._sizes)
+        self._fp = fp
+        nbytes = self._nbytes
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.method": METHOD}
         try:
             with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
@@ -244,40 +321,37 @@ class IpcWeightSender:
                 deadline_mono = time.monotonic() + self.timeout_s
                 # The receiver's deadline is the sender's: set before any work.
                 deadline_wall = time.time() + self.timeout_s
-                layout, storages, keys = self._choose_layout(items)
                 direct: dict[str, Any] = {}
-                if layout == "direct":
-                    try:
-                        direct = self._share(items, storages, keys)
-                    except RuntimeError as exc:  # e.g. memory CUDA cannot export
-                        logger.warning(
-                            "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
-                            "the ipc sync packs them into buckets from now on",
-                            exc,
-                        )
-                        self._direct_failed = True
-                        layout = "buckets"
+                if self._reuse is not None and fp.same_place(self._reuse[0]):
+                    # The tensors of the last direct sync, where they were: its views.
+                    layout, direct = "direct", self._reuse[1]
+                else:
+                    layout, storages, keys = self._choose_layout(tensors)
+                    if layout == "direct":
+                        try:
+                            direct = self._share(names, tensors, storages, keys, fp)
+                        except RuntimeError as exc:  # e.g. memory CUDA cannot export
+                            logger.warning(
+                                "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
+                                "the ipc sync packs them into buckets from now on",
+                                exc,
+                            )
+                            self._direct_failed = True
+                            layout = "buckets"
                 if layout == "buckets":
                     self._forget_shared()
-                    self._pack(items, meta)
-                elif self.device.type == "cuda":
-                    # The receiver reads on its own stream: the tensors must be written first.
-                    torch.cuda.synchronize(self.device)
+                    self._pack(tensors)
+                    key: tuple = ("buckets", self._meta_gen, self._alloc_gen)
+                else:
+                    if self.device.type == "cuda":
+                        # The receiver reads on its own stream: the tensors must be written first.
+                        torch.cuda.synchronize(self.device)
+                    key = ("direct", self._meta_gen, direct["views"])
+                if key != self._layout_key:
+                    self._layout_key = key
+                    self._layout_n += 1
                 sp.set_attribute("obsckpt.ipc_layout", layout)
-                self._version += 1
-                payload = IpcPayload(
-                    version=_PAYLOAD_VERSION,
-                    step=step,
-                    backend=self.backend,
-                    bucket_bytes=self.bucket_bytes,
-                    meta=self._wire,
-                    handles=self._handles if layout == "buckets" else (),
-                    deadline=deadline_wall,
-                    device_uuid=self._uuid,
-                    trace_context=tracing.inject() or None,
-                    layout=layout,
-                    **direct,
-                )
+                payload = self._payload(step, layout, direct, deadline_wall)
                 ack = self._await(deliver(payload), deadline_mono)
                 if not isinstance(ack, Mapping) or ack.get("step") != step:
                     raise BroadcastError(
@@ -286,19 +360,56 @@ class IpcWeightSender:
                     )
                 seconds = time.perf_counter() - t0
         except BaseException as exc:
-            # The receiver may not have opened this sync's storages: the next sync
-            # hands every storage out afresh (under new ids).
+            # The receiver may not have opened this sync's storages, nor hold its
+            # layout: the next sync describes it again and hands every storage out
+            # afresh (under new ids).
             self._forget_shared()
+            self._acked_id = None
             if isinstance(exc, BroadcastError) and self.telemetry:
                 self.telemetry.failure(self.backend, METHOD, exc)
             raise
+        self._acked_id = payload.layout_id
         self.last_step = step
         self.last_layout = layout
         self.telemetry.broadcast(self.backend, seconds, nbytes, METHOD)
         handles = len(self._plan) if layout == "buckets" else len(payload.storages)
-        return BroadcastResult(seconds, nbytes, len(meta), handles, self.backend, METHOD)
+        return BroadcastResult(seconds, nbytes, len(names), handles, self.backend, METHOD)
 
-    def _choose_layout(self, items: list[tuple[str, torch.Tensor]]) -> tuple[str, list, list]:
+    @staticmethod
+    def _fingerprint(names: list[str], tensors: list[torch.Tensor]) -> _Fingerprint:
+        try:
+            return _Fingerprint.of(names, tensors)
+        except (TypeError, AttributeError):
+            for name, t in zip(names, tensors, strict=True):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(
+                        f"{name!r} is a {type(t).__name__}, not a tensor; send a state dict "
+                        "of tensors (gather DTensors with full_tensor() first)"
+                    ) from None
+            raise
+
+    def _payload(
+        self, step: int, layout: str, direct: dict[str, Any], deadline: float
+    ) -> IpcPayload:
+        """This sync's payload: the layout described only where the receiver lacks it."""
+        common = dict(
+            version=_PAYLOAD_VERSION,
+            step=step,
+            backend=self.backend,
+            bucket_bytes=self.bucket_bytes,
+            deadline=deadline,
+            device_uuid=self._uuid,
+            trace_context=tracing.inject() or None,
+            layout=layout,
+            layout_id=(self._token, self._layout_n),
+            nbytes=self._nbytes,
+        )
+        if self._acked_id == common["layout_id"]:
+            return IpcPayload(meta=(), handles=(), described=False, **common)
+        handles = self._handles if layout == "buckets" else ()
+        return IpcPayload(meta=self._wire, handles=handles, **direct, **common)
+
+    def _choose_layout(self, tensors: list[torch.Tensor]) -> tuple[str, list, list]:
         """``direct`` while the tensors stay in the same storages from sync to sync.
 
         Returns the layout and, for ``direct``, the tensors' storages and their
@@ -308,7 +419,7 @@ class IpcWeightSender:
             return "buckets", [], []
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        storages = [t.untyped_storage() for _, t in items]
+        storages = [t.untyped_storage() for t in tensors]
         keys = [(st.data_ptr(), st.nbytes()) for st in storages]
         if self.layout == "direct" or not (self._shared or self._previous):
             return "direct", storages, keys  # forced, or the first sync: nothing to compare with
@@ -320,7 +431,7 @@ class IpcWeightSender:
                 ref = previous.get(k)
                 if ref is not None and not ref.expired():
                     kept += n
-        if kept >= _DIRECT_MIN_KEPT * sum(self._sizes):
+        if kept >= _DIRECT_MIN_KEPT * self._nbytes:
             self._previous = {}
             return "direct", storages, keys
         # Buckets: remember these storages, to compare with at the next sync.
@@ -332,35 +443,30 @@ class IpcWeightSender:
         return "buckets", [], []
 
     def _share(
-        self, items: list[tuple[str, torch.Tensor]], storages: list, keys: list
+        self,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        storages: list,
+        keys: list,
+        fp: _Fingerprint,
     ) -> dict[str, Any]:
         """The direct layout's fields: handles of storages new to the receiver, views, live ids."""
         if self._plan:  # the buckets of an earlier layout are not needed any more
             self._free()
             self._plan_key = None
-        # The same storages, offsets and dense tensors as the last sync: the same views.
-        offsets = [t.storage_offset() for _, t in items]
-        if (
-            self._reuse is not None
-            and keys == self._reuse[0]
-            and offsets == self._reuse[1]
-            and all(t.is_contiguous() for _, t in items)
-        ):
-            return self._reuse[2]
         self._reuse = None
         held, shared = self._shared, {}
         new: list[tuple[int, Any]] = []
         views: list[tuple[int, int]] = []
         device = self.device
         copied = False
-        for i, (name, t) in enumerate(items):
+        for i, t in enumerate(tensors):
             st, key = storages[i], keys[i]
             if t.device != device or not t.is_contiguous():
-                t = t.detach().to(device).contiguous()  # a copy, alive until the answer
-                items[i] = (name, t)
+                t = t.detach().to(device).contiguous()  # its storage is held in _shared
+                copied = True
                 st = t.untyped_storage()
                 key = (st.data_ptr(), st.nbytes())
-                copied = True
             entry = shared.get(key) or held.get(key)
             if entry is None:
                 entry = _Shared(self._next_sid, st)
@@ -370,9 +476,10 @@ class IpcWeightSender:
             views.append((entry.sid, t.storage_offset() * t.element_size()))
         self._shared = shared
         live = tuple(sorted({e.sid for e in shared.values()}))
-        if not copied:  # each tensor was dense and on the device: reusable next time
-            self._reuse = (keys, offsets, {"storages": (), "views": tuple(views), "live": live})
-        return {"storages": tuple(new), "views": tuple(views), "live": live}
+        fields = {"storages": tuple(new), "views": tuple(views), "live": live}
+        if not copied:  # each tensor dense and on the device: the same views while they stay
+            self._reuse = (fp, {"storages": (), "views": fields["views"], "live": live})
+        return fields
 
     def _forget_shared(self) -> None:
         """Hand every storage out afresh at the next direct sync."""
@@ -386,22 +493,13 @@ class IpcWeightSender:
         whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         return ("cuda", reduce_tensor(whole))
 
-    def _pack(self, items: list[tuple[str, torch.Tensor]], meta: list[TensorMeta]) -> None:
-        key = (self.bucket_bytes, tuple(meta))
+    def _pack(self, tensors: list[torch.Tensor]) -> None:
+        key = (self.bucket_bytes, self._meta_gen)
         if key != self._plan_key:
-            self._allocate(plan_buckets(meta, self.bucket_bytes))
+            self._allocate(plan_buckets(self._meta, self.bucket_bytes))
             self._plan_key = key
         with torch.no_grad():
-            for bucket, buf in zip(self._plan, self._buffers, strict=True):
-                out = buf[: bucket.nbytes].view(bucket.dtype)
-                parts = [items[i][1].detach().reshape(-1) for i in bucket.indices]
-                if len(parts) == 1:
-                    out.copy_(parts[0])
-                else:
-                    torch.cat(
-                        [p if p.device == self.device else p.to(self.device) for p in parts],
-                        out=out,
-                    )
+            _copy_many(self._slots, tensors)
         if self.device.type == "cuda":
             # The receiver reads on its own stream: the buckets must be complete first.
             torch.cuda.synchronize(self.device)
@@ -409,7 +507,9 @@ class IpcWeightSender:
     def _allocate(self, plan: list[Bucket]) -> None:
         self._free()
         self._plan = plan
+        self._alloc_gen += 1
         buffers, handles = [], []
+        slots: list[torch.Tensor | None] = [None] * len(self._meta)
         for bucket in plan:
             size = max(bucket.nbytes, 1)
             if self.device.type == "cuda":
@@ -425,7 +525,12 @@ class IpcWeightSender:
                 buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
                 handles.append(("shm", path, size))
             buffers.append(buf)
+            flat = buf[: bucket.nbytes].view(bucket.dtype)
+            for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+                m = self._meta[i]
+                slots[i] = flat[off : off + m.numel].view(m.shape)
         self._buffers = buffers
+        self._slots = slots
         self._handles = tuple(handles)
 
     def _await(self, answer: Any, deadline: float) -> Any:
@@ -451,6 +556,7 @@ class IpcWeightSender:
 
     def _free(self) -> None:
         self._buffers = []
+        self._slots = []
         self._handles = ()
         for path in self._paths:
             try:
@@ -490,14 +596,16 @@ class IpcWeightReceiver:
         self._storages: dict[int, torch.Tensor] = {}  # direct layout, by storage id
         self._views: dict[tuple, torch.Tensor] = {}  # direct layout: views into them
         self._area: dict[str, torch.Tensor] = {}
-        # The last payload's metadata, parsed; the area's tensors in its order.
+        # The layout held: its id and kind, its metadata (parsed), and the
+        # sender's tensors it locates.
+        self._held: tuple[Any, str] | None = None
         self._wire: tuple = ()
         self._meta: list[TensorMeta] = []
-        self._nbytes = 0
-        self._dsts: list[torch.Tensor] | None = None
-        # direct layout: the last payload's views and the sources they gave
-        self._views_wire: tuple = ()
         self._sources: list[torch.Tensor] = []
+        # Where the weights are copied to: the area's or into='s tensors, the
+        # dict returned, the CUDA devices to synchronize, and what they came from.
+        self._targets: tuple[list[torch.Tensor], dict[str, torch.Tensor], set] | None = None
+        self._targets_key: _IntoKey | None = None
         self.last_step: int | None = None
         self.last_seconds: float | None = None
 
@@ -516,8 +624,8 @@ class IpcWeightReceiver:
         Return the acknowledgement to the sender.
 
         Raises:
-            BroadcastError: an older step, a payload from another obsckpt, or
-                another device.
+            BroadcastError: an older step, a payload from another obsckpt,
+                another device, or a layout this receiver was never sent.
             BroadcastTimeoutError: the payload arrived, or its copy ended,
                 after the sender's deadline.
         """
@@ -538,44 +646,57 @@ class IpcWeightReceiver:
                     f"step {self.last_step} and versions never go backwards"
                 )
             self._check_deadline(payload, "arrived")
-            if payload.meta != self._wire:  # parsed once per layout of the model
-                self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
-                self._wire = payload.meta
-                self._nbytes = sum(m.nbytes for m in self._meta)
-                self._dsts = None
-            meta, nbytes = self._meta, self._nbytes
-            sp.set_attribute("obsckpt.bytes", nbytes)
+            sp.set_attribute("obsckpt.bytes", payload.nbytes)
             sp.set_attribute("obsckpt.ipc_layout", payload.layout)
-            if payload.layout == "direct":
-                sources = self._direct_sources(payload, meta)
-            elif payload.layout == "buckets":
-                self._drop_storages(())
-                plan = plan_buckets(meta, payload.bucket_bytes)
-                if len(plan) != len(payload.handles):
-                    raise BroadcastError(
-                        f"the payload has {len(payload.handles)} buckets, its metadata plans "
-                        f"{len(plan)}; sender and receiver disagree on the protocol"
-                    )
-                sources = [None] * len(meta)
-                for bucket, handle in zip(plan, payload.handles, strict=True):
-                    flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
-                    for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                        sources[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
-            else:
+            if payload.described:
+                self._take_layout(payload)
+            elif self._held != (payload.layout_id, payload.layout):
                 raise BroadcastError(
-                    f"unknown ipc layout {payload.layout!r}; run the same obsckpt version on "
-                    "both sides"
+                    f"the weights of step {payload.step} name layout {payload.layout_id} "
+                    f"({payload.layout}), which this rollout was never sent (it holds "
+                    f"{self._held}); the sender describes the layout again at its next sync"
                 )
-            out = self._copy_out(meta, sources, into, clone)
-            devices = {t.device for t in out.values() if t.is_cuda}
+            dsts, out, devices = self._targets_for(into, clone)
+            with torch.no_grad():
+                _copy_many(dsts, self._sources)
             for d in devices:
                 torch.cuda.synchronize(d)
             # Copied after the deadline: the sender may have begun rewriting its buckets.
             self._check_deadline(payload, "was copied")
             self.last_step = payload.step
             self.last_seconds = time.perf_counter() - t0
-        ack = {"step": payload.step, "nbytes": nbytes}
-        return ack, out
+        ack = {"step": payload.step, "nbytes": payload.nbytes}
+        return ack, dict(out)
+
+    def _take_layout(self, payload: IpcPayload) -> None:
+        """Parse a described layout and locate the sender's tensors (kept for later payloads)."""
+        self._held = None
+        self._targets = None  # new sources: the targets are listed again
+        if payload.meta != self._wire:  # parsed once per layout of the model
+            self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
+            self._wire = payload.meta
+        meta = self._meta
+        if payload.layout == "direct":
+            sources = self._direct_sources(payload, meta)
+        elif payload.layout == "buckets":
+            self._drop_storages(())
+            plan = plan_buckets(meta, payload.bucket_bytes)
+            if len(plan) != len(payload.handles):
+                raise BroadcastError(
+                    f"the payload has {len(payload.handles)} buckets, its metadata plans "
+                    f"{len(plan)}; sender and receiver disagree on the protocol"
+                )
+            sources = [None] * len(meta)
+            for bucket, handle in zip(plan, payload.handles, strict=True):
+                flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
+                for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+                    sources[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
+        else:
+            raise BroadcastError(
+                f"unknown ipc layout {payload.layout!r}; run the same obsckpt version on both sides"
+            )
+        self._sources = sources
+        self._held = (payload.layout_id, payload.layout)
 
     def _check_deadline(self, payload: IpcPayload, what: str) -> None:
         late = time.time() - payload.deadline
@@ -593,12 +714,9 @@ class IpcWeightReceiver:
                 f"the payload has {len(payload.views)} views for {len(meta)} tensors; sender "
                 "and receiver disagree on the protocol"
             )
-        if not payload.storages and payload.views == self._views_wire:
-            return self._sources  # the same storages and views as the last sync
         for sid, handle in payload.storages:
             self._storages[sid] = self._open_storage(handle, payload)
         self._drop_storages(payload.live)
-        self._views_wire, self._sources = (), []
         sources = []
         for m, (sid, offset) in zip(meta, payload.views, strict=True):
             key = (sid, offset, m.dtype, m.shape)
@@ -614,17 +732,13 @@ class IpcWeightReceiver:
                 src = storage[offset : offset + m.nbytes].view(m.dtype).view(m.shape)
                 self._views[key] = src
             sources.append(src)
-        self._views_wire, self._sources = payload.views, sources
         return sources
 
     def _drop_storages(self, live: Iterable[int]) -> None:
         """Close the sender's storages not in ``live`` (the sender may free or reuse them)."""
         keep = set(live)
-        gone = [s for s in self._storages if s not in keep]
-        for sid in gone:
+        for sid in [s for s in self._storages if s not in keep]:
             del self._storages[sid]
-        if gone:
-            self._views_wire, self._sources = (), []
         if len(self._views) and any(k[0] not in keep for k in self._views):
             self._views = {k: v for k, v in self._views.items() if k[0] in keep}
 
@@ -667,28 +781,35 @@ class IpcWeightReceiver:
         self._opened[key] = buf
         return buf
 
-    def _copy_out(self, meta: list[TensorMeta], sources: list, into, clone: bool) -> dict:
-        """Copy the sources into this receiver's tensors: one batched copy where it can."""
+    def _targets_for(
+        self, into: Mapping[str, torch.Tensor] | None, clone: bool
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], set]:
+        """The tensors to copy into, the dict to return, and the CUDA devices they are on.
+
+        Kept from sync to sync while the layout and ``into``'s tensors stay the
+        same, so a sync does no per-tensor bookkeeping.
+        """
+        meta, sources = self._meta, self._sources
         if clone:
             device = self.device
-            return {
-                m.name: src.to(device or src.device, copy=True)
+            dsts = [
+                torch.empty(m.shape, dtype=m.dtype, device=device or src.device)
                 for m, src in zip(meta, sources, strict=True)
-            }
+            ]
+            return dsts, dict(zip((m.name for m in meta), dsts, strict=True)), _cuda_devices(dsts)
+        key = None if into is None else _IntoKey.of(into)
+        if self._targets is not None and _same_into(key, self._targets_key):
+            return self._targets
         if into is None:
-            if self._dsts is None:  # the area's tensors, listed once per layout of the model
-                self._dsts = [
-                    self._area_tensor(m, src) for m, src in zip(meta, sources, strict=True)
-                ]
-            dsts = self._dsts
+            dsts = [self._area_tensor(m, src) for m, src in zip(meta, sources, strict=True)]
         else:
             dsts = [
                 self._into_tensor(m, into[m.name]) if m.name in into else self._area_tensor(m, src)
                 for m, src in zip(meta, sources, strict=True)
             ]
-        with torch.no_grad():
-            _copy_many(dsts, sources)
-        return {m.name: d for m, d in zip(meta, dsts, strict=True)}
+        targets = (dsts, dict(zip((m.name for m in meta), dsts, strict=True)), _cuda_devices(dsts))
+        self._targets, self._targets_key = targets, key
+        return targets
 
     @staticmethod
     def _into_tensor(m: TensorMeta, dst: torch.Tensor) -> torch.Tensor:
@@ -702,9 +823,8 @@ class IpcWeightReceiver:
     def _area_tensor(self, m: TensorMeta, src: torch.Tensor) -> torch.Tensor:
         device = self.device or src.device
         dst = self._area.get(m.name)
-        if dst is None or dst.shape != src.shape or dst.dtype != src.dtype or dst.device != device:
+        if dst is None or dst.shape != m.shape or dst.dtype != m.dtype or dst.device != device:
             dst = self._area[m.name] = torch.empty(m.shape, dtype=m.dtype, device=device)
-            self._dsts = None
         return dst
 
     def close(self) -> None:
@@ -712,4 +832,35 @@ class IpcWeightReceiver:
         self._opened.clear()
         self._drop_storages(())
         self._area.clear()
-        self._dsts = None
+        self._held = None
+        self._sources = []
+        self._targets = self._targets_key = None
+
+
+class _IntoKey(NamedTuple):
+    """What the targets of an ``into=`` mapping depend on."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    shapes: list[torch.Size]
+
+    @classmethod
+    def of(cls, into: Mapping[str, torch.Tensor]) -> _IntoKey:
+        tensors = list(into.values())
+        return cls(list(into.keys()), tensors, list(map(_shape, tensors)))
+
+
+def _same_into(a: _IntoKey | None, b: _IntoKey | None) -> bool:
+    """The same names, the very same tensor objects, the same shapes (or both None)."""
+    if a is None or b is None:
+        return a is b
+    return (
+        a.names == b.names
+        and len(a.tensors) == len(b.tensors)
+        and all(map(operator.is_, a.tensors, b.tensors))
+        and a.shapes == b.shapes
+    )
+
+
+def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
+    return {t.device for t in tensors if t.is_cuda}
