@@ -165,6 +165,10 @@ class _Save:
     lock: threading.Lock = field(default_factory=threading.Lock)
     part: int | None = None  # index among ``parts`` parts of one save (e.g. the rank)
     parts: int | None = None
+    # Not written when the monitor finds the step of its kind closed at admission.
+    unless_committed: bool = False
+    # Run instead of the I/O when it is not written (e.g. let a staging copy finish).
+    on_skip: Callable[[], None] | None = None
 
     def part_kwargs(self) -> dict[str, int]:
         """``part``/``parts`` for the monitor's RPCs; nothing for an unsplit save."""
@@ -271,6 +275,7 @@ class CheckpointCoordinator:
         trace_context: dict | None = None,
         part: int | None = None,
         parts: int | None = None,
+        unless_committed: bool = False,
     ) -> None:
         """Run ``save_fn`` in a background thread, reported to the monitor.
 
@@ -290,6 +295,12 @@ class CheckpointCoordinator:
             parts: how many parts make up the save (e.g. the world size). Every
                 part is reported with its own files; the step counts the save
                 as ONE finished save once every part has finished ok.
+            unless_committed: do not run ``save_fn`` if, when the monitor admits
+                the save, the step of this kind is already committed (or being
+                committed, or below the committed step): the monitor decides
+                for every rank at one point, so no rank rewrites a file the
+                iteration file vouches for while another rank skips. Logged and
+                counted as a re-save; nothing is written and no error raised.
 
         Raises:
             ValueError: ``part``/``parts`` malformed (both or neither; 0 <= part < parts).
@@ -306,6 +317,7 @@ class CheckpointCoordinator:
             trace_context,
             part=part,
             parts=parts,
+            unless_committed=unless_committed,
         )
 
     def save_sync(
@@ -319,17 +331,26 @@ class CheckpointCoordinator:
         trace_context: dict | None = None,
         part: int | None = None,
         parts: int | None = None,
+        unless_committed: bool = False,
     ) -> None:
         """Run ``save_fn`` on this thread with monitor notifications (for saves with barriers).
 
-        ``part``/``parts`` mark one part of a save made of several (see :meth:`save_async`).
+        ``part``/``parts`` mark one part of a save made of several, and
+        ``unless_committed`` skips a step already committed (see :meth:`save_async`).
         Raises the save's error (as :class:`SaveError`) after reporting it.
         """
         validate_slot(name)
         validate_step(global_step)
         validate_parts(part, parts)
         path_list = [os.fspath(p) for p in paths] if paths is not None else None
-        save = _Save(name, global_step, disk.kind_of(is_state_dict), part=part, parts=parts)
+        save = _Save(
+            name,
+            global_step,
+            disk.kind_of(is_state_dict),
+            part=part,
+            parts=parts,
+            unless_committed=unless_committed,
+        )
         carrier = trace_context if trace_context is not None else tracing.inject()
         error = self._run(save, lambda: _run_and_record(save_fn, path_list), carrier, 0.0)
         if error is not None:
@@ -349,6 +370,7 @@ class CheckpointCoordinator:
         overlap: bool = False,
         part: int | None = None,
         parts: int | None = None,
+        unless_committed: bool = False,
     ) -> StagedSave:
         """Snapshot ``state_dict`` into staging buffers, then write it in the background.
 
@@ -367,7 +389,8 @@ class CheckpointCoordinator:
         and renames it into place. A save that had to allocate its staging
         (no :meth:`prepare` for these shapes) is logged and counted in
         ``obsckpt_staging_cold_saves_total``. ``part``/``parts`` mark one part
-        of a save made of several, e.g. each rank's shard (see :meth:`save_async`).
+        of a save made of several, e.g. each rank's shard, and
+        ``unless_committed`` skips a step already committed (see :meth:`save_async`).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
         from obsckpt.snapshot import StagingCopy, write_torch_file
@@ -408,6 +431,9 @@ class CheckpointCoordinator:
             join_wait=join_wait,
             part=part,
             parts=parts,
+            unless_committed=unless_committed,
+            # Not written: the slot's staging is free once the copies have ended.
+            on_skip=copier.settle if copier is not None else None,
         )
         return StagedSave(name, global_step, copier)
 
@@ -640,10 +666,20 @@ class CheckpointCoordinator:
         join_wait: float | None = None,
         part: int | None = None,
         parts: int | None = None,
+        unless_committed: bool = False,
+        on_skip: Callable[[], None] | None = None,
     ) -> None:
         if join_wait is None:
             join_wait = self._join(name)
-        save = _Save(name, step, disk.kind_of(is_state_dict), part=part, parts=parts)
+        save = _Save(
+            name,
+            step,
+            disk.kind_of(is_state_dict),
+            part=part,
+            parts=parts,
+            unless_committed=unless_committed,
+            on_skip=on_skip,
+        )
         # The caller's context is captured here and formatted as a carrier on the
         # save thread: the caller pays one context read, not the formatting.
         parent = trace_context if trace_context is not None else tracing.capture()
@@ -701,8 +737,23 @@ class CheckpointCoordinator:
                         # step's trace even if the trainer never submits one.
                         trace_context=carrier or tracing.inject() or None,
                         **save.part_kwargs(),
+                        **({"unless_closed": True} if save.unless_committed else {}),
                     )
                 )
+                if isinstance(admitted, dict) and admitted.get("skipped"):
+                    span.set_attribute("obsckpt.skipped", True)
+                    self.logger.info(
+                        "obsckpt: save %r of step %d (%s) not written: the monitor has "
+                        "committed step %s of this kind, and a re-save would change files "
+                        "the iteration file vouches for",
+                        save.slot,
+                        save.step,
+                        save.kind,
+                        admitted.get("latest"),
+                    )
+                    if save.on_skip is not None:
+                        save.on_skip()
+                    return None
                 if isinstance(admitted, dict) and admitted.get("admission_wait_s"):
                     # The monitor's own measure of the queueing, without the RPC's latency.
                     end = time.time_ns()

@@ -323,6 +323,7 @@ class CheckpointMonitor:
         lease: bool = False,
         part: int | None = None,
         parts: int | None = None,
+        unless_closed: bool = False,
     ) -> dict:
         """Admit a save under the strategy; returns once it may run.
 
@@ -336,6 +337,13 @@ class CheckpointMonitor:
         save of ``slot`` made of ``parts`` parts, e.g. one per rank: each part
         is admitted, leased and reported on its own, and the step counts the
         save as finished once every part has finished ok.
+
+        With ``unless_closed=True`` a save of a step already closed for its kind
+        (committed, being committed, or below the committed step) is not
+        admitted: the reply is ``{"skipped": True, "latest": <committed step>}``,
+        no ticket, and the caller must not write. Decided here, in the order
+        the RPCs arrive, it gives every rank of one save the same answer for a
+        step that closes while they save.
 
         Raises:
             PartsMismatchError: ``parts`` differs from an earlier part's (the step fails).
@@ -351,6 +359,20 @@ class CheckpointMonitor:
         resave = False
         if step is not None:
             validate_step(step)
+            if unless_closed and self.tracker.closed(step, kind or "checkpoint"):
+                latest = self.tracker.latest[kind or "checkpoint"]
+                self.tracker.resaves += 1
+                logger.info(
+                    "obsckpt: save %r of step %d (%s) on rank %s not admitted: the step is "
+                    "already closed (latest committed is %s) and the caller asked not to "
+                    "re-save it",
+                    slot,
+                    step,
+                    kind or "checkpoint",
+                    rank,
+                    latest,
+                )
+                return {"skipped": True, "latest": latest}
             try:
                 resave = not self.tracker.start(
                     step,

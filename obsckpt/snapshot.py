@@ -599,6 +599,12 @@ class StagingCopy:
             return False
         return True
 
+    def settle(self) -> None:
+        """Block until every copy has ended, for a save whose result is not used."""
+        self.done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+
     def finish(self) -> None:
         """For the writer: block until every copy is in host memory; raise a mutation found."""
         self.done.wait()

@@ -489,6 +489,14 @@ class CommitTracker:
         ]
         for step in sorted(resolved)[:-_KEEP_RESOLVED]:
             del self.steps[step]
+        # Abandoned steps at or below every kind's committed step can never be taken
+        # up again: the newest are kept for status and the gauge, not every one a
+        # long job ever left behind.
+        floor = min((s for s in self.latest.values() if s is not None), default=None)
+        if floor is not None and len(self.abandoned) > _KEEP_RESOLVED:
+            below = sorted(s for s in self.abandoned if s <= floor)
+            for step in below[:-_KEEP_RESOLVED]:
+                del self.abandoned[step]
 
     # -- views -------------------------------------------------------------
 

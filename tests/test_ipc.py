@@ -355,7 +355,10 @@ def test_receiver_targets_follow_into(tmp_path):
     replaced = mine["embed"]
     mine["embed"] = torch.zeros_like(replaced)  # a new tensor under the same name
     sync(3, mine)
-    assert differ(model(3), mine) == [] and differ({"embed": model(2)["embed"]}, {"embed": replaced}) == []
+    assert (
+        differ(model(3), mine) == []
+        and differ({"embed": model(2)["embed"]}, {"embed": replaced}) == []
+    )
     sync(4, dict(mine))  # another mapping of the same tensors
     assert differ(model(4), mine) == []
     mine["embed"].resize_(11, 37)  # resized in place: refused, not broadcast into

@@ -122,6 +122,48 @@ class TestCommitGating:
 class TestParts:
     """Every rank's save is one part of a single save: each is reported, the step waits for all."""
 
+    def test_a_rank_that_comes_after_the_commit_writes_nothing(self, namespace, root):
+        """Ranks that check "already committed?" apart can disagree; admission decides for all.
+
+        Rank 1 saves its part of step 4's state dict after the step was committed
+        (its check ran before the commit): with unless_committed the monitor
+        refuses to admit it, so the committed shard is not rewritten, and the
+        same rank's part of the next, open step is written and counted.
+        """
+        monitor = make_monitor(namespace, root)
+        workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]
+
+        def shard(step, rank):
+            return str(root / f"global_step_{step}" / "actor" / f"model_rank_{rank}.pt")
+
+        for rank, w in enumerate(workers):
+            ray.get(w.save_state_dict.remote(shard(4, rank), 4, 1.0, part=rank, parts=2))
+        submit(monitor, 4, is_state_dict=True, sd=1)
+        wait_for(lambda: disk.read_iteration(root, "state_dict") == 4, what="commit of step 4")
+        committed = open(shard(4, 1), "rb").read()
+        resaves = ray.get(monitor.status.remote())["resaves"]
+
+        late = workers[1].save_state_dict.remote(
+            shard(4, 1), 4, 2.0, part=1, parts=2, unless_committed=True, overlap=True
+        )
+        assert ray.get(late) is True  # its overlapped copy still ended: the slot is free
+        assert ray.get(workers[1].wait.remote()) is None  # skipped is not a failure
+        assert open(shard(4, 1), "rb").read() == committed
+        assert disk.verify_step(disk.step_dir(root, 4)) == []
+        status = ray.get(monitor.status.remote())
+        assert status["resaves"] == resaves + 1
+        assert status["pending"] == [] and status["failed"] == [] and status["in_flight"] == []
+
+        for rank, w in enumerate(workers):
+            ray.get(
+                w.save_state_dict.remote(
+                    shard(5, rank), 5, 3.0, part=rank, parts=2, unless_committed=True
+                )
+            )
+        submit(monitor, 5, is_state_dict=True, sd=1)
+        wait_for(lambda: disk.read_iteration(root, "state_dict") == 5, what="commit of step 5")
+        assert torch.equal(torch.load(shard(5, 1))["w"], torch.full((256, 256), 3.0))
+
     def test_each_part_reported_and_leased_the_save_counted_once(self, namespace, root):
         monitor = make_monitor(namespace, root)
         workers = [SaveWorker.remote(namespace, rank) for rank in range(2)]

@@ -178,6 +178,21 @@ class TestOrder:
         t.finish(1, "checkpoint")  # the late finish is accepted and changes nothing
         assert commit_ready(t) == [] and t.latest["checkpoint"] == 2
 
+    def test_a_long_job_keeps_only_its_newest_abandoned_steps(self):
+        t = CommitTracker(latest={"checkpoint": None, "state_dict": None})
+        t.mark_abandoned(1000, "found on disk uncommitted")  # above every commit: kept
+        for step in range(0, 400, 2):  # each even step left open, the next one committed
+            t.start(step, "checkpoint")
+            t.register(step + 1, checkpoint_count=1, state_dict_count=0)
+            t.start(step + 1, "checkpoint")
+            t.finish(step + 1, "checkpoint")
+            t.submit(step + 1, "checkpoint")
+            assert commit_ready(t) == [(step + 1, "checkpoint")]
+        assert t.latest["checkpoint"] == 399
+        kept = sorted(t.abandoned)
+        assert kept[-1] == 1000 and kept[:-1] == list(range(400 - 2 * 64, 400, 2))
+        assert len(t.steps) <= 2 * 64
+
     def test_submit_older_than_committed_is_a_no_op(self):
         t = CommitTracker(latest={"checkpoint": 9, "state_dict": 9})
         assert t.submit(7, "checkpoint") == []

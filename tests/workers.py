@@ -76,12 +76,19 @@ class SaveWorker:
 
         return save
 
-    def save_state_dict(self, path: str, step: int, value: float, is_state_dict: bool = True):
+    def save_state_dict(
+        self, path: str, step: int, value: float, is_state_dict: bool = True, **kwargs
+    ) -> bool:
+        """A snapshot save (``kwargs`` to save_state_dict_async); returns whether it is staged."""
         import torch
 
         sd = {"w": torch.full((256, 256), value), "step": step}
-        self.coord.save_state_dict_async("model", sd, path, step, is_state_dict=is_state_dict)
+        handle = self.coord.save_state_dict_async(
+            "model", sd, path, step, is_state_dict=is_state_dict, **kwargs
+        )
+        handle.wait_staged(60)
         sd["w"].fill_(-1.0)  # must not reach the file
+        return handle.staged
 
     def release(self, slot: str, step: int) -> None:
         self.gates[(slot, step)].set()

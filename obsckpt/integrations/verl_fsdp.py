@@ -191,7 +191,10 @@ def fsdp_save_state_dict(
 
     A step whose state dict is already committed is not written again (a
     re-save would change files the iteration file vouches for); it is logged
-    and 0 is returned on every rank.
+    and 0 is returned on every rank. Each rank asks before it snapshots, and
+    the monitor decides again when it admits the rank's part, so a step that
+    commits while the ranks save is skipped by every rank that comes late,
+    never written by one of them into the committed step.
 
     Args:
         engine: the FSDP engine (``engine.module`` is the FSDP-wrapped model).
@@ -224,6 +227,7 @@ def fsdp_save_state_dict(
         trace_context=trace_context,
         part=rank,
         parts=world,
+        unless_committed=True,
     )
     log.info("obsckpt: rank %d saving its model shard of step %d to %s", rank, global_step, path)
     return 1 if rank == 0 else 0

@@ -101,6 +101,7 @@ def megatron_save_state_dict(
         trace_context=trace_context,
         part=rank,
         parts=world,
+        unless_committed=True,
     )
     log.info("obsckpt: saved the Megatron model of step %d to %s", global_step, local_path)
     return 1 if rank == 0 else 0
