@@ -21,28 +21,12 @@ from obsckpt.sync.broadcast import free_port
 @ray.remote
 class Rank:
     def __init__(self, namespace: str, rank: int, port: int) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from workers import cpu_fsdp_group
+        from workers import cpu_fsdp_group, tiny_fsdp_llama
 
         from obsckpt.integrations import FSDPCheckpointManager
 
         torch.set_num_threads(1)
-        mesh = cpu_fsdp_group(rank, 2, port)
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-        model = LlamaForCausalLM(config)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = tiny_fsdp_llama(cpu_fsdp_group(rank, 2, port))
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)

@@ -26,41 +26,20 @@ import torch
 from obsckpt.integrations import verl_install
 from obsckpt.sync.broadcast import free_port
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=32,
-)
-
 
 @ray.remote
 class VerlWorker:
     """One rank of a verl worker group, as the hook leaves it: verl's names patched."""
 
     def __init__(self, role: str, rank: int, world_size: int, port: int) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
-
         verl_install.worker_setup()  # what Ray runs in each worker process after install()
         from verl.workers.engine.fsdp import transformer_impl
-        from workers import cpu_fsdp_group
+        from workers import cpu_fsdp_group, tiny_fsdp_llama
 
         torch.set_num_threads(1)
-        mesh = cpu_fsdp_group(rank, world_size, port)
-        torch.manual_seed(0)
-        if role == "critic":  # verl's critic: a token-classification value head
-            model = LlamaForTokenClassification(LlamaConfig(num_labels=1, **TINY))
-            contents = ["model", "optimizer", "extra", "hf_model"]
-        else:
-            model = LlamaForCausalLM(LlamaConfig(**TINY))
-            contents = ["model", "optimizer", "extra"]
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        # verl's critic: a token-classification value head
+        model = tiny_fsdp_llama(cpu_fsdp_group(rank, world_size, port), value_head=role == "critic")
+        contents = ["model", "optimizer", "extra"] + (["hf_model"] if role == "critic" else [])
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)

@@ -125,3 +125,35 @@ def cpu_fsdp_group(rank: int, world_size: int, port: int):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(rd.backend, rank=rank, world_size=world_size)
     return rd.mesh(world_size)
+
+
+# The smallest Llama that exercises every kind of layer (tests that shard a model).
+TINY_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
+
+
+def tiny_fsdp_llama(mesh, *, value_head: bool = False):
+    """The tiny Llama (seeded), each layer and then the whole model wrapped with FSDP2.
+
+    ``value_head``: a token-classification head with one label, as verl's critic.
+    """
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
+
+    torch.manual_seed(0)
+    if value_head:
+        model = LlamaForTokenClassification(LlamaConfig(num_labels=1, **TINY_LLAMA))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

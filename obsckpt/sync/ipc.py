@@ -659,8 +659,8 @@ class IpcWeightReceiver:
             dsts, out, devices = self._targets_for(into, clone)
             with torch.no_grad():
                 _copy_many(dsts, self._sources)
-            for d in devices:
-                torch.cuda.synchronize(d)
+            for d in devices:  # the copies ran on each device's current stream: wait for it
+                torch.cuda.current_stream(d).synchronize()
             # Copied after the deadline: the sender may have begun rewriting its buckets.
             self._check_deadline(payload, "was copied")
             self.last_step = payload.step
