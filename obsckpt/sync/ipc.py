@@ -244,7 +244,6 @@ class IpcWeightSender:
         self._paths: list[str] = []
         self._uuid = _device_uuid(self.device)
         self.last_step: int | None = None
-        self._version = 0
         # The model's layout: its description, and the fingerprint it was taken from.
         self._fp: _Fingerprint | None = None
         self._meta: list[TensorMeta] = []
@@ -322,7 +321,11 @@ class IpcWeightSender:
                 # The receiver's deadline is the sender's: set before any work.
                 deadline_wall = time.time() + self.timeout_s
                 direct: dict[str, Any] = {}
-                if self._reuse is not None and fp.same_place(self._reuse[0]):
+                if (
+                    self._reuse is not None
+                    and self.layout != "buckets"
+                    and fp.same_place(self._reuse[0])
+                ):
                     # The tensors of the last direct sync, where they were: its views.
                     layout, direct = "direct", self._reuse[1]
                 else:
