@@ -10,7 +10,8 @@ uses) for a state that stays in place between
 syncs, as a model updated in place by its optimizer does: the ``direct``
 layout, one copy from the trainer's tensors into the receiver's. They split
 the sync's time into the receiver's part (copy included), the transport's
-round trip (a ping through the same pipe) and the sender's own. They
+round trip (a ping through the same pipe) and the sender's own, and give
+the ratio for four times the tensors and bytes. They
 also give the ``buckets`` layout, used when the tensors are new at each
 sync (gathered from shards): packed into the sender's buckets, then copied
 out, two copies.
@@ -60,12 +61,13 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
 
     device = torch.device("cuda", torch.cuda.current_device())
     per = max(1, sizes.state_bytes // sizes.state_tensors // 2)
-    state = {
-        f"layers.{i}.weight": torch.randn(per, dtype=torch.bfloat16, device=device)
-        for i in range(sizes.state_tensors)
-    }
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    copies = {k: torch.empty_like(t) for k, t in state.items()}
+
+    def make_state(tensors: int) -> dict:
+        return {
+            f"layers.{i}.weight": torch.randn(per, dtype=torch.bfloat16, device=device)
+            for i in range(tensors)
+        }
+
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, device.index), daemon=True)
@@ -92,7 +94,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
 
     step = 0
 
-    def sync() -> float:
+    def sync(state: dict) -> float:
         nonlocal step
         step += 1
         torch.cuda.synchronize()
@@ -100,16 +102,15 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         sender.send(state, deliver, step=step)
         return time.perf_counter() - t0
 
-    def d2d() -> float:
+    def d2d(dsts: list, srcs: list) -> float:  # one copy_ per tensor: the reference
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for k, t in state.items():
-            copies[k].copy_(t, non_blocking=True)
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def d2d_batched() -> float:  # one batched copy (what the receiver uses), for the details
-        dsts, srcs = list(copies.values()), list(state.values())
+    def d2d_batched(dsts: list, srcs: list) -> float:  # what the receiver uses, for the details
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch._foreach_copy_(dsts, srcs)
@@ -117,45 +118,57 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         return time.perf_counter() - t0
 
     reps = max(3, sizes.save_reps)
-    layouts = []
-    try:
-        sync()  # the receiver opens the storages once
-        d2d()
-        syncs, refs, batched, pings = [], [], [], []
+
+    def in_place(state: dict) -> dict:
+        """Syncs of a state kept in place, each beside a D2D copy of it, interleaved."""
+        srcs = list(state.values())
+        dsts = [torch.empty_like(t) for t in srcs]
+        for _ in range(2):  # after other tensors, the first sees them new (buckets)
+            sync(state)  # then the receiver opens their storages, once
+        d2d(dsts, srcs)
+        out = {"sync": [], "d2d": [], "batched": [], "ping": [], "layouts": []}
         receiver_s.clear()
         for _ in range(reps):
-            refs.append(d2d())
-            batched.append(d2d_batched())
-            pings.append(ping())
-            syncs.append(sync())
-            layouts.append(sender.last_layout)
-        in_receiver = list(receiver_s)
+            out["d2d"].append(d2d(dsts, srcs))
+            out["batched"].append(d2d_batched(dsts, srcs))
+            out["ping"].append(ping())
+            out["sync"].append(sync(state))
+            out["layouts"].append(sender.last_layout)
+        out["receiver"] = list(receiver_s)
+        out["nbytes"] = sum(t.numel() * t.element_size() for t in srcs)
+        return out
+
+    try:
+        state = make_state(sizes.state_tensors)
+        main = in_place(state)
         # Tensors new at each sync: the sender switches to its buckets.
         fresh_syncs, fresh_layouts = [], []
         for _ in range(reps + 2):
-            fresh = {k: v.clone() for k, v in state.items()}
-            step += 1
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            sender.send(fresh, deliver, step=step)
-            fresh_syncs.append(time.perf_counter() - t0)
+            fresh_syncs.append(sync({k: v.clone() for k, v in state.items()}))
             fresh_layouts.append(sender.last_layout)
-            del fresh
         fresh_syncs, fresh_layouts = fresh_syncs[2:], fresh_layouts[2:]
+        # Four times the tensors and bytes (a model nearer to what RL trains): the
+        # fixed part of a sync weighs less against the copy.
+        del state
+        larger = in_place(make_state(4 * sizes.state_tensors))
     finally:
         parent.send(None)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
         sender.close()
-    s, c, f = median(syncs), median(refs), median(fresh_syncs)
-    r, p = median(in_receiver), median(pings)
+    nbytes = main["nbytes"]
+    s, c, f = median(main["sync"]), median(main["d2d"]), median(fresh_syncs)
+    r, p = median(main["receiver"]), median(main["ping"])
+    ls, lc = median(larger["sync"]), median(larger["d2d"])
+    layouts = main["layouts"]
     log(
         f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}) vs D2D copy "
         f"{c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB; "
         f"in the receiver {r * 1e3:.2f} ms, transport {p * 1e3:.2f} ms, the sender's own "
         f"{(s - r - p) * 1e3:.2f} ms; fresh tensors {f * 1e3:.2f} ms "
-        f"({'/'.join(sorted(set(fresh_layouts)))})"
+        f"({'/'.join(sorted(set(fresh_layouts)))}); 4x the state: {ls * 1e3:.2f} ms vs "
+        f"{lc * 1e3:.2f} ms ({lc / ls:.3f})"
     )
     return Result(
         NAME,
@@ -167,14 +180,14 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         details={
             "device": torch.cuda.get_device_name(device),
             "state_bytes": nbytes,
-            "tensors": len(state),
+            "tensors": sizes.state_tensors,
             "sync_s": round(s, 6),
             "d2d_s": round(c, 6),
             "d2d_GBps": round(nbytes / c / 1e9, 3),
-            "sync_samples_s": rounded(syncs),
-            "d2d_samples_s": rounded(refs),
-            "d2d_batched_s": round(median(batched), 6),
-            "d2d_batched_over_sync": round(median(batched) / s, 3),
+            "sync_samples_s": rounded(main["sync"]),
+            "d2d_samples_s": rounded(main["d2d"]),
+            "d2d_batched_s": round(median(main["batched"]), 6),
+            "d2d_batched_over_sync": round(median(main["batched"]) / s, 3),
             "layouts": layouts,
             # Where a sync's time goes: the receiver's recv (copy and synchronize
             # included), the transport's round trip (a ping through the same pipe),
@@ -189,6 +202,15 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
                 "layouts": fresh_layouts,
                 "note": "new tensors at each sync: packed into the sender's buckets, then "
                 "copied out (two copies)",
+            },
+            "four_times_the_state": {
+                "state_bytes": larger["nbytes"],
+                "tensors": 4 * sizes.state_tensors,
+                "sync_s": round(ls, 6),
+                "d2d_s": round(lc, 6),
+                "d2d_over_sync": round(lc / ls, 3),
+                "receiver_s": round(median(larger["receiver"]), 6),
+                "layouts": larger["layouts"],
             },
         },
     )
