@@ -169,6 +169,7 @@ class _Save:
     unless_committed: bool = False
     # Run instead of the I/O when it is not written (e.g. let a staging copy finish).
     on_skip: Callable[[], None] | None = None
+    skipped: bool = False
 
     def part_kwargs(self) -> dict[str, int]:
         """``part``/``parts`` for the monitor's RPCs; nothing for an unsplit save."""
@@ -332,12 +333,13 @@ class CheckpointCoordinator:
         part: int | None = None,
         parts: int | None = None,
         unless_committed: bool = False,
-    ) -> None:
+    ) -> bool:
         """Run ``save_fn`` on this thread with monitor notifications (for saves with barriers).
 
         ``part``/``parts`` mark one part of a save made of several, and
         ``unless_committed`` skips a step already committed (see :meth:`save_async`).
-        Raises the save's error (as :class:`SaveError`) after reporting it.
+        Returns False when it was skipped so, else True. Raises the save's error
+        (as :class:`SaveError`) after reporting it.
         """
         validate_slot(name)
         validate_step(global_step)
@@ -357,6 +359,7 @@ class CheckpointCoordinator:
             with self._lock:
                 self._errors = [e for e in self._errors if e is not error]
             raise error
+        return not save.skipped
 
     def save_state_dict_async(
         self,
@@ -751,6 +754,7 @@ class CheckpointCoordinator:
                         save.kind,
                         admitted.get("latest"),
                     )
+                    save.skipped = True
                     if save.on_skip is not None:
                         save.on_skip()
                     return None

@@ -109,6 +109,17 @@ class TestSaveStateDict:
         asyncio.run(coord.register_and_monitor(3, is_state_dict=True, state_dict_thread_count=1))
         assert (tmp_path / "ckpt" / "latest_state_dict_iteration.txt").read_text().strip() == "3"
 
+        # A rank whose "already committed?" check ran before the commit: the monitor
+        # does not admit its part, and nothing is saved into the committed step.
+        class CheckedBeforeTheCommit(CheckpointCoordinator):
+            def committed_step(self, is_state_dict: bool = False) -> None:
+                return None
+
+        committed = (path / "model_0.pt").read_bytes()
+        late = CheckedBeforeTheCommit(monitor, rank=0)
+        assert megatron_save_state_dict(engine, str(path), 3, late, None) == 0
+        assert manager.calls == [["model"]] and (path / "model_0.pt").read_bytes() == committed
+
         # The saved weights load back into a fresh engine.
         other = FakeMcoreEngine()
         with torch.no_grad():

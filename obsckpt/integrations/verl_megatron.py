@@ -93,7 +93,7 @@ def megatron_save_state_dict(
         with model_contents_only(manager):
             engine.save_checkpoint(local_path, global_step=global_step)
 
-    coordinator.save_sync(
+    written = coordinator.save_sync(
         save,
         global_step,
         is_state_dict=True,
@@ -103,6 +103,12 @@ def megatron_save_state_dict(
         parts=world,
         unless_committed=True,
     )
+    if not written:  # the step was committed after this rank's check; the monitor said so
+        log.info(
+            "obsckpt: Megatron model of step %d not saved: the monitor had committed it",
+            global_step,
+        )
+        return 0
     log.info("obsckpt: saved the Megatron model of step %d to %s", global_step, local_path)
     return 1 if rank == 0 else 0
 
