@@ -4,6 +4,7 @@
     python benchmarks/run.py                 # full run (~10-15 min on 2 cores)
     python benchmarks/run.py --quick         # smaller sizes, fewer repetitions
     python benchmarks/run.py --json out.json # also write the results as JSON
+    python benchmarks/run.py --ray-address HOST:PORT  # on a running Ray cluster
 
 Every benchmark measures obsckpt and its reference in the same run, interleaved
 repetition by repetition, and reports the median (commit lag: the p99). See
@@ -51,6 +52,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="where to write checkpoints (default: a temporary directory; its filesystem is measured)",
     )
     p.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="run on this running Ray cluster (its GCS address) instead of starting a local "
+        "one; its CPUs are shared with whatever else runs there",
+    )
+    p.add_argument(
         "--only",
         metavar="NAMES",
         help=f"comma-separated subset of: {', '.join(BENCHMARKS)}",
@@ -65,17 +72,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _start_ray(namespace: str):
+def _start_ray(namespace: str, address: str | None = None):
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    # A cluster of our own is sized to this machine; a running one keeps its size.
+    own = {"num_cpus": max(2, os.cpu_count() or 2), "include_dashboard": False}
     ray.init(
-        address="local",
+        address=address or "local",
         namespace=namespace,
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
+        **({} if address else own),
         log_to_driver=False,
         logging_level="ERROR",
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_DEDUP_LOGS": "0"}},
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ray = None
     try:
         if {"save", "peers", "rss", "telemetry", "commit_lag"} & set(wanted):
-            ray = _start_ray(f"obsckpt-bench-{run_id}")
+            ray = _start_ray(f"obsckpt-bench-{run_id}", args.ray_address)
         for name in wanted:
             # The previous benchmark's files are written back and its deleted ones
             # freed (and discarded, on a filesystem mounted with discard) now, not

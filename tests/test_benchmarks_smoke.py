@@ -43,7 +43,7 @@ GPU_ONLY = (
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+def smoke_run(tmp_path_factory, ray_cluster) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("bench")
     json_path = out / "results.json"
     env = dict(os.environ, OBSCKPT_BENCH_SMOKE="1", RAY_USAGE_STATS_ENABLED="0")
@@ -55,6 +55,9 @@ def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
             str(json_path),
             "--dir",
             str(out / "ckpt"),
+            # The session's cluster, not one of its own.
+            "--ray-address",
+            ray_cluster.get_runtime_context().gcs_address,
         ],
         cwd=ROOT,
         env=env,
