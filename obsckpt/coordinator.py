@@ -338,7 +338,7 @@ class CheckpointCoordinator:
 
         ``part``/``parts`` mark one part of a save made of several, and
         ``unless_committed`` skips a step already committed (see :meth:`save_async`).
-        Returns False when it was skipped so, else True. Raises the save's error
+        Returns False when ``unless_committed`` skipped it, else True. Raises the save's error
         (as :class:`SaveError`) after reporting it.
         """
         validate_slot(name)
