@@ -148,7 +148,8 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
         "Steps that will never commit: found on disk uncommitted when the monitor started, "
         "open when it restarted (their saves were registered with its previous incarnation), "
-        "or still open when a later step was committed.",
+        "or still open when a later step was committed (of those at or below the committed "
+        "steps, the 64 newest).",
         "abandoned_steps",
     ),
     MetricSpec(
