@@ -359,9 +359,8 @@ class CheckpointMonitor:
         resave = False
         if step is not None:
             validate_step(step)
-            if unless_closed and self.tracker.closed(step, kind or "checkpoint"):
+            if unless_closed and self.tracker.skip_closed(step, kind or "checkpoint"):
                 latest = self.tracker.latest[kind or "checkpoint"]
-                self.tracker.resaves += 1
                 logger.info(
                     "obsckpt: save %r of step %d (%s) on rank %s not admitted: the step is "
                     "already closed (latest committed is %s) and the caller asked not to "

@@ -164,6 +164,15 @@ class CommitTracker:
         p = self.steps.get(step, {}).get(kind)
         return p is not None and p.state in (COMMITTED, COMMITTING, SUPERSEDED)
 
+    def skip_closed(self, step: int, kind: str) -> bool:
+        """True (counted as a re-save) when ``step`` of ``kind`` is closed: its saver
+        asked not to write into a closed step, so nothing of it is tracked."""
+        validate_step(step)
+        if not self.closed(step, kind):
+            return False
+        self.resaves += 1
+        return True
+
     def _resave(self, step: int, kind: str, what: str) -> str:
         self.resaves += 1
         latest = self.latest[kind]

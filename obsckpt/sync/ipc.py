@@ -332,7 +332,7 @@ class IpcWeightSender:
                     layout, storages, keys = self._choose_layout(tensors)
                     if layout == "direct":
                         try:
-                            direct = self._share(names, tensors, storages, keys, fp)
+                            direct = self._share(tensors, storages, keys, fp)
                         except RuntimeError as exc:  # e.g. memory CUDA cannot export
                             logger.warning(
                                 "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
@@ -447,7 +447,6 @@ class IpcWeightSender:
 
     def _share(
         self,
-        names: list[str],
         tensors: list[torch.Tensor],
         storages: list,
         keys: list,
@@ -795,11 +794,12 @@ class IpcWeightReceiver:
         meta, sources = self._meta, self._sources
         if clone:
             device = self.device
-            dsts = [
-                torch.empty(m.shape, dtype=m.dtype, device=device or src.device)
-                for m, src in zip(meta, sources, strict=True)
-            ]
-            return dsts, dict(zip((m.name for m in meta), dsts, strict=True)), _cuda_devices(dsts)
+            return self._targets_of(
+                [
+                    torch.empty(m.shape, dtype=m.dtype, device=device or src.device)
+                    for m, src in zip(meta, sources, strict=True)
+                ]
+            )
         key = None if into is None else _IntoKey.of(into)
         if self._targets is not None and _same_into(key, self._targets_key):
             return self._targets
@@ -810,9 +810,12 @@ class IpcWeightReceiver:
                 self._into_tensor(m, into[m.name]) if m.name in into else self._area_tensor(m, src)
                 for m, src in zip(meta, sources, strict=True)
             ]
-        targets = (dsts, dict(zip((m.name for m in meta), dsts, strict=True)), _cuda_devices(dsts))
-        self._targets, self._targets_key = targets, key
-        return targets
+        self._targets, self._targets_key = self._targets_of(dsts), key
+        return self._targets
+
+    def _targets_of(self, dsts: list[torch.Tensor]) -> tuple[list, dict, set]:
+        names = (m.name for m in self._meta)
+        return dsts, dict(zip(names, dsts, strict=True)), _cuda_devices(dsts)
 
     @staticmethod
     def _into_tensor(m: TensorMeta, dst: torch.Tensor) -> torch.Tensor:
