@@ -183,6 +183,22 @@ def run_protocol(device: str, num_gpus: float) -> None:
         assert sent[0][2]["obsckpt.method"] == "ipc" and sent[0][2]["obsckpt.bytes"] == nbytes
         got = [s for s in ray.get(rollout.spans.remote()) if s[0] == "obsckpt.broadcast"]
         assert [s[1] for s in got] == ["UNSET", "UNSET", "ERROR", "UNSET"]
+
+        # A restarted rollout holds no layout: it refuses the short payload, and the
+        # sender describes the layout again within the same sync, which succeeds.
+        ray.kill(rollout)
+        rollout = ray.remote(Rollout).options(**opts).remote(device)
+        r = ray.get(trainer.sync.remote(rollout, 5, 5))
+        assert r.get("ok"), r
+        last, weights, errors = ray.get(rollout.state.remote())
+        assert last == 5 and differ(model(5), weights) == []
+        assert len(errors) == 1 and "never sent" in errors[0], errors
+        assert ray.get(trainer.sample.remote("obsckpt_broadcast_failures_total", failed)) == 1
+        assert (
+            ray.get(trainer.sample.remote("obsckpt_broadcast_duration_seconds_count", labels)) == 4
+        )
+        sent = [s for s in ray.get(trainer.spans.remote()) if s[0] == "obsckpt.broadcast"]
+        assert sent[-1][1] == "UNSET" and sent[-1][2]["obsckpt.ipc_described_again"] is True
     finally:
         ray.get(trainer.close.remote())
         for a in (trainer, rollout):
@@ -321,11 +337,13 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
     assert sync_in_place(5) == ("direct", 0) and payloads[-1].described
     assert receiver._area["embed"].shape == (11, 37)
     # A receiver that was never sent the layout (a restarted rollout) refuses the
-    # payload; the sender then describes the layout again.
+    # payload; the sender describes the layout again in the same sync, every
+    # storage handed out afresh.
     receiver = IpcWeightReceiver(device="cpu")
-    with pytest.raises(BroadcastError, match="was never sent"):
-        sync_in_place(6)
-    assert sync_in_place(7) == ("direct", n - 1) and payloads[-1].described
+    assert sync_in_place(6) == ("direct", n - 1) and payloads[-1].described
+    assert not payloads[-2].described and payloads[-2].step == payloads[-1].step == 6
+    assert payloads[-1].layout_id != payloads[-2].layout_id
+    assert sync_in_place(7) == ("direct", 0) and not payloads[-1].described
     # New tensors at each sync: buckets, and the receiver lets the storages go.
     assert sync_new(8) == ("buckets", 0)
     assert receiver._storages == {} and len(receiver._opened) > 0

@@ -16,7 +16,12 @@ from obsckpt.sync.broadcast import (
     tensor_meta,
 )
 from obsckpt.sync.device import RankDevice, setup_rank_device
-from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
+from obsckpt.sync.ipc import (
+    IpcLayoutUnknownError,
+    IpcPayload,
+    IpcWeightReceiver,
+    IpcWeightSender,
+)
 from obsckpt.sync.synchronizer import (
     StateDictLoadError,
     Synchronizer,
@@ -29,6 +34,7 @@ __all__ = [
     "BroadcastError",
     "BroadcastResult",
     "BroadcastTimeoutError",
+    "IpcLayoutUnknownError",
     "IpcPayload",
     "IpcWeightReceiver",
     "IpcWeightSender",

@@ -88,6 +88,13 @@ _PAYLOAD_VERSION = 3
 _DIRECT_MIN_KEPT = 0.9
 
 
+class IpcLayoutUnknownError(BroadcastError):
+    """A payload names a layout its receiver does not hold (a restarted rollout, say).
+
+    The sender then describes the layout again, within the same sync.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class IpcPayload:
     """What the rollout process needs to take one version of the weights (picklable).
@@ -320,42 +327,21 @@ class IpcWeightSender:
                 deadline_mono = time.monotonic() + self.timeout_s
                 # The receiver's deadline is the sender's: set before any work.
                 deadline_wall = time.time() + self.timeout_s
-                direct: dict[str, Any] = {}
-                if (
-                    self._reuse is not None
-                    and self.layout != "buckets"
-                    and fp.same_place(self._reuse[0])
-                ):
-                    # The tensors of the last direct sync, where they were: its views.
-                    layout, direct = "direct", self._reuse[1]
-                else:
-                    layout, storages, keys = self._choose_layout(tensors)
-                    if layout == "direct":
-                        try:
-                            direct = self._share(tensors, storages, keys, fp)
-                        except RuntimeError as exc:  # e.g. memory CUDA cannot export
-                            logger.warning(
-                                "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
-                                "the ipc sync packs them into buckets from now on",
-                                exc,
-                            )
-                            self._direct_failed = True
-                            layout = "buckets"
-                if layout == "buckets":
-                    self._forget_shared()
-                    self._pack(tensors)
-                    key: tuple = ("buckets", self._meta_gen, self._alloc_gen)
-                else:
-                    if self.device.type == "cuda":
-                        # The receiver reads on its own stream: the tensors must be written first.
-                        torch.cuda.synchronize(self.device)
-                    key = ("direct", self._meta_gen, direct["views"])
-                if key != self._layout_key:
-                    self._layout_key = key
-                    self._layout_n += 1
+                layout, direct = self._prepare(tensors, fp)
                 sp.set_attribute("obsckpt.ipc_layout", layout)
                 payload = self._payload(step, layout, direct, deadline_wall)
-                ack = self._await(deliver(payload), deadline_mono)
+                try:
+                    ack = self._await(deliver(payload), deadline_mono)
+                except IpcLayoutUnknownError as exc:
+                    if payload.described:
+                        raise
+                    # The receiver does not hold the layout (a restarted rollout):
+                    # describe it again, within the same deadline.
+                    logger.info("obsckpt: %s; describing the layout again", exc)
+                    sp.set_attribute("obsckpt.ipc_described_again", True)
+                    direct = self._describe_again(layout, tensors, fp)
+                    payload = self._payload(step, layout, direct, deadline_wall)
+                    ack = self._await(deliver(payload), deadline_mono)
                 if not isinstance(ack, Mapping) or ack.get("step") != step:
                     raise BroadcastError(
                         f"the rollout side answered {ack!r} to the weights of step {step}; "
@@ -390,6 +376,58 @@ class IpcWeightSender:
                         "of tensors (gather DTensors with full_tensor() first)"
                     ) from None
             raise
+
+    def _prepare(self, tensors: list[torch.Tensor], fp: _Fingerprint) -> tuple[str, dict]:
+        """Choose this sync's layout and make the tensors ready to be read: ``(layout, direct fields)``."""
+        direct: dict[str, Any] = {}
+        if self._reuse is not None and self.layout != "buckets" and fp.same_place(self._reuse[0]):
+            # The tensors of the last direct sync, where they were: its views.
+            layout, direct = "direct", self._reuse[1]
+        else:
+            layout, storages, keys = self._choose_layout(tensors)
+            if layout == "direct":
+                try:
+                    direct = self._share(tensors, storages, keys, fp)
+                except RuntimeError as exc:  # e.g. memory CUDA cannot export
+                    logger.warning(
+                        "obsckpt: CUDA IPC cannot share the trainer's tensors (%s); "
+                        "the ipc sync packs them into buckets from now on",
+                        exc,
+                    )
+                    self._direct_failed = True
+                    layout = "buckets"
+        if layout == "buckets":
+            self._forget_shared()
+            self._pack(tensors)
+        elif self.device.type == "cuda":
+            # The receiver reads on its own stream: the tensors must be written first.
+            torch.cuda.synchronize(self.device)
+        self._name_layout(layout, direct)
+        return layout, direct
+
+    def _name_layout(self, layout: str, direct: dict[str, Any]) -> None:
+        """A new layout id when what the receiver must be told has changed."""
+        if layout == "buckets":
+            key: tuple = ("buckets", self._meta_gen, self._alloc_gen)
+        else:
+            key = ("direct", self._meta_gen, direct["views"])
+        if key != self._layout_key:
+            self._layout_key = key
+            self._layout_n += 1
+
+    def _describe_again(
+        self, layout: str, tensors: list[torch.Tensor], fp: _Fingerprint
+    ) -> dict[str, Any]:
+        """The next payload describes the layout in full, every storage handed out afresh."""
+        self._acked_id = None
+        if layout != "direct":
+            return {}  # the buckets' handles travel with the description
+        self._forget_shared()
+        storages = [t.untyped_storage() for t in tensors]
+        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
+        direct = self._share(tensors, storages, keys, fp)
+        self._name_layout(layout, direct)
+        return direct
 
     def _payload(
         self, step: int, layout: str, direct: dict[str, Any], deadline: float
@@ -552,6 +590,10 @@ class IpcWeightSender:
                 "will refuse the payload if it reads it later"
             ) from exc
         except ray.exceptions.RayError as exc:
+            if isinstance(exc, IpcLayoutUnknownError) or isinstance(
+                getattr(exc, "cause", None), IpcLayoutUnknownError
+            ):
+                raise IpcLayoutUnknownError(str(getattr(exc, "cause", None) or exc)) from exc
             raise BroadcastError(
                 f"ipc weight sync ({self.backend}) failed on the rollout side: {exc}"
             ) from exc
@@ -653,10 +695,10 @@ class IpcWeightReceiver:
             if payload.described:
                 self._take_layout(payload)
             elif self._held != (payload.layout_id, payload.layout):
-                raise BroadcastError(
+                raise IpcLayoutUnknownError(
                     f"the weights of step {payload.step} name layout {payload.layout_id} "
                     f"({payload.layout}), which this rollout was never sent (it holds "
-                    f"{self._held}); the sender describes the layout again at its next sync"
+                    f"{self._held}); the sender describes the layout again"
                 )
             dsts, out, devices = self._targets_for(into, clone)
             with torch.no_grad():
