@@ -4,17 +4,21 @@ The trainer side hands CUDA IPC handles to a second process on the same
 GPU, which copies the tensors into its own weights and acknowledges (through
 a pipe here, a Ray call in the demo). The reference is one in-process
 device-to-device copy of the same tensors, one ``copy_`` per tensor. The
-value is copy time / sync time (1.0: the sync costs one copy); the details
-also give one batched copy (``torch._foreach_copy_``, which the receiver
-uses) for a state that stays in place between
-syncs, as a model updated in place by its optimizer does: the ``direct``
-layout, one copy from the trainer's tensors into the receiver's. They split
-the sync's time into the receiver's part (copy included), the transport's
-round trip (a ping through the same pipe) and the sender's own, and give
-the ratio for four times the tensors and bytes. They
-also give the ``buckets`` layout, used when the tensors are new at each
-sync (gathered from shards): packed into the sender's buckets, then copied
-out, two copies.
+value is copy time / sync time (1.0: the sync costs one copy), for a state
+that stays in place between syncs, as a model updated in place by its
+optimizer is: the ``direct`` layout, one copy from the trainer's tensors
+into the receiver's. A sync is timed until the sender returns, which is
+when the receiver's copy has finished. The value's receiver answers once its
+copy is queued (``recv(wait=False)``) and the sender waits for the
+receiver's event; the details give the same sync with the receiver answering
+after its copy (``recv``'s default) beside it, and split that one's time
+into the receiver's part (its copy alone, and the same bytes copied between
+its own tensors), the transport's round trip (a ping through the same pipe)
+and the sender's own. They also give one batched copy
+(``torch._foreach_copy_``, which the receiver uses), the ratio for four
+times the tensors and bytes, and the ``buckets`` layout, used when the
+tensors are new at each sync (gathered from shards): packed into the
+sender's buckets, then copied out, two copies.
 """
 
 from __future__ import annotations
@@ -34,16 +38,30 @@ def _receiver(conn, device_index: int) -> None:
 
     torch.cuda.set_device(device_index)
     receiver = IpcWeightReceiver(device=torch.device("cuda", device_index))
+    weights: dict = {}  # the receive area, as the last sync returned it
+    local: list = []
     while True:
-        payload = conn.recv()
-        if payload is None:
+        message = conn.recv()
+        if message is None:
             break
-        if payload == "ping":  # the transport alone: two wake-ups, nothing else
+        if message == "ping":  # the transport alone: two wake-ups, nothing else
             conn.send("pong")
             continue
+        if message == "local":  # the same bytes copied between this process's own tensors
+            out = list(weights.values())
+            if len(local) != len(out):
+                local[:] = [torch.empty_like(t) for t in out]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch._foreach_copy_(local, out)
+            torch.cuda.synchronize()
+            conn.send(time.perf_counter() - t0)
+            continue
+        payload, wait = message
         try:
-            ack, _ = receiver.recv(payload)
+            ack, weights = receiver.recv(payload, wait=wait)
             ack["receiver_s"] = receiver.last_seconds
+            ack["copy_s"] = receiver.last_copy_seconds
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             ack = {"error": f"{type(exc).__name__}: {exc}"}
         conn.send(ack)
@@ -74,32 +92,33 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     proc.start()
     sender = IpcWeightSender(device=device, timeout_s=120.0)
 
-    receiver_s: list[float] = []
+    answers: list[dict] = []  # the receiver's acknowledgements, with its timings
 
-    def deliver(payload):
-        parent.send(payload)
+    def deliver(payload, wait: bool):
+        parent.send((payload, wait))
         if not parent.poll(120.0):
             raise TimeoutError("the receiver did not answer within 120 s")
         ack = parent.recv()
         if "error" in ack:
             raise RuntimeError(ack["error"])
-        receiver_s.append(ack["receiver_s"])
+        answers.append(ack)
         return ack
 
-    def ping() -> float:
+    def ask(message) -> float:
         t0 = time.perf_counter()
-        parent.send("ping")
-        parent.recv()
-        return time.perf_counter() - t0
+        parent.send(message)
+        answer = parent.recv()
+        return answer if message == "local" else time.perf_counter() - t0
 
     step = 0
 
-    def sync(state: dict) -> float:
+    def sync(state: dict, wait: bool = False) -> float:
+        """One sync, until the receiver's copy has finished (the sender waits for it)."""
         nonlocal step
         step += 1
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        sender.send(state, deliver, step=step)
+        sender.send(state, lambda p: deliver(p, wait), step=step)
         return time.perf_counter() - t0
 
     def d2d(dsts: list, srcs: list) -> float:  # one copy_ per tensor: the reference
@@ -120,21 +139,32 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     reps = max(3, sizes.save_reps)
 
     def in_place(state: dict) -> dict:
-        """Syncs of a state kept in place, each beside a D2D copy of it, interleaved."""
+        """Syncs of a state kept in place, each beside a D2D copy of it, interleaved.
+
+        Two kinds of sync: the receiver answers once its copy is queued (the
+        sender waits for the copy through the receiver's event), or after its
+        copy (``recv``'s default).
+        """
         srcs = list(state.values())
         dsts = [torch.empty_like(t) for t in srcs]
-        for _ in range(2):  # after other tensors, the first sees them new (buckets)
-            sync(state)  # then the receiver opens their storages, once
+        for _ in range(3):  # after other tensors, the first sees them new (buckets),
+            sync(state)  # the next opens their storages and takes the receiver's event
         d2d(dsts, srcs)
-        out = {"sync": [], "d2d": [], "batched": [], "ping": [], "layouts": []}
-        receiver_s.clear()
+        out = {k: [] for k in ("sync", "waits", "d2d", "batched", "ping", "local", "layouts")}
+        out.update(receiver=[], copy=[], waits_receiver=[], waits_copy=[])
         for _ in range(reps):
             out["d2d"].append(d2d(dsts, srcs))
             out["batched"].append(d2d_batched(dsts, srcs))
-            out["ping"].append(ping())
+            out["ping"].append(ask("ping"))
+            out["local"].append(ask("local"))
             out["sync"].append(sync(state))
             out["layouts"].append(sender.last_layout)
-        out["receiver"] = list(receiver_s)
+            out["receiver"].append(answers[-1]["receiver_s"])
+            out["copy"].append(answers[-1]["copy_s"])
+            out["queued"] = answers[-1].get("event", (None, 1))[1] is None
+            out["waits"].append(sync(state, wait=True))
+            out["waits_receiver"].append(answers[-1]["receiver_s"])
+            out["waits_copy"].append(answers[-1]["copy_s"])
         out["nbytes"] = sum(t.numel() * t.element_size() for t in srcs)
         return out
 
@@ -158,17 +188,20 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             proc.kill()
         sender.close()
     nbytes = main["nbytes"]
-    s, c, f = median(main["sync"]), median(main["d2d"]), median(fresh_syncs)
-    r, p = median(main["receiver"]), median(main["ping"])
+    s, w, c = median(main["sync"]), median(main["waits"]), median(main["d2d"])
+    f, p = median(fresh_syncs), median(main["ping"])
+    r, wr = median(main["receiver"]), median(main["waits_receiver"])
     ls, lc = median(larger["sync"]), median(larger["d2d"])
     layouts = main["layouts"]
     log(
-        f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}) vs D2D copy "
-        f"{c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) for {nbytes / 1e9:.2f} GB; "
-        f"in the receiver {r * 1e3:.2f} ms, transport {p * 1e3:.2f} ms, the sender's own "
-        f"{(s - r - p) * 1e3:.2f} ms; fresh tensors {f * 1e3:.2f} ms "
-        f"({'/'.join(sorted(set(fresh_layouts)))}); 4x the state: {ls * 1e3:.2f} ms vs "
-        f"{lc * 1e3:.2f} ms ({lc / ls:.3f})"
+        f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}, the rollout answering "
+        f"once its copy is queued) vs D2D copy {c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) "
+        f"for {nbytes / 1e9:.2f} GB; answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
+        f"in the receiver {wr * 1e3:.2f} ms (its copy {median(main['waits_copy']) * 1e3:.2f} "
+        f"ms; the same bytes between its own tensors {median(main['local']) * 1e3:.2f} ms), "
+        f"transport {p * 1e3:.2f} ms, the sender's own {(w - wr - p) * 1e3:.2f} ms; fresh "
+        f"tensors {f * 1e3:.2f} ms ({'/'.join(sorted(set(fresh_layouts)))}); 4x the state: "
+        f"{ls * 1e3:.2f} ms vs {lc * 1e3:.2f} ms ({lc / ls:.3f})"
     )
     return Result(
         NAME,
@@ -181,7 +214,10 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "device": torch.cuda.get_device_name(device),
             "state_bytes": nbytes,
             "tensors": sizes.state_tensors,
+            # The value's sync: the rollout answers once its copy is queued
+            # (recv(wait=False)); the sender returns when the copy has finished.
             "sync_s": round(s, 6),
+            "answered_before_copy": main["queued"],
             "d2d_s": round(c, 6),
             "d2d_GBps": round(nbytes / c / 1e9, 3),
             "sync_samples_s": rounded(main["sync"]),
@@ -189,12 +225,24 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "d2d_batched_s": round(median(main["batched"]), 6),
             "d2d_batched_over_sync": round(median(main["batched"]) / s, 3),
             "layouts": layouts,
-            # Where a sync's time goes: the receiver's recv (copy and synchronize
-            # included), the transport's round trip (a ping through the same pipe),
-            # and the rest, the sender's own work.
             "receiver_s": round(r, 6),
-            "transport_s": round(p, 6),
-            "sender_own_s": round(s - r - p, 6),
+            "receiver_queue_s": round(median(main["copy"]), 6),
+            # The rollout answering after its copy (recv's default), and where that
+            # sync's time goes: the receiver's recv (its copy and wait included; the
+            # copy alone; the same bytes copied between the receiver's own tensors,
+            # which tells a slower copy from shared memory from a slower second
+            # process), the transport's round trip (a ping through the same pipe),
+            # and the rest, the sender's own work.
+            "answer_after_copy": {
+                "sync_s": round(w, 6),
+                "d2d_over_sync": round(c / w, 3),
+                "samples_s": rounded(main["waits"]),
+                "receiver_s": round(wr, 6),
+                "receiver_copy_s": round(median(main["waits_copy"]), 6),
+                "receiver_local_copy_s": round(median(main["local"]), 6),
+                "transport_s": round(p, 6),
+                "sender_own_s": round(w - wr - p, 6),
+            },
             "fresh_tensors": {
                 "sync_s": round(f, 6),
                 "d2d_over_sync": round(c / f, 3),
@@ -209,6 +257,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
                 "sync_s": round(ls, 6),
                 "d2d_s": round(lc, 6),
                 "d2d_over_sync": round(lc / ls, 3),
+                "answer_after_copy_s": round(median(larger["waits"]), 6),
                 "receiver_s": round(median(larger["receiver"]), 6),
                 "layouts": larger["layouts"],
             },

@@ -5,6 +5,7 @@ On a GPU machine the same protocol runs over CUDA IPC handles (the gpu-marked te
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -95,11 +96,12 @@ class Trainer:
 
 
 class Rollout:
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, wait: bool = True) -> None:
         from obsckpt.telemetry import tracing
 
         tracing.setup_tracing("rollout", exporter="memory")
         self.receiver = IpcWeightReceiver(device=device)
+        self.wait = wait  # False: answer once the copy is queued (CUDA)
         self.weights: dict[str, torch.Tensor] = {}
         self.delay = 0.0
         self.errors: list[str] = []
@@ -111,7 +113,7 @@ class Rollout:
         time.sleep(self.delay)
         try:
             ack, out = self.receiver.recv(
-                payload, into=self.weights or None, clone=not self.weights
+                payload, into=self.weights or None, clone=not self.weights, wait=self.wait
             )
         except BroadcastError as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
@@ -129,10 +131,10 @@ class Rollout:
         return [(s["name"], s["status"], s["attributes"]) for s in tracing.finished_spans()]
 
 
-def run_protocol(device: str, num_gpus: float) -> None:
+def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
     opts = dict(num_cpus=0, num_gpus=num_gpus, max_concurrency=2)
     trainer = ray.remote(Trainer).options(**opts).remote(device)
-    rollout = ray.remote(Rollout).options(**opts).remote(device)
+    rollout = ray.remote(Rollout).options(**opts).remote(device, wait)
     backend = "cuda_ipc" if device.startswith("cuda") else "shm"
     try:
         # Two versions: the buckets are reused, the rollout's weights filled in place.
@@ -187,7 +189,7 @@ def run_protocol(device: str, num_gpus: float) -> None:
         # A restarted rollout holds no layout: it refuses the short payload, and the
         # sender describes the layout again within the same sync, which succeeds.
         ray.kill(rollout)
-        rollout = ray.remote(Rollout).options(**opts).remote(device)
+        rollout = ray.remote(Rollout).options(**opts).remote(device, wait)
         r = ray.get(trainer.sync.remote(rollout, 5, 5))
         assert r.get("ok"), r
         last, weights, errors = ray.get(rollout.state.remote())
@@ -212,9 +214,11 @@ def test_ipc_protocol_on_shared_memory(ray_cluster):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-def test_ipc_protocol_on_cuda(ray_cluster):
-    """The same protocol over CUDA IPC handles, trainer and rollout sharing one GPU."""
-    run_protocol("cuda:0", 0.5)
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "answer-before-copy"])
+def test_ipc_protocol_on_cuda(ray_cluster, wait):
+    """The same protocol over CUDA IPC handles, trainer and rollout sharing one GPU; the
+    rollout answers after its copy, or once it is queued (the sender waits for its event)."""
+    run_protocol("cuda:0", 0.5, wait)
 
 
 @pytest.mark.gpu
@@ -224,7 +228,7 @@ def test_ipc_layouts_on_cuda(ray_cluster):
     at each sync: the sender's buckets; back in place: direct again, with fresh handles."""
     opts = dict(num_cpus=0, num_gpus=0.5, max_concurrency=2)
     trainer = ray.remote(Trainer).options(**opts).remote("cuda:0")
-    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0")
+    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0", False)
     tensors = len(model(0))
     try:
         seen = []
@@ -273,16 +277,9 @@ def test_receiver_refuses_a_foreign_payload(tmp_path):
         IpcWeightReceiver().recv(late[0])
 
 
-def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
-    """The direct layout's choices and ids, in one process on the CPU.
-
-    CUDA IPC handles need a GPU (see test_ipc_layouts_on_cuda); here a handle
-    names a storage in a table both sides read, and everything else (layout
-    choice, storage ids, live sets, cached views, fallback to buckets) is the
-    real code, with the payload pickled on the way as it is between processes.
-    """
-    import pickle
-
+@pytest.fixture
+def handle_table(monkeypatch):
+    """CUDA IPC handles replaced by a table of storages that both sides read (one process)."""
     table: dict[int, torch.UntypedStorage] = {}
 
     def share(self, storage):
@@ -294,6 +291,19 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, monkeypatch):
 
     monkeypatch.setattr(IpcWeightSender, "_share_storage", share)
     monkeypatch.setattr(IpcWeightReceiver, "_open_storage", open_storage)
+    return table
+
+
+def test_layout_choice_and_storage_bookkeeping(tmp_path, handle_table):
+    """The direct layout's choices and ids, in one process on the CPU.
+
+    CUDA IPC handles need a GPU (see test_ipc_layouts_on_cuda); here a handle
+    names a storage in a table both sides read, and everything else (layout
+    choice, storage ids, live sets, cached views, fallback to buckets) is the
+    real code, with the payload pickled on the way as it is between processes.
+    """
+    import pickle
+
     sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
     sender.backend = "cuda_ipc"  # what a CUDA device sets
     receiver = IpcWeightReceiver(device="cpu")
@@ -383,3 +393,129 @@ def test_receiver_targets_follow_into(tmp_path):
     with pytest.raises(BroadcastError, match="into= has"):
         sync(5, mine)
     sender.close()
+
+
+class _Stream:
+    """Stands in for a CUDA stream: logs what is queued on it and host waits."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", None))
+
+
+class _Event:
+    """Stands in for an interprocess CUDA event: completes after ``pending`` queries."""
+
+    opened: dict[bytes, _Event] = {}
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.queries = 0
+
+    def record(self, stream: _Stream) -> None:
+        stream.log.append(("record", self))
+
+    def wait(self, stream: _Stream) -> None:
+        stream.log.append(("wait", self))
+
+    def ipc_handle(self) -> bytes:
+        handle = f"event-{id(self)}".encode()
+        _Event.opened[handle] = self
+        return handle
+
+    def query(self) -> bool:
+        self.queries += 1
+        self.pending -= 1
+        return self.pending < 0
+
+
+def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
+    """recv(wait=False): the receiver answers once its copy is queued, the sender waits
+    for the receiver's event (and, when it gives up, orders its stream after the event).
+
+    CUDA streams and interprocess events need a GPU (test_ipc_protocol_on_cuda runs
+    them); here stand-ins log what each side queues and waits for, and the rest is
+    the real protocol: the first sync hands the event over (the receiver still waits),
+    later ones answer at once; a restarted receiver hands over a new event; a copy
+    that does not finish in time, or a receiver that queued its copy too late, leaves
+    the sender's stream waiting for the event.
+    """
+    import obsckpt.sync.ipc as ipc
+
+    streams = {"rollout": _Stream(), "trainer": _Stream()}
+    side = {"now": "trainer"}
+    monkeypatch.setattr(ipc, "_current_stream", lambda device: streams[side["now"]])
+    monkeypatch.setattr(ipc, "_new_event", _Event)
+    monkeypatch.setattr(ipc, "_open_event", lambda device, handle: _Event.opened[handle])
+    monkeypatch.setattr(ipc, "_cuda_devices", lambda ts: {torch.device("cpu")} if ts else set())
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
+    sender.backend = "cuda_ipc"  # what a CUDA device sets
+    receiver = IpcWeightReceiver(device="cpu")
+    kept = model(0)
+    del kept["t"]
+    acks = []
+
+    def deliver(payload, wait=False, late=False):
+        side["now"] = "rollout"
+        try:
+            if late:  # the copy is queued after the deadline
+                payload = dataclasses.replace(payload, deadline=time.time() + 0.05)
+                real = receiver._check_deadline
+
+                def check(p, what):
+                    if what != "arrived":
+                        time.sleep(0.1)
+                    real(p, what)
+
+                receiver._check_deadline = check
+            acks.append(receiver.recv(payload, wait=wait)[0])
+            return acks[-1]
+        finally:
+            receiver.__dict__.pop("_check_deadline", None)
+            side["now"] = "trainer"
+
+    def sync(step, **kw):
+        for t in kept.values():
+            t.add_(1)
+        streams["rollout"].log.clear()
+        streams["trainer"].log.clear()
+        sender.send(kept, lambda p: deliver(p, **kw), step=step)
+        assert differ(kept, receiver._area) == []
+        return [what for what, _ in streams["rollout"].log]
+
+    # The first sync hands the event over and waits; the next answer at once.
+    assert sync(1) == ["record", "synchronize"] and acks[-1]["event"][1] is not None
+    token, event = acks[-1]["event"][0], receiver._done[1]
+    event.pending = 3  # the copy is still running when the answer comes
+    assert sync(2) == ["record"] and acks[-1]["event"] == (token, None)
+    assert event.queries == 4 and streams["trainer"].log == []
+    assert receiver.last_step == 2
+    # wait=True: the receiver waits for its copy, the answer names no event.
+    assert sync(3, wait=True) == ["synchronize"] and "event" not in acks[-1]
+
+    # A copy that does not finish within the sender's deadline: the sender raises and
+    # its stream waits for the event before anything it does next.
+    sender.timeout_s = 0.2
+    event.pending = 10**9
+    with pytest.raises(BroadcastTimeoutError, match="queued its copy"):
+        sync(4)
+    assert streams["trainer"].log == [("wait", event)]
+    event.pending = 0
+    # A copy queued after the deadline: the receiver refuses, the sender's stream waits.
+    sender.timeout_s = 60
+    with pytest.raises(BroadcastTimeoutError, match="was queued"):
+        sync(5, late=True)
+    assert streams["trainer"].log == [("wait", event)] and receiver.last_step == 4
+
+    # A restarted receiver hands over an event of its own on its first sync.
+    receiver = IpcWeightReceiver(device="cpu")
+    assert sync(6) == ["record", "synchronize"]
+    assert acks[-1]["event"][0] != token and sender._done[0] == acks[-1]["event"][0]
+    assert sync(7) == ["record"] and receiver.last_step == 7
+    # An answer naming an event this sender was never handed is a protocol error.
+    with pytest.raises(BroadcastError, match="never handed"):
+        sender._wait_copied({"step": 8, "event": ("someone-else", None)}, time.monotonic() + 1)
+    sender.close()
+    receiver.close()

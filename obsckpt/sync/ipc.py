@@ -24,7 +24,11 @@ copies the tensors into its own weights. Two layouts:
 
 The payload travels however the caller likes (a Ray actor call in the demo);
 the sender waits for the receiver's acknowledgement within ``timeout_s``,
-and does not touch the tensors meanwhile.
+and does not touch the tensors meanwhile. A CUDA receiver whose weights are
+used on its current stream may answer as soon as its copy is queued
+(``recv(wait=False)``): the answer names an interprocess CUDA event recorded
+after the copy, and the sender returns once that event has completed, so the
+answer's way back overlaps the copy.
 
 A sync costs the copy plus a fixed part: the two processes' wake-ups and the
 bookkeeping on both sides. The bookkeeping does not grow with the number of
@@ -123,6 +127,9 @@ class IpcPayload:
     layout_id: tuple[str, int] | None = None  # (the sender's token, a counter)
     described: bool = True  # False: meta, views and live are those of layout_id
     nbytes: int = 0
+    # The receiver (its event's token) whose copy-done event the sender holds:
+    # that receiver may answer before its copy finishes (recv(wait=False)).
+    ack_event: str | None = None
 
 
 def _device_uuid(device: torch.device) -> str | None:
@@ -275,6 +282,9 @@ class IpcWeightSender:
         # buckets layout: weak references to the last sync's storages, to see
         # whether the tensors stay in place
         self._previous: dict[tuple[int, int], Any] = {}
+        # The receiver's copy-done event (its token, the event opened here), once
+        # a receiver with recv(wait=False) has handed it over.
+        self._done: tuple[str, Any] | None = None
 
     def send(
         self,
@@ -320,6 +330,7 @@ class IpcWeightSender:
         self._fp = fp
         nbytes = self._nbytes
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.method": METHOD}
+        payload: IpcPayload | None = None
         try:
             with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
                 sp.set_attribute("obsckpt.backend", self.backend)
@@ -347,8 +358,12 @@ class IpcWeightSender:
                         f"the rollout side answered {ack!r} to the weights of step {step}; "
                         "it must return IpcWeightReceiver.recv's acknowledgement"
                     )
+                self._wait_copied(ack, deadline_mono)
                 seconds = time.perf_counter() - t0
         except BaseException as exc:
+            # A receiver answering before its copy finishes may still be copying:
+            # later work on this stream (the optimizer's writes) waits for it.
+            self._order_after_copy(payload, exc)
             # The receiver may not have opened this sync's storages, nor hold its
             # layout: the next sync describes it again and hands every storage out
             # afresh (under new ids).
@@ -444,6 +459,7 @@ class IpcWeightSender:
             layout=layout,
             layout_id=(self._token, self._layout_n),
             nbytes=self._nbytes,
+            ack_event=self._done[0] if self._done is not None else None,
         )
         if self._acked_id == common["layout_id"]:
             return IpcPayload(meta=(), handles=(), described=False, **common)
@@ -598,6 +614,54 @@ class IpcWeightSender:
                 f"ipc weight sync ({self.backend}) failed on the rollout side: {exc}"
             ) from exc
 
+    def _wait_copied(self, ack: Mapping, deadline: float) -> None:
+        """Return once the receiver's copy has finished (within ``deadline``, monotonic).
+
+        An acknowledgement without ``event`` comes after the copy. One with the
+        receiver's event and its handle also does (its first sync with this
+        sender): the handle is opened, for the later syncs, whose
+        acknowledgements name the event only and may come while it copies.
+        """
+        event = ack.get("event")
+        if event is None:
+            return
+        token, handle = event
+        if handle is not None:
+            self._done = (token, _open_event(self.device, handle))
+            return
+        if self._done is None or self._done[0] != token:
+            raise BroadcastError(
+                f"the rollout side answered with copy-done event {token!r}, which it never "
+                "handed to this sender; sender and receiver disagree on the protocol"
+            )
+        done, start = self._done[1], time.monotonic()
+        while not done.query():
+            now = time.monotonic()
+            if now >= deadline:
+                raise BroadcastTimeoutError(
+                    f"ipc weight sync ({self.backend}): the rollout queued its copy, which "
+                    f"had not finished within {self.timeout_s:.1f} s; this device's current "
+                    "stream now waits for it"
+                )
+            # Spin for the first milliseconds (a copy takes about that long), then nap.
+            time.sleep(0 if now - start < 0.005 else 0.0001)
+
+    def _order_after_copy(self, payload: IpcPayload | None, exc: BaseException) -> None:
+        """After a failed sync, queue a wait for the receiver's copy-done event on this stream.
+
+        The receiver records the event before it checks the deadline and answers,
+        so a copy it accepted is ordered before anything this stream does after
+        the failure. Not when the receiver is known to be gone (its event with it).
+        """
+        if payload is None or self._done is None or payload.ack_event != self._done[0]:
+            return
+        if _receiver_gone(exc):
+            return
+        try:
+            self._done[1].wait(_current_stream(self.device))
+        except Exception as err:  # noqa: BLE001 - the sync's own error is the one to raise
+            logger.warning("obsckpt: could not order this stream after the rollout's copy: %s", err)
+
     def _free(self) -> None:
         self._buffers = []
         self._slots = []
@@ -615,6 +679,7 @@ class IpcWeightSender:
         self._plan_key = None
         self._forget_shared()
         self._previous.clear()
+        self._done = None
         self.telemetry.flush(10.0)
 
     def __del__(self) -> None:
@@ -650,8 +715,12 @@ class IpcWeightReceiver:
         # dict returned, the CUDA devices to synchronize, and what they came from.
         self._targets: tuple[list[torch.Tensor], dict[str, torch.Tensor], set] | None = None
         self._targets_key: _IntoKey | None = None
+        # recv(wait=False): an interprocess event recorded after each copy, on
+        # its device, with the token that names it to the sender.
+        self._done: tuple[torch.device, Any, str] | None = None
         self.last_step: int | None = None
         self.last_seconds: float | None = None
+        self.last_copy_seconds: float | None = None  # from queueing the copy to its wait
 
     def recv(
         self,
@@ -659,6 +728,7 @@ class IpcWeightReceiver:
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         clone: bool = False,
+        wait: bool = True,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Take the weights of ``payload``: ``(acknowledgement, {name: tensor})``.
 
@@ -667,11 +737,20 @@ class IpcWeightReceiver:
         ``clone=True`` gives fresh tensors; ``into`` fills the given tensors.
         Return the acknowledgement to the sender.
 
+        ``wait=False`` (CUDA IPC, weights on one GPU): return once the copy is
+        queued on the current stream, without waiting for it. Work queued on
+        that stream afterwards (the rollout's next forward pass) sees the new
+        weights; work on other streams, or on the host, must wait for the
+        stream first. The acknowledgement then names an interprocess CUDA
+        event recorded after the copy, which the sender waits for, so the
+        copy overlaps the answer's way back. The first sync with a sender
+        waits as with ``wait=True`` (its answer hands the sender the event).
+
         Raises:
             BroadcastError: an older step, a payload from another obsckpt,
                 another device, or a layout this receiver was never sent.
-            BroadcastTimeoutError: the payload arrived, or its copy ended,
-                after the sender's deadline.
+            BroadcastTimeoutError: the payload arrived, or its copy ended (was
+                queued, with ``wait=False``), after the sender's deadline.
         """
         t0 = time.perf_counter()
         attrs = {"obsckpt.step": payload.step, "obsckpt.method": METHOD}
@@ -701,16 +780,36 @@ class IpcWeightReceiver:
                     f"{self._held}); the sender describes the layout again"
                 )
             dsts, out, devices = self._targets_for(into, clone)
+            ack: dict[str, Any] = {"step": payload.step, "nbytes": payload.nbytes}
+            t_copy = time.perf_counter()
             with torch.no_grad():
                 _copy_many(dsts, self._sources)
-            for d in devices:  # the copies ran on each device's current stream: wait for it
-                torch.cuda.current_stream(d).synchronize()
-            # Copied after the deadline: the sender may have begun rewriting its buckets.
-            self._check_deadline(payload, "was copied")
+            queued = False
+            if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
+                (device,) = devices
+                event, token = self._done_event(device)
+                event.record(_current_stream(device))
+                if payload.ack_event == token:  # the sender holds the event: it waits for it
+                    ack["event"], queued = (token, None), True
+                else:
+                    ack["event"] = (token, event.ipc_handle())
+            if not queued:
+                for d in devices:  # the copies ran on each device's current stream: wait for it
+                    _current_stream(d).synchronize()
+            self.last_copy_seconds = time.perf_counter() - t_copy
+            # Copied (or queued) after the deadline: the sender may have begun rewriting
+            # its tensors. (It orders its own stream after the event when it gives up.)
+            self._check_deadline(payload, "was queued" if queued else "was copied")
+            sp.set_attribute("obsckpt.ipc_queued", queued)
             self.last_step = payload.step
             self.last_seconds = time.perf_counter() - t0
-        ack = {"step": payload.step, "nbytes": payload.nbytes}
         return ack, dict(out)
+
+    def _done_event(self, device: torch.device) -> tuple[Any, str]:
+        """The interprocess event recorded after each copy on ``device``, and its token."""
+        if self._done is None or self._done[0] != device:
+            self._done = (device, _new_event(), uuid.uuid4().hex[:12])
+        return self._done[1], self._done[2]
 
     def _take_layout(self, payload: IpcPayload) -> None:
         """Parse a described layout and locate the sender's tensors (kept for later payloads)."""
@@ -883,6 +982,7 @@ class IpcWeightReceiver:
         self._held = None
         self._sources = []
         self._targets = self._targets_key = None
+        self._done = None
 
 
 class _IntoKey(NamedTuple):
@@ -912,3 +1012,30 @@ def _same_into(a: _IntoKey | None, b: _IntoKey | None) -> bool:
 
 def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
     return {t.device for t in tensors if t.is_cuda}
+
+
+def _current_stream(device: torch.device) -> Any:
+    return torch.cuda.current_stream(device)
+
+
+def _new_event() -> Any:
+    """An event another process can open and wait for (made on its first record)."""
+    return torch.cuda.Event(interprocess=True)
+
+
+def _open_event(device: torch.device, handle: bytes) -> Any:
+    return torch.cuda.Event.from_ipc_handle(device, handle)
+
+
+def _receiver_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the rollout's process or actor died."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.RayActorError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
