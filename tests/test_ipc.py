@@ -509,13 +509,25 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
         sync(5, late=True)
     assert streams["trainer"].log == [("wait", event)] and receiver.last_step == 4
 
+    # A rollout known to be gone: its event went with it, and nothing waits for it.
+    def gone(payload):
+        try:
+            raise ray.exceptions.ActorDiedError()
+        except ray.exceptions.RayError as exc:
+            raise BroadcastError("the rollout died") from exc
+
+    streams["trainer"].log.clear()
+    with pytest.raises(BroadcastError, match="died"):
+        sender.send(kept, gone, step=6)
+    assert streams["trainer"].log == []
+
     # A restarted receiver hands over an event of its own on its first sync.
     receiver = IpcWeightReceiver(device="cpu")
-    assert sync(6) == ["record", "synchronize"]
+    assert sync(7) == ["record", "synchronize"]
     assert acks[-1]["event"][0] != token and sender._done[0] == acks[-1]["event"][0]
-    assert sync(7) == ["record"] and receiver.last_step == 7
+    assert sync(8) == ["record"] and receiver.last_step == 8
     # An answer naming an event this sender was never handed is a protocol error.
     with pytest.raises(BroadcastError, match="never handed"):
-        sender._wait_copied({"step": 8, "event": ("someone-else", None)}, time.monotonic() + 1)
+        sender._wait_copied({"step": 9, "event": ("someone-else", None)}, time.monotonic() + 1)
     sender.close()
     receiver.close()
