@@ -85,7 +85,7 @@ from obsckpt.telemetry import tracing
 logger = logging.getLogger(__name__)
 
 METHOD = "ipc"
-_PAYLOAD_VERSION = 3
+_PAYLOAD_VERSION = 4
 # The direct layout is kept while at least this share of the bytes lies in the
 # same storages as at the sync before; below it the tensors are taken to be new
 # at each sync, and the buckets are cheaper.
