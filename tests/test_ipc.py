@@ -109,6 +109,12 @@ class Rollout:
     def set_delay(self, seconds: float) -> None:
         self.delay = seconds
 
+    def restart(self) -> None:
+        """What a restarted rollout has: a new receiver, no weights, no errors yet."""
+        self.receiver.close()
+        self.receiver = IpcWeightReceiver(device=self.receiver.device)
+        self.weights, self.errors = {}, []
+
     def receive(self, payload) -> dict:
         time.sleep(self.delay)
         try:
@@ -186,10 +192,9 @@ def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
         got = [s for s in ray.get(rollout.spans.remote()) if s[0] == "obsckpt.broadcast"]
         assert [s[1] for s in got] == ["UNSET", "UNSET", "ERROR", "UNSET"]
 
-        # A restarted rollout holds no layout: it refuses the short payload, and the
-        # sender describes the layout again within the same sync, which succeeds.
-        ray.kill(rollout)
-        rollout = ray.remote(Rollout).options(**opts).remote(device, wait)
+        # A restarted rollout (a fresh receiver) holds no layout: it refuses the short
+        # payload, and the sender describes the layout again within the same sync.
+        ray.get(rollout.restart.remote())
         r = ray.get(trainer.sync.remote(rollout, 5, 5))
         assert r.get("ok"), r
         last, weights, errors = ray.get(rollout.state.remote())
