@@ -104,11 +104,15 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         answers.append(ack)
         return ack
 
-    def ask(message) -> float:
+    def ping() -> float:
         t0 = time.perf_counter()
-        parent.send(message)
-        answer = parent.recv()
-        return answer if message == "local" else time.perf_counter() - t0
+        parent.send("ping")
+        parent.recv()
+        return time.perf_counter() - t0
+
+    def local_copy() -> float:  # as timed in the receiver, between its own tensors
+        parent.send("local")
+        return parent.recv()
 
     step = 0
 
@@ -150,13 +154,13 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         for _ in range(3):  # after other tensors, the first sees them new (buckets),
             sync(state)  # the next opens their storages and takes the receiver's event
         d2d(dsts, srcs)
-        out = {k: [] for k in ("sync", "waits", "d2d", "batched", "ping", "local", "layouts")}
-        out.update(receiver=[], copy=[], waits_receiver=[], waits_copy=[])
+        series = ("sync", "waits", "d2d", "batched", "ping", "local", "layouts", "receiver")
+        out = {k: [] for k in series + ("copy", "waits_receiver", "waits_copy")}
         for _ in range(reps):
             out["d2d"].append(d2d(dsts, srcs))
             out["batched"].append(d2d_batched(dsts, srcs))
-            out["ping"].append(ask("ping"))
-            out["local"].append(ask("local"))
+            out["ping"].append(ping())
+            out["local"].append(local_copy())
             out["sync"].append(sync(state))
             out["layouts"].append(sender.last_layout)
             out["receiver"].append(answers[-1]["receiver_s"])

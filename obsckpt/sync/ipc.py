@@ -438,9 +438,7 @@ class IpcWeightSender:
         if layout != "direct":
             return {}  # the buckets' handles travel with the description
         self._forget_shared()
-        storages = [t.untyped_storage() for t in tensors]
-        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
-        direct = self._share(tensors, storages, keys, fp)
+        direct = self._share(tensors, *_storages(tensors), fp)
         self._name_layout(layout, direct)
         return direct
 
@@ -476,8 +474,7 @@ class IpcWeightSender:
             return "buckets", [], []
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        storages = [t.untyped_storage() for t in tensors]
-        keys = [(st.data_ptr(), st.nbytes()) for st in storages]
+        storages, keys = _storages(tensors)
         if self.layout == "direct" or not (self._shared or self._previous):
             return "direct", storages, keys  # forced, or the first sync: nothing to compare with
         if self._shared:  # direct last time: the storages it handed out are held
@@ -522,7 +519,7 @@ class IpcWeightSender:
                 t = t.detach().to(device).contiguous()  # its storage is held in _shared
                 copied = True
                 st = t.untyped_storage()
-                key = (st.data_ptr(), st.nbytes())
+                key = _storage_key(st)
             entry = shared.get(key) or held.get(key)
             if entry is None:
                 entry = _Shared(self._next_sid, st)
@@ -1008,6 +1005,17 @@ def _same_into(a: _IntoKey | None, b: _IntoKey | None) -> bool:
         and all(map(operator.is_, a.tensors, b.tensors))
         and a.shapes == b.shapes
     )
+
+
+def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
+    """What tells storages apart while they live: ``(address, size)``."""
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _storages(tensors: list[torch.Tensor]) -> tuple[list, list[tuple[int, int]]]:
+    """The tensors' storages and their keys."""
+    storages = [t.untyped_storage() for t in tensors]
+    return storages, list(map(_storage_key, storages))
 
 
 def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
