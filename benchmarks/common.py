@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,20 +176,14 @@ def p99(xs: list[float]) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    """``with timer() as t: ...`` then ``t[0]`` is the elapsed seconds."""
-    out: list[float] = []
-    t0 = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out.append(time.perf_counter() - t0)
+def cuda_seconds(fn: Callable[..., Any], *args: Any) -> float:
+    """Seconds for ``fn(*args)`` and the GPU work it queues (synchronized before and after)."""
+    import torch
 
-
-def time_call(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 

@@ -25,7 +25,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import Result, Sizes, median, rounded, skipped
+from benchmarks.common import Result, Sizes, cuda_seconds, median, rounded, skipped
 
 NO_CUDA = "CUDA is not available"
 
@@ -68,12 +68,11 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
     allocator_after = host_pinned()
 
     def d2h() -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k, t in state.items():
-            pinned[k].copy_(t, non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        def copies() -> None:
+            for k, t in state.items():
+                pinned[k].copy_(t, non_blocking=True)
+
+        return cuda_seconds(copies)
 
     def stage(buffers: StagingBuffers) -> float:
         torch.cuda.synchronize()
@@ -164,19 +163,11 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
             torch.mm(a, b)
 
     matmuls(3)  # cuBLAS picks its kernel on the first products: not part of the timing
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    matmuls(10)
-    torch.cuda.synchronize()
-    per_mm = (time.perf_counter() - t0) / 10
+    per_mm = cuda_seconds(matmuls, 10) / 10
     n_mm = max(4, math.ceil(2 * c / per_mm))  # about twice the copy: room to hide it
 
     def workload_alone() -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        matmuls(n_mm)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return cuda_seconds(matmuls, n_mm)
 
     # A kept copy thread, as the coordinator's: handing it the copies costs a queue put.
     pool = ThreadPoolExecutor(1, thread_name_prefix="bench-stage")
