@@ -6,16 +6,20 @@ UV        ?= uv
 # Local wheel folders (PIP_FIND_LINKS) carry the CPU build of torch; uv does not read that variable.
 LINKDIRS  := $(or $(PIP_FIND_LINKS),$(wildcard /opt/wheels))
 FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
+# Bytecode compiled once at install: where PYTHONDONTWRITEBYTECODE is set (CI
+# images often set it), every Ray worker and spawned rank would otherwise
+# compile torch's and Ray's sources again at import (4-5 s of CPU each).
+UVINSTALL := $(UV) pip install --quiet --compile-bytecode $(FINDLINKS) -c constraints.txt
 PYTEST_ARGS ?=
 
 .PHONY: setup test test-verl-min demo lint metrics-doc dashboards bench bench-quick gpu-check clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
 	$(UV) venv --quiet --allow-existing --python python3 $(VENV)
-	$(UV) pip install --quiet --python $(PY) $(FINDLINKS) -c constraints.txt -e ".[all]"
+	$(UVINSTALL) --python $(PY) -e ".[all]"
 	@touch $@
 
 test: setup
@@ -27,11 +31,10 @@ VERL_MIN_VENV ?= .venv-verl-min
 VERL_MIN_TESTS := tests/test_fsdp_checkpoint_manager.py tests/test_verl_install.py \
 	tests/test_verl_fsdp.py tests/test_verl_megatron.py tests/test_trinity_dropin.py
 
-$(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt
+$(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt Makefile
 	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
 	$(UV) venv --quiet --allow-existing --python python3 $(VERL_MIN_VENV)
-	$(UV) pip install --quiet --python $(VERL_MIN_VENV)/bin/python $(FINDLINKS) -c constraints.txt \
-		-e ".[all]" "verl==0.7.1" "pyarrow<21"
+	$(UVINSTALL) --python $(VERL_MIN_VENV)/bin/python -e ".[all]" "verl==0.7.1" "pyarrow<21"
 	@touch $@
 
 test-verl-min: $(VERL_MIN_VENV)/.installed

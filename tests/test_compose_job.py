@@ -69,6 +69,18 @@ def installed_extras() -> list[str]:
     return found[0]
 
 
+def image_env() -> dict[str, str]:
+    """The Dockerfile's ``ENV`` settings."""
+    env = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ENV":
+            for arg in shlex.split(rest):
+                key, sep, value = arg.partition("=")
+                if sep:
+                    env[key] = value
+    return env
+
+
 def job_service() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"][SERVICE]
 
@@ -111,6 +123,10 @@ def build_job_env(tmp: Path) -> Path:
     venv = tmp / "venv"
     python = venv / "bin" / "python"
     env = clean_env()
+    # Bytecode compiled at install as in the image (its cache settings are the image
+    # build's own: here uv's cache serves the packages).
+    if "UV_COMPILE_BYTECODE" in image_env():
+        env["UV_COMPILE_BYTECODE"] = image_env()["UV_COMPILE_BYTECODE"]
     subprocess.run(
         [uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True
     )
@@ -170,6 +186,7 @@ class TestDockerfileParsing:
     def test_reads_the_install_line(self):
         assert set(installed_extras()) >= {"demo", "otlp"}
         assert {"pyproject.toml", "constraints.txt", "obsckpt"} <= set(copied_paths())
+        assert image_env()["RAY_USAGE_STATS_ENABLED"] == "0"
 
 
 @pytest.mark.slow
@@ -187,6 +204,7 @@ class TestComposeJobRuns:
         command = service_command(service, ckpt, sd, port)
         assert "--otlp-endpoint" in command, "the job should send traces to the collector"
         env = clean_env()
+        env.update({k: v for k, v in image_env().items() if not k.startswith("UV_")})
         env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})
         env["PATH"] = f"{job_bin}{os.pathsep}{env.get('PATH', '')}"
         log = tmp_path / "job.log"
