@@ -26,6 +26,11 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="${EXTRA_SITE:+$EXTRA_SITE:}$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0
 start=$(date +%s)
+# Bytecode for the carried packages, once: where PYTHONDONTWRITEBYTECODE is set, every
+# Ray worker and rank would otherwise compile their sources again at import.
+if [ -n "${EXTRA_SITE:-}" ] && [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  "$PY" -m compileall -q -j 0 "$EXTRA_SITE" > /dev/null 2>&1 || true
+fi
 
 {
   date -u
@@ -33,6 +38,7 @@ start=$(date +%s)
   "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "devices", torch.cuda.device_count())'
   "$PY" -c 'import ray; print("ray", ray.__version__)' 2>&1 | tail -1
+  echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-}; setup took $(( $(date +%s) - start )) s"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
