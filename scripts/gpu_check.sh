@@ -4,8 +4,9 @@
 #      CUDA IPC sync, device selection, the demo on the GPU);
 #   2. the CPU-side tests of paths that broke on a GPU machine (formation with the
 #      default NCCL backend, FSDP2 ranks without a GPU on a CUDA machine);
-#   3. the GPU benchmarks (benchmarks/run.py --only gpu,peers: staging stall, pinned bytes,
-#      first save, overlapped stall, ipc sync; torch DCP and torch.save on a GPU state);
+#   3. the GPU benchmarks (benchmarks/run.py --quick --only gpu,peers: staging stall, pinned
+#      bytes, first save, overlapped stall, ipc sync; torch DCP and torch.save on a GPU
+#      state), and the ipc sync alone at the full size (--only ipc);
 #   4. in a call of its own (GPU_CHECK_PHASES=suite) the rest of the suite, without the
 #      tests that need promtool, prometheus, strace, a package index or the installed
 #      console script (markers needs_promtool, needs_strace, needs_index, needs_install),
@@ -15,7 +16,7 @@
 # Environment: PYTHON (default python3), GPU_CHECK_PHASES (default "tests regressions
 # bench"; "suite" for phase 4), GPU_CHECK_WORKERS, EXTRA_SITE (a directory
 # of extra packages put first on PYTHONPATH, e.g. Ray unpacked where none is installed).
-# Writes LOG_DIR/{env.txt,gpu-tests.*,gpu-regressions.*,gpu-bench.{log,json},suite.log,
+# Writes LOG_DIR/{env.txt,gpu-tests.*,gpu-regressions.*,gpu-bench{,-ipc}.{log,json},suite.log,
 # summary.txt}; exits non-zero if any phase failed.
 set -u
 out=${1:?usage: scripts/gpu_check.sh LOG_DIR}
@@ -62,16 +63,19 @@ phase() {  # name, seconds, command...
 touch "$out/summary.txt"
 failed=0
 want() { case " ${GPU_CHECK_PHASES:-tests regressions bench} " in *" $1 "*) return 0 ;; esac; return 1; }
-want tests && { phase gpu-tests 280 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu --continue-on-collection-errors \
+want tests && { phase gpu-tests 260 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu --continue-on-collection-errors \
   --junitxml="$out/gpu-tests.xml" tests || failed=1; }
 # The paths that failed on a GPU machine before: the formation check with the default
 # (NCCL) backend, and FSDP2 ranks without a GPU on a machine with CUDA.
-want regressions && { phase gpu-regressions 150 "$PY" -m pytest -q -p no:cacheprovider -rs \
+want regressions && { phase gpu-regressions 130 "$PY" -m pytest -q -p no:cacheprovider -rs \
   --junitxml="$out/gpu-regressions.xml" tests/test_broadcast.py::TestTimeouts \
   tests/test_broadcast.py::TestFormation \
   tests/test_verl_fsdp.py::test_fsdp2_checkpoint_memory_and_broadcast_sync || failed=1; }
-want bench && { phase gpu-bench 130 "$PY" benchmarks/run.py --quick --only gpu,peers \
+want bench && { phase gpu-bench 120 "$PY" benchmarks/run.py --quick --only gpu,peers \
   --json "$out/gpu-bench.json" || failed=1; }
+# The colocated sync again at the full size (1 GiB and 4 GiB states), where its target is set.
+want bench && { phase gpu-bench-ipc 80 "$PY" benchmarks/run.py --only ipc \
+  --json "$out/gpu-bench-ipc.json" || failed=1; }
 if want suite; then
   workers=${GPU_CHECK_WORKERS:-4}
   phase suite "${GPU_CHECK_SUITE_S:-560}" "$PY" -m pytest -q -p no:cacheprovider -rs \

@@ -134,3 +134,12 @@ class TestSmokeRun:
     def test_saved_checkpoint_was_loadable(self, smoke_run):
         _, doc = smoke_run
         assert doc["results"]["write_vs_disk"]["torch_load_ok"] is True
+
+
+def test_only_runs_each_benchmark_once():
+    from benchmarks.run import BENCHMARKS, selected
+
+    assert selected("ipc") == ["ipc"]
+    assert selected("gpu,ipc") == selected("ipc,gpu") == ["gpu"]  # gpu includes the ipc sync
+    assert selected("save,save,peers") == ["save", "peers"]
+    assert selected(None) == [n for n in BENCHMARKS if n != "ipc"]
