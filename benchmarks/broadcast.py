@@ -1,7 +1,7 @@
 """Weight-sync broadcast: bucketed vs per-tensor vs one raw broadcast of the same bytes.
 
 Two processes (sender rank 0, receiver rank 1) form a
-:class:`obsckpt.sync.broadcast.WeightSyncGroup` and broadcast a
+:class:`obsckpt.sync.group.WeightSyncGroup` and broadcast a
 mixture-of-experts-like model: many small tensors (norms, biases, routers,
 some in float32) and a few large expert matrices carrying most of the bytes.
 Per repetition, after a one-element broadcast that lines both sides up, each
@@ -83,7 +83,8 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
     try:
         import torch
 
-        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.group import WeightSyncGroup
 
         # Two ranks on one machine: one intra-op thread each, as torchrun sets
         # (OMP_NUM_THREADS=1); more oversubscribes the cores and OpenMP spins.
@@ -146,7 +147,7 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
         # broadcast that a raw one of a ready buffer does not have.
         pack: list[float] = []
         if rank == 0:
-            from obsckpt.sync.broadcast import plan_buckets, tensor_meta
+            from obsckpt.sync.buckets import plan_buckets, tensor_meta
 
             tensors = list(state.values())
             plan = [
@@ -205,7 +206,7 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
 
 
 def _run_pair(backend: str, layout, reps: int, timeout: float = 900.0) -> dict:
-    from obsckpt.sync.broadcast import free_port
+    from obsckpt.sync.group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

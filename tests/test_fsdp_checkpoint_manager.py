@@ -15,7 +15,7 @@ import ray
 import torch
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt.sync.broadcast import free_port
+from obsckpt.sync.group import free_port
 
 
 @ray.remote

@@ -24,7 +24,7 @@ import torch
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
-from obsckpt.sync.broadcast import free_port
+from obsckpt.sync.group import free_port
 
 
 class TrinitySaveStrategy(str, enum.Enum):

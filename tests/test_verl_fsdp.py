@@ -14,7 +14,7 @@ from metrics_helpers import scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
-from obsckpt.sync.broadcast import free_port
+from obsckpt.sync.group import free_port
 
 
 def build_model() -> torch.nn.Module:
@@ -96,7 +96,7 @@ class TrainerRank:
         return fsdp_upload_state_dict(self.engine, self.synchronizer, step, self.log)
 
     def join_group(self, port: int) -> None:
-        from obsckpt.sync.broadcast import WeightSyncGroup
+        from obsckpt.sync.group import WeightSyncGroup
 
         if self.rank == 0:
             self.group = WeightSyncGroup(
@@ -122,7 +122,8 @@ class Rollout:
     """The rollout side: receives broadcasts into its own weights."""
 
     def __init__(self, port: int) -> None:
-        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.group import WeightSyncGroup
         from obsckpt.telemetry import tracing
 
         tracing.setup_tracing("rollout", exporter="memory")
@@ -308,8 +309,9 @@ def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -
     from torch.distributed.fsdp import ShardingStrategy
 
     from obsckpt.integrations.verl_fsdp import full_params, sharded_model_state_dict
-    from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+    from obsckpt.sync.broadcast import WeightBroadcaster
     from obsckpt.sync.device import setup_rank_device
+    from obsckpt.sync.group import WeightSyncGroup
     from obsckpt.sync.synchronizer import load_sharded_state_dict
 
     try:
@@ -368,8 +370,9 @@ def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -
 
 
 def _nccl_pair(rank: int, port: int, results) -> None:
-    from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+    from obsckpt.sync.broadcast import WeightBroadcaster
     from obsckpt.sync.device import setup_rank_device
+    from obsckpt.sync.group import WeightSyncGroup
 
     setup_rank_device([str(rank)])  # as Ray would give it
     group = WeightSyncGroup(

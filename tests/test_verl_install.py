@@ -24,7 +24,7 @@ import ray
 import torch
 
 from obsckpt.integrations import verl_install
-from obsckpt.sync.broadcast import free_port
+from obsckpt.sync.group import free_port
 
 
 @ray.remote

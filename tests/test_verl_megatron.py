@@ -24,7 +24,8 @@ from obsckpt.integrations import (
     megatron_sync_weight_nccl,
     megatron_upload_state_dict,
 )
-from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup, free_port
+from obsckpt.sync.broadcast import WeightBroadcaster
+from obsckpt.sync.group import WeightSyncGroup, free_port
 from obsckpt.telemetry.metrics import Metrics
 
 

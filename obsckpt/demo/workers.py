@@ -95,7 +95,7 @@ class TrainerRank:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from obsckpt.sync.broadcast import free_port
+        from obsckpt.sync.group import free_port
 
         return free_port("0.0.0.0")
 
@@ -226,7 +226,8 @@ class TrainerRank:
         return fingerprint(full) if self.rank == 0 else None
 
     def join_weight_sync(self, host: str, port: int, backend: str) -> None:
-        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.group import WeightSyncGroup
 
         self.sync_group = WeightSyncGroup(
             host=host, port=port, rank=0, world_size=2, backend=backend, timeout_s=120.0
@@ -329,7 +330,8 @@ class Rollout:
         return got, fingerprint(self.weights.items())
 
     def join_weight_sync(self, host: str, port: int, backend: str) -> None:
-        from obsckpt.sync.broadcast import WeightBroadcaster, WeightSyncGroup
+        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.group import WeightSyncGroup
 
         self.sync_group = WeightSyncGroup(
             host=host, port=port, rank=1, world_size=2, backend=backend, timeout_s=120.0

@@ -35,13 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from obsckpt.sync.broadcast import (
-    BroadcastResult,
-    TensorMeta,
-    WeightBroadcaster,
-    WeightSyncGroup,
-    WeightSyncTelemetry,
-)
+from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster, WeightSyncTelemetry
+from obsckpt.sync.buckets import TensorMeta
+from obsckpt.sync.group import WeightSyncGroup
 from obsckpt.telemetry import tracing
 
 _log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from obsckpt.integrations.verl_fsdp import (
     per_tensor_params,
     upload_state_dict,
 )
-from obsckpt.sync.broadcast import BroadcastResult, TensorMeta
+from obsckpt.sync.broadcast import BroadcastResult
+from obsckpt.sync.buckets import TensorMeta
 
 _log = logging.getLogger(__name__)
 

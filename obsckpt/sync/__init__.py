@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from obsckpt.sync.broadcast import (
-    DEFAULT_BUCKET_BYTES,
-    BroadcastError,
-    BroadcastResult,
-    BroadcastTimeoutError,
-    TensorMeta,
-    WeightBroadcaster,
-    WeightSyncGroup,
-    WeightSyncTelemetry,
-    free_port,
-    plan_buckets,
-    tensor_meta,
-)
+from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster, WeightSyncTelemetry
+from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.device import RankDevice, setup_rank_device
+from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError, WeightSyncGroup, free_port
 from obsckpt.sync.ipc import (
     IpcLayoutUnknownError,
     IpcPayload,

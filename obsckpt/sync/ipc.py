@@ -13,7 +13,7 @@ copies the tensors into its own weights. Two layouts:
   model held whole on the GPU, updated in place by its optimizer); the
   rollout keeps each storage open, so a sync opens nothing new.
 * ``buckets``: the sender packs the tensors into bucket buffers of its own
-  (one dtype per bucket, the plan of :func:`~obsckpt.sync.broadcast.plan_buckets`)
+  (one dtype per bucket, the plan of :func:`~obsckpt.sync.buckets.plan_buckets`)
   and hands out their handles, opened once and reused. The bytes are
   copied twice, but nothing is opened per sync. It is used when the
   tensors are new at each sync (gathered from shards, as FSDP and Megatron
@@ -68,18 +68,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from obsckpt.sync.broadcast import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT_S,
-    BroadcastError,
-    BroadcastResult,
-    BroadcastTimeoutError,
-    Bucket,
-    TensorMeta,
-    WeightSyncTelemetry,
-    plan_buckets,
-    tensor_meta,
-)
+from obsckpt.sync.broadcast import BroadcastResult, WeightSyncTelemetry
+from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorMeta, plan_buckets, tensor_meta
+from obsckpt.sync.group import DEFAULT_TIMEOUT_S, BroadcastError, BroadcastTimeoutError
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,414 @@
+"""The weight-sync group: a process group of its own between trainer rank 0 and the receivers.
+
+:class:`WeightSyncGroup` is a *stateless* process group: a ``TCPStore`` plus a
+``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) built directly on it.
+It is never registered with ``torch.distributed``'s global state, so it can be
+created in Ray actors that already run a default process group (the FSDP or
+Megatron trainer ranks, a vLLM engine) without touching it, and it can be
+created again after it breaks. It forms only once every member has checked
+in; its collectives are called on the backend object, with every wait
+bounded by a deadline, and a collective that fails or outlasts it breaks the
+group (its communicator aborted at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class BroadcastError(RuntimeError):
+    """A weight broadcast failed, or its group can no longer be used."""
+
+
+class BroadcastTimeoutError(BroadcastError, TimeoutError):
+    """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago, for the group's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA and NCCL are present, else ``gloo``."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+class WeightSyncGroup:
+    """A process group of its own between trainer rank 0 (rank ``src``) and the receivers.
+
+    Every member constructs it with the same ``host``, ``port`` and
+    ``world_size``; rank 0 hosts the store. Construction returns only once
+    every member has checked in and the communicator has carried one
+    collective, on every backend: each member sets its key in the group's
+    store and waits for all the others' (a missing member is named in the
+    :class:`BroadcastTimeoutError`), then the communicator is made (NCCL's
+    eagerly, for this member's device) and a one-element broadcast goes
+    through it, all within ``timeout_s``.
+
+    A collective that fails or outlasts its deadline breaks the group: its
+    communicator is aborted at once (NCCL's error handling is set to clean
+    up the communicator without ending the process), every later use raises
+    :class:`BroadcastError`, and the members form a new group on a fresh port.
+
+    Args:
+        host: address of rank 0's store, reachable by every member.
+        port: the store's port (see :func:`free_port`).
+        rank: this member's rank in the group (0 for the trainer).
+        world_size: number of members (1 + receivers).
+        backend: ``gloo`` or ``nccl``; default ``nccl`` with CUDA, else ``gloo``.
+        timeout_s: bound on the formation and default bound on each broadcast.
+        group_name: prefix of the group's keys in the store.
+        device: the CUDA device for ``nccl`` (default: the current device).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        group_name: str = "obsckpt-weight-sync",
+        device: torch.device | int | None = None,
+    ) -> None:
+        backend = backend or default_backend()
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive seconds, got {timeout_s!r}")
+        self.host, self.port = host, int(port)
+        self.rank, self.world_size = rank, world_size
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self._broken: str | None = None
+        self._pg: Any = None
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            if not torch.cuda.is_available():
+                raise BroadcastError(
+                    "backend 'nccl' needs a CUDA device and none is visible to this process; "
+                    "use backend='gloo' on CPU"
+                )
+            index = device.index if isinstance(device, torch.device) else device
+            self.device = torch.device(
+                "cuda", torch.cuda.current_device() if index is None else int(index)
+            )
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        where = f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend})"
+        made: list[Any] = []
+
+        def connect() -> None:
+            made.append(
+                dist.TCPStore(
+                    host,
+                    self.port,
+                    world_size,
+                    rank == 0,
+                    timedelta(seconds=self.timeout_s),
+                    wait_for_workers=False,
+                )
+            )
+
+        try:
+            # The client retries its connection past its timeout; keep the deadline.
+            _bounded(connect, deadline, lambda: None, "the store did not answer in time")
+            store = made[0]
+        except BroadcastError as exc:
+            waited = time.monotonic() - t0
+            if rank == 0:
+                msg = (
+                    f"{where} could not host its store at {host}:{self.port} ({exc}); "
+                    "create the group on a free port (see free_port)"
+                )
+            else:
+                msg = (
+                    f"{where} could not form after {waited:.1f} s: rank 0's store at "
+                    f"{host}:{self.port} was not reachable ({exc}). Check that every member "
+                    "was started with the same host, port and world_size and can reach rank 0"
+                )
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
+                raise BroadcastTimeoutError(msg) from exc
+            raise BroadcastError(msg) from exc
+        self._store = dist.PrefixStore(group_name, store)
+        self._rendezvous(deadline, where)
+        try:
+            self._pg = self._make_backend(deadline)
+        except (RuntimeError, dist.DistStoreError) as exc:
+            waited = time.monotonic() - t0
+            cls = BroadcastTimeoutError if time.monotonic() >= deadline else BroadcastError
+            raise cls(f"{where} could not form after {waited:.1f} s: {exc}") from exc
+        self._warm_up(deadline, where)
+
+    # -- formation -------------------------------------------------------
+
+    def _rendezvous(self, deadline: float, where: str) -> None:
+        """Every member sets its key and waits for everyone's; names who did not come.
+
+        Members poll the store rather than block in one wait, so each knows
+        who was still missing even if rank 0 (the store's host) gives up first.
+        """
+        store = self._store
+        keys = [f"arrived/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], str(time.time()))
+        missing = [r for r in range(self.world_size) if r != self.rank]
+        pause = 0.005
+        try:
+            while True:
+                if store.check(keys):
+                    return
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                if not missing:
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                pause = min(pause * 2, 0.1)
+            cause = None
+        except (RuntimeError, dist.DistStoreError) as exc:
+            cause = exc  # the store went away: rank 0 gave up or died
+        who = f"ranks {missing} did not arrive"
+        if cause is not None:
+            who += f" before rank 0's store closed ({cause})"
+        raise BroadcastTimeoutError(
+            f"{where} could not form within {self.timeout_s:.1f} s: {who}. Start every member "
+            "with the same host, port and world_size, or create the group again on a fresh port"
+        ) from cause
+
+    def _make_backend(self, deadline: float):
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # Read when the group is made: on a failure NCCL's watchdog aborts this
+        # communicator only, instead of ending the whole trainer process.
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, opts)
+
+    def _warm_up(self, deadline: float, where: str) -> None:
+        """Make the communicator now and pass one collective through it, within the deadline."""
+        probe = torch.ones(1, dtype=torch.int64, device=self.device)
+
+        def connect() -> None:
+            if self.backend == "nccl":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+                eager = getattr(self._pg, "eager_connect_single_device", None)
+                if eager is not None:
+                    eager(self.device)
+            self.wait(
+                self.broadcast_async(probe, 0, deadline),
+                deadline,
+                lambda: f"{where}: the first collective did not complete",
+            )
+
+        _bounded(
+            connect,
+            deadline,
+            self._abort,
+            f"{where} could not form within "
+            f"{self.timeout_s:.1f} s: the communicator did not connect every member",
+        )
+
+    # -- use -------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        state = f"broken: {self._broken}" if self._broken else "ok"
+        return (
+            f"WeightSyncGroup({self.host}:{self.port}, rank={self.rank}, "
+            f"world_size={self.world_size}, backend={self.backend}, {state})"
+        )
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can no longer be used, or None."""
+        return self._broken
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0, deadline: float | None = None):
+        """Start broadcasting ``tensor`` from ``src``; returns the work handle.
+
+        With ``deadline`` (monotonic seconds) the collective itself times out
+        then, so nothing of it outlives the caller's bound.
+        """
+        self._check()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        budget = self.timeout_s if deadline is None else deadline - time.monotonic()
+        opts.timeout = timedelta(seconds=max(budget, 0.001))
+        try:
+            return self._pg.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            self._break(f"broadcast could not start: {exc}")
+            raise BroadcastError(f"{self!r}: {exc}") from exc
+
+    def wait(self, work, deadline: float, progress: Callable[[], str]) -> None:
+        """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure.
+
+        On NCCL, ``work.wait()`` only orders streams, so completion is polled
+        on the CPU against the deadline; a collective that does not complete
+        in time aborts the communicator, which ends it on every member.
+        """
+        try:
+            if self.backend == "nccl":
+                ok = _poll(work, deadline)
+                if ok:
+                    work.wait()  # raises the collective's error, if it had one
+            else:
+                remaining = max(deadline - time.monotonic(), 0.001)
+                ok = work.wait(timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            timed_out = time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower()
+            self._break(str(exc))
+            cls = BroadcastTimeoutError if timed_out else BroadcastError
+            raise cls(f"{progress()}: {exc}") from exc
+        if ok is False:
+            self._break("wait timed out")
+            raise BroadcastTimeoutError(progress())
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
+    ) -> None:
+        """Broadcast one tensor from ``src`` and wait for it (bounded)."""
+        deadline = self.deadline(timeout_s)
+        work = self.broadcast_async(tensor, src, deadline)
+        self.wait(
+            work,
+            deadline,
+            lambda: f"broadcast of {tensor.numel() * tensor.element_size()} bytes on {self!r}",
+        )
+
+    def close(self) -> None:
+        """Release the group; collectives still in flight fail on the peers."""
+        if self._broken is None:
+            self._broken = "closed"
+            self._release(("shutdown", "abort"))
+        else:
+            self._abort()
+
+    def _release(self, methods: tuple[str, ...]) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        for method in methods:
+            fn = getattr(pg, method, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+                break
+            except Exception:  # noqa: BLE001 - best effort on a dead group
+                continue
+
+    def _abort(self) -> None:
+        """End the communicator now: collectives blocked on it fail here and on the peers.
+
+        NCCL's abort returns at once. Gloo's waits for the collective in
+        flight, which ends by its own deadline: it is left to a daemon thread.
+        """
+        if self.backend == "nccl":
+            self._release(("abort", "shutdown"))
+            return
+        threading.Thread(
+            target=self._release,
+            args=(("abort", "shutdown"),),
+            name="obsckpt-weight-sync-abort",
+            daemon=True,
+        ).start()
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise BroadcastError(
+                f"{self!r} cannot be used: {self._broken}; close it and create a new group "
+                "with a fresh port on every member"
+            )
+
+    def _break(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
+            logger.error(
+                "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
+            )
+            self._abort()
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _poll(work, deadline: float) -> bool:
+    """Poll ``work.is_completed()`` until ``deadline``; False when it did not complete."""
+    pause = 20e-6
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
+def _bounded(fn: Callable[[], None], deadline: float, abort: Callable[[], None], msg: str) -> None:
+    """Run ``fn`` on a helper thread; past ``deadline`` call ``abort`` and raise.
+
+    A communicator that connects lazily blocks the calling thread inside its
+    first collective; running it aside keeps the caller's deadline.
+    """
+    box: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box.append(exc)
+
+    t = threading.Thread(target=run, name="obsckpt-weight-sync-connect", daemon=True)
+    t.start()
+    t.join(max(deadline - time.monotonic(), 0.001))
+    if t.is_alive():
+        abort()  # the thread is a daemon: left behind, it ends with its own timeout
+        raise BroadcastTimeoutError(msg)
+    if box:
+        exc = box[0]
+        if isinstance(exc, BroadcastError):
+            raise type(exc)(f"{msg}: {exc}") from exc
+        raise BroadcastError(f"{msg}: {exc}") from exc
