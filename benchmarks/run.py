@@ -246,9 +246,8 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
         return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
     if name == "gpu":
         from benchmarks.gpu import run_gpu_benchmarks
-        from benchmarks.gpu_sync import run_gpu_ipc_sync
 
-        return run_gpu_benchmarks(sizes, _log) + [run_gpu_ipc_sync(sizes, _log)]
+        return run_gpu_benchmarks(sizes, _log) + _run_one("ipc", sizes, bench_dir, run_id, ray)
     if name == "ipc":
         from benchmarks.gpu_sync import run_gpu_ipc_sync
 

@@ -125,8 +125,9 @@ def build_job_env(tmp: Path) -> Path:
     env = clean_env()
     # Bytecode compiled at install as in the image (its cache settings are the image
     # build's own: here uv's cache serves the packages).
-    if "UV_COMPILE_BYTECODE" in image_env():
-        env["UV_COMPILE_BYTECODE"] = image_env()["UV_COMPILE_BYTECODE"]
+    compile_bytecode = image_env().get("UV_COMPILE_BYTECODE")
+    if compile_bytecode is not None:
+        env["UV_COMPILE_BYTECODE"] = compile_bytecode
     subprocess.run(
         [uv, "venv", "--quiet", "--python", sys.executable, str(venv)], env=env, check=True
     )
