@@ -447,14 +447,16 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
     that does not finish in time, or a receiver that queued its copy too late, leaves
     the sender's stream waiting for the event.
     """
-    import obsckpt.sync.ipc as ipc
+    from obsckpt.sync.ipc import streams as ipc_streams
 
     streams = {"rollout": _Stream(), "trainer": _Stream()}
     side = {"now": "trainer"}
-    monkeypatch.setattr(ipc, "_current_stream", lambda device: streams[side["now"]])
-    monkeypatch.setattr(ipc, "_new_event", _Event)
-    monkeypatch.setattr(ipc, "_open_event", lambda device, handle: _Event.opened[handle])
-    monkeypatch.setattr(ipc, "_cuda_devices", lambda ts: {torch.device("cpu")} if ts else set())
+    monkeypatch.setattr(ipc_streams, "current_stream", lambda device: streams[side["now"]])
+    monkeypatch.setattr(ipc_streams, "new_event", _Event)
+    monkeypatch.setattr(ipc_streams, "open_event", lambda device, handle: _Event.opened[handle])
+    monkeypatch.setattr(
+        ipc_streams, "cuda_devices", lambda ts: {torch.device("cpu")} if ts else set()
+    )
     sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
     sender.backend = "cuda_ipc"  # what a CUDA device sets
     receiver = IpcWeightReceiver(device="cpu")

@@ -1,58 +1,4 @@
-"""Colocated weight sync: trainer and rollout share a device and hand over buffers, not bytes.
-
-When the rollout engine runs on the trainer's GPU (verl's hybrid engine),
-sending the weights through a collective is wasted work: both processes can
-map the same device memory. :class:`IpcWeightSender` hands the rollout
-process a small :class:`IpcPayload` (the tensors' names, dtypes and shapes,
-the step, and handles to device memory), and :class:`IpcWeightReceiver`
-copies the tensors into its own weights. Two layouts:
-
-* ``direct`` (CUDA): the handles name the trainer's own tensors' storages,
-  so the weights are copied once, straight into the rollout's. It is used
-  while the trainer's tensors stay in place from one sync to the next (a
-  model held whole on the GPU, updated in place by its optimizer); the
-  rollout keeps each storage open, so a sync opens nothing new.
-* ``buckets``: the sender packs the tensors into bucket buffers of its own
-  (one dtype per bucket, the plan of :func:`~obsckpt.sync.buckets.plan_buckets`)
-  and hands out their handles, opened once and reused. The bytes are
-  copied twice, but nothing is opened per sync. It is used when the
-  tensors are new at each sync (gathered from shards, as FSDP and Megatron
-  do): opening fresh handles per tensor would cost more than the copy. It
-  is also the CPU fallback, where a handle is a file in shared memory
-  (``/dev/shm``) that both processes map, so the same protocol runs, and is
-  tested, without a GPU.
-
-The payload travels however the caller likes (a Ray actor call in the demo);
-the sender waits for the receiver's acknowledgement within ``timeout_s``,
-and does not touch the tensors meanwhile. A CUDA receiver whose weights are
-used on its current stream may answer as soon as its copy is queued
-(``recv(wait=False)``): the answer names an interprocess CUDA event recorded
-after the copy, and the sender returns once that event has completed, so the
-answer's way back overlaps the copy.
-
-A sync costs the copy plus a fixed part: the two processes' wake-ups and the
-bookkeeping on both sides. The bookkeeping does not grow with the number of
-tensors more than it must: each layout of the weights (names, dtypes,
-shapes, and the handles and views that locate them) gets an id, its
-description travels once, and later payloads name the id only, while the
-receiver keeps the views and target tensors that layout gave it. The sender
-sees that a layout is unchanged from a cheap fingerprint of its tensors
-(address, shape, dtype, density), not by rebuilding the description.
-
-The same checks as a broadcast: the step must be newer than the last one
-sent (and received); a payload that reaches the receiver after the sender's
-deadline is refused (the sender may already be changing its tensors), and
-so is one whose copy finishes after it. Each sync is timed into
-``obsckpt_broadcast_duration_seconds{method="ipc"}`` (backend ``cuda_ipc`` or
-``shm``), counted on failure, and traced as an ``obsckpt.broadcast`` span
-whose ``obsckpt.ipc_layout`` attribute names the layout.
-
-Memory: with ``buckets`` the sender keeps one device copy of the model's
-bytes between syncs; with ``direct`` the rollout keeps the trainer's
-storages of the last sync mapped (for tensors that stay in place that costs
-nothing). :meth:`IpcWeightSender.close` and :meth:`IpcWeightReceiver.close`
-release them.
-"""
+"""Trainer side of the colocated sync: hands out handles to its tensors or buckets."""
 
 from __future__ import annotations
 
@@ -64,70 +10,36 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from obsckpt.sync.broadcast import BroadcastResult, WeightSyncTelemetry
-from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorMeta, plan_buckets, tensor_meta
+from obsckpt.sync.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    TensorMeta,
+    plan_buckets,
+    tensor_meta,
+)
 from obsckpt.sync.group import DEFAULT_TIMEOUT_S, BroadcastError, BroadcastTimeoutError
+from obsckpt.sync.ipc import streams
+from obsckpt.sync.ipc.payload import (
+    METHOD,
+    PAYLOAD_VERSION,
+    IpcLayoutUnknownError,
+    IpcPayload,
+    copy_many,
+    device_uuid,
+)
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
-METHOD = "ipc"
-_PAYLOAD_VERSION = 4
 # The direct layout is kept while at least this share of the bytes lies in the
 # same storages as at the sync before; below it the tensors are taken to be new
 # at each sync, and the buckets are cheaper.
 _DIRECT_MIN_KEPT = 0.9
-
-
-class IpcLayoutUnknownError(BroadcastError):
-    """A payload names a layout its receiver does not hold (a restarted rollout, say).
-
-    The sender then describes the layout again, within the same sync.
-    """
-
-
-@dataclass(frozen=True, slots=True)
-class IpcPayload:
-    """What the rollout process needs to take one version of the weights (picklable).
-
-    ``meta``, ``views`` and ``live`` describe layout ``layout_id``. When the
-    receiver already holds that layout (the last sync it acknowledged used
-    it), ``described`` is false and they are left empty, as are ``handles``
-    and ``storages``.
-    """
-
-    version: int
-    step: int
-    backend: str  # "cuda_ipc" or "shm"
-    bucket_bytes: int
-    meta: tuple[tuple[str, str, tuple[int, ...]], ...]
-    handles: tuple[Any, ...]  # buckets layout: one per bucket, in plan order
-    deadline: float  # wall-clock seconds; the sender may change its tensors after it
-    device_uuid: str | None = None
-    trace_context: dict[str, str] | None = None
-    layout: str = "buckets"  # or "direct"
-    # direct layout: (storage id, handle) of storages new to the receiver; per
-    # tensor, (storage id, byte offset); the ids the receiver keeps open.
-    storages: tuple[tuple[int, Any], ...] = ()
-    views: tuple[tuple[int, int], ...] = ()
-    live: tuple[int, ...] = ()
-    layout_id: tuple[str, int] | None = None  # (the sender's token, a counter)
-    described: bool = True  # False: meta, views and live are those of layout_id
-    nbytes: int = 0
-    # The receiver (its event's token) whose copy-done event the sender holds:
-    # that receiver may answer before its copy finishes (recv(wait=False)).
-    ack_event: str | None = None
-
-
-def _device_uuid(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    return str(torch.cuda.get_device_properties(device).uuid)
-
 
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
@@ -166,16 +78,6 @@ class _Fingerprint:
     def same_place(self, other: _Fingerprint | None) -> bool:
         """The same tensors at the same addresses, each dense: the same direct views."""
         return self.same_meta(other) and self.ptrs == other.ptrs and all(self.dense)
-
-
-def _copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, in one call (on CUDA, batched launches, not one per tensor)."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dsts, srcs)
-    else:
-        for dst, src in zip(dsts, srcs, strict=True):
-            dst.copy_(src)
 
 
 @dataclass(slots=True)
@@ -247,7 +149,7 @@ class IpcWeightSender:
         self._alloc_gen = 0
         self._handles: tuple[Any, ...] = ()
         self._paths: list[str] = []
-        self._uuid = _device_uuid(self.device)
+        self._uuid = device_uuid(self.device)
         self.last_step: int | None = None
         # The model's layout: its description, and the fingerprint it was taken from.
         self._fp: _Fingerprint | None = None
@@ -438,7 +340,7 @@ class IpcWeightSender:
     ) -> IpcPayload:
         """This sync's payload: the layout described only where the receiver lacks it."""
         common = dict(
-            version=_PAYLOAD_VERSION,
+            version=PAYLOAD_VERSION,
             step=step,
             backend=self.backend,
             bucket_bytes=self.bucket_bytes,
@@ -543,7 +445,7 @@ class IpcWeightSender:
             self._allocate(plan_buckets(self._meta, self.bucket_bytes))
             self._plan_key = key
         with torch.no_grad():
-            _copy_many(self._slots, tensors)
+            copy_many(self._slots, tensors)
         if self.device.type == "cuda":
             # The receiver reads on its own stream: the buckets must be complete first.
             torch.cuda.synchronize(self.device)
@@ -615,7 +517,7 @@ class IpcWeightSender:
             return
         token, handle = event
         if handle is not None:
-            self._done = (token, _open_event(self.device, handle))
+            self._done = (token, streams.open_event(self.device, handle))
             return
         if self._done is None or self._done[0] != token:
             raise BroadcastError(
@@ -646,7 +548,7 @@ class IpcWeightSender:
         if _receiver_gone(exc):
             return
         try:
-            self._done[1].wait(_current_stream(self.device))
+            self._done[1].wait(streams.current_stream(self.device))
         except Exception as err:  # noqa: BLE001 - the sync's own error is the one to raise
             logger.warning("obsckpt: could not order this stream after the rollout's copy: %s", err)
 
@@ -677,327 +579,6 @@ class IpcWeightSender:
             pass
 
 
-class IpcWeightReceiver:
-    """Rollout side of the colocated sync: maps the sender's buckets, copies the weights out.
-
-    Args:
-        device: where the received weights live (default: the current CUDA
-            device for CUDA IPC payloads, else the CPU).
-    """
-
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._opened: dict[Any, torch.Tensor] = {}  # buckets layout, by handle
-        self._storages: dict[int, torch.Tensor] = {}  # direct layout, by storage id
-        self._views: dict[tuple, torch.Tensor] = {}  # direct layout: views into them
-        self._area: dict[str, torch.Tensor] = {}
-        # The layout held: its id and kind, its metadata (parsed), and the
-        # sender's tensors it locates.
-        self._held: tuple[Any, str] | None = None
-        self._wire: tuple = ()
-        self._meta: list[TensorMeta] = []
-        self._sources: list[torch.Tensor] = []
-        # Where the weights are copied to: the area's or into='s tensors, the
-        # dict returned, the CUDA devices to synchronize, and what they came from.
-        self._targets: tuple[list[torch.Tensor], dict[str, torch.Tensor], set] | None = None
-        self._targets_key: _IntoKey | None = None
-        # recv(wait=False): an interprocess event recorded after each copy, on
-        # its device, with the token that names it to the sender.
-        self._done: tuple[torch.device, Any, str] | None = None
-        self.last_step: int | None = None
-        self.last_seconds: float | None = None
-        self.last_copy_seconds: float | None = None  # from queueing the copy to its wait
-
-    def recv(
-        self,
-        payload: IpcPayload,
-        *,
-        into: Mapping[str, torch.Tensor] | None = None,
-        clone: bool = False,
-        wait: bool = True,
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Take the weights of ``payload``: ``(acknowledgement, {name: tensor})``.
-
-        The tensors are this receiver's own (the sender's buffers are reused):
-        by default a receive area overwritten in place by the next sync;
-        ``clone=True`` gives fresh tensors; ``into`` fills the given tensors.
-        Return the acknowledgement to the sender.
-
-        ``wait=False`` (CUDA IPC, weights on one GPU): return once the copy is
-        queued on the current stream, without waiting for it. Work queued on
-        that stream afterwards (the rollout's next forward pass) sees the new
-        weights; work on other streams, or on the host, must wait for the
-        stream first. The acknowledgement then names an interprocess CUDA
-        event recorded after the copy, which the sender waits for, so the
-        copy overlaps the answer's way back. The first sync with a sender
-        waits as with ``wait=True`` (its answer hands the sender the event).
-
-        Raises:
-            BroadcastError: an older step, a payload from another obsckpt,
-                another device, or a layout this receiver was never sent.
-            BroadcastTimeoutError: the payload arrived, or its copy ended (was
-                queued, with ``wait=False``), after the sender's deadline.
-        """
-        t0 = time.perf_counter()
-        attrs = {"obsckpt.step": payload.step, "obsckpt.method": METHOD}
-        with tracing.span(
-            "obsckpt.broadcast", carrier=payload.trace_context, attributes=attrs
-        ) as sp:
-            sp.set_attribute("obsckpt.backend", payload.backend)
-            if payload.version != _PAYLOAD_VERSION:
-                raise BroadcastError(
-                    f"unsupported ipc payload version {payload.version}; run the same obsckpt "
-                    "version on both sides"
-                )
-            if self.last_step is not None and payload.step <= self.last_step:
-                raise BroadcastError(
-                    f"refusing the weights of step {payload.step}: this rollout already holds "
-                    f"step {self.last_step} and versions never go backwards"
-                )
-            self._check_deadline(payload, "arrived")
-            sp.set_attribute("obsckpt.bytes", payload.nbytes)
-            sp.set_attribute("obsckpt.ipc_layout", payload.layout)
-            if payload.described:
-                self._take_layout(payload)
-            elif self._held != (payload.layout_id, payload.layout):
-                raise IpcLayoutUnknownError(
-                    f"the weights of step {payload.step} name layout {payload.layout_id} "
-                    f"({payload.layout}), which this rollout was never sent (it holds "
-                    f"{self._held}); the sender describes the layout again"
-                )
-            dsts, out, devices = self._targets_for(into, clone)
-            ack: dict[str, Any] = {"step": payload.step, "nbytes": payload.nbytes}
-            t_copy = time.perf_counter()
-            with torch.no_grad():
-                _copy_many(dsts, self._sources)
-            queued = False
-            if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
-                (device,) = devices
-                event, token = self._done_event(device)
-                event.record(_current_stream(device))
-                if payload.ack_event == token:  # the sender holds the event: it waits for it
-                    ack["event"], queued = (token, None), True
-                else:
-                    ack["event"] = (token, event.ipc_handle())
-            if not queued:
-                for d in devices:  # the copies ran on each device's current stream: wait for it
-                    _current_stream(d).synchronize()
-            self.last_copy_seconds = time.perf_counter() - t_copy
-            # Copied (or queued) after the deadline: the sender may have begun rewriting
-            # its tensors. (It orders its own stream after the event when it gives up.)
-            self._check_deadline(payload, "was queued" if queued else "was copied")
-            sp.set_attribute("obsckpt.ipc_queued", queued)
-            self.last_step = payload.step
-            self.last_seconds = time.perf_counter() - t0
-        return ack, dict(out)
-
-    def _done_event(self, device: torch.device) -> tuple[Any, str]:
-        """The interprocess event recorded after each copy on ``device``, and its token."""
-        if self._done is None or self._done[0] != device:
-            self._done = (device, _new_event(), uuid.uuid4().hex[:12])
-        return self._done[1], self._done[2]
-
-    def _take_layout(self, payload: IpcPayload) -> None:
-        """Parse a described layout and locate the sender's tensors (kept for later payloads)."""
-        self._held = None
-        self._targets = None  # new sources: the targets are listed again
-        if payload.meta != self._wire:  # parsed once per layout of the model
-            self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
-            self._wire = payload.meta
-        meta = self._meta
-        if payload.layout == "direct":
-            sources = self._direct_sources(payload, meta)
-        elif payload.layout == "buckets":
-            self._drop_storages(())
-            plan = plan_buckets(meta, payload.bucket_bytes)
-            if len(plan) != len(payload.handles):
-                raise BroadcastError(
-                    f"the payload has {len(payload.handles)} buckets, its metadata plans "
-                    f"{len(plan)}; sender and receiver disagree on the protocol"
-                )
-            sources = [None] * len(meta)
-            for bucket, handle in zip(plan, payload.handles, strict=True):
-                flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
-                for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                    sources[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
-        else:
-            raise BroadcastError(
-                f"unknown ipc layout {payload.layout!r}; run the same obsckpt version on both sides"
-            )
-        self._sources = sources
-        self._held = (payload.layout_id, payload.layout)
-
-    def _check_deadline(self, payload: IpcPayload, what: str) -> None:
-        late = time.time() - payload.deadline
-        if late > 0:
-            raise BroadcastTimeoutError(
-                f"the weights of step {payload.step} {what} {late:.2f} s after the sender's "
-                "deadline; the sender has given up on this sync and may be rewriting its "
-                "buffers, so they are not used"
-            )
-
-    def _direct_sources(self, payload: IpcPayload, meta: list[TensorMeta]) -> list[torch.Tensor]:
-        """The sender's tensors, as views of its storages (opened once, kept while live)."""
-        if len(payload.views) != len(meta):
-            raise BroadcastError(
-                f"the payload has {len(payload.views)} views for {len(meta)} tensors; sender "
-                "and receiver disagree on the protocol"
-            )
-        for sid, handle in payload.storages:
-            self._storages[sid] = self._open_storage(handle, payload)
-        self._drop_storages(payload.live)
-        sources = []
-        for m, (sid, offset) in zip(meta, payload.views, strict=True):
-            key = (sid, offset, m.dtype, m.shape)
-            src = self._views.get(key)
-            if src is None:
-                storage = self._storages.get(sid)
-                if storage is None or offset + m.nbytes > storage.numel():
-                    raise BroadcastError(
-                        f"{m.name!r}: the payload points into storage {sid}, which this "
-                        "rollout does not hold (or not that far); sender and receiver "
-                        "disagree on the protocol"
-                    )
-                src = storage[offset : offset + m.nbytes].view(m.dtype).view(m.shape)
-                self._views[key] = src
-            sources.append(src)
-        return sources
-
-    def _drop_storages(self, live: Iterable[int]) -> None:
-        """Close the sender's storages not in ``live`` (the sender may free or reuse them)."""
-        keep = set(live)
-        for sid in [s for s in self._storages if s not in keep]:
-            del self._storages[sid]
-        if len(self._views) and any(k[0] not in keep for k in self._views):
-            self._views = {k: v for k, v in self._views.items() if k[0] in keep}
-
-    def _open_storage(self, handle: Any, payload: IpcPayload) -> torch.Tensor:
-        """A byte tensor over one of the sender's storages."""
-        if handle[0] != "cuda":
-            raise BroadcastError(f"unknown ipc storage handle kind {handle[0]!r}")
-        return self._rebuild_cuda(handle[1], payload)
-
-    def _rebuild_cuda(self, reduced: Any, payload: IpcPayload) -> torch.Tensor:
-        rebuild, args = reduced
-        device = self.device or torch.device("cuda", torch.cuda.current_device())
-        mine = _device_uuid(device)
-        if payload.device_uuid is not None and mine != payload.device_uuid:
-            raise BroadcastError(
-                f"the sender's tensors are on GPU {payload.device_uuid}, this rollout "
-                f"runs on {mine}; the ipc method needs both on the same GPU (use "
-                "sync_method='broadcast' across GPUs)"
-            )
-        args = list(args)
-        args[6] = device.index  # the sender's index may name another device here
-        return rebuild(*args)
-
-    def _open(self, handle: Any, payload: IpcPayload) -> torch.Tensor:
-        if handle[0] == "shm":
-            key = handle[1]
-        else:  # segment handle, offset and size: two buckets may share a segment
-            args = handle[1][1]
-            key = (args[7], args[9], args[8], payload.device_uuid)
-        buf = self._opened.get(key)
-        if buf is not None:
-            return buf
-        if handle[0] == "shm":
-            _, path, size = handle
-            buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        elif handle[0] == "cuda":
-            buf = self._rebuild_cuda(handle[1], payload)
-        else:
-            raise BroadcastError(f"unknown ipc handle kind {handle[0]!r}")
-        self._opened[key] = buf
-        return buf
-
-    def _targets_for(
-        self, into: Mapping[str, torch.Tensor] | None, clone: bool
-    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], set]:
-        """The tensors to copy into, the dict to return, and the CUDA devices they are on.
-
-        Kept from sync to sync while the layout and ``into``'s tensors stay the
-        same, so a sync does no per-tensor bookkeeping.
-        """
-        meta, sources = self._meta, self._sources
-        if clone:
-            device = self.device
-            return self._targets_of(
-                [
-                    torch.empty(m.shape, dtype=m.dtype, device=device or src.device)
-                    for m, src in zip(meta, sources, strict=True)
-                ]
-            )
-        key = None if into is None else _IntoKey.of(into)
-        if self._targets is not None and _same_into(key, self._targets_key):
-            return self._targets
-        if into is None:
-            dsts = [self._area_tensor(m, src) for m, src in zip(meta, sources, strict=True)]
-        else:
-            dsts = [
-                self._into_tensor(m, into[m.name]) if m.name in into else self._area_tensor(m, src)
-                for m, src in zip(meta, sources, strict=True)
-            ]
-        self._targets, self._targets_key = self._targets_of(dsts), key
-        return self._targets
-
-    def _targets_of(self, dsts: list[torch.Tensor]) -> tuple[list, dict, set]:
-        names = (m.name for m in self._meta)
-        return dsts, dict(zip(names, dsts, strict=True)), _cuda_devices(dsts)
-
-    @staticmethod
-    def _into_tensor(m: TensorMeta, dst: torch.Tensor) -> torch.Tensor:
-        if dst.shape != m.shape:
-            raise BroadcastError(
-                f"{m.name!r}: sent {m.shape}, into= has {tuple(dst.shape)}; pass tensors "
-                "of the sender's shapes"
-            )
-        return dst
-
-    def _area_tensor(self, m: TensorMeta, src: torch.Tensor) -> torch.Tensor:
-        device = self.device or src.device
-        dst = self._area.get(m.name)
-        if dst is None or dst.shape != m.shape or dst.dtype != m.dtype or dst.device != device:
-            dst = self._area[m.name] = torch.empty(m.shape, dtype=m.dtype, device=device)
-        return dst
-
-    def close(self) -> None:
-        """Unmap the sender's buffers and storages and drop the receive area."""
-        self._opened.clear()
-        self._drop_storages(())
-        self._area.clear()
-        self._held = None
-        self._sources = []
-        self._targets = self._targets_key = None
-        self._done = None
-
-
-class _IntoKey(NamedTuple):
-    """What the targets of an ``into=`` mapping depend on."""
-
-    names: list[str]
-    tensors: list[torch.Tensor]
-    shapes: list[torch.Size]
-
-    @classmethod
-    def of(cls, into: Mapping[str, torch.Tensor]) -> _IntoKey:
-        tensors = list(into.values())
-        return cls(list(into.keys()), tensors, list(map(_shape, tensors)))
-
-
-def _same_into(a: _IntoKey | None, b: _IntoKey | None) -> bool:
-    """The same names, the very same tensor objects, the same shapes (or both None)."""
-    if a is None or b is None:
-        return a is b
-    return (
-        a.names == b.names
-        and len(a.tensors) == len(b.tensors)
-        and all(map(operator.is_, a.tensors, b.tensors))
-        and a.shapes == b.shapes
-    )
-
-
 def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
     """What tells storages apart while they live: ``(address, size)``."""
     return storage.data_ptr(), storage.nbytes()
@@ -1007,23 +588,6 @@ def _storages(tensors: list[torch.Tensor]) -> tuple[list, list[tuple[int, int]]]
     """The tensors' storages and their keys."""
     storages = [t.untyped_storage() for t in tensors]
     return storages, list(map(_storage_key, storages))
-
-
-def _cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
-    return {t.device for t in tensors if t.is_cuda}
-
-
-def _current_stream(device: torch.device) -> Any:
-    return torch.cuda.current_stream(device)
-
-
-def _new_event() -> Any:
-    """An event another process can open and wait for (made on its first record)."""
-    return torch.cuda.Event(interprocess=True)
-
-
-def _open_event(device: torch.device, handle: bytes) -> Any:
-    return torch.cuda.Event.from_ipc_handle(device, handle)
 
 
 def _receiver_gone(exc: BaseException) -> bool:
