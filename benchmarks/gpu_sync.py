@@ -14,8 +14,9 @@ receiver's event; the details give the same sync with the receiver answering
 after its copy (``recv``'s default) beside it, and split that one's time
 into the receiver's part (its copy alone), the transport's round trip (a
 ping through the same pipe) and the sender's own, and time the same bytes
-copied in the receiver outside the protocol, from the sender's tensors and
-between its own, batched and per tensor. They also give one batched copy
+copied outside the protocol, batched and per tensor: in the receiver, from
+the sender's tensors and between its own; in the sender, from its tensors
+into the receiver's. They also give one batched copy
 (``torch._foreach_copy_``, which the receiver uses), the ratio for four
 times the tensors and bytes, and the ``buckets`` layout, used when the
 tensors are new at each sync (gathered from shards): packed into the
@@ -64,15 +65,20 @@ def _receiver(conn, device_index: int) -> None:
             sender_tensors = message[1]
             conn.send(len(sender_tensors))
             continue
+        area = list(weights.values())
+        if message in ("copies", "scratch") and [t.shape for t in scratch] != [
+            t.shape for t in area
+        ]:
+            scratch[:] = [torch.empty_like(t) for t in area]
+            cuda_seconds(_batched, scratch, area)  # first touch, untimed
+        if message == "scratch":  # for the sender to copy into (torch's CUDA IPC)
+            conn.send(list(scratch))
+            continue
         if message == "copies":
             # The same bytes copied outside the protocol, into tensors of this process:
             # from its own receive area (a copy in a second process), and from the
             # sender's tensors (a copy from memory another process allocated), each
             # batched and per tensor.
-            area = list(weights.values())
-            if [t.shape for t in scratch] != [t.shape for t in area]:
-                scratch[:] = [torch.empty_like(t) for t in area]
-                cuda_seconds(_batched, scratch, area)  # first touch, untimed
             conn.send(
                 {
                     "own_batched": cuda_seconds(_batched, scratch, area),
@@ -96,9 +102,11 @@ def _receiver(conn, device_index: int) -> None:
 
 
 def _bare_copies(series: dict) -> dict[str, float]:
-    """The median of each of the receiver's bare copies (see ``_receiver``)."""
-    copies = series["copies"]
-    return {k: round(median([c[k] for c in copies]), 6) for k in copies[0]}
+    """The median of each bare copy: the receiver's (see ``_receiver``) and the sender's."""
+    copies, pushed = series["copies"], series["pushed"]
+    out = {k: round(median([c[k] for c in copies]), 6) for k in copies[0]}
+    out.update({f"into_receiver_{k}": round(median([c[k] for c in pushed]), 6) for k in pushed[0]})
+    return out
 
 
 def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
@@ -147,6 +155,12 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         parent.send("copies")
         return parent.recv()
 
+    def sender_copies(theirs: list, srcs: list) -> dict:  # into the receiver's memory
+        return {
+            "batched": cuda_seconds(_batched, theirs, srcs),
+            "per_tensor": cuda_seconds(_per_tensor, theirs, srcs),
+        }
+
     step = 0
 
     def sync(state: dict, wait: bool = False) -> float:
@@ -174,13 +188,18 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         for _ in range(3):  # after other tensors, the first sees them new (buckets),
             sync(state)  # the next opens their storages and takes the receiver's event
         cuda_seconds(_per_tensor, dsts, srcs)
-        series = ("sync", "waits", "d2d", "batched", "ping", "copies", "layouts", "receiver")
+        parent.send("scratch")  # the receiver's own tensors, for the sender to write into
+        theirs = parent.recv()
+        sender_copies(theirs, srcs)  # first touch from this process, untimed
+        series = ("sync", "waits", "d2d", "batched", "ping", "copies", "pushed", "layouts")
+        series += ("receiver",)
         out = {k: [] for k in series + ("copy", "waits_receiver", "waits_copy")}
         for _ in range(reps):
             out["d2d"].append(cuda_seconds(_per_tensor, dsts, srcs))
             out["batched"].append(cuda_seconds(_batched, dsts, srcs))
             out["ping"].append(ping())
             out["copies"].append(receiver_copies())
+            out["pushed"].append(sender_copies(theirs, srcs))
             out["sync"].append(sync(state))
             out["layouts"].append(sender.last_layout)
             out["receiver"].append(answers[-1]["receiver_s"])
@@ -190,6 +209,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             out["waits_receiver"].append(answers[-1]["receiver_s"])
             out["waits_copy"].append(answers[-1]["copy_s"])
         out["nbytes"] = sum(t.numel() * t.element_size() for t in srcs)
+        theirs.clear()
         return out
 
     try:
@@ -224,7 +244,8 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         f"for {nbytes / 1e9:.2f} GB; answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
         f"in the receiver {wr * 1e3:.2f} ms (its copy {median(main['waits_copy']) * 1e3:.2f} "
         f"ms; bare, from the sender's tensors {bare['sender_batched'] * 1e3:.2f} ms, between "
-        f"its own {bare['own_batched'] * 1e3:.2f} ms), "
+        f"its own {bare['own_batched'] * 1e3:.2f} ms, the sender's into the receiver's "
+        f"{bare['into_receiver_batched'] * 1e3:.2f} ms), "
         f"transport {p * 1e3:.2f} ms, the sender's own {(w - wr - p) * 1e3:.2f} ms; fresh "
         f"tensors {f * 1e3:.2f} ms ({'/'.join(sorted(set(fresh_layouts)))}); 4x the state: "
         f"{ls * 1e3:.2f} ms vs {lc * 1e3:.2f} ms ({lc / ls:.3f})"
@@ -266,12 +287,15 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
                 "transport_s": round(p, 6),
                 "sender_own_s": round(w - wr - p, 6),
             },
-            # The same bytes copied in the receiver outside the protocol, batched as
-            # recv does and per tensor as the reference does: from the sender's
-            # tensors (memory another process allocated) and between the receiver's
-            # own. If the first is slower than the second, the copy from shared
-            # memory is the limit, which no saving on the host closes.
-            "receiver_bare_copies_s": bare,
+            # The same bytes copied outside the protocol, batched as recv does and
+            # per tensor as the reference does. In the receiver: from the sender's
+            # tensors (memory another process allocated: sender_*) and between its
+            # own (own_*). In the sender: from its tensors into the receiver's
+            # (into_receiver_*). If sender_* is slower than own_*, the copy from
+            # shared memory is the limit, which no saving on the host closes;
+            # into_receiver_* tells whether the sender writing into the rollout's
+            # memory would be faster than the rollout reading the trainer's.
+            "bare_copies_s": bare,
             "fresh_tensors": {
                 "sync_s": round(f, 6),
                 "d2d_over_sync": round(c / f, 3),
@@ -288,7 +312,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
                 "d2d_over_sync": round(lc / ls, 3),
                 "answer_after_copy_s": round(median(larger["waits"]), 6),
                 "receiver_s": round(median(larger["receiver"]), 6),
-                "receiver_bare_copies_s": larger_bare,
+                "bare_copies_s": larger_bare,
                 "layouts": larger["layouts"],
             },
         },
