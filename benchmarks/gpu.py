@@ -41,7 +41,7 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
     )
     if not torch.cuda.is_available():
         return [skipped(n, op, b, NO_CUDA, unit="x") for n, op, b in names]
-    from obsckpt.snapshot import StagingBuffers, StagingCopy
+    from obsckpt.staging import StagingBuffers, StagingCopy
 
     per = max(1, sizes.state_bytes // sizes.state_tensors // 2)
     state = {

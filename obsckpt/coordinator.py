@@ -9,7 +9,7 @@ when it ends, successfully or not, with its measurements. A failure is
 stored and raised once by the next :meth:`CheckpointCoordinator.wait_all`.
 
 State-dict saves copy into one staging arena per slot (see
-:mod:`obsckpt.snapshot`): :meth:`CheckpointCoordinator.prepare` makes it before
+:mod:`obsckpt.staging`): :meth:`CheckpointCoordinator.prepare` makes it before
 the first save, ``overlap=True`` copies next to the caller's next step, and
 :meth:`CheckpointCoordinator.close` releases it.
 
@@ -189,7 +189,7 @@ class StagedSave:
     def __init__(self, slot: str, step: int, copy: Any = None) -> None:
         self.slot = slot
         self.step = step
-        self._copy = copy  # snapshot.StagingCopy of an overlapped save
+        self._copy = copy  # staging.StagingCopy of an overlapped save
 
     @property
     def staged(self) -> bool:
@@ -252,7 +252,7 @@ class CheckpointCoordinator:
         self._saves: dict[str, _Save] = {}
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
-        self._staging: dict[str, Any] = {}  # slot -> snapshot.StagingBuffers
+        self._staging: dict[str, Any] = {}  # slot -> staging.StagingBuffers
         self._preparing: dict[str, Future] = {}  # slot -> prepare() running in the background
         # Tickets of running saves, renewed by one heartbeat thread so the monitor
         # can tell a slow save from a rank that died.
@@ -396,7 +396,8 @@ class CheckpointCoordinator:
         ``unless_committed`` skips a step already committed (see :meth:`save_async`).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
-        from obsckpt.snapshot import StagingCopy, write_torch_file
+        from obsckpt.staging import StagingCopy
+        from obsckpt.torchfile import write_torch_file
 
         validate_slot(name)
         validate_step(global_step)
@@ -453,7 +454,7 @@ class CheckpointCoordinator:
         Returns:
             A future, done when the slot is prepared; its result is the bytes staged.
         """
-        from obsckpt import snapshot  # noqa: F401 - the import is part of what is prepared
+        import obsckpt.staging  # noqa: F401 - the import (torch, the writer) is part of what is prepared
 
         validate_slot(name)
         future: Future = Future()
@@ -516,7 +517,7 @@ class CheckpointCoordinator:
             self._record_staging(name, staging)
 
     def _staging_for(self, name: str, *, wait_prepare: bool = True) -> Any:
-        from obsckpt.snapshot import StagingBuffers
+        from obsckpt.staging import StagingBuffers
 
         if wait_prepare:
             with self._lock:

@@ -154,7 +154,7 @@ class RankWorker:
         trace: bool = False,
         **coord_kwargs,
     ):
-        import obsckpt.snapshot  # noqa: F401 - import torch's distributed parts now, not mid-save
+        import obsckpt.staging  # noqa: F401 - import torch's distributed parts now, not mid-save
         from obsckpt import CheckpointCoordinator
         from obsckpt.telemetry import tracing
 

@@ -162,7 +162,8 @@ class ShardedRank:
         return {"model": model, "optim": optim}
 
     def stage_write_and_load(self, directory: str) -> dict:
-        from obsckpt.snapshot import StagingBuffers, write_torch_file
+        from obsckpt.staging import StagingBuffers
+        from obsckpt.torchfile import write_torch_file
 
         state = self.state()
         expected = {

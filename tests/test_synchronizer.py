@@ -12,8 +12,8 @@ from metrics_helpers import samples, scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
-from obsckpt.snapshot import write_torch_file
 from obsckpt.sync.synchronizer import StateDictLoadError, load_sharded_state_dict, merge_shards
+from obsckpt.torchfile import write_torch_file
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:

@@ -87,16 +87,16 @@ class VerlWorker:
         """Hold every file write of this process until ``flag`` exists."""
         import time
 
-        import obsckpt.snapshot as snapshot
+        import obsckpt.torchfile as torchfile
 
-        original = snapshot.write_torch_file
+        original = torchfile.write_torch_file
 
         def held(obj, path):
             while not os.path.exists(flag):
                 time.sleep(0.05)
             return original(obj, path)
 
-        snapshot.write_torch_file = held
+        torchfile.write_torch_file = held
 
     def params(self) -> dict:
         from torch.distributed.tensor import DTensor

@@ -1,0 +1,449 @@
+"""Snapshot a state dict into reusable staging buffers.
+
+The training loop is blocked only for :meth:`StagingBuffers.stage`: one copy
+of each tensor into a buffer kept from the previous save of the same slot.
+A slot's buffers are views of one anonymous mapping (an :class:`Arena`),
+registered as pinned memory with CUDA when CUDA is present so device→host
+copies run at full bandwidth, without the caching host allocator's rounding
+of each buffer to a power of two. :func:`obsckpt.torchfile.write_torch_file`
+then runs in the background and writes the staged tensors to disk straight
+from those views, which are page-aligned for that purpose.
+
+With :meth:`StagingBuffers.plan` the copy can also run apart from the caller:
+a copy thread queues CUDA copies on a side stream and copies CPU tensors
+itself (see :class:`StagingCopy`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import mmap
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from obsckpt.errors import TensorMutatedError
+from obsckpt.torchfile import ALIGN, DIRECT_MIN
+from obsckpt.tree import PLAIN_TENSORS, dtensor_type, sharded_tensor_type, tensor_leaves
+
+# Views of at least the direct-write size start on a page (they are written to
+# disk from their memory); smaller ones on torch's own 64-byte alignment, so a
+# state of many small tensors does not pay a page each.
+_SMALL_ALIGN = 64
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _cuda_host_register(address: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` at ``address`` for CUDA (``cudaHostRegister``); False if refused."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+    except Exception:  # noqa: BLE001 - staging still works unpinned, only slower
+        return False
+    return int(getattr(err, "value", err)) == 0
+
+
+def _cuda_host_unregister(address: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001 - nothing more can be done at release
+        pass
+
+
+class Arena:
+    """One page-aligned anonymous mapping, carved into tensor views.
+
+    Each view is a tensor with a storage of its own (``torch.save`` writes
+    it as its own record) whose memory lies inside the mapping. With
+    ``pin=True`` the whole mapping is registered with CUDA
+    (``cudaHostRegister``): one page-locked region for the slot, exactly its
+    size. :meth:`release` unregisters it and drops the arena's reference; the
+    mapping is unmapped when the last view is gone (views keep it alive,
+    never the other way round).
+
+    Args:
+        nbytes: size of the mapping (rounded up to a page).
+        pin: register the mapping with CUDA.
+        populate: fault every page in now (``MAP_POPULATE``), so the first
+            copy into the views does not pay the page faults.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False, populate: bool = False) -> None:
+        if nbytes < 0:
+            raise ValueError(f"an arena's size must be >= 0 bytes, got {nbytes!r}")
+        self.nbytes = max(ALIGN, _round_up(nbytes, ALIGN))
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate and not pin:  # registering faults the pages in anyway
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mm: mmap.mmap | None = mmap.mmap(-1, self.nbytes, flags=flags)
+        probe = np.frombuffer(self._mm, np.uint8, count=1)
+        self.address: int = probe.ctypes.data
+        del probe
+        self.pinned = pin and _cuda_host_register(self.address, self.nbytes)
+        # Unregistered however the arena goes, before the mapping can be unmapped.
+        self._finalizer = (
+            weakref.finalize(self, _cuda_host_unregister, self.address) if self.pinned else None
+        )
+
+    @property
+    def released(self) -> bool:
+        return self._mm is None
+
+    def mapping(self) -> mmap.mmap | None:
+        """The mapping itself while the arena holds it (None once released)."""
+        return self._mm
+
+    def view(self, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype):
+        """A tensor of ``shape`` and ``dtype`` whose memory starts ``offset`` bytes into the mapping."""
+        if self._mm is None:
+            raise RuntimeError("this staging arena was released; allocate a new one")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"a view of {nbytes} bytes at offset {offset} does not fit an arena of "
+                f"{self.nbytes} bytes"
+            )
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Unregister (CUDA) and let go of the mapping; views still held keep their memory."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.pinned = False
+        self._mm = None
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes in one arena, and the arena's size."""
+    offsets = []
+    end = 0
+    for n in sizes:
+        end = _round_up(end, ALIGN if n >= DIRECT_MIN else _SMALL_ALIGN)
+        offsets.append(end)
+        end += n
+    return offsets, end
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype)
+
+
+@functools.cache
+def _can_view(dtype: torch.dtype) -> bool:
+    try:
+        torch.empty(dtype.itemsize, dtype=torch.uint8).view(dtype)
+    except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
+        return False
+    return True
+
+
+def _rebuild_sharded(obj: Any, it) -> Any:
+    """A ShardedTensor over this rank's staged local shards (``it``), with no communication.
+
+    It keeps ``obj``'s global metadata, with every placement moved to the CPU
+    where the staging buffers live, so the file loads as verl's own
+    CPU-offloaded sharded state dict does.
+    """
+    from torch.distributed import _remote_device
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    def on_cpu(shard_md: Any) -> Any:
+        shard_md = copy.deepcopy(shard_md)
+        shard_md.placement = _remote_device(f"rank:{shard_md.placement.rank()}/cpu")
+        return shard_md
+
+    metadata = copy.deepcopy(obj.metadata())
+    metadata.shards_metadata = [on_cpu(md) for md in metadata.shards_metadata]
+    shards = [Shard(next(it), on_cpu(shard.metadata)) for shard in obj.local_shards()]
+    metadata.tensor_properties.pin_memory = bool(shards) and shards[0].tensor.is_pinned()
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=obj._process_group
+    )
+
+
+class StagingBuffers:
+    """Host buffers for one slot, reused while the state dict keeps its shapes.
+
+    The buffers are views of one :class:`Arena`, pinned when ``pin_memory``
+    (default: CUDA is available) and the state has CUDA tensors (or ``meta``
+    ones, from :meth:`prepare`): a state held on the CPU gains nothing from
+    locked pages. A state dict of other shapes or dtypes, or one that now
+    needs pinning, gets a new arena, and the old one is released.
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._arena: Arena | None = None
+        self._signatures: list[tuple] = []
+        self._buffers: list[torch.Tensor] = []
+        self._loose_bytes = 0  # buffers outside the arena (dtypes that cannot view bytes)
+        self._pinned = False  # whether the current buffers are pinned
+        self._stream = None  # side CUDA stream of overlapped copies
+        # How the last allocation went, for the caller's telemetry.
+        self.allocations = 0
+        self.last_allocation_s = 0.0
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Host bytes this slot's staging holds (the arena plus any loose buffers)."""
+        arena = self._arena.nbytes if self._arena is not None else 0
+        return arena + self._loose_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Of :attr:`bytes_allocated`, the page-locked (CUDA-registered) bytes."""
+        arena = self._arena.nbytes if self._arena is not None and self._arena.pinned else 0
+        return arena + (self._loose_bytes if self._pinned else 0)
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._arena
+
+    def prepare(self, obj: Any) -> bool:
+        """Allocate (pin) and pre-fault buffers for ``obj``'s tensors; True if it allocated.
+
+        Only shapes and dtypes are read: ``obj`` may hold tensors on any
+        device, ``meta`` included.
+        """
+        found: list[tuple[str, torch.Tensor]] = []
+        tensor_leaves(obj, found)
+        return self._ensure([t for _, t in found], populate=True)
+
+    def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
+        signatures = [_signature(t) for t in tensors]
+        pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
+        if signatures == self._signatures and self._arena is not None and self._pinned >= pin:
+            return False
+        t0 = time.perf_counter()
+        self.release()
+        viewable = [_can_view(t.dtype) for t in tensors]
+        sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, viewable, strict=True)]
+        offsets, total = _layout(sizes)
+        arena = Arena(total, pin=pin, populate=populate)
+        buffers = []
+        for t, ok, offset in zip(tensors, viewable, offsets, strict=True):
+            if ok and t.numel():
+                buffers.append(arena.view(offset, t.shape, t.dtype))
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and ok)
+                self._loose_bytes += _nbytes(buf)
+                buffers.append(buf)
+        self._arena, self._signatures, self._buffers = arena, signatures, buffers
+        self._pinned = pin
+        self.allocations += 1
+        self.last_allocation_s = time.perf_counter() - t0
+        return True
+
+    def release(self) -> None:
+        """Drop the buffers; the arena is unregistered and unmapped once no view is held."""
+        if self._arena is not None:
+            self._arena.release()
+        self._arena = None
+        self._signatures, self._buffers = [], []
+        self._loose_bytes = 0
+        self._pinned = False
+
+    def plan(self, obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """``obj`` rebuilt around this slot's buffers, and the copies still to make.
+
+        Returns ``(snapshot, copies)``: ``snapshot`` has ``obj``'s structure
+        with its tensors replaced by staging buffers (not yet filled) and other
+        leaves deep-copied; ``copies`` lists ``(key, source, buffer)``.
+        """
+        found: list[tuple[str, torch.Tensor]] = []
+        tensor_leaves(obj, found)
+        self._ensure([t for _, t in found], populate=False)
+        copies = [(key, src, buf) for (key, src), buf in zip(found, self._buffers, strict=True)]
+        it = iter(self._buffers)
+        return self._rebuild(obj, it), copies
+
+    def _rebuild(self, obj: Any, it) -> Any:
+        if type(obj) in PLAIN_TENSORS:  # the common leaf, without the subclass lookups
+            return next(it)
+        dtensor = dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
+            local = self._rebuild(obj.to_local(), it)
+            return dtensor.from_local(
+                local,
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
+            )
+        sharded = sharded_tensor_type()
+        if sharded is not None and isinstance(obj, sharded):
+            return _rebuild_sharded(obj, it)
+        if isinstance(obj, torch.Tensor):
+            return next(it)
+        if isinstance(obj, dict):
+            return type(obj)((k, self._rebuild(v, it)) for k, v in obj.items())
+        if isinstance(obj, list):
+            return [self._rebuild(v, it) for v in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._rebuild(v, it) for v in obj)
+        return copy.deepcopy(obj)
+
+    def stage(self, obj: Any) -> Any:
+        """A copy of ``obj`` whose tensors live in this slot's staging buffers.
+
+        Returns once every copy has completed, so the caller may mutate its
+        tensors immediately. Containers are rebuilt; other leaves are deep-copied.
+        """
+        out, copies = self.plan(obj)
+        non_blocking = self._pinned
+        cuda = False
+        for _, src, buf in copies:
+            cuda = cuda or src.is_cuda
+            buf.copy_(src, non_blocking=non_blocking and src.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def side_stream(self):
+        """This slot's CUDA stream for overlapped copies (created on first use)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+class StagingCopy:
+    """An overlapped copy of planned staging copies, with a check for early mutation.
+
+    Built on the caller's thread, it only reads each source's version counter
+    and, for CUDA sources, records an event on the caller's current stream;
+    :meth:`run`, on a copy thread, does the rest, so the caller's thread and
+    stream go on at once. CUDA sources are copied on the slot's side stream,
+    after that event (the work the caller had queued when it saved); CPU
+    sources are copied by the thread itself. :meth:`wait` makes the caller's
+    current stream wait for the copies (an event, no host block beyond the
+    copy thread's queueing of them), so the optimizer step queued after it
+    runs after them. Every source's version counter (``tensor._version``,
+    bumped by each in-place operation) is compared when its copy has finished:
+    a change means the caller modified the tensor before staging finished, and
+    the save fails with :class:`TensorMutatedError` instead of writing a mix
+    of two steps.
+    """
+
+    def __init__(self, staging: StagingBuffers, copies: list) -> None:
+        self.copies = copies
+        self.versions = [src._version for _, src, _ in copies]
+        self.done = threading.Event()  # set when the thread has queued or made every copy
+        self.error: BaseException | None = None
+        self._event = None  # recorded on the side stream after its copies
+        self._lock = threading.Lock()
+        self._ordered = False  # the caller's stream waits for the copies (wait() was called)
+        self._cuda = [(k, s, b) for k, s, b in copies if s.is_cuda]
+        self._cpu = [(i, c) for i, c in enumerate(copies) if not c[1].is_cuda]
+        self._side = self._ready = None
+        if self._cuda:
+            self._side = staging.side_stream()
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream())
+        if not copies:
+            self.done.set()
+
+    def start(self, submit: Callable[[Callable[[], None]], Any] | None = None) -> None:
+        """Run :meth:`run` through ``submit`` (e.g. a thread pool's), else on a new thread."""
+        if self.done.is_set():
+            return
+        if submit is not None:
+            submit(self.run)
+        else:
+            threading.Thread(target=self.run, name="obsckpt-stage", daemon=True).start()
+
+    def finished(self) -> bool:
+        """Whether every copy has completed (CUDA ones included), without blocking."""
+        return self.done.is_set() and (self._event is None or self._event.query())
+
+    def _check(self, indices) -> None:
+        for i in indices:
+            key, src, _ = self.copies[i]
+            if src._version != self.versions[i]:
+                raise TensorMutatedError(
+                    f"tensor {key!r} was modified in place before its staging copy had "
+                    f"finished (version {self.versions[i]} -> {src._version}); the save is "
+                    "abandoned. Call wait_staged() on the save's handle before the "
+                    "optimizer step (or any in-place change of the saved tensors)"
+                )
+
+    def run(self) -> None:
+        """The copy thread's work: queue the CUDA copies, copy the CPU sources (each checked)."""
+        try:
+            if self._cuda:
+                side = self._side
+                with torch.cuda.stream(side):
+                    side.wait_event(self._ready)
+                    for _, src, buf in self._cuda:
+                        buf.copy_(src, non_blocking=True)
+                        src.record_stream(side)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                self._event = event
+            for i, (_, src, buf) in self._cpu:
+                buf.copy_(src)
+                self._check((i,))
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() and by the write
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Order the caller's work after the copies; False on timeout. Raises a mutation found."""
+        if not self.done.wait(timeout):
+            return False
+        if self._event is not None:
+            with self._lock:
+                if self._cuda_sources_unchanged():
+                    torch.cuda.current_stream().wait_event(self._event)
+                    self._ordered = True
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def _cuda_sources_unchanged(self) -> bool:
+        """With the lock held: check the CUDA sources' versions, unless ordered or failed already.
+
+        True when checked and unchanged; a change is stored as the error.
+        """
+        if self._ordered or self.error is not None:
+            return False
+        cuda = [i for i, (_, src, _) in enumerate(self.copies) if src.is_cuda]
+        try:
+            self._check(cuda)
+        except TensorMutatedError as exc:
+            self.error = exc
+            return False
+        return True
+
+    def settle(self) -> None:
+        """Block until every copy has ended, for a save whose result is not used."""
+        self.done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+
+    def finish(self) -> None:
+        """For the writer: block until every copy is in host memory; raise a mutation found."""
+        self.done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+            with self._lock:
+                # Changes queued without waiting may have run before the copies.
+                self._cuda_sources_unchanged()
+        if self.error is not None:
+            raise self.error
