@@ -1,9 +1,7 @@
 """Walking a (nested) state dict: the tensors staging copies, the storages the writer writes.
 
-DTensor and FSDP1's ShardedTensor are looked up only if their modules are
-already loaded: a state dict holding one has loaded it, and importing
-``torch.distributed.tensor`` for one that does not would pull in sympy,
-seconds of the first save's stall.
+DTensor and FSDP1's ShardedTensor leaves are recognised only once their
+modules are loaded (see :func:`dtensor_type`).
 """
 
 from __future__ import annotations
@@ -32,9 +30,6 @@ def sharded_tensor_type() -> type | None:
     """FSDP1's ShardedTensor, if its module is loaded (a state dict holding one has loaded it)."""
     module = sys.modules.get("torch.distributed._shard.sharded_tensor")
     return getattr(module, "ShardedTensor", None)
-
-
-# The writer's chunks, for the bytes that cannot be written from where they lie
 
 
 def local_tensor(obj: Any) -> Any:

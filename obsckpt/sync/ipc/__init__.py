@@ -52,6 +52,11 @@ bytes between syncs; with ``direct`` the rollout keeps the trainer's
 storages of the last sync mapped (for tensors that stay in place that costs
 nothing). :meth:`IpcWeightSender.close` and :meth:`IpcWeightReceiver.close`
 release them.
+
+Modules: :mod:`~obsckpt.sync.ipc.payload` (what travels),
+:mod:`~obsckpt.sync.ipc.sender`, :mod:`~obsckpt.sync.ipc.receiver`, and
+:mod:`~obsckpt.sync.ipc.streams` (the CUDA streams and interprocess events
+both sides use).
 """
 
 from obsckpt.sync.ipc.payload import METHOD, IpcLayoutUnknownError, IpcPayload
