@@ -44,6 +44,14 @@ def _batched(dsts: list, srcs: list) -> None:  # one batched copy, as the receiv
     torch._foreach_copy_(dsts, srcs)
 
 
+def _bare(name: str, dsts: list, srcs: list) -> dict[str, float]:
+    """``srcs`` copied into ``dsts`` outside the protocol, batched and per tensor."""
+    return {
+        f"{name}_batched": cuda_seconds(_batched, dsts, srcs),
+        f"{name}_per_tensor": cuda_seconds(_per_tensor, dsts, srcs),
+    }
+
+
 def _receiver(conn, device_index: int) -> None:
     import torch
 
@@ -65,28 +73,20 @@ def _receiver(conn, device_index: int) -> None:
             sender_tensors = message[1]
             conn.send(len(sender_tensors))
             continue
-        area = list(weights.values())
-        if message in ("copies", "scratch") and [t.shape for t in scratch] != [
-            t.shape for t in area
-        ]:
-            scratch[:] = [torch.empty_like(t) for t in area]
-            cuda_seconds(_batched, scratch, area)  # first touch, untimed
-        if message == "scratch":  # for the sender to copy into (torch's CUDA IPC)
-            conn.send(list(scratch))
-            continue
-        if message == "copies":
-            # The same bytes copied outside the protocol, into tensors of this process:
-            # from its own receive area (a copy in a second process), and from the
-            # sender's tensors (a copy from memory another process allocated), each
-            # batched and per tensor.
-            conn.send(
-                {
-                    "own_batched": cuda_seconds(_batched, scratch, area),
-                    "own_per_tensor": cuda_seconds(_per_tensor, scratch, area),
-                    "sender_batched": cuda_seconds(_batched, scratch, sender_tensors),
-                    "sender_per_tensor": cuda_seconds(_per_tensor, scratch, sender_tensors),
-                }
-            )
+        if message in ("copies", "scratch"):
+            area = list(weights.values())
+            if [t.shape for t in scratch] != [t.shape for t in area]:
+                scratch[:] = [torch.empty_like(t) for t in area]
+                cuda_seconds(_batched, scratch, area)  # first touch, untimed
+            if message == "scratch":  # for the sender to copy into (torch's CUDA IPC)
+                conn.send(list(scratch))
+            else:
+                # The same bytes copied outside the protocol, into tensors of this
+                # process: from its own receive area (a copy in a second process), and
+                # from the sender's tensors (a copy from memory another process allocated).
+                conn.send(
+                    {**_bare("own", scratch, area), **_bare("sender", scratch, sender_tensors)}
+                )
             continue
         payload, wait = message
         try:
@@ -102,11 +102,9 @@ def _receiver(conn, device_index: int) -> None:
 
 
 def _bare_copies(series: dict) -> dict[str, float]:
-    """The median of each bare copy: the receiver's (see ``_receiver``) and the sender's."""
-    copies, pushed = series["copies"], series["pushed"]
-    out = {k: round(median([c[k] for c in copies]), 6) for k in copies[0]}
-    out.update({f"into_receiver_{k}": round(median([c[k] for c in pushed]), 6) for k in pushed[0]})
-    return out
+    """The median of each bare copy (see ``_bare``): the receiver's and the sender's."""
+    copies = [{**c, **p} for c, p in zip(series["copies"], series["pushed"], strict=True)]
+    return {k: round(median([c[k] for c in copies]), 6) for k in copies[0]}
 
 
 def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
@@ -155,12 +153,6 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         parent.send("copies")
         return parent.recv()
 
-    def sender_copies(theirs: list, srcs: list) -> dict:  # into the receiver's memory
-        return {
-            "batched": cuda_seconds(_batched, theirs, srcs),
-            "per_tensor": cuda_seconds(_per_tensor, theirs, srcs),
-        }
-
     step = 0
 
     def sync(state: dict, wait: bool = False) -> float:
@@ -190,16 +182,18 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         cuda_seconds(_per_tensor, dsts, srcs)
         parent.send("scratch")  # the receiver's own tensors, for the sender to write into
         theirs = parent.recv()
-        sender_copies(theirs, srcs)  # first touch from this process, untimed
-        series = ("sync", "waits", "d2d", "batched", "ping", "copies", "pushed", "layouts")
-        series += ("receiver", "queued")
-        out = {k: [] for k in series + ("copy", "waits_receiver", "waits_copy")}
+        cuda_seconds(_batched, theirs, srcs)  # first touch from this process, untimed
+        out = {
+            k: []
+            for k in "sync waits d2d batched ping copies pushed layouts receiver queued copy "
+            "waits_receiver waits_copy".split()
+        }
         for _ in range(reps):
             out["d2d"].append(cuda_seconds(_per_tensor, dsts, srcs))
             out["batched"].append(cuda_seconds(_batched, dsts, srcs))
             out["ping"].append(ping())
             out["copies"].append(receiver_copies())
-            out["pushed"].append(sender_copies(theirs, srcs))
+            out["pushed"].append(_bare("into_receiver", theirs, srcs))  # the sender's
             out["sync"].append(sync(state))
             out["layouts"].append(sender.last_layout)
             out["receiver"].append(answers[-1]["receiver_s"])
