@@ -16,6 +16,10 @@ from dashboards.alerts import AlertThresholds, alert_rules
 JOB = "obsckpt"
 INSTANCE = "obsckpt:9400"
 _TARGET = f'job="{JOB}",instance="{INSTANCE}"'
+# Monitors of other training jobs, discovered into the same scrape job.
+OTHER_INSTANCE = "obsckpt-b:9400"
+_OTHER = f'job="{JOB}",instance="{OTHER_INSTANCE}"'
+_THIRD = f'job="{JOB}",instance="obsckpt-c:9400"'
 
 
 def _seconds(duration: str) -> int:
@@ -182,6 +186,27 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             ],
         },
         {
+            "name": "save failures: a slot whose first save fails fires (its series starts at 1)",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_saves_total",
+                    f'{ckpt_labels},slot="model",result="error"',
+                    f"_x10 1x{window_min + 30}",
+                ),
+                _series("obsckpt_step_failures_total", ckpt_labels, f"0x{window_min + 40}"),
+            ],
+            "alert_rule_test": [
+                _check(5, "ObsckptSaveFailures"),
+                _check(
+                    12,
+                    "ObsckptSaveFailures",
+                    _expected("ObsckptSaveFailures", rules, {"job": JOB, "kind": "checkpoint"}),
+                ),
+                _check(11 + window_min + 5, "ObsckptSaveFailures"),
+            ],
+        },
+        {
             "name": "monitor down: a target that stops answering fires",
             "interval": "1m",
             "input_series": [_series("up", _TARGET, f"1x5 0x{down_for_min + 10}")],
@@ -228,7 +253,39 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                 _check(
                     lag_fire,
                     "ObsckptWeightSyncLagging",
-                    _expected("ObsckptWeightSyncLagging", rules, {"job": JOB}, behind),
+                    _expected(
+                        "ObsckptWeightSyncLagging",
+                        rules,
+                        {"job": JOB, "instance": INSTANCE},
+                        behind,
+                    ),
+                ),
+            ],
+        },
+        {
+            "name": "weight sync lagging: two training jobs in one scrape job are told apart",
+            "interval": "1m",
+            "input_series": [
+                # Job A is in step at a high version; job B lags at a low one.
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"100x{lag_fire}"),
+                _series("obsckpt_model_version", f'{_TARGET},role="rollout"', f"100x{lag_fire}"),
+                _series("obsckpt_model_version", f'{_OTHER},role="trainer"', f"20x{lag_fire}"),
+                _series(
+                    "obsckpt_model_version", f'{_OTHER},role="rollout"', f"{20 - behind}x{lag_fire}"
+                ),
+                # Job C has no rollout side: never paired with another job's.
+                _series("obsckpt_model_version", f'{_THIRD},role="trainer"', f"500x{lag_fire}"),
+            ],
+            "alert_rule_test": [
+                _check(
+                    lag_fire,
+                    "ObsckptWeightSyncLagging",
+                    _expected(
+                        "ObsckptWeightSyncLagging",
+                        rules,
+                        {"job": JOB, "instance": OTHER_INSTANCE},
+                        behind,
+                    ),
                 ),
             ],
         },

@@ -125,11 +125,15 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
         },
         {
             "alert": "ObsckptSaveFailures",
+            # The last term: an error series that appeared within the window already
+            # counting (a slot's first save failed), which increase() reads as 0.
             "expr": (
                 "sum by (job, kind) ("
                 f"increase(obsckpt_step_failures_total[{t.failure_window}])) > 0\n"
                 "or sum by (job, kind) ("
                 f'increase(obsckpt_saves_total{{result="error"}}[{t.failure_window}])) > 0\n'
+                'or sum by (job, kind) (obsckpt_saves_total{result="error"} > 0\n'
+                f'  unless obsckpt_saves_total{{result="error"}} offset {t.failure_window}) > 0\n'
             ),
             "for": "0m",
             "labels": {"severity": "warning"},
@@ -160,19 +164,25 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
         },
         {
             "alert": "ObsckptWeightSyncLagging",
-            # Guarded on a first sync, so jobs without a rollout side stay quiet.
+            # Each monitor (one per training job) on its own: several jobs share the
+            # scrape job. Guarded on a first sync, so a job without a rollout side
+            # stays quiet.
             "expr": (
-                'max by (job) (obsckpt_model_version{role="trainer"})\n'
-                '- max by (job) (obsckpt_model_version{role="rollout"})\n'
+                'obsckpt_model_version{role="trainer"}\n'
+                '- ignoring (role) obsckpt_model_version{role="rollout"}\n'
                 f"> {lag}\n"
-                'and on (job) max by (job) (obsckpt_model_version{role="rollout"}) > 0\n'
+                'and ignoring (role) obsckpt_model_version{role="rollout"} > 0\n'
             ),
             "for": t.weight_sync_for,
             "labels": {"severity": "warning"},
             "annotations": {
-                "summary": "Rollout weights lag the trainer (job {{ $labels.job }})",
+                "summary": (
+                    "Rollout weights lag the trainer (job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
                 "description": (
-                    "The rollout side of job {{ $labels.job }} is "
+                    "The rollout side of the training job whose monitor is "
+                    "{{ $labels.instance }} is "
                     '{{ $value | printf "%.0f" }} model versions behind the trainer '
                     f"(threshold {lag}). Rollouts are generated with stale weights."
                 ),

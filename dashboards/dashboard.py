@@ -341,13 +341,17 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Trainer vs rollout model version",
-                "Model version held by each side and the gap between them.",
+                "Model version held by each side and the gap between them, per monitor "
+                "(one per training job).",
                 "none",
                 [
-                    (f"max by (role) ({m('obsckpt_model_version')})", "{{role}}"),
                     (
-                        f"max({TRAINER_VERSION}) - max({ROLLOUT_VERSION})",
-                        "lag (versions)",
+                        f"max by (instance, role) ({m('obsckpt_model_version')})",
+                        "{{instance}} {{role}}",
+                    ),
+                    (
+                        f"{TRAINER_VERSION} - ignoring (role) {ROLLOUT_VERSION}",
+                        "{{instance}} lag (versions)",
                     ),
                 ],
                 width=16,

@@ -37,12 +37,23 @@ ITERATION_FILES = {
 KINDS = tuple(ITERATION_FILES)
 MANIFEST_NAME = "manifest.json"
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+# A temp file of a write not yet renamed into place: ``<name>.tmp`` or
+# ``<name>.tmp.<pid>[.<hex>]`` (obsckpt's own). Not part of a step's files.
+_TEMP_NAME_RE = re.compile(r"\.tmp(\.\d+(\.[0-9a-f]+)?)?$")
 _SLOT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20
 # Iteration files hold a step number; anything longer than this is not one.
 _MAX_ITERATION_BYTES = 64
 # Readers hold steps in an int64; a larger number in an iteration file is not a step.
 MAX_STEP = 2**63 - 1
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether the file ``name`` is a temp file of an unfinished write (see ``_TEMP_NAME_RE``).
+
+    Only a suffix counts: ``chat_template.tmpl`` or ``data.tmp.json`` are files of the step.
+    """
+    return _TEMP_NAME_RE.search(name) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +375,7 @@ def finalize_step(
             prefix = "" if dirpath == top else os.path.relpath(dirpath, top) + os.sep
             for name in sorted(filenames):
                 rel = prefix + name
-                if rel == MANIFEST_NAME or ".tmp" in name:
+                if rel == MANIFEST_NAME or is_temp_name(name):
                     continue
                 full = os.path.join(dirpath, name)
                 known = reported.get(rel)
@@ -427,13 +438,19 @@ def verify_step(sdir: str | os.PathLike) -> list[str]:
         return [f"{sdir / MANIFEST_NAME}: missing manifest"]
     except (ValueError, KeyError, TypeError) as exc:
         return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc})"]
+    except OSError as exc:  # a directory in its place, a read error
+        return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc.strerror or exc})"]
     problems = []
     for rec in records:
         full = sdir / rec.path
         if not full.is_file():
             problems.append(f"{full}: missing")
             continue
-        size, crc = file_crc32(full)
+        try:
+            size, crc = file_crc32(full)
+        except OSError as exc:  # a read error is what a check is for: name it, go on
+            problems.append(f"{full}: unreadable ({exc.strerror or exc})")
+            continue
         if size != rec.size:
             what = "truncated" if size < rec.size else "grown"
             problems.append(f"{full}: {what} ({size} bytes, manifest says {rec.size})")

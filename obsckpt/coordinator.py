@@ -144,6 +144,9 @@ class _SaveThreads:
             except BaseException:  # noqa: BLE001 - a save records its own errors
                 logger.exception("obsckpt: unexpected error in save thread %s", name)
             finally:
+                # An idle thread holds nothing of its last save: the job's closure
+                # keeps the snapshot (views of the slot's arena), which close() frees.
+                fn = None
                 me.name = idle_name
                 with self._lock:
                     self._idle += 1
@@ -161,7 +164,11 @@ class _Save:
     step: int
     kind: str
     done: threading.Event = field(default_factory=threading.Event)
+    # Set when the save's outcome is known to the caller: it ended (``done``), or the
+    # watchdog reported it timed out while it still runs (``timeout_error``).
+    settled: threading.Event = field(default_factory=threading.Event)
     reported: bool = False
+    timeout_error: SaveTimeoutError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     part: int | None = None  # index among ``parts`` parts of one save (e.g. the rank)
     parts: int | None = None
@@ -355,6 +362,9 @@ class CheckpointCoordinator:
         )
         carrier = trace_context if trace_context is not None else tracing.inject()
         error = self._run(save, lambda: _run_and_record(save_fn, path_list), carrier, 0.0)
+        # A save that ran past save_timeout was reported failed by the watchdog, even
+        # if it returned since: the caller learns it here, not from a later wait_all.
+        error = error or save.timeout_error
         if error is not None:
             with self._lock:
                 self._errors = [e for e in self._errors if e is not error]
@@ -403,7 +413,7 @@ class CheckpointCoordinator:
         validate_step(global_step)
         validate_parts(part, parts)
         path = os.fspath(path)
-        join_wait = self._join(name)
+        join_wait = self._join(name, trace_context)
 
         staging = self._staging_for(name)
         allocations = staging.allocations
@@ -562,8 +572,12 @@ class CheckpointCoordinator:
     def wait_all(self, timeout: float | None = None) -> None:
         """Join every slot; raise the first background failure (once), with slot and step.
 
+        A save that ran past ``save_timeout`` is not waited for: its
+        :class:`SaveTimeoutError` is raised (it keeps its slot until it returns).
+
         Raises:
-            SaveTimeoutError: saves still running after ``timeout`` seconds.
+            SaveTimeoutError: saves still running after ``timeout`` seconds, or past
+                ``save_timeout``.
             SaveError: a background save failed since the last call.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -571,8 +585,8 @@ class CheckpointCoordinator:
             saves = list(self._saves.values())
         for save in saves:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            save.done.wait(remaining)
-        running = [s for s in saves if not s.done.is_set()]
+            save.settled.wait(remaining)
+        running = [s for s in saves if not s.settled.is_set()]
         if running:
             names = ", ".join(f"{s.slot!r} (step {s.step})" for s in running)
             raise SaveTimeoutError(
@@ -638,15 +652,18 @@ class CheckpointCoordinator:
     # Internals
     # ------------------------------------------------------------------
 
-    def _join(self, name: str) -> float:
-        """Wait for the previous save of ``name``; returns seconds waited."""
+    def _join(self, name: str, trace_context: dict | None = None) -> float:
+        """Wait for the previous save of ``name``; returns seconds waited.
+
+        The wait's span joins the caller's ``trace_context`` (else the current context).
+        """
         with self._lock:
             prev = self._saves.get(name)
         if prev is None or prev.done.is_set():
             return 0.0
         t0 = time.perf_counter()
         attrs = {"obsckpt.slot": name, "obsckpt.step": prev.step, "obsckpt.rank": self.rank}
-        with tracing.span("obsckpt.join_wait", attributes=attrs):
+        with tracing.span("obsckpt.join_wait", carrier=trace_context, attributes=attrs):
             finished = prev.done.wait(self.save_timeout)
         waited = time.perf_counter() - t0
         if not finished:
@@ -674,7 +691,7 @@ class CheckpointCoordinator:
         on_skip: Callable[[], None] | None = None,
     ) -> None:
         if join_wait is None:
-            join_wait = self._join(name)
+            join_wait = self._join(name, trace_context)
         save = _Save(
             name,
             step,
@@ -725,6 +742,7 @@ class CheckpointCoordinator:
         ticket = None
         timer = None
         error: SaveError | None = None
+        reporting = False  # this thread claimed the report of a save that ran ok
         try:
             with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
                 admitted = ray.get(
@@ -768,7 +786,9 @@ class CheckpointCoordinator:
                 if isinstance(admitted, dict) and admitted.get("heartbeat_s"):
                     self._hold_lease(ticket, admitted["heartbeat_s"])
                 if self.save_timeout is not None:
-                    timer = threading.Timer(self.save_timeout, self._on_timeout, (save, ticket))
+                    timer = threading.Timer(
+                        self.save_timeout, self._on_timeout, (save, ticket, join_wait)
+                    )
                     timer.daemon = True
                     timer.name = f"obsckpt-watchdog-{save.slot}-step{save.step}"
                     timer.start()
@@ -789,7 +809,8 @@ class CheckpointCoordinator:
                 span.set_attribute("obsckpt.bytes", nbytes)
             if timer is not None:
                 timer.cancel()
-            if self._claim_report(save):
+            reporting = self._claim_report(save)
+            if reporting:
                 self._notify_finished(
                     save,
                     ticket,
@@ -802,22 +823,28 @@ class CheckpointCoordinator:
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised by wait_all
             if timer is not None:
                 timer.cancel()
+            what = f"background save {save.slot!r} of step {save.step} ({save.kind})"
+            if reporting:
+                # The files are written, but the monitor may not have counted the
+                # save, so its step may never commit: the caller hears of it.
+                what += " finished, but reporting it to the monitor failed"
+            else:
+                what += " failed"
             error = SaveError(
-                f"background save {save.slot!r} of step {save.step} ({save.kind}) failed: "
-                f"{type(exc).__name__}: {exc}",
-                slot=save.slot,
-                step=save.step,
+                f"{what}: {type(exc).__name__}: {exc}", slot=save.slot, step=save.step
             )
             error.__cause__ = exc
             self.logger.error("obsckpt: %s", error, exc_info=exc)
-            if self._claim_report(save):
-                self._report_failure(save, ticket, exc, join_wait)
-            else:
-                error = None  # the watchdog already reported and stored a timeout
+            if not reporting:
+                if self._claim_report(save):
+                    self._report_failure(save, ticket, exc, join_wait)
+                else:
+                    error = None  # the watchdog already reported and stored a timeout
         finally:
             with self._lock:
                 self._leases.discard(ticket)
             save.done.set()
+            save.settled.set()
         if error is not None:
             with self._lock:
                 self._errors.append(error)
@@ -889,7 +916,7 @@ class CheckpointCoordinator:
                 report_exc,
             )
 
-    def _on_timeout(self, save: _Save, ticket) -> None:
+    def _on_timeout(self, save: _Save, ticket, join_wait: float) -> None:
         if not self._claim_report(save):
             return
         exc = SaveTimeoutError(
@@ -899,9 +926,11 @@ class CheckpointCoordinator:
             step=save.step,
         )
         self.logger.error("obsckpt: %s", exc)
+        save.timeout_error = exc
         with self._lock:
             self._errors.append(exc)
-        self._report_failure(save, ticket, exc, 0.0)
+        self._report_failure(save, ticket, exc, join_wait)
+        save.settled.set()
 
 
 def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[FileRecord]:

@@ -26,7 +26,7 @@ from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
-from obsckpt.telemetry.metrics import Metrics
+from obsckpt.telemetry.metrics import RESULTS, Metrics
 from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
 from obsckpt.tracker import CommitTracker, validate_parts
 
@@ -139,17 +139,20 @@ class CheckpointMonitor:
         self.default_hdfs_dir = default_hdfs_dir
         self.namespace = namespace
         latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
-        self.tracker = CommitTracker(latest)
+        self.metrics = Metrics(registry)
+        # Every step that fails, on whatever path, is counted here once.
+        self.tracker = CommitTracker(
+            latest, on_fail=lambda _step, kind: self.metrics.step_failures.labels(kind).inc()
+        )
         self.tracker.restarted = _was_restarted()
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
-        self.metrics = Metrics(registry)
         self._tickets: dict[int, _Ticket] = {}
         # Tickets are unique across restarts, so a finish carrying a ticket from an
         # earlier incarnation is recognised instead of releasing someone else's.
         self._ticket_base = secrets.randbits(31) << 32
         self._ticket_ids = itertools.count(self._ticket_base + 1)
-        self._commit_lock: asyncio.Lock | None = None
+        self._committer: asyncio.Task | None = None  # commits what is ready, one at a time
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
         # When the last committed step became whole and how long its commit I/O took.
         self._last_commit_detail: dict[str, dict] = {}
@@ -158,6 +161,16 @@ class CheckpointMonitor:
         for kind, step in latest.items():
             if step is not None:
                 self.metrics.latest_step.labels(kind).set(step)
+                if not self.tracker.restarted:
+                    continue  # a new job (perhaps resumed): its first commit is to come
+                # Ray restarted this monitor within the job: its last commit is the
+                # iteration file's, or a stalled job would go unnoticed until the next.
+                try:
+                    when = os.stat(self.root / disk.ITERATION_FILES[kind]).st_mtime
+                except OSError:
+                    continue
+                self.metrics.last_commit_timestamp.labels(kind).set(when)
+                self._last_commit[kind] = when
         self._refresh_gauges()
         self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
         self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
@@ -302,12 +315,9 @@ class CheckpointMonitor:
                 latest,
             )
         try:
-            failed = self.tracker.submit(step, kind, carrier=trace_context)
-        except Exception:
+            self.tracker.submit(step, kind, carrier=trace_context)
+        finally:
             await self._after_change()
-            raise
-        self._count_failures(failed)
-        await self._after_change()
 
     async def notify_started(
         self,
@@ -383,7 +393,6 @@ class CheckpointMonitor:
                 )
             except PartsMismatchError as exc:
                 logger.error("obsckpt: %s", exc)
-                self._count_failures(exc.failed)
                 await self._after_change()
                 raise
             if resave:
@@ -411,7 +420,11 @@ class CheckpointMonitor:
         )
         ticket.lease = bool(lease) and self.lease_timeout_s is not None
         self._tickets[tid] = ticket
-        self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
+        if slot is not None:
+            # Both results' series exist from the slot's first save, so a first
+            # failure is an increase from 0 that rate() and increase() can see.
+            for result in RESULTS:
+                self.metrics.saves.labels(_label(slot), kind or "checkpoint", result)
         key = self.admission.key_for(tid, _label(node_id), _label(job_id), pid)
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
@@ -419,9 +432,25 @@ class CheckpointMonitor:
             try:
                 await admitted
             except asyncio.CancelledError:
+                # The caller gave up waiting (its RPC was cancelled): the save will not
+                # run. Nothing of it may stay behind, and its step cannot be whole.
+                self._tickets.pop(tid, None)
                 self.admission.release(tid)
+                if step is not None:
+                    self.tracker.finish(
+                        step,
+                        kind or "checkpoint",
+                        ok=False,
+                        error=f"save {slot!r} on rank {rank} gave up waiting for admission",
+                        resave=resave,
+                        slot=slot,
+                        part=part,
+                        parts=parts,
+                    )
+                    await self._after_change()
                 raise
         ticket.admitted = ticket.last_seen = time.time()
+        self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
         wait = ticket.admitted - ticket.requested
         self.metrics.admission_wait.labels(self.strategy.value).observe(wait)
         if ticket.lease:
@@ -474,7 +503,7 @@ class CheckpointMonitor:
         kind = info.kind or "checkpoint"
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:
-            failed = self.tracker.finish(
+            self.tracker.finish(
                 info.step,
                 kind,
                 ok=False,
@@ -485,7 +514,6 @@ class CheckpointMonitor:
                 part=info.part,
                 parts=info.parts,
             )
-            self._count_failures(failed)
         await self._after_change()
 
     async def notify_finished(
@@ -551,7 +579,7 @@ class CheckpointMonitor:
                 self.tracker.latest[kind],
             )
         try:
-            failed = self.tracker.finish(
+            self.tracker.finish(
                 step,
                 kind,
                 ok=ok,
@@ -575,7 +603,6 @@ class CheckpointMonitor:
                 rank,
                 error,
             )
-        self._count_failures(failed)
         await self._after_change()
 
     def _issued_here(self, ticket: object) -> bool:
@@ -595,7 +622,8 @@ class CheckpointMonitor:
         if info is None:
             return None
         self.admission.release(ticket)
-        self.metrics.saves_in_flight.labels(_label(info.kind, "checkpoint")).dec()
+        if info.admitted is not None:
+            self.metrics.saves_in_flight.labels(_label(info.kind, "checkpoint")).dec()
         return info
 
     def _observe_save(self, kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info) -> None:
@@ -613,28 +641,32 @@ class CheckpointMonitor:
         if join_wait_s is not None:
             m.join_wait.labels(slot_label).observe(join_wait_s)
 
-    def _count_failures(self, failed: list[tuple[int, str]]) -> None:
-        for _step, kind in failed:
-            self.metrics.step_failures.labels(kind).inc()
-
     # ------------------------------------------------------------------
     # Commit
     # ------------------------------------------------------------------
 
     async def _after_change(self) -> None:
-        if self._commit_lock is None:
-            self._commit_lock = asyncio.Lock()
-        if self._commit_lock.locked():
-            # The running committer re-checks ready() before it lets go of the
-            # lock (with no await in between), so nothing is missed; waiting here
-            # would only hold admissions behind commit I/O.
+        """Commit what became ready; returns when nothing more is (or another call commits)."""
+        if self._committer is not None and not self._committer.done():
+            # The running committer asks ready() again before it ends (with no await
+            # in between), so nothing is missed; waiting here would only hold
+            # admissions behind commit I/O.
             self._refresh_gauges()
             return
-        async with self._commit_lock:
+        self._committer = asyncio.get_running_loop().create_task(self._commit_ready())
+        # Shielded: a cancelled RPC must not stop a commit halfway (its step would
+        # stay "committing" for ever); the commit runs to its end on its own.
+        await asyncio.shield(self._committer)
+
+    async def _commit_ready(self) -> None:
+        try:
+            # One commit at a time, each chosen right before it starts: notifications
+            # arrive during a commit's I/O, and a step named ready before it may have
+            # a new save in flight, or a failed one, by then.
             while ready := self.tracker.ready():
-                for step, kind in ready:
-                    await self._commit(step, kind)
-        self._refresh_gauges()
+                await self._commit(*ready[0])
+        finally:
+            self._refresh_gauges()
 
     async def _commit(self, step: int, kind: str) -> None:
         whole_at = time.time()
@@ -648,16 +680,22 @@ class CheckpointMonitor:
             msg = f"commit of step {step} ({kind}) failed: {exc}"
             logger.error("obsckpt: %s", msg)
             self.tracker.end_commit(step, kind, ok=False, error=msg)
-            self.metrics.step_failures.labels(kind).inc()
             return
         now = time.time()
         self.tracker.end_commit(step, kind, ok=True)
+        # The step's first save start: a full checkpoint includes its state-dict saves.
+        starts = [p.started_at]
+        if kind == "checkpoint":
+            starts.append(self.tracker.progress(step, "state_dict").first_start)
+        started = min((s for s in starts if s is not None), default=None)
         kinds = ("checkpoint", "state_dict") if kind == "checkpoint" else ("state_dict",)
         for k in kinds:
             if self.tracker.latest[k] == step:
                 self.metrics.latest_step.labels(k).set(step)
                 self.metrics.last_commit_timestamp.labels(k).set(now)
                 self._last_commit[k] = now
+                if started is not None:  # each iteration file this commit moved
+                    self.metrics.commit_lag.labels(k).observe(max(0.0, now - started))
         self._last_commit_detail[kind] = {
             "step": step,
             "whole_at": whole_at,
@@ -666,9 +704,6 @@ class CheckpointMonitor:
             # Where the commit's time went (finalize_step's phases, seconds).
             "phases_s": {k: round(v, 6) for k, v in phases.items()},
         }
-        started = p.started_at
-        if started is not None:
-            self.metrics.commit_lag.labels(kind).observe(max(0.0, now - started))
         logger.info("obsckpt: committed step %d (%s)", step, kind)
 
     def _write_commit(

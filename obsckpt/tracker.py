@@ -138,16 +138,22 @@ class CommitTracker:
     Args:
         latest: the committed step per kind found on disk (None for none).
         clock: wall-clock source, for timestamps in status and metrics.
+        on_fail: called with ``(step, kind)`` each time a step of a kind becomes
+            failed, whatever the path (a failed save, a failed commit, parts
+            that disagree, a checkpoint whose state dict failed): the one
+            place failures are counted.
     """
 
     def __init__(
         self,
         latest: dict[str, int | None] | None = None,
         clock: Callable[[], float] = time.time,
+        on_fail: Callable[[int, str], None] | None = None,
     ) -> None:
         self.latest: dict[str, int | None] = {k: None for k in KINDS}
         self.latest.update(latest or {})
         self.clock = clock
+        self.on_fail = on_fail
         self.steps: dict[int, dict[str, Progress]] = {}
         self.abandoned: dict[int, str] = {}
         # True in a monitor that Ray restarted: registrations made before are gone.
@@ -161,8 +167,14 @@ class CommitTracker:
         latest = self.latest[kind]
         if latest is not None and step <= latest:
             return True
-        p = self.steps.get(step, {}).get(kind)
-        return p is not None and p.state in (COMMITTED, COMMITTING, SUPERSEDED)
+        kinds = self.steps.get(step, {})
+        p = kinds.get(kind)
+        if p is not None and p.state in (COMMITTED, COMMITTING, SUPERSEDED):
+            return True
+        # A checkpoint being committed commits its step's state dict with it: a
+        # state-dict save starting now would write into a step being sealed.
+        ck = kinds.get("checkpoint")
+        return kind == "state_dict" and ck is not None and ck.state == COMMITTING
 
     def skip_closed(self, step: int, kind: str) -> bool:
         """True (counted as a re-save) when ``step`` of ``kind`` is closed: its saver
@@ -197,16 +209,23 @@ class CommitTracker:
         failed = []
         p = self.progress(step, kind)
         if p.state in _OPEN:
-            p.state, p.error, p.resolved_at = FAILED, error, self.clock()
+            self._set_failed(step, kind, p, error)
             failed.append((step, kind))
         # A full checkpoint includes its step's state-dict saves.
         if kind == "state_dict":
             ck = self.progress(step, "checkpoint")
             if ck.state == PENDING and ck.active:
-                ck.state, ck.resolved_at = FAILED, self.clock()
-                ck.error = f"a state-dict save of step {step} failed: {error}"
+                self._set_failed(
+                    step, "checkpoint", ck, f"a state-dict save of step {step} failed: {error}"
+                )
                 failed.append((step, "checkpoint"))
         return failed
+
+    def _set_failed(self, step: int, kind: str, p: Progress, error: str) -> None:
+        """The one transition into FAILED (so ``on_fail`` sees every failure once)."""
+        p.state, p.error, p.resolved_at = FAILED, error, self.clock()
+        if self.on_fail is not None:
+            self.on_fail(step, kind)
 
     # -- notifications -----------------------------------------------------
 
@@ -418,8 +437,8 @@ class CommitTracker:
         if ok or ck.state != PENDING or not ck.active:
             return []
         # The re-save wrote into the open checkpoint's directory and failed.
-        ck.state, ck.resolved_at = FAILED, self.clock()
-        ck.error = f"a state-dict re-save of step {step} failed: {error or 'save failed'}"
+        why = f"a state-dict re-save of step {step} failed: {error or 'save failed'}"
+        self._set_failed(step, "checkpoint", ck, why)
         return [(step, "checkpoint")]
 
     # -- commits -----------------------------------------------------------
@@ -453,6 +472,17 @@ class CommitTracker:
         return out
 
     def begin_commit(self, step: int, kind: str) -> Progress:
+        """Start committing ``step`` of ``kind``, which :meth:`ready` must name right now.
+
+        Raises:
+            RuntimeError: the step is not ready (the caller used a stale list).
+        """
+        if (step, kind) not in self.ready():
+            p = self.steps.get(step, {}).get(kind)
+            raise RuntimeError(
+                f"step {step} ({kind}) is not ready to commit (state "
+                f"{p.state if p else 'unknown'}); commit only what ready() names at the time"
+            )
         p = self.progress(step, kind)
         p.state = COMMITTING
         return p

@@ -84,6 +84,38 @@ class TestManifest:
         assert [f["path"] for f in manifest["files"]] == ["actor/model.pt", "actor/optim.pt"]
         assert disk.verify_step(sdir) == []
 
+    def test_only_temp_suffixes_are_left_out(self, tmp_path):
+        """A name holding ".tmp" elsewhere is a file of the step, recorded and verified."""
+        sdir = self.make_step(tmp_path)
+        (sdir / "hf").mkdir()
+        for name in ("chat_template.tmpl", "data.tmp.json", "w.safetensors.tmp", "x.tmp.9.ab12"):
+            (sdir / "hf" / name).write_bytes(b"t")
+        records = disk.finalize_step(sdir)
+        assert [r.path for r in records] == [
+            "actor/model.pt",
+            "actor/optim.pt",
+            "hf/chat_template.tmpl",
+            "hf/data.tmp.json",
+        ]
+        (sdir / "hf" / "chat_template.tmpl").unlink()
+        assert disk.verify_step(sdir) == [f"{sdir / 'hf' / 'chat_template.tmpl'}: missing"]
+
+    def test_verify_names_unreadable_files_and_goes_on(self, tmp_path):
+        sdir = self.make_step(tmp_path)
+        disk.finalize_step(sdir)
+        model = sdir / "actor" / "model.pt"
+        model.unlink()
+        model.symlink_to("/proc/self/mem")  # a regular file whose read fails with EIO
+        (sdir / "actor" / "optim.pt").write_bytes(b"z" * 300)
+        problems = disk.verify_step(sdir)
+        assert problems[0].startswith(f"{model}: unreadable (") and len(problems) == 2
+        assert problems[1].startswith(f"{sdir / 'actor' / 'optim.pt'}: corrupted")
+        (sdir / "manifest.json").unlink()
+        (sdir / "manifest.json").mkdir()
+        assert disk.verify_step(sdir) == [
+            f"{sdir / 'manifest.json'}: unreadable manifest (Is a directory)"
+        ]
+
     def test_manifest_is_one_file_per_line_and_phases_are_timed(self, tmp_path):
         sdir = self.make_step(tmp_path)
         (sdir / "top.bin").write_bytes(b"abc")

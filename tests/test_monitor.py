@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -21,7 +22,9 @@ from obsckpt import (
     CheckpointCoordinator,
     CheckpointDirError,
     CheckpointMonitor,
+    SaveError,
     SaveStrategy,
+    SaveTimeoutError,
 )
 from obsckpt import commit as disk
 from obsckpt.telemetry.metrics import METRICS
@@ -239,6 +242,71 @@ class TestParts:
         with pytest.raises(ValueError, match="parts must be a positive integer.* got None"):
             coord.save_sync(lambda: None, 1, part=0)
         assert ray.get(coord._monitor.status.remote())["in_flight"] == []
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+class TestSaveOutcomes:
+    """The trainer hears of every save that did not end well, when it asks, and at once."""
+
+    def test_wait_all_raises_a_timed_out_save_without_waiting_for_it(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0, save_timeout=0.5)
+        release = threading.Event()
+        try:
+            coord.save_async("model", lambda: release.wait(60), 1)
+            t0 = time.monotonic()
+            with pytest.raises(SaveTimeoutError, match=r"save_timeout=0.5"):
+                coord.wait_all()  # no timeout: the save's own timeout ends the wait
+            assert time.monotonic() - t0 < 15
+        finally:
+            release.set()
+        # The stuck save returns later: reported once (as failed), raised once.
+        coord.close(timeout=10)
+        coord.wait_all(timeout=10)
+        status = ray.get(monitor.status.remote())
+        assert [(f["step"], f["kind"]) for f in status["failed"]] == [(1, "checkpoint")]
+
+    def test_save_sync_raises_when_it_ran_past_save_timeout(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0, save_timeout=0.3)
+        with pytest.raises(SaveTimeoutError, match=r"save_timeout=0.3"):
+            coord.save_sync(lambda: time.sleep(1.0), 2)
+        coord.wait_all(timeout=10)  # raised once, by save_sync
+
+    def test_a_save_whose_report_is_lost_is_raised(self, namespace, root):
+        """The save wrote its files but the monitor died before hearing of it: the step
+        may never commit, so wait_all raises instead of returning as if all went well."""
+        monitor = make_monitor(namespace, root, max_restarts=0)
+        coord = CheckpointCoordinator(monitor, rank=0, rpc_timeout=10)
+        release = threading.Event()
+        coord.save_async("model", lambda: release.wait(60), 3)
+        wait_for(lambda: ray.get(monitor.status.remote())["in_flight"], what="the save admitted")
+        ray.kill(monitor, no_restart=True)
+        release.set()
+        with pytest.raises(SaveError, match=r"finished, but reporting it to the monitor failed"):
+            coord.wait_all(timeout=30)
+
+    def test_close_frees_the_staging_of_saves_that_ended(self, namespace, root):
+        """No idle save thread keeps the last snapshot (views of the arena) alive."""
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        state = {"w": torch.ones(8 << 20 >> 2)}
+        path = disk.step_dir(root, 1) / "model.pt"
+        coord.save_state_dict_async("model", state, path, 1)
+        coord.wait_all(timeout=60)
+        address = coord._staging["model"].arena.address
+        assert _mapped(address)
+        coord.close(timeout=30)
+        assert not _mapped(address), "the slot's arena is still mapped after close()"
 
 
 @pytest.mark.parametrize("strategy", list(SaveStrategy))

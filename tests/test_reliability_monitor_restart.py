@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import torch
 from reliability_helpers import assert_root_consistent, report, scrape, trials, wait_for
 
@@ -106,6 +107,11 @@ class TestMonitorRestart:
         assert s.value("obsckpt_latest_step", kind="checkpoint") == 2
         assert s.value("obsckpt_abandoned_steps") == 1
         assert s.value("obsckpt_pending_steps", kind="checkpoint") == 0
+        # Its last commit is the iteration file's, so "no recent commit" can still fire.
+        committed_at = os.stat(os.path.join(root, disk.ITERATION_FILES["checkpoint"])).st_mtime
+        assert s.value("obsckpt_last_commit_timestamp_seconds", kind="checkpoint") == (
+            pytest.approx(committed_at)
+        )
 
         # The saves admitted before the restart finish now: handled, not failures.
         gate.set()

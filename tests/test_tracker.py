@@ -29,10 +29,10 @@ def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
     """What the monitor does: commit everything ready, in order, until nothing is."""
     done = []
     while ready := t.ready():
-        for step, kind in ready:
-            t.begin_commit(step, kind)
-            t.end_commit(step, kind, ok=True)
-            done.append((step, kind))
+        step, kind = ready[0]
+        t.begin_commit(step, kind)
+        t.end_commit(step, kind, ok=True)
+        done.append((step, kind))
     return done
 
 
@@ -487,15 +487,15 @@ class CommitMachine(RuleBasedStateMachine):
 
     def _commit(self):
         while ready := self.t.ready():
-            for step, kind in ready:
-                assert self._whole(step, kind), f"step {step} ({kind}) committed while not whole"
-                self.t.begin_commit(step, kind)
-                self.t.end_commit(step, kind, ok=True)
-                self.history[kind].append(step)
-                if kind == "checkpoint" and (
-                    not self.history["state_dict"] or self.history["state_dict"][-1] < step
-                ):
-                    self.history["state_dict"].append(step)
+            step, kind = ready[0]
+            assert self._whole(step, kind), f"step {step} ({kind}) committed while not whole"
+            self.t.begin_commit(step, kind)
+            self.t.end_commit(step, kind, ok=True)
+            self.history[kind].append(step)
+            if kind == "checkpoint" and (
+                not self.history["state_dict"] or self.history["state_dict"][-1] < step
+            ):
+                self.history["state_dict"].append(step)
 
     @rule(step=STEPS, kind=KIND, n=st.integers(1, 3))
     def register(self, step, kind, n):

@@ -76,7 +76,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "obsckpt_saves_total",
         "counter",
         ("slot", "kind", "result"),
-        "Saves finished, by result (ok or error).",
+        "Saves finished, by result (ok or error); both series of a slot exist from its first "
+        "admitted save.",
         "saves",
     ),
     MetricSpec(
@@ -111,7 +112,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "obsckpt_commit_lag_seconds",
         "histogram",
         ("kind",),
-        "From a step's first save start to its iteration file being committed.",
+        "From a step's first save start (for a full checkpoint, its state-dict saves' too) to "
+        "its iteration file being committed; a full checkpoint's commit is observed for both "
+        "kinds when it moves both iteration files.",
         "commit_lag",
     ),
     MetricSpec(
@@ -125,7 +128,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "obsckpt_last_commit_timestamp_seconds",
         "gauge",
         ("kind",),
-        "Unix time of the last commit; 0 before the first commit of this monitor.",
+        "Unix time of the last commit; 0 before the job's first commit. A monitor that Ray "
+        "restarted takes it from the iteration file.",
         "last_commit_timestamp",
     ),
     MetricSpec(
@@ -156,7 +160,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "obsckpt_step_failures_total",
         "counter",
         ("kind",),
-        "Steps that will never commit because one of their saves failed.",
+        "Steps that will never commit because they failed: a failed save, a failed commit, "
+        "parts that disagree, more saves finished than registered, or (for a full checkpoint) "
+        "its state dict failing.",
         "step_failures",
     ),
     MetricSpec(
