@@ -544,3 +544,295 @@ class TestPlan:
             WeightSyncGroup(host="127.0.0.1", port=1, rank=0, world_size=2, backend="mpi")
         with pytest.raises(ValueError, match="rank"):
             WeightSyncGroup(host="127.0.0.1", port=1, rank=2, world_size=2)
+
+
+# ----------------------------------------------------------------------
+# A broadcast that fails after it began: the group is broken, never out of step
+# ----------------------------------------------------------------------
+
+
+def _metrics():
+    from prometheus_client import CollectorRegistry
+
+    from obsckpt.telemetry.metrics import Metrics
+
+    return Metrics(CollectorRegistry())
+
+
+def _failing_senders(rank: int, ports: tuple[int, int]) -> dict:
+    """On two groups in turn, the sender's lazy stream fails midway: it raises, then it
+    yields a tensor more than its header announced. Receivers must never take either."""
+    report: dict = {}
+    a, c = torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32) + 100
+    meta = tensor_meta([("a", a), ("c", c)])  # 24 bytes each: one bucket each
+
+    def raises():
+        yield "a", a + 1
+        raise RuntimeError("full_tensor() failed on another rank")
+
+    def extra():
+        yield "a", a + 2
+        yield "c", c + 2
+        yield "d", c
+
+    for case, port, stream in (("raises", ports[0], raises), ("extra", ports[1], extra)):
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+        )
+        metrics = _metrics() if rank == 0 else None
+        b = WeightBroadcaster(group, bucket_bytes=16, timeout_s=1.5, metrics=metrics)
+        exc = None
+        t0 = time.monotonic()
+        if rank == 0:
+            b.send({"a": a, "c": c}, step=1)
+            try:
+                b.send(stream(), meta=meta, step=2)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                exc = e
+            cause = exc.__cause__ if exc is not None else None
+            report[case] = _failure_report(b, metrics, exc, t0)
+            report[case]["type"] = type(exc).__name__
+            report[case]["cause"] = f"{type(cause).__name__}: {cause}" if cause else None
+            report[case]["last_step"] = b.last_step
+        else:
+            held = b.recv()
+            try:
+                b.recv()
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                exc = e
+            report[case] = _failure_report(b, None, exc, t0)
+            report[case]["last_step"] = b.last_step
+            report[case]["weights_valid"] = b.weights_valid
+            report[case]["held_a"] = held["a"].tolist()
+        group.close()
+    return report
+
+
+def _into_parameters(rank: int, port: int) -> dict:
+    """recv(into=...) fills a module's parameters, which require grad, in place."""
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+    )
+    b = WeightBroadcaster(group, bucket_bytes=96, timeout_s=10)
+
+    def net(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+
+    sent = {k: v.detach() for k, v in net(1).state_dict().items()}
+    if rank == 0:
+        b.send(sent, step=1)
+        b.send(sent, step=2, mode="per_tensor")
+        group.close()
+        return {}
+    model = net(2)
+    params = dict(model.named_parameters())
+    report = {}
+    for mode in ("bucketed", "per_tensor"):
+        for p in params.values():
+            p.data.zero_()
+        out = b.recv(into=params)
+        report[mode] = same_bits(sent, {k: v.detach() for k, v in out.items()})
+    report["requires_grad"] = all(p.requires_grad for p in model.parameters())
+    report["valid"] = b.weights_valid
+    group.close()
+    return report
+
+
+def _versions(rank: int, port: int) -> dict:
+    """The sender refuses a step not newer than its last; a receiver refuses an older step
+    from another sender after reading it whole, keeping its weights and the group usable."""
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+    )
+    b = WeightBroadcaster(group, bucket_bytes=64, timeout_s=10)
+    sd = lambda v: {"a": torch.full((16,), float(v)), "b": torch.full((3,), float(v))}  # noqa: E731
+    report: dict = {}
+    if rank == 0:
+        b.send(sd(5), step=5)
+        for step in (5, 3):
+            try:
+                b.send(sd(step), step=step)
+            except ValueError as exc:
+                report.setdefault("refused", []).append(str(exc))
+        b.send(sd(6), step=6)
+        # A second sender on the same group (a restarted trainer's, say) sends an older step.
+        other = WeightBroadcaster(group, bucket_bytes=64, timeout_s=10)
+        other.send(sd(4), step=4)
+        other.send(sd(7), step=7)
+    else:
+        held = b.recv()
+        report["first"] = (b.last_step, held["a"][0].item())
+        held = b.recv()
+        report["second"] = (b.last_step, held["a"][0].item())
+        try:
+            b.recv()
+        except BroadcastError as exc:
+            report["error"] = str(exc)
+        report["kept"] = (b.last_step, held["a"][0].item(), held["b"][0].item(), b.weights_valid)
+        got = b.recv()
+        report["after"] = (b.last_step, got["a"][0].item(), group.broken)
+    group.close()
+    return report
+
+
+def _mid_broadcast(rank: int, ports: tuple[int, ...]) -> dict:
+    """The cases below in one pair of processes (each on groups of its own)."""
+    return {
+        "failing": _failing_senders(rank, ports[:2]),
+        "into": _into_parameters(rank, ports[2]),
+        "versions": _versions(rank, ports[3]),
+    }
+
+
+@pytest.fixture(scope="module")
+def mid_broadcast() -> dict[int, dict]:
+    return run_ranks(_mid_broadcast, timeout=180, ports=4)  # type: ignore[return-value]
+
+
+class TestFailureMidBroadcast:
+    """Whatever fails once a broadcast began breaks the group on the failing side (counted,
+    traced, raised as BroadcastError from the original); no receiver takes it as weights."""
+
+    @pytest.mark.parametrize("case", ["raises", "extra"])
+    def test_sender_breaks_the_group(self, mid_broadcast, case):
+        sender = mid_broadcast[0]["failing"][case]
+        assert sender["type"] == "BroadcastError", sender
+        assert sender["broken"], sender
+        assert sender["failures"] == {"timeout": 0.0, "error": 1.0}, sender
+        assert sender["span_status"][-1] == "ERROR", sender
+        assert sender["last_step"] == 1, sender
+        if case == "raises":
+            assert sender["cause"] == "RuntimeError: full_tensor() failed on another rank"
+            assert "now broken" in sender["error"]
+        else:
+            assert "yields more than the 2 tensors" in sender["error"], sender
+
+    @pytest.mark.parametrize("case", ["raises", "extra"])
+    def test_receiver_never_takes_it(self, mid_broadcast, case):
+        receiver = mid_broadcast[1]["failing"][case]
+        assert receiver["error"] and receiver["broken"], receiver
+        assert receiver["elapsed"] < 1.5 + MARGIN_S, receiver
+        assert receiver["span_status"][-1] == "ERROR", receiver
+        # The receive area was written bucket by bucket: not a known version any more.
+        assert receiver["last_step"] == 1 and receiver["weights_valid"] is False, receiver
+
+    def test_into_parameters_that_require_grad(self, mid_broadcast):
+        assert mid_broadcast[1]["into"] == {
+            "bucketed": [],
+            "per_tensor": [],
+            "requires_grad": True,
+            "valid": True,
+        }
+
+
+class TestVersions:
+    """Versions never go backwards: the sender refuses before any collective, a receiver
+    after reading the broadcast whole, so the group stays in step and the weights unchanged."""
+
+    def test_versions(self, mid_broadcast):
+        sender, receiver = mid_broadcast[0]["versions"], mid_broadcast[1]["versions"]
+        assert len(sender["refused"]) == 2, sender
+        assert "step 5 is not newer than step 5" in sender["refused"][0]
+        assert "step 3 is not newer than step 5" in sender["refused"][1]
+        assert receiver["first"] == (5, 5.0) and receiver["second"] == (6, 6.0), receiver
+        assert "refused the weights of step 4" in receiver["error"], receiver
+        assert "holds step 6" in receiver["error"]
+        assert receiver["kept"] == (6, 6.0, 6.0, True), receiver
+        assert receiver["after"] == (7, 7.0, None), receiver
+
+
+class TestArguments:
+    """Bad arguments are refused at construction, naming the value."""
+
+    def test_src_must_be_a_rank_of_the_group(self):
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
+        )
+        try:
+            for src in (1, -1):
+                with pytest.raises(ValueError, match=rf"src must be .* \[0, 1\), got {src}"):
+                    WeightBroadcaster(group, src=src)
+            with pytest.raises(ValueError, match="step must be a non-negative integer"):
+                WeightBroadcaster(group).send({"w": torch.ones(1)}, step=-2)
+            assert group.broken is None  # nothing was sent
+        finally:
+            group.close()
+
+
+class TestFormationDeadline:
+    """A member that checks in late and stalls: formation still ends within timeout_s, naming it."""
+
+    def test_late_member_is_named_within_the_timeout(self):
+        import threading
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        port, timeout_s = free_port(), 3.0
+        done = threading.Event()
+
+        def late_member() -> None:
+            time.sleep(2.3)  # checks in shortly before the deadline, then stalls
+            store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
+            dist.PrefixStore("obsckpt-weight-sync", store).set("arrived/1", "x")
+            done.wait(15)
+
+        threading.Thread(target=late_member, daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(BroadcastTimeoutError, match=r"ranks \[1\] checked in but never"):
+                WeightSyncGroup(
+                    host="127.0.0.1",
+                    port=port,
+                    rank=0,
+                    world_size=2,
+                    backend="gloo",
+                    timeout_s=timeout_s,
+                )
+            assert time.monotonic() - t0 < timeout_s + MARGIN_S
+        finally:
+            done.set()
+
+
+_EXIT_AFTER_BREAK = """
+from obsckpt.sync.group import WeightSyncGroup, free_port
+g = WeightSyncGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo",
+                    timeout_s=10)
+g._break("a broadcast failed")  # what any failed broadcast does, just before the process exits
+"""
+
+
+class TestAbortIsJoined:
+    """A broken group's abort never outlives close(), nor the process's exit."""
+
+    def test_close_waits_for_the_abort(self):
+        import threading
+
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
+        )
+        finished = threading.Event()
+
+        class SlowAbort:  # gloo's abort may wait for the collective in flight
+            def __init__(self, pg) -> None:
+                self.pg = pg
+
+            def abort(self) -> None:
+                time.sleep(0.5)
+                self.pg.abort()
+                finished.set()
+
+        group._pg = SlowAbort(group._pg)
+        group._break("a broadcast failed")
+        group.close()
+        assert finished.is_set()
+
+    def test_exit_right_after_a_break_is_clean(self):
+        import subprocess
+        import sys
+
+        p = subprocess.run(
+            [sys.executable, "-c", _EXIT_AFTER_BREAK], capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode == 0, p.stderr[-2000:]  # not -6: SIGABRT inside gloo's abort

@@ -471,10 +471,10 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
                 payload = dataclasses.replace(payload, deadline=time.time() + 0.05)
                 real = receiver._check_deadline
 
-                def check(p, what):
+                def check(p, what, *rest):
                     if what != "arrived":
                         time.sleep(0.1)
-                    real(p, what)
+                    real(p, what, *rest)
 
                 receiver._check_deadline = check
             acks.append(receiver.recv(payload, wait=wait)[0])
@@ -511,10 +511,13 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
     assert streams["trainer"].log == [("wait", event)]
     event.pending = 0
     # A copy queued after the deadline: the receiver refuses, the sender's stream waits.
+    # The copy will still land in the receive area: its weights are not a known version.
     sender.timeout_s = 60
-    with pytest.raises(BroadcastTimeoutError, match="was queued"):
+    assert receiver.weights_valid
+    with pytest.raises(BroadcastTimeoutError, match="was queued.*possibly torn bytes of step 5"):
         sync(5, late=True)
     assert streams["trainer"].log == [("wait", event)] and receiver.last_step == 4
+    assert receiver.weights_valid is False
 
     # A rollout known to be gone: its event went with it, and nothing waits for it.
     def gone(payload):
@@ -538,3 +541,115 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
         sender._wait_copied({"step": 9, "event": ("someone-else", None)}, time.monotonic() + 1)
     sender.close()
     receiver.close()
+
+
+def test_copy_finished_late_leaves_weights_marked_unknown(tmp_path, monkeypatch):
+    """A copy that ends after the sender's deadline has already overwritten the rollout's
+    weights: the refusal says so, last_step stays and weights_valid is False until the
+    next accepted sync. With clone=True the held weights are untouched."""
+    from obsckpt.sync.ipc import receiver as receiver_module
+
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
+    receiver = IpcWeightReceiver()
+    mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
+    real_copy = receiver_module.copy_many
+
+    def slow_copy(dsts, srcs):  # a copy that takes longer than the sender has left
+        real_copy(dsts, srcs)
+        time.sleep(0.2)
+
+    def late(p, **kw):
+        monkeypatch.setattr(receiver_module, "copy_many", slow_copy)
+        try:
+            return receiver.recv(dataclasses.replace(p, deadline=time.time() + 0.1), **kw)[0]
+        finally:
+            monkeypatch.setattr(receiver_module, "copy_many", real_copy)
+
+    sender.send(model(1), lambda p: receiver.recv(p, into=mine)[0], step=1)
+    assert receiver.last_step == 1 and receiver.weights_valid
+    with pytest.raises(BroadcastTimeoutError, match="possibly torn bytes of step 2") as err:
+        sender.send(model(2), lambda p: late(p, into=mine), step=2)
+    assert "into=" in str(err.value) and "last_step stays 1" in str(err.value)
+    assert receiver.last_step == 1 and receiver.weights_valid is False
+    assert differ(model(2), mine) == []  # what the late copy wrote: unverified
+    # The next accepted sync makes them a known version again.
+    sender.send(model(3), lambda p: receiver.recv(p, into=mine)[0], step=3)
+    assert receiver.last_step == 3 and receiver.weights_valid
+    assert differ(model(3), mine) == []
+    # Copied late into fresh tensors: the held weights were not touched.
+    with pytest.raises(BroadcastTimeoutError, match="the weights are unchanged"):
+        sender.send(model(4), lambda p: late(p, clone=True), step=4)
+    assert receiver.last_step == 3 and receiver.weights_valid
+    assert differ(model(3), mine) == []
+    sender.close()
+    receiver.close()
+
+
+def _deleted_mappings(paths: set[str]) -> list[str]:
+    """Which of ``paths`` this process still maps although the file was deleted."""
+    with open("/proc/self/maps") as f:
+        return [
+            line.split(maxsplit=5)[-1].strip()
+            for line in f
+            if "(deleted)" in line and line.split(maxsplit=5)[-1].split()[0] in paths
+        ]
+
+
+def test_receiver_unmaps_buffers_of_earlier_layouts():
+    """Each layout change (and a restarted sender) hands out new buckets; the receiver
+    unmaps those no longer named, so no deleted /dev/shm file stays mapped."""
+    receiver = IpcWeightReceiver(device="cpu")
+    created: set[str] = set()
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10)  # real /dev/shm files
+    for step in range(1, 4):
+        weights = dict(model(step), extra=torch.randn(100 * step))  # a new layout each sync
+        sender.send(weights, lambda p: receiver.recv(p)[0], step=step)
+        created |= set(sender._paths)
+        assert set(receiver._opened) == set(sender._paths), step
+        assert _deleted_mappings(created) == [], step
+    sender.close()  # a restarted trainer: a new sender, new buffers, the same rollout
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10)
+    sender.send(model(9), lambda p: receiver.recv(p)[0], step=9)
+    created |= set(sender._paths)
+    assert set(receiver._opened) == set(sender._paths)
+    assert _deleted_mappings(created) == []
+    sender.close()
+    receiver.close()
+    assert _deleted_mappings(created) == []
+
+
+def test_files_of_a_dead_sender_are_removed():
+    """A killed trainer's /dev/shm files are removed by the next sender that allocates,
+    never those of a live process, nor of one that holds its file's lock."""
+    import fcntl
+    import os
+    import subprocess
+    import uuid
+
+    shm = "/dev/shm"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    name = lambda pid: os.path.join(shm, f"obsckpt-ipc-{pid}-{uuid.uuid4().hex}")  # noqa: E731
+    orphan, alive, locked = name(dead.pid), name(live.pid), name(dead.pid)
+    fds = []
+    try:
+        for path in (orphan, alive, locked):
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.ftruncate(fds[-1], 4096)
+        # A live sender in another PID namespace sharing /dev/shm holds its file's lock.
+        fcntl.flock(fds[2], fcntl.LOCK_SH)
+        sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10)
+        sender.send(model(1), lambda p: IpcWeightReceiver().recv(p)[0], step=1)
+        assert not os.path.exists(orphan)
+        assert os.path.exists(alive) and os.path.exists(locked)
+        assert all(os.path.exists(p) for p in sender._paths)  # its own files
+        sender.close()
+    finally:
+        live.kill()
+        live.wait()
+        for fd in fds:
+            os.close(fd)
+        for path in (orphan, alive, locked):
+            if os.path.exists(path):
+                os.unlink(path)

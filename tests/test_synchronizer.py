@@ -207,3 +207,60 @@ class TestShardFiles:
     def test_ranks_must_hold_the_same_names(self):
         with pytest.raises(StateDictLoadError, match="different names"):
             merge_shards({0: {"a": torch.zeros(1)}, 1: {"b": torch.zeros(1)}})
+
+
+class TestTrinityCallShapes:
+    """Trinity's calls work as Trinity makes them; obsckpt's own keep their meaning."""
+
+    def test_get_actor_with_a_config_and_no_wait(self, namespace):
+        class Config:  # what Trinity passes: its config, carrying the job's namespace
+            ray_namespace = namespace
+
+        sync = Synchronizer.get_actor(Config(), watch=False)
+        same = ray.get_actor("synchronizer", namespace=namespace)
+        assert ray.get(sync.set_model_state_dict.remote(None, 3))
+        assert ray.get(same.get_version.remote()) == 3
+        assert ray.get(Synchronizer.get_actor(config=Config()).get_version.remote()) == 3
+
+        # Newer Trinity: no_wait, by keyword or in the second place, never waits.
+        t0 = time.monotonic()
+        assert ray.get(sync.wait_new_model_state_dict.remote(current_version=3, no_wait=True)) == 3
+        assert ray.get(sync.wait_new_model_state_dict.remote(3, True)) == 3
+        assert time.monotonic() - t0 < 0.9  # a True taken as timeout=1 waited 1 s
+        # A number in the second place is still a timeout, as for obsckpt's callers.
+        t0 = time.monotonic()
+        assert ray.get(sync.wait_new_model_state_dict.remote(3, 0.3)) == 3
+        assert time.monotonic() - t0 >= 0.25
+        waiter = sync.wait_new_model_state_dict.remote(3, False)  # no_wait=False: waits
+        time.sleep(0.3)
+        assert ray.get(sync.set_model_state_dict.remote(None, 4))
+        assert ray.get(waiter, timeout=30) == 4
+
+
+class TestVersionRace:
+    """A checkpoint load that finishes after a newer memory upload never moves the version back."""
+
+    def test_publish_checks_the_version_under_the_lock(self, tmp_path):
+        from prometheus_client import CollectorRegistry
+
+        root = tmp_path / "ckpt"
+        write_step(root, 8, {0: state_dict(8)})
+        sync = Synchronizer(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
+
+        async def race():
+            cond = sync._condition()
+            async with cond:  # hold the lock every publish takes
+                upload = asyncio.create_task(sync.set_model_state_dict(state_dict(10), 10))
+                load = asyncio.create_task(sync.poll_once())
+                # Both passed their own version checks once both wait for the lock
+                # (asyncio's Lock keeps its waiters in _waiters).
+                deadline = time.monotonic() + 30
+                while len(cond._lock._waiters or ()) < 2:
+                    assert time.monotonic() < deadline, "the load never reached the lock"
+                    await asyncio.sleep(0.01)
+            return await upload, await load
+
+        uploaded, version = asyncio.run(race())
+        assert uploaded is True and version == 10
+        assert sync._version == 10 and equal(sync._state_dict, state_dict(10))
+        assert asyncio.run(sync.status())["loaded_step"] is None

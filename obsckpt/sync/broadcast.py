@@ -15,7 +15,15 @@ tensor, as the reference implementation does, for comparison.
 A broadcast that does not finish within its timeout raises
 :class:`BroadcastTimeoutError` on every side that waits for it, saying how far
 it got; the group is then marked broken (the peers' collective sequence is
-unknown) and must be closed and created again.
+unknown) and must be closed and created again. So does any other failure once
+the first collective of a broadcast was issued (a lazy generator raising, an
+allocation or a copy failing): it is raised as :class:`BroadcastError`,
+chained to the original.
+
+Versions never go backwards: the sender refuses a step not newer than the last
+one it sent (``ValueError``, before any collective); a receiver refuses an
+older step after reading the whole broadcast into scratch memory, so the group
+stays in step and its weights stay those of the last step it accepted.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ _HEADER_VERSION = 1
 # Two buffers: one being packed while the other is on the wire.
 _SEND_BUFFERS = 2
 _RECV_BUFFERS = 2
+_END = object()
 
 
 # ----------------------------------------------------------------------
@@ -179,6 +188,11 @@ class WeightBroadcaster:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive seconds or None, got {timeout_s!r}")
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < group.world_size:
+            raise ValueError(
+                f"src must be a rank of the group, in [0, {group.world_size}), got {src!r}; "
+                "pass the sending member's rank (trainer rank 0 is usually 0)"
+            )
         self.group = group
         self.src = src
         self.bucket_bytes = int(bucket_bytes)
@@ -195,6 +209,12 @@ class WeightBroadcaster:
         self._area_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.last_step: int | None = None
         self.last_seconds: float | None = None
+        # False while the receive area or into='s tensors hold bytes of a broadcast
+        # that failed or was refused midway (not a known version); True again
+        # after the next broadcast received into them.
+        self.weights_valid = True
+        self._issued = False  # a collective of the current broadcast was issued
+        self._writing = False  # the current broadcast writes into the held weights
 
     @property
     def is_sender(self) -> bool:
@@ -216,22 +236,39 @@ class WeightBroadcaster:
         ``named_tensors`` may be a lazy generator (e.g. FSDP2 ``full_tensor()``
         gathered one at a time) when ``meta`` gives its names, dtypes and
         shapes up front; it must then yield exactly those, in that order.
+
+        Raises:
+            ValueError: ``step`` is not newer than the last step sent (nothing
+                is sent then), or ``mode`` is unknown.
+            BroadcastTimeoutError: the broadcast did not finish within its timeout.
+            BroadcastError: it failed once begun (the group is then broken), or
+                the tensors do not match ``meta``.
         """
         if not self.is_sender:
             raise BroadcastError(f"rank {self.group.rank} is not the sender (src={self.src})")
         mode = mode or self.mode
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if step is not None:
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
+            if self.last_step is not None and step <= self.last_step:
+                raise ValueError(
+                    f"step {step} is not newer than step {self.last_step}, the last one sent; "
+                    "weight versions never go backwards: send a newer step"
+                )
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         materialised = meta is None
         if materialised:
             items = list(items)
             meta = tensor_meta(items)
+        else:
+            items = _announced(items, meta)
         nbytes = sum(m.nbytes for m in meta)
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": self.group.rank}
         with (
-            self._counting_failures(),
             tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp,
+            self._failing("sending"),
         ):
             sp.set_attribute("obsckpt.backend", self.group.backend)
             sp.set_attribute("obsckpt.method", "broadcast")
@@ -245,6 +282,9 @@ class WeightBroadcaster:
                 # A materialised dict's metadata was computed from its own tensors.
                 count = self._send_bucketed(items, meta, plan, deadline, check=not materialised)
             seconds = time.perf_counter() - t0
+        if step is not None:
+            self.last_step = step
+        self.last_seconds = seconds
         self.telemetry.broadcast(self.group.backend, seconds, nbytes, "broadcast")
         return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
 
@@ -279,7 +319,7 @@ class WeightBroadcaster:
         for i, (name, t) in enumerate(items):
             self._check_item(i, name, t, meta)
             src = t.detach().to(self.group.device).contiguous()
-            work = self.group.broadcast_async(src, self.src, deadline)
+            work = self._issue(src, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -324,7 +364,7 @@ class WeightBroadcaster:
                 t = t.to(self.group.device)
             if bucket.solo:
                 flat = t.contiguous().view(-1)
-                inflight.append((self.group.broadcast_async(flat, self.src, deadline), None, b))
+                inflight.append((self._issue(flat, deadline), None, b))
                 issued += 1
             else:
                 parts = pending.setdefault(b, [])
@@ -338,7 +378,7 @@ class WeightBroadcaster:
                 out = buf[: bucket.nbytes].view(bucket.dtype)
                 torch.cat(parts, out=out)
                 del parts
-                inflight.append((self.group.broadcast_async(out, self.src, deadline), buf, b))
+                inflight.append((self._issue(out, deadline), buf, b))
                 issued += 1
             while len(inflight) > _SEND_BUFFERS:
                 drain_one()
@@ -353,11 +393,6 @@ class WeightBroadcaster:
         return buf
 
     def _check_item(self, i: int, name: str, t: torch.Tensor, meta: list[TensorMeta]) -> None:
-        if i >= len(meta):
-            raise BroadcastError(
-                f"tensor {name!r} is beyond the {len(meta)} tensors the header announced; "
-                "pass meta that lists every tensor the iterable yields"
-            )
         m = meta[i]
         if m.name != name or m.dtype != t.dtype or m.shape != tuple(t.shape):
             self.group._break("sender's tensors did not match the header it sent")
@@ -395,39 +430,87 @@ class WeightBroadcaster:
         reused bucket buffers) and returned. A shape mismatch with ``into``
         raises after the whole broadcast was received, so the group stays
         usable.
+
+        A step not newer than :attr:`last_step` is read whole into scratch
+        memory and refused: the group stays in step, the weights stay as
+        they were. A broadcast that fails midway leaves the tensors it was
+        writing (the receive area, or ``into``'s) partly overwritten:
+        :attr:`weights_valid` is then False, and :attr:`last_step` stays,
+        until the next broadcast received into them.
+
+        Raises:
+            BroadcastTimeoutError: the broadcast did not finish within its timeout.
+            BroadcastError: it failed (the group is then broken), an older step
+                was refused, or ``into`` does not fit (the group stays usable).
         """
         if self.is_sender:
             raise BroadcastError(f"rank {self.group.rank} is the sender; call send()")
-        with (
-            self._counting_failures(),
-            tracing.span(
-                "obsckpt.broadcast",
-                carrier=trace_context,
-                attributes={"obsckpt.rank": self.group.rank, "obsckpt.method": "broadcast"},
-            ) as sp,
-        ):
-            t0 = time.perf_counter()
-            deadline = self.group.deadline(self.timeout_s)
-            mode, meta, plan, step = self._recv_header(deadline)
-            nbytes = sum(m.nbytes for m in meta)
-            sp.set_attribute("obsckpt.bytes", nbytes)
-            sp.set_attribute("obsckpt.backend", self.group.backend)
-            sp.set_attribute("obsckpt.mode", mode)
-            if step is not None:
-                sp.set_attribute("obsckpt.step", step)
-            mismatched: list[str] = []
-            if mode == "per_tensor":
-                out = self._recv_per_tensor(meta, into, mismatched, deadline)
-            else:
-                out = self._recv_bucketed(meta, plan, into, clone, mismatched, deadline)
-            self.last_step = step
-            self.last_seconds = time.perf_counter() - t0
-        if mismatched:
-            raise BroadcastError(
-                f"received {len(meta)} tensors, but {len(mismatched)} did not fit the tensors "
-                f"given in into= (e.g. {mismatched[0]}); the group is still usable"
-            )
+        attrs = {"obsckpt.rank": self.group.rank, "obsckpt.method": "broadcast"}
+        with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
+            with self._failing("receiving"):
+                t0 = time.perf_counter()
+                deadline = self.group.deadline(self.timeout_s)
+                mode, meta, plan, step = self._recv_header(deadline)
+                nbytes = sum(m.nbytes for m in meta)
+                sp.set_attribute("obsckpt.bytes", nbytes)
+                sp.set_attribute("obsckpt.backend", self.group.backend)
+                sp.set_attribute("obsckpt.mode", mode)
+                if step is not None:
+                    sp.set_attribute("obsckpt.step", step)
+                held = self.last_step
+                refused = step is not None and held is not None and step <= held
+                mismatched: list[str] = []
+                if refused:
+                    self._recv_discard(mode, meta, plan, deadline)
+                else:
+                    writes = into is not None or not clone
+                    self._writing = writes
+                    with torch.no_grad():  # into= may hold parameters that require grad
+                        if mode == "per_tensor":
+                            out = self._recv_per_tensor(meta, into, mismatched, deadline)
+                        else:
+                            out = self._recv_bucketed(meta, plan, into, clone, mismatched, deadline)
+                    self._writing = False
+                    if step is not None:
+                        self.last_step = step
+                    if writes:
+                        self.weights_valid = not mismatched
+                    self.last_seconds = time.perf_counter() - t0
+            if refused:
+                self._refuse(
+                    BroadcastError(
+                        f"refused the weights of step {step}: this receiver already holds step "
+                        f"{held} and versions never go backwards; the broadcast was read and "
+                        "dropped, the weights are unchanged and the group is still usable"
+                    )
+                )
+            if mismatched:
+                self._refuse(
+                    BroadcastError(
+                        f"received {len(meta)} tensors, but {len(mismatched)} did not fit the "
+                        f"tensors given in into= (e.g. {mismatched[0]}): those kept their old "
+                        "values, so into= is a mix of versions (weights_valid is False); pass "
+                        "tensors of the sender's shapes. The group is still usable"
+                    )
+                )
         return out
+
+    def _recv_discard(self, mode, meta, plan, deadline) -> None:
+        """Receive a whole broadcast into scratch memory (one collective at a time), keeping the weights."""
+        if mode == "per_tensor":
+            units = [(m.dtype, m.numel) for m in meta]
+        else:
+            units = [(b.dtype, b.numel) for b in plan]
+        size = max((n * dtype.itemsize for dtype, n in units), default=0)
+        scratch = torch.empty(size, dtype=torch.uint8, device=self.group.device)
+        unit = "tensor" if mode == "per_tensor" else "bucket"
+        for k, (dtype, numel) in enumerate(units):
+            buf = scratch[: numel * dtype.itemsize].view(dtype)
+            self.group.wait(
+                self._issue(buf, deadline),
+                deadline,
+                lambda k=k: self._progress(unit, k, len(units), meta),
+            )
 
     def _recv_header(
         self, deadline
@@ -485,7 +568,7 @@ class WeightBroadcaster:
             dst = self._target(m, into, mismatched)
             direct = dst is not None and _receivable(dst, m, self.group.device)
             buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
-            work = self.group.broadcast_async(buf, self.src, deadline)
+            work = self._issue(buf, deadline)
             self.group.wait(
                 work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
             )
@@ -546,9 +629,7 @@ class WeightBroadcaster:
                 flat = raw[: bucket.nbytes].view(bucket.dtype)
             else:
                 flat = self._landing(b, bucket, clone)
-            inflight.append(
-                (self.group.broadcast_async(flat, self.src, deadline), b, flat, raw, all_copied)
-            )
+            inflight.append((self._issue(flat, deadline), b, flat, raw, all_copied))
             while len(inflight) > _RECV_BUFFERS:
                 finish_one()
         while inflight:
@@ -573,17 +654,58 @@ class WeightBroadcaster:
     # -- shared --------------------------------------------------------
 
     @contextlib.contextmanager
-    def _counting_failures(self):
-        """Count a broadcast that raises a :class:`BroadcastError` (the span records it too)."""
+    def _failing(self, role: str):
+        """A broadcast that fails once its first collective was issued breaks the group.
+
+        The peers are then somewhere inside the broadcast's sequence of
+        collectives; the next call would pair with what is left of it (a
+        receiver taking the wrong bytes as weights, or gloo ending the
+        process), so the group is aborted as for a timeout. The failure is
+        counted, and anything but a :class:`BroadcastError` is raised as one,
+        chained to the original. KeyboardInterrupt and SystemExit break the
+        group too, and are raised as they are.
+        """
+        self._issued = False
         try:
             yield
-        except BroadcastError as exc:
-            if self.telemetry:
-                self.telemetry.failure(self.group.backend, "broadcast", exc)
-            raise
+        except BaseException as exc:
+            err: BaseException = exc
+            if self._issued:
+                if self._writing:
+                    self.weights_valid = False
+                self._pool = []  # the aborted collectives may still hold these buffers
+                self.group._break(f"{role} failed midway: {type(exc).__name__}: {exc}")
+                if isinstance(exc, Exception) and not isinstance(exc, BroadcastError):
+                    err = BroadcastError(
+                        f"weight broadcast ({role}, {self.group.backend}) on {self.group.host}:"
+                        f"{self.group.port} failed after it began: {type(exc).__name__}: {exc}; "
+                        "the peers are out of step, so the group is now broken: close it and "
+                        "form a new group on a fresh port"
+                    )
+            if self._issued or isinstance(exc, BroadcastError):
+                self._count(err)
+            if err is exc:
+                raise
+            raise err from exc
+        finally:
+            self._issued = self._writing = False
+
+    def _count(self, exc: BaseException) -> None:
+        if self.telemetry:
+            self.telemetry.failure(self.group.backend, "broadcast", exc)
+
+    def _refuse(self, exc: BroadcastError) -> None:
+        """Raise an error that leaves the group in step (counted; the span records it)."""
+        self._count(exc)
+        raise exc
+
+    def _issue(self, t: torch.Tensor, deadline: float):
+        """Start one collective of the current broadcast (from here on, a failure breaks the group)."""
+        self._issued = True
+        return self.group.broadcast_async(t, self.src, deadline)
 
     def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
-        work = self.group.broadcast_async(t, self.src, deadline)
+        work = self._issue(t, deadline)
         self.group.wait(work, deadline, lambda: self._progress(what, 0, 1, None))
 
     def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta] | None) -> str:
@@ -606,6 +728,37 @@ class WeightBroadcaster:
         self._pool.clear()
         self._area = {}
         self._area_views = {}
+
+
+def _announced(items: Iterable, meta: list[TensorMeta]):
+    """``items``, checked to end with the last tensor the header announced.
+
+    The check comes before that tensor is handed on, so a stream that yields
+    more fails while the receivers still wait for its last collective: every
+    side then sees the broadcast fail (the group is broken), none takes it whole.
+    """
+    it = iter(items)
+    n = len(meta)
+    if n == 0:
+        _check_end(it, n)
+    for i in range(n):
+        item = next(it, _END)
+        if item is _END:
+            return  # fewer than announced: the sender's count check raises
+        if i == n - 1:
+            _check_end(it, n)
+        yield item
+
+
+def _check_end(it, n: int) -> None:
+    extra = next(it, _END)
+    if extra is not _END:
+        name = extra[0] if isinstance(extra, tuple) and extra else extra
+        raise BroadcastError(
+            f"the iterable yields more than the {n} tensors the header announced (next: "
+            f"{name!r}); the receivers cannot follow, so the group is now broken. Pass meta "
+            "that lists every tensor the iterable yields"
+        )
 
 
 def _views(flat: torch.Tensor, bucket: Bucket, meta: list[TensorMeta]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ group (its communicator aborted at once).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -29,6 +30,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+# How long close(), and the interpreter's exit, wait for a gloo abort still running.
+ABORT_JOIN_S = 10.0
 
 
 class BroadcastError(RuntimeError):
@@ -108,6 +111,7 @@ class WeightSyncGroup:
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
         self._pg: Any = None
+        self._abort_thread: threading.Thread | None = None
         if backend == "gloo":
             self.device = torch.device("cpu")
         else:
@@ -159,12 +163,7 @@ class WeightSyncGroup:
             raise BroadcastError(msg) from exc
         self._store = dist.PrefixStore(group_name, store)
         self._rendezvous(deadline, where)
-        try:
-            self._pg = self._make_backend(deadline)
-        except (RuntimeError, dist.DistStoreError) as exc:
-            waited = time.monotonic() - t0
-            cls = BroadcastTimeoutError if time.monotonic() >= deadline else BroadcastError
-            raise cls(f"{where} could not form after {waited:.1f} s: {exc}") from exc
+        self._pg = self._connect(deadline, where)
         self._warm_up(deadline, where)
 
     # -- formation -------------------------------------------------------
@@ -202,10 +201,78 @@ class WeightSyncGroup:
             "with the same host, port and world_size, or create the group again on a fresh port"
         ) from cause
 
+    def _connect(self, deadline: float, where: str):
+        """Make the backend within what is left of the deadline; name the members that held it up.
+
+        Gloo connects every pair inside its constructor, waiting for each
+        member's address in the store: a member that checked in and then
+        stalled would hold it for a whole timeout of its own.
+        """
+        store = self._store
+        made: list[Any] = []
+
+        def make() -> None:
+            store.set(f"connecting/{self.rank}", "1")
+            pg = self._make_backend(deadline)
+            store.set(f"made/{self.rank}", "1")
+            made.append(pg)
+
+        try:
+            _bounded(
+                make,
+                deadline,
+                lambda: None,  # left behind, the constructor ends by the same deadline
+                f"{where} could not form within {self.timeout_s:.1f} s: the communicator "
+                "was not made",
+                grace=1.0 if self.backend == "gloo" else 0.0,  # gloo's own timeout is the deadline
+            )
+        except BroadcastError as exc:
+            # The constructor's own timeout and the deadline are the same instant.
+            late = time.monotonic() >= deadline - 0.1 or "timed out" in str(exc).lower()
+            cls = BroadcastTimeoutError if isinstance(exc, TimeoutError) or late else BroadcastError
+            raise cls(f"{exc}{self._laggards()}") from exc.__cause__
+        return made[0]
+
+    def _laggards(self) -> str:
+        """Which members held the formation up, for its error message (best effort, <= 1 s).
+
+        Asked aside: a rank 0 that stalled would hold the store's answers too.
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        found: list[tuple[list[int], list[int]]] = []
+
+        def ask() -> None:
+            idle = [r for r in others if not self._store.check([f"connecting/{r}"])]
+            slow = [r for r in others if not self._store.check([f"made/{r}"])]
+            found.append((idle, slow))
+
+        try:
+            _bounded(ask, time.monotonic() + 1.0, lambda: None, "the store did not answer")
+        except BroadcastError:  # the store is gone with rank 0, or stalled with it
+            return ""
+        idle, slow = found[0]
+        if idle:
+            return (
+                f"; ranks {idle} checked in but never started making it (stalled or died "
+                "since): restart them and form the group again on a fresh port"
+            )
+        if slow:
+            return (
+                f"; ranks {slow} did not finish making it: check that every member can "
+                "reach the others' addresses"
+            )
+        return ""
+
     def _make_backend(self, deadline: float):
-        timeout = timedelta(seconds=self.timeout_s)
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
+            remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, remaining)
+            # Collectives get their own deadline; the default is the group's timeout.
+            set_default = getattr(pg, "_set_default_timeout", None)
+            if set_default is not None:
+                set_default(timedelta(seconds=self.timeout_s))
+            return pg
+        timeout = timedelta(seconds=self.timeout_s)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         # Read when the group is made: on a failure NCCL's watchdog aborts this
@@ -229,13 +296,18 @@ class WeightSyncGroup:
                 lambda: f"{where}: the first collective did not complete",
             )
 
-        _bounded(
-            connect,
-            deadline,
-            self._abort,
-            f"{where} could not form within "
-            f"{self.timeout_s:.1f} s: the communicator did not connect every member",
-        )
+        try:
+            _bounded(
+                connect,
+                deadline,
+                self._abort,
+                f"{where} could not form within "
+                f"{self.timeout_s:.1f} s: the communicator did not connect every member",
+            )
+        except BroadcastError as exc:
+            self._abort()
+            self._join_abort()
+            raise type(exc)(f"{exc}{self._laggards()}") from exc.__cause__
 
     # -- use -------------------------------------------------------------
 
@@ -309,12 +381,32 @@ class WeightSyncGroup:
         )
 
     def close(self) -> None:
-        """Release the group; collectives still in flight fail on the peers."""
+        """Release the group; collectives still in flight fail on the peers.
+
+        A broken group's abort runs on a helper thread: close() waits for it
+        (at most ``ABORT_JOIN_S``), so nothing of the group outlives it.
+        """
         if self._broken is None:
             self._broken = "closed"
             self._release(("shutdown", "abort"))
-        else:
+        elif self._abort_thread is None:
             self._abort()
+        self._join_abort()
+
+    def _join_abort(self) -> None:
+        t = self._abort_thread
+        if t is None:
+            return
+        t.join(ABORT_JOIN_S)
+        if t.is_alive():
+            logger.warning(
+                "obsckpt: the abort of weight-sync group %s:%d is still running after %.0f s",
+                self.host,
+                self.port,
+                ABORT_JOIN_S,
+            )
+        else:
+            self._abort_thread = None
 
     def _release(self, methods: tuple[str, ...]) -> None:
         pg, self._pg = self._pg, None
@@ -333,18 +425,25 @@ class WeightSyncGroup:
     def _abort(self) -> None:
         """End the communicator now: collectives blocked on it fail here and on the peers.
 
-        NCCL's abort returns at once. Gloo's waits for the collective in
-        flight, which ends by its own deadline: it is left to a daemon thread.
+        NCCL's abort returns at once. Gloo's may wait for the collective in
+        flight, which ends by its own deadline: it runs on a helper thread,
+        which close() and the interpreter's exit join (bounded), since a
+        process that exits while it is inside the abort dies of SIGABRT.
         """
         if self.backend == "nccl":
             self._release(("abort", "shutdown"))
             return
-        threading.Thread(
+        if self._abort_thread is not None and self._abort_thread.is_alive():
+            return
+        t = threading.Thread(
             target=self._release,
             args=(("abort", "shutdown"),),
             name="obsckpt-weight-sync-abort",
             daemon=True,
-        ).start()
+        )
+        self._abort_thread = t
+        t.start()
+        _leave_behind(t)
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -360,6 +459,23 @@ class WeightSyncGroup:
                 "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
             )
             self._abort()
+
+
+# Helper threads that may still be inside gloo (an abort, a connection left
+# behind): a process that exits meanwhile dies of SIGABRT, so exit joins them.
+_PENDING: list[threading.Thread] = []
+
+
+def _leave_behind(t: threading.Thread) -> None:
+    _PENDING[:] = [p for p in _PENDING if p.is_alive()]
+    _PENDING.append(t)
+
+
+@atexit.register
+def _join_pending() -> None:
+    deadline = time.monotonic() + ABORT_JOIN_S
+    while _PENDING:
+        _PENDING.pop().join(max(deadline - time.monotonic(), 0.001))
 
 
 @contextlib.contextmanager
@@ -387,11 +503,19 @@ def _poll(work, deadline: float) -> bool:
     return True
 
 
-def _bounded(fn: Callable[[], None], deadline: float, abort: Callable[[], None], msg: str) -> None:
-    """Run ``fn`` on a helper thread; past ``deadline`` call ``abort`` and raise.
+def _bounded(
+    fn: Callable[[], None],
+    deadline: float,
+    abort: Callable[[], None],
+    msg: str,
+    grace: float = 0.0,
+) -> None:
+    """Run ``fn`` on a helper thread; past ``deadline`` (plus ``grace``) call ``abort`` and raise.
 
     A communicator that connects lazily blocks the calling thread inside its
-    first collective; running it aside keeps the caller's deadline.
+    first collective; running it aside keeps the caller's deadline. ``grace``
+    lets a call bounded by the same deadline end by itself (and report why).
+    A thread left behind is joined at exit, like an abort.
     """
     box: list[BaseException] = []
 
@@ -403,9 +527,10 @@ def _bounded(fn: Callable[[], None], deadline: float, abort: Callable[[], None],
 
     t = threading.Thread(target=run, name="obsckpt-weight-sync-connect", daemon=True)
     t.start()
-    t.join(max(deadline - time.monotonic(), 0.001))
+    t.join(max(deadline - time.monotonic(), 0.001) + grace)
     if t.is_alive():
-        abort()  # the thread is a daemon: left behind, it ends with its own timeout
+        abort()  # left behind, the thread ends with its own timeout
+        _leave_behind(t)
         raise BroadcastTimeoutError(msg)
     if box:
         exc = box[0]

@@ -306,21 +306,35 @@ class Synchronizer:
     @classmethod
     def get_actor(
         cls,
-        namespace: str | None = None,
+        namespace: Any = None,
         default_local_dir: str | os.PathLike | None = None,
         *,
         poll_interval_s: float = 1.0,
         trace_exporter: str | None = None,
         watch: bool = True,
+        config: Any = None,
         **_ignored: Any,
     ):
         """The job's synchronizer actor, named ``synchronizer`` (created if absent).
 
         Arguments other than ``namespace`` only matter when the actor is created.
         With ``watch`` (and a ``default_local_dir``), checkpoint sync starts at once.
-        Other keywords (e.g. Trinity's ``config``) are accepted and ignored.
+        Trinity's call shape works too: ``get_actor(config)`` or
+        ``get_actor(config=config)`` take the namespace from
+        ``config.ray_namespace`` (an explicit ``namespace=`` wins). Other
+        keywords are accepted and ignored.
         """
         import ray
+
+        if namespace is not None and not isinstance(namespace, str):
+            config, namespace = namespace, None  # Trinity: get_actor(config)
+        if namespace is None and config is not None:
+            namespace = getattr(config, "ray_namespace", None)
+            if namespace is not None and not isinstance(namespace, str):
+                raise TypeError(
+                    f"config.ray_namespace must be a str, got {type(namespace).__name__} "
+                    f"{namespace!r}; pass namespace= explicitly"
+                )
 
         options: dict[str, Any] = dict(
             name=ACTOR_NAME, get_if_exists=True, max_concurrency=1000, num_cpus=0
@@ -392,8 +406,7 @@ class Synchronizer:
                 self._version,
             )
             return False
-        await self._publish(model_state_dict, trainer_step, "memory")
-        return True
+        return await self._publish(model_state_dict, trainer_step, "memory")
 
     async def resume_from(self, step: int) -> None:
         """The trainer resumed from ``step``: weight-sync versions restart there.
@@ -430,14 +443,24 @@ class Synchronizer:
         return self._state_dict, self._version
 
     async def wait_new_model_state_dict(
-        self, current_version: int | None, timeout: float | None = None
+        self,
+        current_version: int | None,
+        timeout: float | bool | None = None,
+        *,
+        no_wait: bool = False,
     ) -> int | None:
         """Wait until a version newer than ``current_version`` is held; return the held version.
 
         Returns at once if one is already held. After ``timeout`` seconds
         (None waits forever, 0 does not wait) it returns the held version
         anyway, which is then not newer: compare it with ``current_version``.
+        ``no_wait=True`` is ``timeout=0`` (Trinity's keyword); a bool in the
+        second place is Trinity's positional ``no_wait``, never a timeout.
         """
+        if isinstance(timeout, bool):  # Trinity: wait_new_model_state_dict(version, no_wait)
+            no_wait, timeout = no_wait or timeout, None
+        if no_wait:
+            timeout = 0
         cond = self._condition()
         floor = -1 if current_version is None else current_version
 
@@ -511,9 +534,26 @@ class Synchronizer:
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def _publish(self, state_dict, version: int, source: str) -> None:
+    async def _publish(self, state_dict, version: int, source: str) -> bool:
+        """Hold ``version``; False (nothing changes) when a newer one got in first.
+
+        Checked again here, under the lock: a checkpoint load or a memory
+        upload may have waited for it while another publish went through.
+        Only a resume moves the version back.
+        """
         cond = self._condition()
         async with cond:
+            held = self._version
+            if source != "resume" and held is not None:
+                if version < held or (version == held and source == "checkpoint"):
+                    logger.warning(
+                        "obsckpt: not publishing step %d (%s sync): the synchronizer already "
+                        "holds step %d and versions never go backwards",
+                        version,
+                        source,
+                        held,
+                    )
+                    return False
             self._state_dict = state_dict
             self._version = version
             self._source = source
@@ -521,6 +561,7 @@ class Synchronizer:
             cond.notify_all()
         self._telemetry().model_version("trainer", version)
         logger.info("obsckpt: synchronizer holds step %d (%s sync)", version, source)
+        return True
 
     def _report_rollout(self, version: int) -> None:
         if self._rollout_version is None or version >= self._rollout_version:
@@ -622,6 +663,6 @@ class Synchronizer:
         seconds = time.perf_counter() - t0
         if self._version is not None and step <= self._version:
             return  # a memory upload overtook this load
-        self._loaded_step = step
         self._telemetry().upload(seconds)
-        await self._publish(state_dict, step, "checkpoint")
+        if await self._publish(state_dict, step, "checkpoint"):
+            self._loaded_step = step

@@ -42,7 +42,9 @@ sees that a layout is unchanged from a cheap fingerprint of its tensors
 The same checks as a broadcast: the step must be newer than the last one
 sent (and received); a payload that reaches the receiver after the sender's
 deadline is refused (the sender may already be changing its tensors), and
-so is one whose copy finishes after it. Each sync is timed into
+so is one whose copy finishes after it; that copy has by then written the
+receiver's weights, which it marks as not a known version
+(``IpcWeightReceiver.weights_valid``) until the next accepted sync. Each sync is timed into
 ``obsckpt_broadcast_duration_seconds{method="ipc"}`` (backend ``cuda_ipc`` or
 ``shm``), counted on failure, and traced as an ``obsckpt.broadcast`` span
 whose ``obsckpt.ipc_layout`` attribute names the layout.

@@ -58,6 +58,10 @@ class IpcWeightReceiver:
         self.last_step: int | None = None
         self.last_seconds: float | None = None
         self.last_copy_seconds: float | None = None  # from queueing the copy to its wait
+        # False while the receive area or into='s tensors hold bytes of a sync that
+        # was refused or failed after its copy began (not a known version); True
+        # again after the next sync accepted into them.
+        self.weights_valid = True
 
     def recv(
         self,
@@ -82,6 +86,16 @@ class IpcWeightReceiver:
         event recorded after the copy, which the sender waits for, so the
         copy overlaps the answer's way back. The first sync with a sender
         waits as with ``wait=True`` (its answer hands the sender the event).
+
+        A payload that arrives after the sender's deadline is refused before
+        anything is copied. One whose copy ends (or, with ``wait=False``, is
+        queued) after it is refused too, but the copy has by then written the
+        receive area or ``into``'s tensors: they hold step N's bytes, which
+        the sender may have been rewriting meanwhile. :attr:`weights_valid`
+        is then False and :attr:`last_step` stays, until the next accepted
+        sync overwrites them whole. (Copying into a second buffer first would
+        double the memory the direct layout saves.) With ``clone=True`` the
+        held weights are not touched.
 
         Raises:
             BroadcastError: an older step, a payload from another obsckpt,
@@ -119,26 +133,37 @@ class IpcWeightReceiver:
             dsts, out, devices = self._targets_for(into, clone)
             ack: dict[str, Any] = {"step": payload.step, "nbytes": payload.nbytes}
             t_copy = time.perf_counter()
-            with torch.no_grad():
-                copy_many(dsts, self._sources)
             queued = False
-            if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
-                (device,) = devices
-                event, token = self._done_event(device)
-                event.record(streams.current_stream(device))
-                if payload.ack_event == token:  # the sender holds the event: it waits for it
-                    ack["event"], queued = (token, None), True
-                else:
-                    ack["event"] = (token, event.ipc_handle())
-            if not queued:
-                for d in devices:  # the copies ran on each device's current stream: wait for it
-                    streams.current_stream(d).synchronize()
-            self.last_copy_seconds = time.perf_counter() - t_copy
-            # Copied (or queued) after the deadline: the sender may have begun rewriting
-            # its tensors. (It orders its own stream after the event when it gives up.)
-            self._check_deadline(payload, "was queued" if queued else "was copied")
+            try:
+                with torch.no_grad():
+                    copy_many(dsts, self._sources)
+                if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
+                    (device,) = devices
+                    event, token = self._done_event(device)
+                    event.record(streams.current_stream(device))
+                    if payload.ack_event == token:  # the sender holds the event: it waits for it
+                        ack["event"], queued = (token, None), True
+                    else:
+                        ack["event"] = (token, event.ipc_handle())
+                if not queued:
+                    for d in devices:  # the copies ran on each device's current stream: wait
+                        streams.current_stream(d).synchronize()
+                self.last_copy_seconds = time.perf_counter() - t_copy
+                # Copied (or queued) after the deadline: the sender may have begun rewriting
+                # its tensors. (It orders its own stream after the event when it gives up.)
+                self._check_deadline(
+                    payload,
+                    "was queued" if queued else "was copied",
+                    None if clone else into is not None,
+                )
+            except BaseException:
+                if not clone:  # the copy wrote (or is writing) the held weights
+                    self.weights_valid = False
+                raise
             sp.set_attribute("obsckpt.ipc_queued", queued)
             self.last_step = payload.step
+            if not clone:
+                self.weights_valid = True
             self.last_seconds = time.perf_counter() - t0
         return ack, dict(out)
 
@@ -156,7 +181,9 @@ class IpcWeightReceiver:
             self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
             self._wire = payload.meta
         meta = self._meta
+        self._sources = []
         if payload.layout == "direct":
+            self._opened.clear()  # no bucket of an earlier layout is used any more
             sources = self._direct_sources(payload, meta)
         elif payload.layout == "buckets":
             self._drop_storages(())
@@ -167,10 +194,17 @@ class IpcWeightReceiver:
                     f"{len(plan)}; sender and receiver disagree on the protocol"
                 )
             sources = [None] * len(meta)
+            keys = set()
             for bucket, handle in zip(plan, payload.handles, strict=True):
-                flat = self._open(handle, payload)[: bucket.nbytes].view(bucket.dtype)
+                key, buf = self._open(handle, payload)
+                keys.add(key)
+                flat = buf[: bucket.nbytes].view(bucket.dtype)
                 for i, off in zip(bucket.indices, bucket.offsets, strict=True):
                     sources[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
+            # Buffers of earlier layouts (or of a sender since restarted) are not named
+            # again: unmap them (a deleted shared-memory file, or device memory, each).
+            for stale in [k for k in self._opened if k not in keys]:
+                del self._opened[stale]
         else:
             raise BroadcastError(
                 f"unknown ipc layout {payload.layout!r}; run the same obsckpt version on both sides"
@@ -178,14 +212,29 @@ class IpcWeightReceiver:
         self._sources = sources
         self._held = (payload.layout_id, payload.layout)
 
-    def _check_deadline(self, payload: IpcPayload, what: str) -> None:
+    def _check_deadline(self, payload: IpcPayload, what: str, into: bool | None = None) -> None:
+        """Refuse a payload past the sender's deadline.
+
+        ``into``: None while the held weights are untouched (before the copy,
+        or a copy into fresh tensors); else whether the copy went into
+        ``into``'s tensors (True) or the receive area (False).
+        """
         late = time.time() - payload.deadline
-        if late > 0:
-            raise BroadcastTimeoutError(
-                f"the weights of step {payload.step} {what} {late:.2f} s after the sender's "
-                "deadline; the sender has given up on this sync and may be rewriting its "
-                "buffers, so they are not used"
-            )
+        if late <= 0:
+            return
+        head = (
+            f"the weights of step {payload.step} {what} {late:.2f} s after the sender's "
+            "deadline; the sender has given up on this sync and may be rewriting its buffers"
+        )
+        if into is None:
+            raise BroadcastTimeoutError(f"{head}, so they are not used; the weights are unchanged")
+        where = "the tensors given in into=" if into else "this receiver's receive area"
+        done = "is queued on" if what == "was queued" else "has already overwritten"
+        raise BroadcastTimeoutError(
+            f"{head}. The copy {done} {where}, which now hold unverified, possibly torn bytes "
+            f"of step {payload.step}: not a known version (weights_valid is False; last_step "
+            f"stays {self.last_step}). Take the next sync before using them"
+        )
 
     def _direct_sources(self, payload: IpcPayload, meta: list[TensorMeta]) -> list[torch.Tensor]:
         """The sender's tensors, as views of its storages (opened once, kept while live)."""
@@ -242,7 +291,8 @@ class IpcWeightReceiver:
         args[6] = device.index  # the sender's index may name another device here
         return rebuild(*args)
 
-    def _open(self, handle: Any, payload: IpcPayload) -> torch.Tensor:
+    def _open(self, handle: Any, payload: IpcPayload) -> tuple[Any, torch.Tensor]:
+        """``(key, byte tensor)`` of one of the sender's buckets, opened once while named."""
         if handle[0] == "shm":
             key = handle[1]
         else:  # segment handle, offset and size: two buckets may share a segment
@@ -250,7 +300,7 @@ class IpcWeightReceiver:
             key = (args[7], args[9], args[8], payload.device_uuid)
         buf = self._opened.get(key)
         if buf is not None:
-            return buf
+            return key, buf
         if handle[0] == "shm":
             _, path, size = handle
             buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -259,7 +309,7 @@ class IpcWeightReceiver:
         else:
             raise BroadcastError(f"unknown ipc handle kind {handle[0]!r}")
         self._opened[key] = buf
-        return buf
+        return key, buf
 
     def _targets_for(
         self, into: Mapping[str, torch.Tensor] | None, clone: bool

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import operator
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 # same storages as at the sync before; below it the tensors are taken to be new
 # at each sync, and the buckets are cheaper.
 _DIRECT_MIN_KEPT = 0.9
+
+# The CPU fallback's shared-memory files: obsckpt-ipc-<pid>-<uuid hex>.
+_SHM_PREFIX = "obsckpt-ipc-"
+_SHM_NAME = re.compile(r"^obsckpt-ipc-(\d+)-[0-9a-f]{32}$")
 
 _data_ptr = torch.Tensor.data_ptr
 _is_contiguous = torch.Tensor.is_contiguous
@@ -149,6 +155,7 @@ class IpcWeightSender:
         self._alloc_gen = 0
         self._handles: tuple[Any, ...] = ()
         self._paths: list[str] = []
+        self._fds: list[int] = []  # one per shared-memory file, holding a shared lock on it
         self._uuid = device_uuid(self.device)
         self.last_step: int | None = None
         # The model's layout: its description, and the fingerprint it was taken from.
@@ -452,6 +459,8 @@ class IpcWeightSender:
 
     def _allocate(self, plan: list[Bucket]) -> None:
         self._free()
+        if self.device.type != "cuda":
+            remove_orphaned_shm(self.shm_dir)
         self._plan = plan
         self._alloc_gen += 1
         buffers, handles = [], []
@@ -464,10 +473,7 @@ class IpcWeightSender:
                 buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                 handles.append(("cuda", reduce_tensor(buf)))
             else:
-                path = os.path.join(self.shm_dir, f"obsckpt-ipc-{os.getpid()}-{uuid.uuid4().hex}")
-                with open(path, "wb") as f:
-                    f.truncate(size)
-                self._paths.append(path)
+                path = self._shm_file(size)
                 buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
                 handles.append(("shm", path, size))
             buffers.append(buf)
@@ -478,6 +484,25 @@ class IpcWeightSender:
         self._buffers = buffers
         self._slots = slots
         self._handles = tuple(handles)
+
+    def _shm_file(self, size: int) -> str:
+        """A new shared-memory file of ``size`` bytes, share-locked while this sender holds it.
+
+        The lock tells :func:`remove_orphaned_shm` in another PID namespace
+        (sharing this ``/dev/shm``) that the file's owner is alive.
+        """
+        path = os.path.join(self.shm_dir, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self._paths.append(path)
+        self._fds.append(fd)
+        return path
 
     def _await(self, answer: Any, deadline: float) -> Any:
         try:
@@ -562,6 +587,9 @@ class IpcWeightSender:
             except FileNotFoundError:
                 pass
         self._paths = []
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
 
     def close(self) -> None:
         """Free the buckets (and their shared-memory files)."""
@@ -577,6 +605,57 @@ class IpcWeightSender:
             self._free()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def remove_orphaned_shm(shm_dir: str) -> list[str]:
+    """Remove the shared-memory files of senders whose process is gone (a killed trainer).
+
+    A file is removed only when no process of its PID runs on this host and
+    no process holds its lock (a live sender keeps one on each of its files,
+    which also covers a sender in another PID namespace sharing the directory).
+    Returns the paths removed.
+    """
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _SHM_NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone already, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue  # locked: its sender is alive
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info(
+            "obsckpt: removed %d shared-memory files of ipc senders that are gone: %s",
+            len(removed),
+            removed,
+        )
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
 
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
