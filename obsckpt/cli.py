@@ -6,8 +6,9 @@
     obsckpt status DIR [--json]
     obsckpt verify DIR [--step N | --all]
 
-Exit codes: 0 success; 1 a check failed (``verify``) or the demo failed;
-2 bad usage, a directory that is missing, is not a checkpoint root, or
+Exit codes: 0 success; 1 a check failed (``verify``), ``status`` reported a
+problem (an iteration file naming a step that is not on disk), or the demo
+failed; 2 bad usage, a directory that is missing, is not a checkpoint root, or
 holds an unreadable iteration file, or (``demo``) the ``demo`` extra is not
 installed; 130 the demo was interrupted (SIGINT).
 """
@@ -29,7 +30,6 @@ from obsckpt.errors import IterationFileError
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-TEMP_MARKER = ".tmp"
 
 
 class CliError(Exception):
@@ -81,9 +81,11 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     """What is known of one step directory: committed or not (and why), size, age."""
     sdir = disk.step_dir(root, step)
     files = _walk_files(sdir)
-    temps = [f for f, _s, _m in files if TEMP_MARKER in os.path.basename(f)]
+    temps = [f for f, _s, _m in files if disk.is_temp_name(os.path.basename(f))]
     data = [
-        f for f in files if TEMP_MARKER not in os.path.basename(f[0]) and f[0] != disk.MANIFEST_NAME
+        f
+        for f in files
+        if not disk.is_temp_name(os.path.basename(f[0])) and f[0] != disk.MANIFEST_NAME
     ]
     nbytes = sum(s for _f, s, _m in files)
     mtime = max((m for _f, _s, m in files), default=sdir.stat().st_mtime)
@@ -215,21 +217,28 @@ def cmd_status(args, out: TextIO) -> int:
         out.write(json.dumps(st, indent=2) + "\n")
     else:
         out.write(format_status(st) + "\n")
-    return EXIT_OK
+    return EXIT_FAILED if st["problems"] else EXIT_OK
 
 
 def cmd_verify(args, out: TextIO, err: TextIO) -> int:
     root, latest = open_root(args.dir)
+    # Every mode checks that the steps the iteration files name are on disk:
+    # a reader resuming from a missing step fails however whole the others are.
+    named: dict[int, list[str]] = {}
+    for kind, step in latest.items():
+        if step is not None:
+            named.setdefault(step, []).append(disk.ITERATION_FILES[kind])
+    missing = {s: files for s, files in named.items() if not disk.step_dir(root, s).is_dir()}
     if args.all:
         steps = [
             s
             for s in disk.steps_on_disk(root)
-            if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()
+            if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file() or s in named
         ]
-        if not steps:
+        if not steps and not missing:
             raise CliError(f"{args.dir}: no step with a manifest to verify")
     elif args.step is not None:
-        if not disk.step_dir(root, args.step).is_dir():
+        if args.step not in missing and not disk.step_dir(root, args.step).is_dir():
             raise CliError(f"{args.dir}: step {args.step} is not on disk (global_step_{args.step})")
         steps = [args.step]
     else:
@@ -240,11 +249,19 @@ def cmd_verify(args, out: TextIO, err: TextIO) -> int:
             )
         steps = [step]
     failed = 0
-    for step in steps:
+    now = time.time()
+    for step in sorted(set(steps) | set(missing)):
         sdir = disk.step_dir(root, step)
-        if not sdir.is_dir():
-            err.write(f"step {step}: {sdir} is missing (named by the iteration file)\n")
+        if step in missing:
+            files = missing[step]
+            verb = "names" if len(files) == 1 else "name"
+            err.write(f"step {step}: {sdir} is missing, but {' and '.join(files)} {verb} it\n")
+            out.write(f"step {step}: FAILED, not on disk\n")
             failed += 1
+            continue
+        if args.all and describe_step(root, step, latest, now)["state"] == "removed":
+            # As status shows it: retention removed its files and left the manifest.
+            out.write(f"step {step}: skipped, removed by retention (only its manifest is left)\n")
             continue
         problems = disk.verify_step(sdir)
         if problems:
@@ -335,6 +352,18 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
+    return value
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a step number, got {text!r}") from None
+    if not 0 <= value <= disk.MAX_STEP:
+        raise argparse.ArgumentTypeError(
+            f"must be a step number from 0 to 2**63 - 1 (a global_step_<N> directory), got {value}"
+        )
     return value
 
 
@@ -431,9 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir", metavar="DIR", help="the checkpoint root")
     g = v.add_mutually_exclusive_group()
     g.add_argument(
-        "--step", type=int, default=None, help="step to check (default: the latest committed)"
+        "--step", type=_step, default=None, help="step to check (default: the latest committed)"
     )
-    g.add_argument("--all", action="store_true", help="check every step that has a manifest")
+    g.add_argument(
+        "--all",
+        action="store_true",
+        help="check every step that has a manifest (steps removed by retention are skipped)",
+    )
     return p
 
 

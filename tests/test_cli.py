@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -91,6 +92,42 @@ class TestVerify:
         assert "step 2: FAILED" in out and "step 4: OK" in out
         assert "model_world_size_2_rank_1.pt: missing" in err
 
+    @pytest.mark.parametrize(
+        "mode", [["--all"], [], ["--step", "2"]], ids=["all", "latest", "step"]
+    )
+    def test_a_step_an_iteration_file_names_must_be_on_disk(self, root, mode):
+        shutil.rmtree(disk.step_dir(root, 4))
+        code, out, err = run("verify", str(root), *mode)
+        assert code == 1
+        assert "step 4: FAILED, not on disk" in out
+        assert (
+            f"step 4: {disk.step_dir(root, 4)} is missing, but latest_checkpointed_iteration.txt "
+            "and latest_state_dict_iteration.txt name it"
+        ) in err
+        if mode != []:
+            assert "step 2: OK" in out
+
+    def test_a_step_only_the_state_dict_file_names_must_be_on_disk(self, root):
+        disk.write_iteration(root, "state_dict", 6)
+        code, out, err = run("verify", str(root))
+        assert code == 1
+        assert "step 4: OK" in out and "step 6: FAILED, not on disk" in out
+        assert "but latest_state_dict_iteration.txt names it" in err
+
+    def test_all_skips_steps_removed_by_retention(self, root):
+        """A step holding only its manifest is `removed` in status and skipped by verify --all."""
+        shutil.rmtree(disk.step_dir(root, 2) / "actor")
+        st = json.loads(run("status", str(root), "--json")[1])
+        assert st["steps"][0]["state"] == "removed"
+        code, out, err = run("verify", str(root), "--all")
+        assert code == 0, err
+        assert out.splitlines() == [
+            "step 2: skipped, removed by retention (only its manifest is left)",
+            "step 4: OK, 7 files, 24.3 KiB match the manifest",
+        ]
+        # Asked for by number, it is checked, and its files are missing.
+        assert run("verify", str(root), "--step", "2")[0] == 1
+
     def test_step_without_manifest_fails(self, root):
         make_step(root, 6, commit=False)
         code, _out, err = run("verify", str(root), "--step", "6")
@@ -174,12 +211,16 @@ class TestStatus:
             gate.set()
 
     def test_iteration_file_naming_a_missing_step_is_a_problem(self, root):
+        """status exits 1 when it reports a problem (0 for a healthy root, above)."""
         disk.write_iteration(root, "checkpoint", 8)
         code, out, _ = run("status", str(root), "--json")
-        assert code == 0
+        assert code == 1
         assert json.loads(out)["problems"] == [
             "latest_checkpointed_iteration.txt names step 8, which is not on disk"
         ]
+        code, text, _ = run("status", str(root))
+        assert code == 1
+        assert "problem: latest_checkpointed_iteration.txt names step 8" in text
 
 
 class TestErrors:
@@ -215,6 +256,21 @@ class TestErrors:
     def test_verify_a_step_that_is_not_on_disk(self, root):
         code, _out, err = run("verify", str(root), "--step", "3")
         assert code == 2 and err.count("\n") == 1 and "step 3 is not on disk" in err
+
+    @pytest.mark.parametrize(
+        "value, why",
+        [
+            ("-1", "from 0 to 2**63 - 1"),
+            (str(2**63), "from 0 to 2**63 - 1"),
+            ("x", "must be a step number, got 'x'"),
+        ],
+    )
+    def test_verify_a_step_that_is_not_a_step_number(self, root, capsys, value, why):
+        code, out, err = run("verify", str(root), "--step", value)
+        assert code == 2 and out == "" and err == ""
+        usage = capsys.readouterr().err
+        assert "argument --step:" in usage and why in usage
+        assert "Traceback" not in usage and "ValueError" not in usage
 
     @pytest.mark.needs_install
     def test_entry_point_exit_code(self, tmp_path):

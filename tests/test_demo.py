@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from obsckpt import commit as disk
 from obsckpt.cli import main
 from obsckpt.demo import DemoConfig, run_demo
-from obsckpt.demo.job import DemoError, resolve_plan
+from obsckpt.demo.job import MARKER, DemoError, prepare_root, resolve_plan
 from obsckpt.demo.summary import Histogram, Scrape
 
 
@@ -61,6 +62,201 @@ class TestDemoRun:
         assert main(["status", str(root), "--json"], out=status_out) == 0
         st = json.loads(status_out.getvalue())
         assert st["committed"] == [2, 4] and st["uncommitted"] == []
+
+
+def demo_step(root: Path, step: int, *, full: bool = True, commit: bool = True) -> Path:
+    """A step as the demo (2 ranks) writes it: model shards, and optimizer state when full."""
+    actor = disk.step_dir(root, step) / "actor"
+    actor.mkdir(parents=True)
+    kinds = ("model", "optim", "extra_state") if full else ("model",)
+    for rank in range(2):
+        for kind in kinds:
+            (actor / f"{kind}_world_size_2_rank_{rank}.pt").write_bytes(b"w" * (100 + step))
+    if commit:
+        disk.finalize_step(actor.parent)
+    return actor.parent
+
+
+def demo_root(tmp_path: Path) -> Path:
+    """A root an earlier demo run wrote: its marker, full checkpoint 4, state dict 6, step 8
+    never committed (a checkpoint-sync run stopped between full checkpoints)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / MARKER).write_text("{}\n")
+    demo_step(root, 2)
+    demo_step(root, 4)
+    demo_step(root, 5, full=False)
+    demo_step(root, 6, full=False)
+    demo_step(root, 8, full=False, commit=False)
+    disk.write_iteration(root, "checkpoint", 4)
+    disk.write_iteration(root, "state_dict", 6)
+    return root
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+class TestForeignRootIsNeverTouched:
+    """A root without the demo's marker that is not empty is refused, with --resume too,
+    before anything in it is deleted or written; the message does not suggest --resume."""
+
+    @staticmethod
+    def foreign(tmp_path: Path, what: str) -> Path:
+        root = tmp_path / "mine"
+        root.mkdir()
+        if what == "checkpoints":
+            actor = root / "global_step_100" / "actor"
+            actor.mkdir(parents=True)
+            (actor / "model.pt").write_text("precious\n")
+            (root / "latest_state_dict_iteration.txt").write_text("100\n")
+        elif what == "checkpoint iteration file":
+            (root / "latest_checkpointed_iteration.txt").write_text("5\n")
+        elif what == "state-dict iteration file":
+            (root / "latest_state_dict_iteration.txt").write_text("5\n")
+        else:
+            (root / "notes.txt").write_text("mine\n")
+        return root
+
+    @pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+    @pytest.mark.parametrize(
+        "what",
+        ["checkpoints", "checkpoint iteration file", "state-dict iteration file", "other files"],
+    )
+    def test_refused_and_left_alone(self, tmp_path, what, resume):
+        root = self.foreign(tmp_path, what)
+        before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        said = []
+        with pytest.raises(DemoError) as info:
+            prepare_root(DemoConfig(ckpt_dir=str(root), resume=resume, world_size=2), said.append)
+        msg = str(info.value)
+        assert str(root) in msg and MARKER in msg and "--ckpt-dir" in msg
+        assert "--resume" not in msg
+        assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+        assert not (root / MARKER).exists() and said == []
+
+    def test_an_empty_directory_is_taken(self, tmp_path):
+        root = tmp_path / "empty"
+        root.mkdir()
+        got, resumed, state_dict = prepare_root(
+            DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), lambda _: None
+        )
+        assert (got, resumed, state_dict) == (root.resolve(), 0, None)
+        assert tree(root) == {MARKER}
+
+
+class TestResumeKeepsCommittedSteps:
+    """--resume in the demo's own root deletes only steps above both iteration files;
+    a fresh run in it starts over."""
+
+    def test_state_dict_newer_than_the_checkpoint(self, tmp_path):
+        root = demo_root(tmp_path)
+        said = []
+        got, resumed, state_dict = prepare_root(
+            DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), said.append
+        )
+        assert (resumed, state_dict) == (4, 6)
+        assert disk.steps_on_disk(root) == [2, 4, 5, 6]
+        assert disk.read_iteration(root, "checkpoint") == 4
+        assert disk.read_iteration(root, "state_dict") == 6
+        for step in (2, 4, 5, 6):
+            assert disk.verify_step(disk.step_dir(root, step)) == []
+        assert any("uncommitted steps [8]" in s for s in said), said
+
+    def test_no_checkpoint_but_a_state_dict(self, tmp_path):
+        root = demo_root(tmp_path)
+        (root / disk.ITERATION_FILES["checkpoint"]).unlink()
+        got, resumed, state_dict = prepare_root(
+            DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), lambda _: None
+        )
+        assert (resumed, state_dict) == (0, 6)
+        assert disk.steps_on_disk(root) == [2, 4, 5, 6]
+        assert disk.read_iteration(root, "state_dict") == 6
+
+    def test_without_resume_the_demo_starts_over(self, tmp_path):
+        root = demo_root(tmp_path)
+        got, resumed, state_dict = prepare_root(
+            DemoConfig(ckpt_dir=str(root), world_size=2), lambda _: None
+        )
+        assert (resumed, state_dict) == (0, None)
+        assert tree(root) == {MARKER}
+
+
+class TestCkptDirErrors:
+    """A --ckpt-dir that cannot be used is named as the flag, before Ray starts."""
+
+    def test_a_file(self, tmp_path):
+        f = tmp_path / "some_file"
+        f.write_text("x")
+        out, err = io.StringIO(), io.StringIO()
+        code = main(["demo", "--ckpt-dir", str(f), "--steps", "1"], out=out, err=err)
+        assert code == 2
+        line = err.getvalue()
+        assert line.count("\n") == 1
+        assert f"--ckpt-dir {f} is a file, not a directory" in line
+        assert "default_local_dir" not in line
+        assert f.read_text() == "x"
+
+
+def _stop_between_full_checkpoints(root: Path, step: int, checkpoint: int) -> None:
+    """Make ``step`` a committed state dict newer than the committed checkpoint ``checkpoint``,
+    as a checkpoint-sync run stopped after ``step`` leaves it (the iteration file goes back)."""
+    sdir = disk.step_dir(root, step)
+    for f in (sdir / "actor").iterdir():
+        if f.name.startswith(("optim_", "extra_state_")):
+            f.unlink()
+    (sdir / disk.MANIFEST_NAME).unlink()
+    disk.finalize_step(sdir)
+    disk.atomic_write(root / disk.ITERATION_FILES["checkpoint"], f"{checkpoint}\n".encode())
+
+
+@pytest.mark.slow
+class TestResumeWithCheckpointSync:
+    """A checkpoint-sync run stopped between full checkpoints resumes from the full one:
+    the newer committed state dict stays, the steps up to it are trained again without
+    state-dict saves, and the rollout gets every version after it."""
+
+    def test_resume_end_to_end(self, ray_cluster, tmp_path):
+        root = tmp_path / "ckpt"
+        common = dict(
+            sync_method="checkpoint",
+            device="cpu",
+            ckpt_dir=str(root),
+            metrics_host="127.0.0.1",
+            commit_timeout=60.0,
+            progress=False,
+        )
+        first = run_demo(
+            DemoConfig(steps=3, save_every=2, **common),
+            out=io.StringIO(),
+            err=io.StringIO(),
+            handle_signals=False,
+        )
+        assert first.exit_code == 0 and first.checkpoint_steps == [2, 3]
+        _stop_between_full_checkpoints(root, 3, checkpoint=2)
+
+        err = io.StringIO()
+        result = run_demo(
+            DemoConfig(steps=3, save_every=3, resume=True, **common),
+            out=io.StringIO(),
+            err=err,
+            handle_signals=False,
+        )
+        assert result.exit_code == 0, err.getvalue()
+        assert (result.resumed_from, result.first_step, result.last_step) == (2, 3, 5)
+        assert "step 3 is trained again without state-dict saves" in err.getvalue()
+        # Step 3 is a full checkpoint again; 4 a state dict, 5 the last full checkpoint.
+        assert result.checkpoint_steps == [3, 5]
+        assert result.rollout_versions == [4, 5]
+        assert result.committed == {"checkpoint": 5, "state_dict": 5}
+        # The earlier run's full checkpoint 2 is kept (--keep 3); state dict 4 was rotated.
+        assert disk.steps_on_disk(root) == [2, 3, 5]
+        code_out = io.StringIO()
+        assert main(["verify", str(root), "--all"], out=code_out, err=io.StringIO()) == 0
+        assert code_out.getvalue().count(": OK") == 3
+        status_out = io.StringIO()
+        assert main(["status", str(root), "--json"], out=status_out) == 0
+        assert json.loads(status_out.getvalue())["problems"] == []
 
 
 class TestPlan:

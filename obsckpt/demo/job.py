@@ -165,54 +165,105 @@ class _Stop:
 # ----------------------------------------------------------------------
 
 
-def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int]:
-    """Create or check the checkpoint root; returns it and the step to resume after (0: none)."""
+def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
+    """Create or check the checkpoint root.
+
+    The demo removes checkpoints as it runs (it starts over without --resume,
+    rotates old ones with --keep), so it only uses an empty directory or one
+    holding its marker file, which it writes there; anything else is refused,
+    with --resume too. Resuming removes only steps above both iteration files
+    (saves an earlier run never committed): a committed step is never removed.
+
+    Returns:
+        The root, the committed checkpoint to resume after (0: none) and, with
+        --resume, the committed state-dict step (None: none).
+    """
     root = Path(cfg.ckpt_dir).expanduser().resolve()
+    _ensure_root(root)
+    marker = root / MARKER
+    if not marker.is_file():
+        entries = sorted(os.listdir(root))
+        if entries:
+            raise DemoError(_foreign_root_message(root, entries))
     try:
-        disk.ensure_root(root)
-        latest = disk.read_iteration(root, "checkpoint")
-    except (CheckpointDirError, IterationFileError) as exc:
+        latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
+    except IterationFileError as exc:
         raise DemoError(str(exc)) from exc
     on_disk = disk.steps_on_disk(root)
-    marker = root / MARKER
-    if cfg.resume:
-        if latest is None:
-            say(f"--resume: {root} holds no committed checkpoint; starting at step 1")
-            _clear(root, on_disk)
-            latest = 0
-        else:
-            model = disk.step_dir(root, latest) / "actor"
-            want = model / f"model_world_size_{cfg.world_size}_rank_0.pt"
-            if not want.is_file():
-                sizes = sorted(
-                    {p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")}
-                )
-                raise DemoError(
-                    f"step {latest} in {root} was not saved by {cfg.world_size} ranks "
-                    f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
-                )
-            stale = [s for s in on_disk if s > latest]
-            if stale:
-                say(f"--resume: ignoring uncommitted steps {stale} (left by an earlier run)")
-                _clear(root, stale, iteration_files=False)
-    else:
-        latest = 0
-        if on_disk or disk.read_iteration(root, "state_dict") is not None:
-            if not marker.is_file():
-                raise DemoError(
-                    f"{root} already holds checkpoints that the demo did not write; pass "
-                    "--resume to continue from them, or --ckpt-dir with an empty directory"
-                )
+    ck, sd = latest["checkpoint"], latest["state_dict"]
+    if not cfg.resume:
+        if on_disk or ck is not None or sd is not None:
             say(
                 f"starting over in {root}: removing {len(on_disk)} step directories of an "
                 "earlier demo run (pass --resume to continue from it instead)"
             )
             _clear(root, on_disk)
+        resumed, sd = 0, None
+    else:
+        if ck is None:
+            say(f"--resume: {root} holds no committed checkpoint; starting at step 1")
+            resumed = 0
+        else:
+            _check_world_size(root, ck, cfg.world_size)
+            resumed = ck
+        committed = max((s for s in (ck, sd) if s is not None), default=-1)
+        # Above both iteration files: saves of an earlier run that never committed,
+        # which the resumed run's saves of the same steps would mix with.
+        stale = [s for s in on_disk if s > committed]
+        if stale:
+            say(f"--resume: removing uncommitted steps {stale} (left by an earlier run)")
+            _clear(root, stale, iteration_files=False)
     disk.atomic_write(
         marker,
         (json.dumps({"world_size": cfg.world_size, "model": asdict(ModelSpec())}) + "\n").encode(),
     )
-    return root, latest
+    return root, resumed, sd
+
+
+def _ensure_root(root: Path) -> None:
+    """ensure_root, its errors worded for the --ckpt-dir flag."""
+    try:
+        disk.ensure_root(root)
+    except CheckpointDirError as exc:
+        if root.exists() and not root.is_dir():
+            raise DemoError(
+                f"--ckpt-dir {root} is a file, not a directory; pass --ckpt-dir with a "
+                "directory (it is created if missing)"
+            ) from exc
+        cause = exc.__cause__
+        why = getattr(cause, "strerror", None) or cause or exc
+        raise DemoError(
+            f"--ckpt-dir {root} cannot be created or written ({why}); pass --ckpt-dir with "
+            "a directory this user can create files in"
+        ) from exc
+
+
+def _foreign_root_message(root: Path, entries: list[str]) -> str:
+    ckpt = [e for e in entries if disk.STEP_DIR_RE.match(e) or e in disk.ITERATION_FILES.values()]
+    shown = ckpt or entries
+    names = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    what = "checkpoints the demo did not write" if ckpt else "files the demo did not write"
+    return (
+        f"{root} holds {what} ({names}) and no {MARKER}; the demo removes old checkpoints "
+        "in its directory as it runs (--keep), so it only uses an empty directory or one it "
+        "created. Pass --ckpt-dir with a new or empty directory"
+    )
+
+
+def _check_world_size(root: Path, step: int, world_size: int | None) -> None:
+    if not disk.step_dir(root, step).is_dir():
+        raise DemoError(
+            f"{disk.ITERATION_FILES['checkpoint']} in {root} names step {step}, which is not "
+            f"on disk, so there is nothing to resume from (see `obsckpt status {root}`)"
+        )
+    model = disk.step_dir(root, step) / "actor"
+    want = model / f"model_world_size_{world_size}_rank_0.pt"
+    if not want.is_file():
+        sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
+        raise DemoError(
+            f"step {step} in {root} was not saved by {world_size} ranks "
+            f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
+        )
 
 
 def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> None:
@@ -229,15 +280,22 @@ def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> Non
 def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
     """Remove state-dict-only steps below both committed steps (checkpoint sync leaves one a step).
 
-    Full checkpoints are the manager's to keep or remove (``max_ckpt_to_keep``).
+    Full checkpoints are the manager's to keep or remove (``max_ckpt_to_keep``):
+    this run's (``full_steps``) and, after --resume, an earlier run's, told by
+    their optimizer files.
     """
     if any(s is None for s in latest.values()):
         return
     floor = min(latest.values())
     full = set(full_steps)
     for step in disk.steps_on_disk(root):
-        if step < floor and step not in full:
+        if step < floor and step not in full and not _is_full_checkpoint(root, step):
             shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+
+
+def _is_full_checkpoint(root: Path, step: int) -> bool:
+    model = disk.step_dir(root, step) / "actor"
+    return any(model.glob("optim_*")) or any(model.glob("extra_state_*"))
 
 
 # ----------------------------------------------------------------------
@@ -368,7 +426,7 @@ def run_demo(
     progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
     result = DemoResult()
     t_start = time.monotonic()
-    root, resumed = prepare_root(cfg, progress.note)
+    root, resumed, state_dict_step = prepare_root(cfg, progress.note)
     result.root = str(root)
     result.resumed_from = resumed or None
     env = _otel_env(cfg)
@@ -411,7 +469,7 @@ def run_demo(
             stop.install()  # after ray.init, which installs handlers of its own
 
         device = cfg.device
-        trainers, rollout, synchronizer, info = _start_actors(cfg, namespace, device, env)
+        trainers, rollout, synchronizer, info = _start_actors(cfg, namespace, device, env, root)
         actors += [*trainers, rollout] + ([synchronizer] if synchronizer is not None else [])
         result.device = info["device"]
         result.sync_method = cfg.sync_method
@@ -424,6 +482,33 @@ def run_demo(
         if resumed:
             ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
             progress.note(f"resumed from committed step {resumed}")
+        if synchronizer is not None:
+            if cfg.resume:
+                # Weight-sync versions restart at the resumed step; checkpoint sync
+                # skips the state dicts committed before it (Synchronizer.resume_from).
+                ray.get(synchronizer.resume_from.remote(resumed))
+            if cfg.sync_method == "checkpoint":
+                ray.get(synchronizer.start.remote())
+        retrained = resumed
+        if (
+            cfg.sync_method == "checkpoint"
+            and state_dict_step is not None
+            and state_dict_step > resumed
+        ):
+            # Stopped between full checkpoints: the state dicts of the steps trained
+            # again are committed already, and the iteration file never goes back.
+            retrained = state_dict_step
+            full = (
+                f"the newest full checkpoint is step {resumed}"
+                if resumed
+                else "there is no full checkpoint"
+            )
+            progress.note(
+                f"--resume: the state dict of step {state_dict_step} is committed, but {full}; "
+                f"{_steps(resumed + 1, state_dict_step)} trained again without state-dict saves "
+                f"(step {state_dict_step}'s stays), and the rollout gets new weights from step "
+                f"{state_dict_step + 1} on"
+            )
         job = _Job(
             trainers=trainers,
             rollout=rollout,
@@ -435,7 +520,7 @@ def run_demo(
             stop=stop,
             result=result,
         )
-        _train(cfg, root, resumed, job, t_start)
+        _train(cfg, root, resumed, job, t_start, retrained=retrained)
         progress.close()
         _drain(cfg, trainers, monitor, progress, result)
         if stop.signum is not None:
@@ -457,6 +542,10 @@ def run_demo(
     return result
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {first} is" if first == last else f"steps {first}-{last} are"
+
+
 def _sync_name(cfg: DemoConfig, info: dict) -> str:
     if cfg.sync_method == "broadcast":
         return f"broadcast over {info['backend']}"
@@ -465,7 +554,7 @@ def _sync_name(cfg: DemoConfig, info: dict) -> str:
     return cfg.sync_method
 
 
-def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, str]):
+def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, str], root: Path):
     import ray
 
     from obsckpt.demo.workers import Rollout, TrainerRank
@@ -518,9 +607,9 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
 
         synchronizer = Synchronizer.get_actor(
             namespace=namespace,
-            default_local_dir=cfg.ckpt_dir if cfg.sync_method == "checkpoint" else None,
+            default_local_dir=str(root) if cfg.sync_method == "checkpoint" else None,
             poll_interval_s=0.1,
-            watch=cfg.sync_method == "checkpoint",
+            watch=False,  # run_demo starts it, after resume_from when resuming
         )
     return trainers, rollout, synchronizer, infos[0]
 
@@ -540,7 +629,9 @@ class _Job:
     result: Any
 
 
-def _train(cfg, root, resumed: int, job: _Job, t_start: float) -> None:
+def _train(cfg, root, resumed: int, job: _Job, t_start: float, *, retrained: int) -> None:
+    """Train steps ``resumed + 1`` on; with checkpoint sync, steps up to ``retrained``
+    have a committed state dict already: they save none and sync nothing."""
     import ray
 
     from obsckpt.telemetry import tracing
@@ -577,7 +668,7 @@ def _train(cfg, root, resumed: int, job: _Job, t_start: float) -> None:
                 )
                 loop.run_until_complete(coord.register_and_monitor(step))
             result.checkpoint_steps.append(step)
-        elif cfg.sync_method == "checkpoint":
+        elif cfg.sync_method == "checkpoint" and step > retrained:
             with tracing.checkpoint_span(step, is_state_dict=True) as carrier:
                 ray.get(
                     [
@@ -586,8 +677,10 @@ def _train(cfg, root, resumed: int, job: _Job, t_start: float) -> None:
                     ]
                 )
                 loop.run_until_complete(coord.register_and_monitor(step, is_state_dict=True))
-        version = _sync(cfg, step, trainers, rollout, synchronizer)
-        result.rollout_versions.append(version)
+        version = None
+        if cfg.sync_method != "checkpoint" or step > retrained:
+            version = _sync(cfg, step, trainers, rollout, synchronizer)
+            result.rollout_versions.append(version)
         status = ray.get(monitor.status.remote())
         committed = status["latest"]["checkpoint"]
         if committed != committed_seen:
@@ -619,6 +712,15 @@ def _sync(cfg, step, trainers, rollout, synchronizer) -> int:
         ray.get([t.upload_weights.remote(step) for t in trainers])
         version, fp = ray.get(rollout.pull.remote(synchronizer, step, 60.0))
     else:
+        # Waited for here, not only in the rollout's pull: that waits for a version
+        # newer than the one it holds, and after --resume it holds none while the
+        # synchronizer holds the resumed step, so the pull would poll without waiting.
+        held = ray.get(synchronizer.wait_new_model_state_dict.remote(step - 1, cfg.commit_timeout))
+        if held is None or held < step:
+            raise RuntimeError(
+                f"the synchronizer holds version {held} after {cfg.commit_timeout:.0f} s; the "
+                f"trainer is at step {step} (is the step's commit stuck? see `obsckpt status`)"
+            )
         version, fp = ray.get(rollout.pull.remote(synchronizer, step, cfg.commit_timeout))
     fingerprints = ray.get([t.fingerprint.remote() for t in trainers])
     if fp != fingerprints[0]:
