@@ -92,6 +92,12 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     behind = int(t.weight_sync_max_lag) + 6
     lag_fire = 11 + math.ceil(_seconds(t.weight_sync_for) / 60) + 3
 
+    def lagging(instance: str) -> dict:
+        """The lag alert firing for the monitor at ``instance``, ``behind`` versions behind."""
+        alert = "ObsckptWeightSyncLagging"
+        labels = {"job": JOB, "instance": instance}
+        return _check(lag_fire, alert, _expected(alert, rules, labels, behind))
+
     tests = [
         {
             "name": "commit stalled: a pending step older than the threshold fires",
@@ -250,16 +256,7 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             ],
             "alert_rule_test": [
                 _check(10, "ObsckptWeightSyncLagging"),
-                _check(
-                    lag_fire,
-                    "ObsckptWeightSyncLagging",
-                    _expected(
-                        "ObsckptWeightSyncLagging",
-                        rules,
-                        {"job": JOB, "instance": INSTANCE},
-                        behind,
-                    ),
-                ),
+                lagging(INSTANCE),
             ],
         },
         {
@@ -277,16 +274,7 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                 _series("obsckpt_model_version", f'{_THIRD},role="trainer"', f"500x{lag_fire}"),
             ],
             "alert_rule_test": [
-                _check(
-                    lag_fire,
-                    "ObsckptWeightSyncLagging",
-                    _expected(
-                        "ObsckptWeightSyncLagging",
-                        rules,
-                        {"job": JOB, "instance": OTHER_INSTANCE},
-                        behind,
-                    ),
-                ),
+                lagging(OTHER_INSTANCE),
             ],
         },
         {
