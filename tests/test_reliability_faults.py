@@ -14,6 +14,7 @@ import errno
 import os
 import random
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from obsckpt.telemetry import tracing
 SAVE_TIMEOUT = 0.5
 FAULTS = ("raise", "hang", "full_disk", "read_only")
 SLOTS = ("model", "optim", "extra")
+# Set when a hung save's call returns: wait_all() raises its timeout before that,
+# and its slot stays busy until then.
+HUNG: list[threading.Event] = []
 
 
 def _mount(target: Path, options: str) -> bool:
@@ -63,12 +67,16 @@ def memory_spans():
 def _fault_save(kind: str, full: Path, ro: Path, real: bool, step: int, slot: str):
     """A save function that fails the way ``kind`` says."""
     state = {"w": torch.zeros(1 << 19)}  # 2 MiB: more than the full tmpfs holds
+    returned = threading.Event()
+    if kind == "hang":
+        HUNG.append(returned)
 
     def save():
         if kind == "raise":
             raise RuntimeError(f"injected failure in {slot} step {step}")
         if kind == "hang":
             time.sleep(SAVE_TIMEOUT * 2.5)
+            returned.set()
             return
         target = full if kind == "full_disk" else ro
         if not real:
@@ -139,6 +147,11 @@ class TestInjectedFailures:
                     coord.wait_all(timeout=30)
                 assert info.value.step == step
                 failed_steps.append(step)
+                # A hung save's slot is free again only once its call returns; the
+                # trainer's next save of it would wait for that (at most save_timeout).
+                for returned in HUNG:
+                    assert returned.wait(30), "a hung save never returned"
+                HUNG.clear()
             else:
                 coord.wait_all(timeout=30)
                 ok_steps.append(step)
