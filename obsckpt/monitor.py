@@ -28,7 +28,7 @@ from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import RESULTS, Metrics
 from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
-from obsckpt.tracker import CommitTracker, validate_parts
+from obsckpt.tracker import CommitTracker, Progress, validate_parts
 
 logger = logging.getLogger(__name__)
 
@@ -660,17 +660,17 @@ class CheckpointMonitor:
 
     async def _commit_ready(self) -> None:
         try:
-            # One commit at a time, each chosen right before it starts: notifications
-            # arrive during a commit's I/O, and a step named ready before it may have
-            # a new save in flight, or a failed one, by then.
-            while ready := self.tracker.ready():
-                await self._commit(*ready[0])
+            # One commit at a time, each chosen as it starts: notifications arrive
+            # during a commit's I/O, and a step ready before it may have a new save
+            # in flight, or a failed one, by then.
+            while (nxt := self.tracker.begin_next_commit()) is not None:
+                await self._commit(*nxt)
         finally:
             self._refresh_gauges()
 
-    async def _commit(self, step: int, kind: str) -> None:
+    async def _commit(self, step: int, kind: str, p: Progress) -> None:
+        """Commit ``step`` of ``kind``, which the tracker has just marked committing."""
         whole_at = time.time()
-        p = self.tracker.begin_commit(step, kind)
         attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
         try:
             with tracing.span("obsckpt.commit", carrier=p.carrier, attributes=attrs):

@@ -1,9 +1,9 @@
 """The commit state machine: which steps are whole, which may be committed.
 
 Plain Python with no Ray and no I/O, so it can be driven exhaustively by
-tests. The monitor actor feeds it notifications, asks :meth:`CommitTracker.ready`
-what to commit, performs the durable writes, and reports back with
-:meth:`CommitTracker.end_commit`.
+tests. The monitor actor feeds it notifications, takes the next step to commit
+with :meth:`CommitTracker.begin_next_commit`, performs the durable writes, and
+reports back with :meth:`CommitTracker.end_commit`.
 
 Per step and kind (``checkpoint`` or ``state_dict``) it counts registered,
 finished and in-flight saves. A step of a kind is committed once it was
@@ -471,21 +471,19 @@ class CommitTracker:
                 out.append((step, kind))
         return out
 
-    def begin_commit(self, step: int, kind: str) -> Progress:
-        """Start committing ``step`` of ``kind``, which :meth:`ready` must name right now.
+    def begin_next_commit(self) -> tuple[int, str, Progress] | None:
+        """Start committing the first step :meth:`ready` names; None when nothing is ready.
 
-        Raises:
-            RuntimeError: the step is not ready (the caller used a stale list).
+        Choosing and starting are one call: notifications arrive while a commit
+        runs, so a list of ready steps taken before it could be stale.
         """
-        if (step, kind) not in self.ready():
-            p = self.steps.get(step, {}).get(kind)
-            raise RuntimeError(
-                f"step {step} ({kind}) is not ready to commit (state "
-                f"{p.state if p else 'unknown'}); commit only what ready() names at the time"
-            )
+        ready = self.ready()
+        if not ready:
+            return None
+        step, kind = ready[0]
         p = self.progress(step, kind)
         p.state = COMMITTING
-        return p
+        return step, kind, p
 
     def end_commit(self, step: int, kind: str, *, ok: bool, error: str | None = None) -> None:
         p = self.progress(step, kind)

@@ -28,9 +28,8 @@ def part(rank: int, world: int = 2) -> dict:
 def commit_ready(t: CommitTracker) -> list[tuple[int, str]]:
     """What the monitor does: commit everything ready, in order, until nothing is."""
     done = []
-    while ready := t.ready():
-        step, kind = ready[0]
-        t.begin_commit(step, kind)
+    while (nxt := t.begin_next_commit()) is not None:
+        step, kind, _ = nxt
         t.end_commit(step, kind, ok=True)
         done.append((step, kind))
     return done
@@ -129,8 +128,8 @@ class TestFailures:
     def test_failed_commit_io_fails_the_step(self):
         t = CommitTracker()
         t.submit(7, "state_dict")
-        [(step, kind)] = t.ready()
-        t.begin_commit(step, kind)
+        step, kind, _ = t.begin_next_commit()
+        assert (step, kind) == (7, "state_dict")
         t.end_commit(step, kind, ok=False, error="EIO")
         assert t.progress(7, "state_dict").state == FAILED
         assert t.latest["state_dict"] is None
@@ -486,10 +485,9 @@ class CommitMachine(RuleBasedStateMachine):
         return ok
 
     def _commit(self):
-        while ready := self.t.ready():
-            step, kind = ready[0]
+        while (nxt := self.t.begin_next_commit()) is not None:
+            step, kind, _ = nxt
             assert self._whole(step, kind), f"step {step} ({kind}) committed while not whole"
-            self.t.begin_commit(step, kind)
             self.t.end_commit(step, kind, ok=True)
             self.history[kind].append(step)
             if kind == "checkpoint" and (

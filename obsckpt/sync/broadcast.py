@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorMeta, plan_buckets, tensor_meta
-from obsckpt.sync.group import BroadcastError, WeightSyncGroup
+from obsckpt.sync.group import BroadcastError, WeightSyncGroup, check_newer_step
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
@@ -250,13 +250,7 @@ class WeightBroadcaster:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if step is not None:
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
-            if self.last_step is not None and step <= self.last_step:
-                raise ValueError(
-                    f"step {step} is not newer than step {self.last_step}, the last one sent; "
-                    "weight versions never go backwards: send a newer step"
-                )
+            check_newer_step(step, self.last_step, none_ok=True)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         materialised = meta is None
         if materialised:

@@ -42,6 +42,24 @@ class BroadcastTimeoutError(BroadcastError, TimeoutError):
     """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
 
 
+def check_newer_step(step: object, last_step: int | None, *, none_ok: bool = False) -> None:
+    """The version rule every weight sync keeps: ``step`` is a step newer than ``last_step``.
+
+    ``none_ok`` only says, in the error, that the caller also accepts None (no version).
+
+    Raises:
+        ValueError: ``step`` is not a non-negative integer, or not newer than ``last_step``.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        also = " or None" if none_ok else ""
+        raise ValueError(f"step must be a non-negative integer{also}, got {step!r}")
+    if last_step is not None and step <= last_step:
+        raise ValueError(
+            f"step {step} is not newer than step {last_step}, the last one sent; "
+            "weight versions never go backwards: send a newer step"
+        )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, for the group's store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

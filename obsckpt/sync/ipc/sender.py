@@ -24,7 +24,12 @@ from obsckpt.sync.buckets import (
     plan_buckets,
     tensor_meta,
 )
-from obsckpt.sync.group import DEFAULT_TIMEOUT_S, BroadcastError, BroadcastTimeoutError
+from obsckpt.sync.group import (
+    DEFAULT_TIMEOUT_S,
+    BroadcastError,
+    BroadcastTimeoutError,
+    check_newer_step,
+)
 from obsckpt.sync.ipc import streams
 from obsckpt.sync.ipc.payload import (
     METHOD,
@@ -206,13 +211,7 @@ class IpcWeightSender:
             BroadcastTimeoutError: no acknowledgement within ``timeout_s``.
             BroadcastError: the receiver failed or refused the payload.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if self.last_step is not None and step <= self.last_step:
-            raise ValueError(
-                f"step {step} is not newer than step {self.last_step}, the last one sent; "
-                "weight versions never go backwards"
-            )
+        check_newer_step(step, self.last_step)
         if isinstance(named_tensors, Mapping):
             names, tensors = list(named_tensors.keys()), list(named_tensors.values())
         else:
