@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
@@ -37,27 +35,12 @@ from opentelemetry.trace import Status, StatusCode
 from obsckpt import commit as disk
 from obsckpt.commit import FileRecord, validate_slot, validate_step
 from obsckpt.errors import SaveError, SaveTimeoutError
+from obsckpt.monitor_link import MonitorLink
+from obsckpt.save_threads import THREADS
 from obsckpt.telemetry import tracing
 from obsckpt.tracker import validate_parts
 
-if TYPE_CHECKING:
-    # torch takes seconds to import; the monitor process (which imports this
-    # package) never needs it, and a restarted monitor should be back quickly.
-    pass
-
 logger = logging.getLogger(__name__)
-
-
-def _ray_identity() -> tuple[str, str]:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            return ctx.get_node_id(), ctx.get_job_id()
-    except Exception:  # noqa: BLE001 - identity is informational
-        pass
-    return "local", "local"
 
 
 def _default_rank() -> int | None:
@@ -72,90 +55,6 @@ def _default_rank() -> int | None:
     except Exception:  # noqa: BLE001
         pass
     return None
-
-
-class _SaveThreads:
-    """Daemon threads that run saves, kept between saves.
-
-    A submitted save goes to an idle thread if there is one, else to a new
-    thread, so a save never waits behind another (a hung save keeps its
-    thread; the next one gets a fresh thread). The number of threads is the
-    most saves this process has had running at once.
-    """
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._started = 0
-
-    def submit(self, fn: Callable[[], Any], name: str) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if spawn:
-                self._started += 1
-                number = self._started
-            else:
-                self._idle -= 1
-        if spawn:
-            # Started before the work is queued: if the thread cannot start, the
-            # caller gets the error and nothing is left in the queue.
-            self._spawn(number, idle=False)
-        # Each idle thread is either blocked in get() or about to be, and every
-        # claim above is matched by exactly one get(): the item never waits
-        # for a busy thread.
-        self._work.put((fn, name))
-
-    def warm(self, idle: int) -> None:
-        """Start threads until at least ``idle`` are idle, so the next saves start none."""
-        while True:
-            with self._lock:
-                if self._idle >= idle:
-                    return
-                self._started += 1
-                self._idle += 1
-                number = self._started
-            self._spawn(number, idle=True)
-
-    def _spawn(self, number: int, *, idle: bool) -> None:
-        """Start thread ``number``, already counted (as idle, if ``idle``); uncount it on failure."""
-        try:
-            threading.Thread(
-                target=self._serve, name=f"obsckpt-save-idle-{number}", daemon=True
-            ).start()
-        except BaseException:
-            with self._lock:
-                self._started -= 1
-                if idle:
-                    self._idle -= 1
-            raise
-
-    def _serve(self) -> None:
-        me = threading.current_thread()
-        idle_name = me.name
-        while True:
-            fn, name = self._work.get()
-            me.name = name
-            try:
-                fn()
-            except BaseException:  # noqa: BLE001 - a save records its own errors
-                logger.exception("obsckpt: unexpected error in save thread %s", name)
-            finally:
-                # An idle thread holds nothing of its last save: the job's closure
-                # keeps the snapshot (views of the slot's arena), which close() frees.
-                fn = None
-                me.name = idle_name
-                with self._lock:
-                    self._idle += 1
-
-
-_THREADS = _SaveThreads()
-if hasattr(os, "register_at_fork"):
-    # The threads do not exist in a forked child; neither may their queued work.
-    os.register_at_fork(after_in_child=_THREADS._reset)
 
 
 @dataclass(slots=True)
@@ -256,17 +155,18 @@ class CheckpointCoordinator:
         self.rank = rank if rank is not None else _default_rank()
         self.save_timeout = save_timeout
         self.rpc_timeout = rpc_timeout
+        self._link = MonitorLink(checkpoint_monitor, rank=self.rank, rpc_timeout=rpc_timeout)
         self._saves: dict[str, _Save] = {}
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
         self._staging: dict[str, Any] = {}  # slot -> staging.StagingBuffers
         self._preparing: dict[str, Future] = {}  # slot -> prepare() running in the background
-        # Tickets of running saves, renewed by one heartbeat thread so the monitor
-        # can tell a slow save from a rank that died.
-        self._leases: set[int] = set()
-        self._heartbeat: threading.Thread | None = None
-        self._heartbeat_s: float | None = None
         self.logger = logger
+
+    @property
+    def monitor(self) -> Any:
+        """The :class:`~obsckpt.monitor.CheckpointMonitor` actor handle this coordinator reports to."""
+        return self._monitor
 
     # ------------------------------------------------------------------
     # Worker side
@@ -427,9 +327,7 @@ class CheckpointCoordinator:
             self._cold_save(name, global_step, staging)
         if copier is not None:
             # Kept threads: the copy thread costs a queue put, not a thread start.
-            copier.start(
-                lambda run: _THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}")
-            )
+            copier.start(lambda run: THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}"))
 
         def write() -> list[FileRecord]:
             if copier is not None:
@@ -471,7 +369,7 @@ class CheckpointCoordinator:
 
         def run() -> None:
             try:
-                _THREADS.warm(2)  # a save and an overlapped copy start no thread
+                THREADS.warm(2)  # a save and an overlapped copy start no thread
                 staging = self._staging_for(name, wait_prepare=False)
                 staging.prepare(state_dict)
                 self._record_staging(name, staging)
@@ -556,18 +454,8 @@ class CheckpointCoordinator:
         self._record_staging(name, staging, cold=True)
 
     def _record_staging(self, name: str, staging: Any, *, cold: bool = False) -> None:
-        # Sent only when a slot's staging changes (prepare, a cold save, close),
-        # not per save; not waited for: telemetry never stalls training.
-        try:
-            self._monitor.record_staging.remote(
-                rank=self.rank,
-                slot=name,
-                nbytes=staging.bytes_allocated,
-                pinned_bytes=staging.pinned_bytes,
-                cold=cold,
-            )
-        except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            self.logger.warning("obsckpt: reporting staging bytes of slot %r failed: %s", name, exc)
+        # Sent only when a slot's staging changes (prepare, a cold save, close), not per save.
+        self._link.record_staging(name, staging, cold=cold)
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Join every slot; raise the first background failure (once), with slot and step.
@@ -612,10 +500,7 @@ class CheckpointCoordinator:
 
     def committed_step(self, is_state_dict: bool = False) -> int | None:
         """The latest step of this kind the monitor has committed (None for none)."""
-        import ray
-
-        latest = ray.get(self._monitor.latest_steps.remote(), timeout=self.rpc_timeout)
-        return latest.get(disk.kind_of(is_state_dict))
+        return self._link.latest_steps().get(disk.kind_of(is_state_dict))
 
     # ------------------------------------------------------------------
     # Trainer side
@@ -707,7 +592,7 @@ class CheckpointCoordinator:
         with self._lock:
             self._saves[name] = save
         try:
-            _THREADS.submit(
+            THREADS.submit(
                 lambda: self._run(save, fn, parent, join_wait), f"obsckpt-save-{name}-step{step}"
             )
         except BaseException:
@@ -728,63 +613,32 @@ class CheckpointCoordinator:
 
         ``carrier`` is the step's W3C carrier, or a context from :func:`tracing.capture`.
         """
-        import ray
-
         carrier = tracing.as_carrier(carrier)
-
         attrs = {
             "obsckpt.step": save.step,
             "obsckpt.slot": save.slot,
             "obsckpt.kind": save.kind,
             "obsckpt.rank": self.rank,
         }
-        node_id, job_id = _ray_identity()
         ticket = None
         timer = None
         error: SaveError | None = None
         reporting = False  # this thread claimed the report of a save that ran ok
         try:
             with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
-                admitted = ray.get(
-                    self._monitor.notify_started.remote(
-                        node_id=node_id,
-                        job_id=job_id,
-                        step=save.step,
-                        slot=save.slot,
-                        kind=save.kind,
-                        rank=self.rank,
-                        pid=os.getpid(),
-                        lease=True,
-                        # The step's context, so the monitor's commit span joins the
-                        # step's trace even if the trainer never submits one.
-                        trace_context=carrier or tracing.inject() or None,
-                        **save.part_kwargs(),
-                        **({"unless_closed": True} if save.unless_committed else {}),
-                    )
-                )
-                if isinstance(admitted, dict) and admitted.get("skipped"):
+                # The step's context goes with the admission, so the monitor's commit
+                # span joins the step's trace even if the trainer never submits one.
+                admitted = self._link.admit(save, carrier or tracing.inject() or None)
+                ticket = admitted.get("ticket")
+                if admitted.get("skipped"):
                     span.set_attribute("obsckpt.skipped", True)
-                    self.logger.info(
-                        "obsckpt: save %r of step %d (%s) not written: the monitor has "
-                        "committed step %s of this kind, and a re-save would change files "
-                        "the iteration file vouches for",
-                        save.slot,
-                        save.step,
-                        save.kind,
-                        admitted.get("latest"),
-                    )
-                    save.skipped = True
-                    if save.on_skip is not None:
-                        save.on_skip()
+                    self._skip(save, admitted.get("latest"))
                     return None
-                if isinstance(admitted, dict) and admitted.get("admission_wait_s"):
+                if admitted.get("admission_wait_s"):
                     # The monitor's own measure of the queueing, without the RPC's latency.
                     end = time.time_ns()
                     start = end - int(admitted["admission_wait_s"] * 1e9)
                     tracing.record_wait("obsckpt.admission_wait", start, end, attrs)
-                ticket = admitted.get("ticket") if isinstance(admitted, dict) else None
-                if isinstance(admitted, dict) and admitted.get("heartbeat_s"):
-                    self._hold_lease(ticket, admitted["heartbeat_s"])
                 if self.save_timeout is not None:
                     timer = threading.Timer(
                         self.save_timeout, self._on_timeout, (save, ticket, join_wait)
@@ -811,7 +665,7 @@ class CheckpointCoordinator:
                 timer.cancel()
             reporting = self._claim_report(save)
             if reporting:
-                self._notify_finished(
+                self._link.finished(
                     save,
                     ticket,
                     ok=True,
@@ -837,12 +691,11 @@ class CheckpointCoordinator:
             self.logger.error("obsckpt: %s", error, exc_info=exc)
             if not reporting:
                 if self._claim_report(save):
-                    self._report_failure(save, ticket, exc, join_wait)
+                    self._link.failed(save, ticket, exc, join_wait)
                 else:
                     error = None  # the watchdog already reported and stored a timeout
         finally:
-            with self._lock:
-                self._leases.discard(ticket)
+            self._link.drop_lease(ticket)
             save.done.set()
             save.settled.set()
         if error is not None:
@@ -850,30 +703,19 @@ class CheckpointCoordinator:
                 self._errors.append(error)
         return error
 
-    def _hold_lease(self, ticket: int, interval: float) -> None:
-        with self._lock:
-            self._leases.add(ticket)
-            self._heartbeat_s = interval
-            if self._heartbeat is None or not self._heartbeat.is_alive():
-                self._heartbeat = threading.Thread(
-                    target=self._send_heartbeats, name="obsckpt-heartbeat", daemon=True
-                )
-                self._heartbeat.start()
-
-    def _send_heartbeats(self) -> None:
-        import ray
-
-        while True:
-            time.sleep(self._heartbeat_s or 1.0)
-            with self._lock:
-                tickets = list(self._leases)
-                if not tickets:
-                    self._heartbeat = None
-                    return
-            try:
-                ray.get(self._monitor.heartbeat.remote(tickets), timeout=self.rpc_timeout)
-            except Exception as exc:  # noqa: BLE001 - the next beat may get through
-                self.logger.warning("obsckpt: heartbeat to the monitor failed: %s", exc)
+    def _skip(self, save: _Save, latest: int | None) -> None:
+        """The monitor did not admit ``save`` (``unless_committed``, step closed): write nothing."""
+        self.logger.info(
+            "obsckpt: save %r of step %d (%s) not written: the monitor has committed step %s "
+            "of this kind, and a re-save would change files the iteration file vouches for",
+            save.slot,
+            save.step,
+            save.kind,
+            latest,
+        )
+        save.skipped = True
+        if save.on_skip is not None:
+            save.on_skip()
 
     @staticmethod
     def _claim_report(save: _Save) -> bool:
@@ -882,39 +724,6 @@ class CheckpointCoordinator:
                 return False
             save.reported = True
             return True
-
-    def _notify_finished(self, save: _Save, ticket, **report: Any) -> None:
-        import ray
-
-        ray.get(
-            self._monitor.notify_finished.remote(
-                save.step,
-                save.kind == "state_dict",
-                ticket=ticket,
-                slot=save.slot,
-                rank=self.rank,
-                **save.part_kwargs(),
-                **report,
-            ),
-            timeout=self.rpc_timeout,
-        )
-
-    def _report_failure(self, save: _Save, ticket, exc: BaseException, join_wait: float) -> None:
-        try:
-            self._notify_finished(
-                save,
-                ticket,
-                ok=False,
-                error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
-                join_wait_s=join_wait,
-            )
-        except Exception as report_exc:  # noqa: BLE001 - the monitor may be gone
-            self.logger.error(
-                "obsckpt: could not report the failure of %r step %d to the monitor: %s",
-                save.slot,
-                save.step,
-                report_exc,
-            )
 
     def _on_timeout(self, save: _Save, ticket, join_wait: float) -> None:
         if not self._claim_report(save):
@@ -929,7 +738,7 @@ class CheckpointCoordinator:
         save.timeout_error = exc
         with self._lock:
             self._errors.append(exc)
-        self._report_failure(save, ticket, exc, join_wait)
+        self._link.failed(save, ticket, exc, join_wait)
         save.settled.set()
 
 

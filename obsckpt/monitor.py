@@ -10,13 +10,10 @@ measurements with every notification, status(), /metrics and file_sd.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
-import secrets
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -28,30 +25,13 @@ from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import RESULTS, Metrics
 from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
+from obsckpt.tickets import Ticket, Tickets
 from obsckpt.tracker import CommitTracker, Progress, validate_parts
 
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME = "checkpoint_monitor"
 FILE_SD_ENV = "OBSCKPT_FILE_SD_PATH"
-
-
-@dataclass(slots=True)
-class _Ticket:
-    ticket: int
-    step: int | None
-    kind: str | None
-    slot: str | None
-    rank: int | None
-    node_id: str | None
-    pid: int | None
-    requested: float
-    admitted: float | None = None
-    lease: bool = False
-    last_seen: float = 0.0
-    resave: bool = False  # into a closed step: not counted by the tracker
-    part: int | None = None  # this save's index among ``parts`` parts of one save
-    parts: int | None = None
 
 
 def _was_restarted() -> bool:
@@ -128,7 +108,6 @@ class CheckpointMonitor:
                 f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
             )
         self.lease_timeout_s = lease_timeout_s
-        self._expired: set[int] = set()
         self._reaper: asyncio.Task | None = None
         if default_local_dir is None:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
@@ -147,11 +126,7 @@ class CheckpointMonitor:
         self.tracker.restarted = _was_restarted()
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
-        self._tickets: dict[int, _Ticket] = {}
-        # Tickets are unique across restarts, so a finish carrying a ticket from an
-        # earlier incarnation is recognised instead of releasing someone else's.
-        self._ticket_base = secrets.randbits(31) << 32
-        self._ticket_ids = itertools.count(self._ticket_base + 1)
+        self._tickets = Tickets()
         self._committer: asyncio.Task | None = None  # commits what is ready, one at a time
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
         # When the last committed step became whole and how long its commit I/O took.
@@ -404,51 +379,25 @@ class CheckpointMonitor:
                     kind or "checkpoint",
                     self.tracker.latest[kind or "checkpoint"],
                 )
-        tid = next(self._ticket_ids)
-        ticket = _Ticket(
-            tid,
-            step,
-            kind,
-            slot,
-            rank,
-            node_id,
-            pid,
-            time.time(),
+        ticket = self._tickets.issue(
+            step=step,
+            kind=kind,
+            slot=slot,
+            rank=rank,
+            node_id=node_id,
+            pid=pid,
+            requested=time.time(),
             resave=resave,
             part=part,
             parts=parts,
+            lease=bool(lease) and self.lease_timeout_s is not None,
         )
-        ticket.lease = bool(lease) and self.lease_timeout_s is not None
-        self._tickets[tid] = ticket
         if slot is not None:
             # Both results' series exist from the slot's first save, so a first
             # failure is an increase from 0 that rate() and increase() can see.
             for result in RESULTS:
                 self.metrics.saves.labels(_label(slot), kind or "checkpoint", result)
-        key = self.admission.key_for(tid, _label(node_id), _label(job_id), pid)
-        loop = asyncio.get_running_loop()
-        admitted = loop.create_future()
-        if not self.admission.request(tid, key, lambda: admitted.set_result(None)):
-            try:
-                await admitted
-            except asyncio.CancelledError:
-                # The caller gave up waiting (its RPC was cancelled): the save will not
-                # run. Nothing of it may stay behind, and its step cannot be whole.
-                self._tickets.pop(tid, None)
-                self.admission.release(tid)
-                if step is not None:
-                    self.tracker.finish(
-                        step,
-                        kind or "checkpoint",
-                        ok=False,
-                        error=f"save {slot!r} on rank {rank} gave up waiting for admission",
-                        resave=resave,
-                        slot=slot,
-                        part=part,
-                        parts=parts,
-                    )
-                    await self._after_change()
-                raise
+        await self._wait_admission(ticket, job_id)
         ticket.admitted = ticket.last_seen = time.time()
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
         wait = ticket.admitted - ticket.requested
@@ -458,19 +407,44 @@ class CheckpointMonitor:
         await self._after_change()
         heartbeat = self.lease_timeout_s / 4 if ticket.lease else None
         return {
-            "ticket": tid,
+            "ticket": ticket.ticket,
             "admission_wait_s": wait,
             "heartbeat_s": heartbeat,
             "resave": resave,
         }
 
+    async def _wait_admission(self, ticket: Ticket, job_id: str | None) -> None:
+        """Until the save strategy admits ``ticket``'s save."""
+        key = self.admission.key_for(
+            ticket.ticket, _label(ticket.node_id), _label(job_id), ticket.pid
+        )
+        admitted = asyncio.get_running_loop().create_future()
+        if self.admission.request(ticket.ticket, key, lambda: admitted.set_result(None)):
+            return
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            # The caller gave up waiting (its RPC was cancelled): the save will not
+            # run. Nothing of it may stay behind, and its step cannot be whole.
+            self._release(ticket.ticket)
+            if ticket.step is not None:
+                self.tracker.finish(
+                    ticket.step,
+                    ticket.kind or "checkpoint",
+                    ok=False,
+                    error=f"save {ticket.slot!r} on rank {ticket.rank} gave up waiting for "
+                    "admission",
+                    resave=ticket.resave,
+                    slot=ticket.slot,
+                    part=ticket.part,
+                    parts=ticket.parts,
+                )
+                await self._after_change()
+            raise
+
     async def heartbeat(self, tickets: list[int]) -> None:
         """Saves with these tickets are still running (their process is alive)."""
-        now = time.time()
-        for tid in tickets:
-            info = self._tickets.get(tid)
-            if info is not None:
-                info.last_seen = now
+        self._tickets.renew(tickets, time.time())
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
@@ -480,26 +454,20 @@ class CheckpointMonitor:
         """Fail saves whose coordinator stopped sending heartbeats (a killed rank)."""
         assert self.lease_timeout_s is not None
         interval = min(5.0, self.lease_timeout_s / 4)
-        while any(t.lease for t in self._tickets.values()):
+        while self._tickets.leased():
             await asyncio.sleep(interval)
             now = time.time()
-            stale = [
-                t
-                for t in self._tickets.values()
-                if t.lease and t.admitted is not None and now - t.last_seen > self.lease_timeout_s
-            ]
-            for info in stale:
+            for info in self._tickets.stale(now, self.lease_timeout_s):
                 await self._expire(info, now)
 
-    async def _expire(self, info: _Ticket, now: float) -> None:
+    async def _expire(self, info: Ticket, now: float) -> None:
         msg = (
             f"save {info.slot!r} of rank {info.rank} (pid {info.pid}) sent no heartbeat for "
             f"{now - info.last_seen:.0f} s (lease_timeout_s={self.lease_timeout_s}); its process "
             "probably died. The step will not be committed"
         )
         logger.error("obsckpt: %s", msg)
-        self._release(info.ticket)
-        self._expired.add(info.ticket)
+        self._release(info.ticket, expired=True)
         kind = info.kind or "checkpoint"
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:
@@ -541,10 +509,9 @@ class CheckpointMonitor:
         validate_step(step)
         validate_parts(part, parts)
         kind = disk.kind_of(is_state_dict)
-        if ticket in self._expired:
+        if self._tickets.take_expired(ticket):
             # Its lease ran out and the save was already counted as failed; the
             # process was only slow. Its step stays failed.
-            self._expired.discard(ticket)
             logger.warning(
                 "obsckpt: save %r of step %d finished after its lease expired", slot, step
             )
@@ -556,7 +523,7 @@ class CheckpointMonitor:
         started = info is not None and info.step is not None
         records = [FileRecord.from_json(f) for f in files or ()]
         self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info)
-        if info is None and ticket is not None and not self._issued_here(ticket):
+        if info is None and ticket is not None and not self._tickets.issued_here(ticket):
             # Admitted by this monitor's previous incarnation: the step's registrations
             # and earlier finishes are gone, so it can never be known whole.
             reason = f"a save was admitted before the monitor restarted (ticket {ticket})"
@@ -605,23 +572,12 @@ class CheckpointMonitor:
             )
         await self._after_change()
 
-    def _issued_here(self, ticket: object) -> bool:
-        if isinstance(ticket, bool) or not isinstance(ticket, int):
-            return False
-        return self._ticket_base < ticket < self._ticket_base + (1 << 32)
-
-    def _release(self, ticket: int | None) -> _Ticket | None:
-        if ticket is None:
-            # Trinity's callers send no ticket: release the oldest save that
-            # told us nothing else, as their saving counter would.
-            anonymous = [t for t in self._tickets.values() if t.step is None and t.admitted]
-            if not anonymous:
-                return None
-            ticket = min(anonymous, key=lambda t: t.ticket).ticket
-        info = self._tickets.pop(ticket, None)
+    def _release(self, ticket: int | None, *, expired: bool = False) -> Ticket | None:
+        """Close ``ticket`` (None: a Trinity caller's) and free its admission."""
+        info = self._tickets.expire(ticket) if expired else self._tickets.close(ticket)
         if info is None:
             return None
-        self.admission.release(ticket)
+        self.admission.release(info.ticket)
         if info.admitted is not None:
             self.metrics.saves_in_flight.labels(_label(info.kind, "checkpoint")).dec()
         return info
@@ -830,7 +786,7 @@ class CheckpointMonitor:
                     "requested": tk.requested,
                     "admitted": tk.admitted,
                 }
-                for tk in self._tickets.values()
+                for tk in self._tickets
             ],
             "admission_waiting": self.admission.waiting,
             "metrics": {"address": self.server.address, "error": self.server.error},

@@ -1,4 +1,4 @@
-"""The coordinator's save threads: reused between saves, never queued behind a busy one."""
+"""Save threads: reused between saves, never queued behind a busy one."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from obsckpt.coordinator import _SaveThreads
+from obsckpt.save_threads import SaveThreads
 
 
-def _run_one(pool: _SaveThreads, name: str) -> tuple[str, int]:
+def _run_one(pool: SaveThreads, name: str) -> tuple[str, int]:
     seen: list[tuple[str, int]] = []
     done = threading.Event()
 
@@ -24,7 +24,7 @@ def _run_one(pool: _SaveThreads, name: str) -> tuple[str, int]:
     return seen[0]
 
 
-def _wait_idle(pool: _SaveThreads, n: int) -> None:
+def _wait_idle(pool: SaveThreads, n: int) -> None:
     deadline = time.monotonic() + 10
     while pool._idle < n:
         assert time.monotonic() < deadline, f"only {pool._idle} of {n} threads went idle"
@@ -32,7 +32,7 @@ def _wait_idle(pool: _SaveThreads, n: int) -> None:
 
 
 def test_threads_are_reused_and_named_while_running():
-    pool = _SaveThreads()
+    pool = SaveThreads()
     name1, ident1 = _run_one(pool, "obsckpt-save-model-step1")
     _wait_idle(pool, 1)
     name2, ident2 = _run_one(pool, "obsckpt-save-model-step2")
@@ -45,7 +45,7 @@ def test_threads_are_reused_and_named_while_running():
 
 
 def test_a_hung_save_does_not_hold_back_the_next():
-    pool = _SaveThreads()
+    pool = SaveThreads()
     release = threading.Event()
     started = threading.Event()
 
@@ -70,7 +70,7 @@ def test_a_hung_save_does_not_hold_back_the_next():
 
 
 def test_a_failing_job_leaves_its_thread_usable():
-    pool = _SaveThreads()
+    pool = SaveThreads()
 
     def boom() -> None:
         raise RuntimeError("save body raised outside the coordinator's handler")
@@ -82,15 +82,15 @@ def test_a_failing_job_leaves_its_thread_usable():
 
 
 def test_forked_child_starts_its_own_threads():
-    from obsckpt import coordinator
+    from obsckpt import save_threads
 
-    _run_one(coordinator._THREADS, "obsckpt-save-parent-step1")
+    _run_one(save_threads.THREADS, "obsckpt-save-parent-step1")
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: the parent's idle threads do not exist here
         try:
-            ok = coordinator._THREADS._idle == 0
-            name, _ = _run_one(coordinator._THREADS, "obsckpt-save-child-step1")
+            ok = save_threads.THREADS._idle == 0
+            name, _ = _run_one(save_threads.THREADS, "obsckpt-save-child-step1")
             ok = ok and name == "obsckpt-save-child-step1"
             os.write(w, b"1" if ok else b"0")
         finally:
@@ -103,7 +103,7 @@ def test_forked_child_starts_its_own_threads():
 
 
 def test_a_thread_that_cannot_start_raises_and_leaves_nothing_queued(monkeypatch):
-    pool = _SaveThreads()
+    pool = SaveThreads()
 
     def refuse(self):
         raise RuntimeError("can't start new thread")
