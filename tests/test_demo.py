@@ -12,7 +12,8 @@ import torch
 from obsckpt import commit as disk
 from obsckpt.cli import main
 from obsckpt.demo import DemoConfig, run_demo
-from obsckpt.demo.job import MARKER, DemoError, prepare_root, resolve_plan
+from obsckpt.demo.job import resolve_plan
+from obsckpt.demo.root import MARKER, DemoError, prepare_root
 from obsckpt.demo.summary import Histogram, Scrape
 
 

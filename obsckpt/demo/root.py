@@ -1,0 +1,161 @@
+"""The demo's checkpoint root: which directories it may use, what a resume keeps, rotation.
+
+The demo removes checkpoints as it runs (it starts over without --resume,
+rotates old ones with --keep), so it only uses an empty directory or one
+holding its marker file :data:`MARKER`, which it writes there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from obsckpt import commit as disk
+from obsckpt.demo.model import ModelSpec
+from obsckpt.errors import CheckpointDirError, IterationFileError
+
+if TYPE_CHECKING:
+    from obsckpt.demo.job import DemoConfig
+
+MARKER = "obsckpt-demo.json"
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start or continue; the message says why and what to do."""
+
+
+def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
+    """Create or check the checkpoint root.
+
+    The demo removes checkpoints as it runs (it starts over without --resume,
+    rotates old ones with --keep), so it only uses an empty directory or one
+    holding its marker file, which it writes there; anything else is refused,
+    with --resume too. Resuming removes only steps above both iteration files
+    (saves an earlier run never committed): a committed step is never removed.
+
+    Returns:
+        The root, the committed checkpoint to resume after (0: none) and, with
+        --resume, the committed state-dict step (None: none).
+    """
+    root = Path(cfg.ckpt_dir).expanduser().resolve()
+    _ensure_root(root)
+    marker = root / MARKER
+    if not marker.is_file():
+        entries = sorted(os.listdir(root))
+        if entries:
+            raise DemoError(_foreign_root_message(root, entries))
+    try:
+        latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
+    except IterationFileError as exc:
+        raise DemoError(str(exc)) from exc
+    on_disk = disk.steps_on_disk(root)
+    ck, sd = latest["checkpoint"], latest["state_dict"]
+    if not cfg.resume:
+        if on_disk or ck is not None or sd is not None:
+            say(
+                f"starting over in {root}: removing {len(on_disk)} step directories of an "
+                "earlier demo run (pass --resume to continue from it instead)"
+            )
+            _clear(root, on_disk)
+        resumed, sd = 0, None
+    else:
+        if ck is None:
+            say(f"--resume: {root} holds no committed checkpoint; starting at step 1")
+            resumed = 0
+        else:
+            _check_world_size(root, ck, cfg.world_size)
+            resumed = ck
+        committed = max((s for s in (ck, sd) if s is not None), default=-1)
+        # Above both iteration files: saves of an earlier run that never committed,
+        # which the resumed run's saves of the same steps would mix with.
+        stale = [s for s in on_disk if s > committed]
+        if stale:
+            say(f"--resume: removing uncommitted steps {stale} (left by an earlier run)")
+            _clear(root, stale, iteration_files=False)
+    disk.atomic_write(
+        marker,
+        (json.dumps({"world_size": cfg.world_size, "model": asdict(ModelSpec())}) + "\n").encode(),
+    )
+    return root, resumed, sd
+
+
+def _ensure_root(root: Path) -> None:
+    """ensure_root, its errors worded for the --ckpt-dir flag."""
+    try:
+        disk.ensure_root(root)
+    except CheckpointDirError as exc:
+        if root.exists() and not root.is_dir():
+            raise DemoError(
+                f"--ckpt-dir {root} is a file, not a directory; pass --ckpt-dir with a "
+                "directory (it is created if missing)"
+            ) from exc
+        cause = exc.__cause__
+        why = getattr(cause, "strerror", None) or cause or exc
+        raise DemoError(
+            f"--ckpt-dir {root} cannot be created or written ({why}); pass --ckpt-dir with "
+            "a directory this user can create files in"
+        ) from exc
+
+
+def _foreign_root_message(root: Path, entries: list[str]) -> str:
+    ckpt = [e for e in entries if disk.STEP_DIR_RE.match(e) or e in disk.ITERATION_FILES.values()]
+    shown = ckpt or entries
+    names = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    what = "checkpoints the demo did not write" if ckpt else "files the demo did not write"
+    return (
+        f"{root} holds {what} ({names}) and no {MARKER}; the demo removes old checkpoints "
+        "in its directory as it runs (--keep), so it only uses an empty directory or one it "
+        "created. Pass --ckpt-dir with a new or empty directory"
+    )
+
+
+def _check_world_size(root: Path, step: int, world_size: int | None) -> None:
+    if not disk.step_dir(root, step).is_dir():
+        raise DemoError(
+            f"{disk.ITERATION_FILES['checkpoint']} in {root} names step {step}, which is not "
+            f"on disk, so there is nothing to resume from (see `obsckpt status {root}`)"
+        )
+    model = disk.step_dir(root, step) / "actor"
+    want = model / f"model_world_size_{world_size}_rank_0.pt"
+    if not want.is_file():
+        sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
+        raise DemoError(
+            f"step {step} in {root} was not saved by {world_size} ranks "
+            f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
+        )
+
+
+def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> None:
+    for step in steps:
+        shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+    if iteration_files:
+        for name in disk.ITERATION_FILES.values():
+            try:
+                os.unlink(root / name)
+            except FileNotFoundError:
+                pass
+
+
+def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
+    """Remove state-dict-only steps below both committed steps (checkpoint sync leaves one a step).
+
+    Full checkpoints are the manager's to keep or remove (``max_ckpt_to_keep``):
+    this run's (``full_steps``) and, after --resume, an earlier run's, told by
+    their optimizer files.
+    """
+    if any(s is None for s in latest.values()):
+        return
+    floor = min(latest.values())
+    full = set(full_steps)
+    for step in disk.steps_on_disk(root):
+        if step < floor and step not in full and not _is_full_checkpoint(root, step):
+            shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+
+
+def _is_full_checkpoint(root: Path, step: int) -> bool:
+    model = disk.step_dir(root, step) / "actor"
+    return any(model.glob("optim_*")) or any(model.glob("extra_state_*"))
