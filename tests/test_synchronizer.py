@@ -12,7 +12,7 @@ from metrics_helpers import samples, scrape
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
-from obsckpt.sync.synchronizer import StateDictLoadError, load_sharded_state_dict, merge_shards
+from obsckpt.sync.shards import StateDictLoadError, load_sharded_state_dict, merge_shards
 from obsckpt.torchfile import write_torch_file
 
 

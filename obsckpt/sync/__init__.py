@@ -1,8 +1,8 @@
-"""Weight sync from the trainer to the rollout side: the Synchronizer actor, broadcast, ipc."""
+"""Weight sync from the trainer to the rollout side: the Synchronizer actor, broadcast, ipc, shards."""
 
 from __future__ import annotations
 
-from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster, WeightSyncTelemetry
+from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.device import RankDevice, setup_rank_device
 from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError, WeightSyncGroup, free_port
@@ -12,12 +12,9 @@ from obsckpt.sync.ipc import (
     IpcWeightReceiver,
     IpcWeightSender,
 )
-from obsckpt.sync.synchronizer import (
-    StateDictLoadError,
-    Synchronizer,
-    load_sharded_state_dict,
-    merge_shards,
-)
+from obsckpt.sync.shards import StateDictLoadError, load_sharded_state_dict, merge_shards
+from obsckpt.sync.synchronizer import Synchronizer
+from obsckpt.sync.telemetry import WeightSyncTelemetry
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -24,229 +24,30 @@ the namespace (one scrape target), else to a registry of this actor
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import os
-import pickle
-import re
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from obsckpt import commit as disk
-from obsckpt.commit import crc32
 from obsckpt.errors import IterationFileError
-from obsckpt.sync.broadcast import WeightSyncTelemetry
+from obsckpt.sync.shards import (
+    MODEL_SUBDIR,
+    load_sharded_state_dict,
+    state_dict_meta,
+)
+from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME = "synchronizer"
 MONITOR_ACTOR_NAME = "checkpoint_monitor"
-MODEL_SUBDIR = "actor"
-_SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 # How often to look for a monitor that was not there yet.
 _MONITOR_RETRY_S = 5.0
-
-
-class StateDictLoadError(ValueError):
-    """A committed step's model shards cannot be read or merged."""
-
-
-# ----------------------------------------------------------------------
-# Reading a committed step (plain functions: usable without Ray)
-# ----------------------------------------------------------------------
-
-
-def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
-    """The world size and ``{rank: path}`` of the model shards in ``model_dir``.
-
-    Raises:
-        StateDictLoadError: no shards, several world sizes, or a missing rank.
-    """
-    model_dir = Path(model_dir)
-    found: dict[int, dict[int, Path]] = {}
-    try:
-        names = os.listdir(model_dir)
-    except FileNotFoundError:
-        raise StateDictLoadError(f"{model_dir} does not exist") from None
-    for name in names:
-        m = _SHARD_RE.match(name)
-        if m:
-            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = model_dir / name
-    if not found:
-        raise StateDictLoadError(f"{model_dir} holds no model_world_size_<W>_rank_<R>.pt files")
-    if len(found) > 1:
-        raise StateDictLoadError(
-            f"{model_dir} mixes shards of world sizes {sorted(found)}; remove the stale ones"
-        )
-    ((world, ranks),) = found.items()
-    missing = sorted(set(range(world)) - set(ranks))
-    if missing:
-        raise StateDictLoadError(
-            f"{model_dir} lacks the shards of ranks {missing} (world size {world})"
-        )
-    return world, ranks
-
-
-def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord]:
-    try:
-        return {r.path: r for r in disk.read_manifest(sdir)}
-    except FileNotFoundError:
-        return {}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StateDictLoadError(f"{sdir / disk.MANIFEST_NAME} is unreadable: {exc}") from exc
-
-
-def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
-    data = path.read_bytes()
-    if record is not None:
-        if len(data) != record.size:
-            raise StateDictLoadError(
-                f"{path} is {len(data)} bytes, the step's manifest says {record.size}"
-            )
-        crc = crc32(data)
-        if crc != record.crc32:
-            raise StateDictLoadError(
-                f"{path} is corrupted (crc32 {crc:08x}, the step's manifest says {record.crc32:08x})"
-            )
-    return data
-
-
-def _torch_load(data: bytes, path: Path) -> Any:
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Files from older writers may hold objects weights_only refuses.
-        pass
-    except Exception as exc:  # noqa: BLE001
-        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001
-        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
-
-
-def load_sharded_state_dict(
-    model_dir: str | os.PathLike, *, manifest_dir: str | os.PathLike | None = None
-) -> dict[str, torch.Tensor]:
-    """Load every rank's shard file in ``model_dir`` and merge them into a full state dict.
-
-    Files listed in the step's ``manifest.json`` (in ``manifest_dir``, the
-    ``global_step_<N>`` directory) are checked against its size and CRC32.
-
-    Raises:
-        StateDictLoadError: a shard is missing, corrupt, or cannot be merged.
-    """
-    model_dir = Path(model_dir)
-    world, paths = shard_files(model_dir)
-    records: dict[str, disk.FileRecord] = {}
-    if manifest_dir is not None:
-        records = _manifest_records(Path(manifest_dir))
-    shards: dict[int, Mapping[str, Any]] = {}
-    for rank in range(world):
-        path = paths[rank]
-        rel = os.path.relpath(path, manifest_dir) if manifest_dir is not None else None
-        data = _read_checked(path, records.get(rel) if rel else None)
-        obj = _torch_load(data, path)
-        if not isinstance(obj, Mapping):
-            raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
-        shards[rank] = obj
-    return merge_shards(shards)
-
-
-def merge_shards(shards: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Merge per-rank state dicts (DTensor shards or plain tensors) into full tensors.
-
-    A DTensor's pieces are placed by their rank's coordinate in the saved
-    device mesh: ``Shard(d)`` pieces are concatenated along ``d`` (innermost
-    mesh dimension first), ``Replicate`` ones are taken once. A plain tensor
-    is the same on every rank; rank 0's (the lowest rank's) is used.
-    """
-    from torch.distributed.tensor import DTensor
-
-    ranks = sorted(shards)
-    if not ranks:
-        return {}
-    names = list(shards[ranks[0]])
-    for r in ranks[1:]:
-        if set(shards[r]) != set(names):
-            diff = sorted(set(names) ^ set(shards[r]))[:3]
-            raise StateDictLoadError(
-                f"rank {r}'s shard holds different names than rank {ranks[0]}'s (e.g. {diff})"
-            )
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        first = shards[ranks[0]][name]
-        if isinstance(first, DTensor):
-            out[name] = _merge_dtensor(name, [(r, shards[r][name]) for r in ranks])
-        elif isinstance(first, torch.Tensor):
-            out[name] = first
-        elif type(first).__name__ == "ShardedTensor":
-            raise StateDictLoadError(
-                f"{name!r} is a ShardedTensor (FSDP1's default sharded state dict), which "
-                "cannot be merged without a process group; save with "
-                "ShardedStateDictConfig(_use_dtensor=True) as fsdp_save_state_dict does"
-            )
-        else:
-            out[name] = first  # non-tensor extras (e.g. _extra_state) pass through
-    return out
-
-
-def _merge_dtensor(name: str, pieces: list[tuple[int, Any]]) -> torch.Tensor:
-    first = pieces[0][1]
-    placements = tuple(first.placements)
-    mesh = first.device_mesh.mesh
-    for p in placements:
-        if type(p).__name__ == "_StridedShard" or not (p.is_shard() or p.is_replicate()):
-            raise StateDictLoadError(
-                f"{name!r} has placement {p}, which obsckpt cannot merge; only Shard and "
-                "Replicate placements (FSDP2, HSDP) are supported"
-            )
-    sharded = [(d, p.dim) for d, p in enumerate(placements) if p.is_shard()]
-    chunks: dict[tuple[int, ...], torch.Tensor] = {}
-    for rank, dt in pieces:
-        where = (mesh == rank).nonzero()
-        if where.numel() == 0:
-            raise StateDictLoadError(
-                f"{name!r}: rank {rank} is not in the saved device mesh {mesh.tolist()}"
-            )
-        coord = tuple(int(c) for c in where[0])
-        if any(coord[d] != 0 for d, p in enumerate(placements) if p.is_replicate()):
-            continue  # a replica of a piece another rank already holds
-        chunks[tuple(coord[d] for d, _ in sharded)] = dt.to_local()
-
-    def assemble(prefix: tuple[int, ...], level: int) -> torch.Tensor:
-        if level == len(sharded):
-            try:
-                return chunks[prefix]
-            except KeyError:
-                raise StateDictLoadError(
-                    f"{name!r}: no rank holds the piece at mesh coordinate {prefix}"
-                ) from None
-        mesh_dim, tensor_dim = sharded[level]
-        parts = [assemble(prefix + (c,), level + 1) for c in range(mesh.shape[mesh_dim])]
-        return torch.cat(parts, dim=tensor_dim)
-
-    full = assemble((), 0)
-    if tuple(full.shape) != tuple(first.shape):
-        raise StateDictLoadError(
-            f"{name!r}: merged shape {tuple(full.shape)} differs from the saved global shape "
-            f"{tuple(first.shape)}"
-        )
-    return full
-
-
-def state_dict_meta(state_dict: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(name, dtype, shape)`` of every tensor, in order (dtype without ``torch.``)."""
-    return [
-        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-        for name, t in state_dict.items()
-        if isinstance(t, torch.Tensor)
-    ]
 
 
 # ----------------------------------------------------------------------

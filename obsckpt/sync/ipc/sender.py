@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from obsckpt.sync.broadcast import BroadcastResult, WeightSyncTelemetry
+from obsckpt.sync.broadcast import BroadcastResult
 from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -39,6 +39,7 @@ from obsckpt.sync.ipc.payload import (
     copy_many,
     device_uuid,
 )
+from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
