@@ -101,6 +101,44 @@ class TestUnreachableCollector:
         ray.kill(monitor, no_restart=True)
 
 
+class TestUnusableTracingConfiguration:
+    """An OTLP exporter that cannot be built from the OTEL_* variables leaves the monitor
+    without traces, not without a monitor: it starts and commits."""
+
+    def test_monitor_starts_and_commits(self, ray_cluster, tmp_path):
+        namespace = f"otlp-{uuid.uuid4().hex[:8]}"
+        root = str(tmp_path / "root")
+        env = {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "zstd-9",  # not a value the exporter knows
+        }
+        monitor = (
+            ray.remote(CheckpointMonitor)
+            .options(
+                name=ACTOR_NAME,
+                namespace=namespace,
+                max_restarts=0,
+                num_cpus=0,
+                runtime_env={"env_vars": env},
+            )
+            .remote(SaveStrategy.UNRESTRICTED, root, None, metrics_port=None, namespace=namespace)
+        )
+        assert _latest(monitor) is None
+        coord = CheckpointCoordinator(monitor)
+        asyncio.run(coord.register_and_monitor(1, checkpoint_thread_count=1))
+        path = disk.step_dir(root, 1) / "model.bin"
+
+        def save():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * 1024)
+
+        coord.save_async("model", save, 1, paths=[path])
+        coord.wait_all(timeout=30)
+        wait_for(lambda: _latest(monitor) == 1, 30, "step 1 to commit")
+        ray.kill(monitor, no_restart=True)
+
+
 class TestMetricsPortTaken:
     """A metrics port already in use is reported in status(); the job runs without /metrics."""
 

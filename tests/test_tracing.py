@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import subprocess
 import sys
 import time
 
 import ray
+from opentelemetry.sdk.trace.export import SpanExportResult
 from workers import SaveWorker
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
 from obsckpt import commit as disk
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.tracing import SafeExporter
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter whose only OTEL_* variables are ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
 
 
 def wait_for(predicate, what, timeout=30.0):
@@ -124,6 +140,75 @@ class TestNoTracing:
         )
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
+    def test_setup_without_configuration_sends_nothing(self):
+        # The monitor and the demo's workers trace only when an OTEL_* variable asks;
+        # the trainer's setup_tracing() follows the same rule, or a job without a
+        # collector retries exports to localhost:4318 and waits on them at exit.
+        code = (
+            "import logging, time\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('trainer') is False\n"
+            "assert not tracing.enabled() and tracing.inject() == {}\n"
+            "with tracing.checkpoint_span(1) as carrier: assert carrier == {}\n"
+            "print(time.monotonic())\n"
+        )
+        proc = run_python(code)
+        exited = time.monotonic()
+        assert "4318" not in proc.stderr and "Transient error" not in proc.stderr, proc.stderr
+        assert exited - float(proc.stdout.split()[-1]) < 3.0
+
+    def test_endpoint_alone_turns_tracing_on(self):
+        code = (
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('trainer') is True\n"
+            "with tracing.checkpoint_span(1) as carrier: assert 'traceparent' in carrier\n"
+        )
+        run_python(
+            code,
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://127.0.0.1:9/v1/traces",
+            OTEL_EXPORTER_OTLP_TIMEOUT="1",
+        )
+
+
+class TestSetupTracing:
+    """setup_tracing honours the OTEL_* variables and can be called more than once."""
+
+    def test_second_call_does_not_export_spans_twice(self):
+        code = (
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('trainer', exporter='console')\n"
+            "assert tracing.setup_tracing('trainer', exporter='console')\n"
+            "with tracing.span('obsckpt.save'): pass\n"
+        )
+        out = run_python(code).stdout
+        assert out.count('"name": "obsckpt.save"') == 1, out
+
+    def test_service_name_from_resource_attributes(self):
+        code = (
+            "from opentelemetry import trace\n"
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('obsckpt-monitor', exporter='memory')\n"
+            "print(trace.get_tracer_provider().resource.attributes['service.name'])\n"
+        )
+        out = run_python(code, OTEL_RESOURCE_ATTRIBUTES="service.name=rl-job,team=infra").stdout
+        assert out.split() == ["rl-job"]
+        assert run_python(code).stdout.split() == ["obsckpt-monitor"]
+
+    def test_exporter_that_cannot_be_built_is_logged_not_raised(self):
+        code = (
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('obsckpt-monitor') is False\n"
+            "with tracing.span('obsckpt.save') as s: assert not s.is_recording()\n"
+        )
+        proc = run_python(
+            code,
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+            OTEL_EXPORTER_OTLP_COMPRESSION="zstd-9",
+        )
+        assert "obsckpt" in proc.stderr and "zstd-9" in proc.stderr, proc.stderr
+
 
 class TestExporterFailures:
     """An exporter that raises is logged and counted, never raised into training."""
@@ -141,3 +226,16 @@ class TestExporterFailures:
         assert safe.export([]).name == "FAILURE"
         assert safe.failures == 2
         safe.shutdown()  # does not raise
+
+    def test_failed_result_is_logged_once_and_counted(self, caplog):
+        class Refused:
+            def export(self, spans):
+                return SpanExportResult.FAILURE
+
+        safe = SafeExporter(Refused())
+        with caplog.at_level(logging.WARNING, logger="obsckpt.telemetry.tracing"):
+            for _ in range(3):
+                assert safe.export([]) is SpanExportResult.FAILURE
+        assert safe.failures == 3
+        [record] = caplog.records
+        assert "Refused" in record.getMessage()

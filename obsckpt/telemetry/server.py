@@ -38,10 +38,12 @@ class MetricsServer:
     _server: object = field(default=None, repr=False)
 
     def close(self) -> None:
+        """Stop serving; ``address`` is None from then on."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        self.address = None
 
 
 def advertised_host(host: str) -> str:
@@ -56,6 +58,11 @@ def advertised_host(host: str) -> str:
         return "127.0.0.1"
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets as URLs and Prometheus targets need."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer:
     """Serve ``registry`` at http://host:port/metrics; never raises for a busy port.
 
@@ -65,7 +72,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     if port is None:
         return MetricsServer()
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        # "" means every interface to socket.bind, but not to getaddrinfo, which
+        # prometheus_client asks first.
+        server, _thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             msg = (
@@ -73,11 +82,12 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
                 "served. Pass another metrics_port, or 0 to pick a free one"
             )
         else:
-            msg = f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            where = host_port(host or "0.0.0.0", port)
+            msg = f"cannot serve metrics on {where}: {exc.strerror or exc}"
         logger.error("obsckpt: %s", msg)
         return MetricsServer(error=msg)
     actual_port = server.server_address[1]
-    return MetricsServer(address=f"{advertised_host(host)}:{actual_port}", _server=server)
+    return MetricsServer(address=host_port(advertised_host(host), actual_port), _server=server)
 
 
 def write_file_sd(path: str | os.PathLike, address: str | None, labels: dict[str, str]) -> None:

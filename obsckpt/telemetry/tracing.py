@@ -1,10 +1,10 @@
 """OpenTelemetry tracing: setup from the standard ``OTEL_*`` variables, spans, carriers.
 
 Nothing here installs a tracer provider unless :func:`setup_tracing` is
-called; until then every span is OpenTelemetry's non-recording span and
-:func:`inject` returns an empty carrier, so the cost is a few attribute
-lookups. Exporter failures are logged and counted, never raised into
-training.
+called and an exporter is asked for; until then every span is OpenTelemetry's
+non-recording span and :func:`inject` returns an empty carrier, so the cost is
+a few attribute lookups. Exporter failures are logged and counted, never
+raised into training.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ _lock = threading.Lock()
 _enabled = False
 _memory: InMemorySpanExporter | None = None
 _safe_exporters: list[SafeExporter] = []
+# Exporters this process's provider already has (names, or ids of exporter objects):
+# a second setup_tracing must not export every span twice.
+_installed: set[str | int] = set()
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 class SafeExporter(SpanExporter):
@@ -52,11 +56,20 @@ class SafeExporter(SpanExporter):
     def export(self, spans) -> SpanExportResult:
         try:
             result = self.inner.export(spans)
+            why = "it returned FAILURE"
         except Exception as exc:  # noqa: BLE001 - telemetry must never break training
             result = SpanExportResult.FAILURE
-            if self.failures == 0:
-                logger.warning("obsckpt: span export to %r failed: %s", self.inner, exc)
+            why = f"{type(exc).__name__}: {exc}"
         if result is not SpanExportResult.SUCCESS:
+            if self.failures == 0:
+                # Once: an unreachable collector fails every batch, for hours.
+                logger.warning(
+                    "obsckpt: span export by %s failed (%s); its spans are dropped. Later "
+                    "failures are counted, not logged: tracing.export_failures(), and "
+                    "status()['span_export_failures'] of the monitor",
+                    _describe(self.inner),
+                    why,
+                )
             self.failures += 1
         return result
 
@@ -71,6 +84,12 @@ class SafeExporter(SpanExporter):
             return self.inner.force_flush(timeout_millis)
         except Exception:  # noqa: BLE001
             return False
+
+
+def _describe(exporter: SpanExporter) -> str:
+    endpoint = getattr(exporter, "_endpoint", None)
+    name = type(exporter).__name__
+    return f"{name} to {endpoint}" if endpoint else name
 
 
 def _otlp_exporter() -> SpanExporter | None:
@@ -89,7 +108,41 @@ def _otlp_exporter() -> SpanExporter | None:
             exc,
         )
         return None
-    return OTLPSpanExporter()
+    try:
+        return OTLPSpanExporter()
+    except Exception as exc:  # noqa: BLE001 - a bad OTEL_* value must not stop the job
+        logger.warning(
+            "obsckpt: the OTLP span exporter cannot be built from the OTEL_EXPORTER_OTLP_* "
+            "variables (%s: %s); spans are not sent. Correct the variable to send traces",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+
+
+def _requested(exporter: SpanExporter | str | None) -> list[str | SpanExporter]:
+    """The exporters asked for: the argument, else ``OTEL_TRACES_EXPORTER``, else endpoints."""
+    if isinstance(exporter, SpanExporter):
+        return [exporter]
+    spec = exporter or os.environ.get("OTEL_TRACES_EXPORTER", "")
+    if not spec.strip():
+        # OpenTelemetry's own default would be otlp to localhost:4318. In a Ray job
+        # localhost is each process's own node, and where no collector listens every
+        # batch is retried and the process waits on the retries at exit. So tracing
+        # is on only when asked for, the rule the monitor and the workers follow too.
+        return ["otlp"] if any(os.environ.get(v) for v in _ENDPOINT_VARIABLES) else []
+    return [n.strip().lower() for n in spec.split(",") if n.strip()]
+
+
+def _resource(service_name: str | None) -> Resource:
+    resource = Resource.create()
+    # service_name is a default: OTEL_SERVICE_NAME or a service.name in
+    # OTEL_RESOURCE_ATTRIBUTES is the user's choice and wins.
+    if service_name and str(resource.attributes.get("service.name", "")).startswith(
+        "unknown_service"
+    ):
+        resource = resource.merge(Resource({"service.name": service_name}))
+    return resource
 
 
 def setup_tracing(
@@ -97,15 +150,20 @@ def setup_tracing(
 ) -> bool:
     """Install a tracer provider configured by the standard ``OTEL_*`` variables.
 
-    ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turns tracing off.
-    ``OTEL_TRACES_EXPORTER`` takes ``otlp`` (the default), ``console`` and
-    ``memory`` (an in-process InMemorySpanExporter, for tests and debugging),
-    comma-separated. The OTLP exporter reads its endpoint, headers and
-    protocol from ``OTEL_EXPORTER_OTLP_*`` itself.
+    Tracing is on when asked for: by ``exporter``, by ``OTEL_TRACES_EXPORTER``
+    (``otlp``, ``console`` and ``memory``, an in-process InMemorySpanExporter for
+    tests and debugging; comma-separated), or by an OTLP endpoint
+    (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``),
+    which alone means ``otlp``. With none of them set, nothing is installed.
+    ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turns tracing
+    off. The OTLP exporter reads its endpoint, headers and protocol from
+    ``OTEL_EXPORTER_OTLP_*`` itself. Calling this again adds only exporters not
+    installed yet.
 
     Args:
-        service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` is set.
-        exporter: an exporter object or exporter name to use instead of the variable.
+        service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` or
+            ``OTEL_RESOURCE_ATTRIBUTES`` names one.
+        exporter: an exporter object or exporter name to use instead of the variables.
 
     Returns:
         True when spans will be recorded in this process.
@@ -113,36 +171,50 @@ def setup_tracing(
     global _enabled, _memory
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    if isinstance(exporter, SpanExporter):
-        names: list[str | SpanExporter] = [exporter]
-    else:
-        spec = exporter or os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
-        names = [n.strip().lower() for n in spec.split(",") if n.strip()]
-    if not names or names == ["none"]:
-        return False
+    wanted = _requested(exporter)
+    if not wanted:
+        logger.info(
+            "obsckpt: no spans are sent: set OTEL_TRACES_EXPORTER or "
+            "OTEL_EXPORTER_OTLP_ENDPOINT to trace"
+        )
+    if not wanted or wanted == ["none"]:
+        return enabled()
     with _lock:
-        provider = trace.get_tracer_provider()
-        if not isinstance(provider, TracerProvider):
-            attrs = {}
-            if service_name and "OTEL_SERVICE_NAME" not in os.environ:
-                attrs["service.name"] = service_name
-            provider = TracerProvider(resource=Resource.create(attrs))
-            trace.set_tracer_provider(provider)
-        for name in names:
+        processors = []
+        for name in wanted:
+            key = id(name) if isinstance(name, SpanExporter) else name
+            if key in _installed:
+                continue
             if isinstance(name, SpanExporter):
-                provider.add_span_processor(BatchSpanProcessor(_safe(name)))
+                processors.append(BatchSpanProcessor(_safe(name)))
             elif name == "memory":
-                if _memory is None:
-                    _memory = InMemorySpanExporter()
-                    provider.add_span_processor(SimpleSpanProcessor(_memory))
+                _memory = InMemorySpanExporter()
+                processors.append(SimpleSpanProcessor(_memory))
             elif name == "console":
-                provider.add_span_processor(SimpleSpanProcessor(_safe(ConsoleSpanExporter())))
+                processors.append(SimpleSpanProcessor(_safe(ConsoleSpanExporter())))
             elif name == "otlp":
                 otlp = _otlp_exporter()
-                if otlp is not None:
-                    provider.add_span_processor(BatchSpanProcessor(_safe(otlp)))
-            elif name != "none":
-                logger.warning("obsckpt: unknown OTEL_TRACES_EXPORTER value %r ignored", name)
+                if otlp is None:
+                    continue
+                processors.append(BatchSpanProcessor(_safe(otlp)))
+            else:
+                if name != "none":
+                    logger.warning(
+                        "obsckpt: unknown trace exporter %r ignored; known: otlp, console, "
+                        "memory, none",
+                        name,
+                    )
+                continue
+            _installed.add(key)
+        provider = trace.get_tracer_provider()
+        if not processors:
+            # Recording spans that no exporter takes would cost without showing anything.
+            return enabled()
+        if not isinstance(provider, TracerProvider):
+            provider = TracerProvider(resource=_resource(service_name))
+            trace.set_tracer_provider(provider)
+        for processor in processors:
+            provider.add_span_processor(processor)
         _enabled = True
     return True
 

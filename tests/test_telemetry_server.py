@@ -1,0 +1,76 @@
+"""The /metrics endpoint and the file_sd target file: what a scraper is told and finds."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from obsckpt.telemetry.server import serve_metrics, write_file_sd
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    Counter("obsckpt_test_total", "A sample to scrape.", registry=registry).inc()
+    return registry
+
+
+def fetch(address: str) -> str:
+    return urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+class TestAdvertisedAddress:
+    """The address a server advertises is a valid host:port that reaches it."""
+
+    @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+    def test_ipv6_literal_is_bracketed(self, registry, tmp_path):
+        server = serve_metrics(registry, "::1", 0)
+        try:
+            # Prometheus refuses "::1:<port>" ("too many colons in address"), and so
+            # does a URL parser: a target needs the brackets.
+            url = urlsplit(f"http://{server.address}/metrics")
+            assert (url.hostname, url.port) == ("::1", int(server.address.rsplit(":", 1)[1]))
+            assert "obsckpt_test_total 1.0" in fetch(server.address)
+            write_file_sd(tmp_path / "sd.json", server.address, {})
+            [group] = json.loads((tmp_path / "sd.json").read_text())
+            assert group["targets"] == [f"[::1]:{url.port}"]
+        finally:
+            server.close()
+
+    def test_empty_host_binds_every_interface(self, registry):
+        server = serve_metrics(registry, "", 0)
+        try:
+            assert server.error is None and server.address is not None
+            port = server.address.rsplit(":", 1)[1]
+            assert "obsckpt_test_total 1.0" in fetch(f"127.0.0.1:{port}")
+        finally:
+            server.close()
+
+
+class TestClose:
+    """A closed server stops answering and no longer claims an address."""
+
+    def test_close_forgets_the_address(self, registry):
+        server = serve_metrics(registry, "127.0.0.1", 0)
+        address = server.address
+        assert "obsckpt_test_total" in fetch(address)
+        server.close()
+        assert server.address is None
+        with pytest.raises(urllib.error.URLError):
+            fetch(address)
+        server.close()  # a second close is harmless
