@@ -24,7 +24,12 @@ from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import RESULTS, Metrics
-from obsckpt.telemetry.server import serve_metrics, validate_port, write_file_sd
+from obsckpt.telemetry.server import (
+    read_file_sd_targets,
+    serve_metrics,
+    validate_port,
+    write_file_sd,
+)
 from obsckpt.tickets import Ticket, Tickets
 from obsckpt.tracker import CommitTracker, Progress, validate_parts
 
@@ -149,10 +154,10 @@ class CheckpointMonitor:
         self._refresh_gauges()
         self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
         self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
+        self._file_sd_labels = {"obsckpt_namespace": namespace} if namespace else {}
         if self.file_sd_path:
-            labels = {"obsckpt_namespace": namespace} if namespace else {}
             try:
-                write_file_sd(self.file_sd_path, self.server.address, labels)
+                write_file_sd(self.file_sd_path, self.server.address, self._file_sd_labels)
             except OSError as exc:
                 logger.error("obsckpt: cannot write file_sd %s: %s", self.file_sd_path, exc)
         logger.info(
@@ -165,18 +170,8 @@ class CheckpointMonitor:
 
     @staticmethod
     def _setup_tracing(trace_exporter: str | None) -> None:
-        wanted = (
-            trace_exporter
-            or os.environ.get("OTEL_TRACES_EXPORTER")
-            or (
-                "otlp"
-                if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                else None
-            )
-        )
-        if wanted:
-            tracing.setup_tracing("obsckpt-monitor", exporter=wanted)
+        if tracing.requested(trace_exporter):
+            tracing.setup_tracing("obsckpt-monitor", exporter=trace_exporter)
 
     def _mark_abandoned_on_disk(self) -> None:
         latest = self.tracker.latest["checkpoint"]
@@ -798,5 +793,18 @@ class CheckpointMonitor:
         return tracing.finished_spans()
 
     async def shutdown(self) -> None:
-        """Stop serving /metrics (the actor itself is ended with ray.kill)."""
+        """Stop serving /metrics and withdraw the file_sd target (end the actor with ray.kill).
+
+        The file_sd file is emptied only while it still names this monitor's
+        endpoint: a monitor started since (a new job on the same file) keeps its entry.
+        """
+        address = self.server.address
         self.server.close()
+        if not (self.file_sd_path and address):
+            return
+        try:
+            named = read_file_sd_targets(self.file_sd_path)
+            if named == [address]:
+                write_file_sd(self.file_sd_path, None, self._file_sd_labels)
+        except (OSError, ValueError) as exc:
+            logger.error("obsckpt: cannot withdraw file_sd %s: %s", self.file_sd_path, exc)

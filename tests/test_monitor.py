@@ -489,6 +489,23 @@ class TestMetrics:
         targets = json.loads(sd_path.read_text())
         assert targets == [{"targets": [address], "labels": {"obsckpt_namespace": namespace}}]
 
+    def test_shutdown_withdraws_its_file_sd_target(self, namespace, root, tmp_path):
+        # A closed endpoint left in file_sd stays a target, and another process may
+        # later get the port and be scraped under this job's label.
+        sd_path = tmp_path / "sd" / "obsckpt.json"
+        monitor = make_monitor(namespace, root, file_sd_path=str(sd_path))
+        ray.get(monitor.shutdown.remote())
+        assert json.loads(sd_path.read_text()) == []
+        assert ray.get(monitor.metrics_address.remote()) is None
+
+    def test_shutdown_keeps_a_newer_monitor_s_file_sd_target(self, namespace, root, tmp_path):
+        sd_path = tmp_path / "obsckpt.json"
+        monitor = make_monitor(namespace, root, file_sd_path=str(sd_path))
+        newer = [{"targets": ["10.0.0.9:9400"], "labels": {"obsckpt_namespace": "next"}}]
+        sd_path.write_text(json.dumps(newer))
+        ray.get(monitor.shutdown.remote())
+        assert json.loads(sd_path.read_text()) == newer
+
     def test_port_in_use_keeps_the_job_running(self, namespace, root):
         with socket.socket() as busy:
             busy.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import ray
 from opentelemetry.sdk.trace.export import SpanExportResult
 from workers import SaveWorker
@@ -239,3 +240,36 @@ class TestExporterFailures:
         assert safe.failures == 3
         [record] = caplog.records
         assert "Refused" in record.getMessage()
+
+
+class TestRequested:
+    """requested() says whether setup_tracing would install an exporter."""
+
+    @pytest.mark.parametrize(
+        ("env", "exporter", "expected"),
+        [
+            ({}, None, False),
+            ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, None, True),
+            ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, None, True),
+            ({"OTEL_TRACES_EXPORTER": "console"}, None, True),
+            ({"OTEL_TRACES_EXPORTER": "none"}, None, False),
+            (
+                {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"},
+                None,
+                False,
+            ),
+            ({}, "memory", True),
+            ({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, None, False),
+        ],
+    )
+    def test_rule(self, monkeypatch, env, exporter, expected):
+        for name in (
+            "OTEL_SDK_DISABLED",
+            "OTEL_TRACES_EXPORTER",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert tracing.requested(exporter) is expected

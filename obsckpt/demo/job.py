@@ -164,14 +164,6 @@ def _otel_env(cfg: DemoConfig) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
-def _tracing_wanted(env: dict[str, str]) -> bool:
-    return bool(
-        env.get("OTEL_TRACES_EXPORTER")
-        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
-
-
 def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
     """Initialise Ray unless the caller already did; returns True when this call did."""
     import ray
@@ -292,7 +284,8 @@ def run_demo(
 
     namespace = cfg.namespace or f"obsckpt-demo-{uuid.uuid4().hex[:8]}"
     owns_ray = _start_ray(cfg, namespace, env)
-    if _tracing_wanted(env):
+    traced = tracing.requested()  # _otel_env put --otlp-endpoint into os.environ
+    if traced:
         tracing.setup_tracing("obsckpt-demo")
     stop = _Stop(progress.note)
     actors: list[Any] = []
@@ -316,7 +309,7 @@ def run_demo(
             progress.note(f"metrics: not served ({status['metrics']['error']})")
         if cfg.file_sd:
             progress.note(f"file_sd: {cfg.file_sd}")
-        if _tracing_wanted(env):
+        if traced:
             where = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_TRACES_EXPORTER")
             progress.note(f"traces: {where}")
         if handle_signals:

@@ -33,11 +33,7 @@ BUCKET_BYTES = 4 << 20
 def _setup_worker_tracing(service: str) -> None:
     from obsckpt.telemetry import tracing
 
-    if (
-        os.environ.get("OTEL_TRACES_EXPORTER")
-        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    ):
+    if tracing.requested():
         tracing.setup_tracing(service)
 
 

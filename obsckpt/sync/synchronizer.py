@@ -100,9 +100,8 @@ class Synchronizer:
         self._local_metrics = None
         self._monitor = None
         self._monitor_checked = 0.0
-        wanted = trace_exporter or os.environ.get("OTEL_TRACES_EXPORTER")
-        if wanted:
-            tracing.setup_tracing("obsckpt-synchronizer", exporter=wanted)
+        if tracing.requested(trace_exporter):
+            tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
 
     @classmethod
     def get_actor(

@@ -90,6 +90,21 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     return MetricsServer(address=host_port(advertised_host(host), actual_port), _server=server)
 
 
+def read_file_sd_targets(path: str | os.PathLike) -> list[str]:
+    """The targets a file_sd file names (empty for a missing file).
+
+    Raises:
+        ValueError: the file is not a file_sd target list.
+    """
+    try:
+        groups = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return []
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{path} is not a file_sd target list (a JSON list of objects)")
+    return [t for g in groups for t in g.get("targets", [])]
+
+
 def write_file_sd(path: str | os.PathLike, address: str | None, labels: dict[str, str]) -> None:
     """Atomically write a Prometheus file_sd target list naming ``address`` (empty if None)."""
     targets = [{"targets": [address], "labels": labels}] if address else []

@@ -134,6 +134,17 @@ def _requested(exporter: SpanExporter | str | None) -> list[str | SpanExporter]:
     return [n.strip().lower() for n in spec.split(",") if n.strip()]
 
 
+def requested(exporter: SpanExporter | str | None = None) -> bool:
+    """Whether :func:`setup_tracing` with ``exporter`` would install an exporter.
+
+    Processes that trace only when asked call this first, so a process with
+    nothing configured does not even log that it sends nothing.
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return [n for n in _requested(exporter) if n != "none"] != []
+
+
 def _resource(service_name: str | None) -> Resource:
     resource = Resource.create()
     # service_name is a default: OTEL_SERVICE_NAME or a service.name in
