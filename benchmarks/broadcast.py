@@ -86,8 +86,8 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
         from obsckpt.sync.broadcast import WeightBroadcaster
         from obsckpt.sync.group import WeightSyncGroup
 
-        # Two ranks on one machine: one intra-op thread each, as torchrun sets
-        # (OMP_NUM_THREADS=1); more oversubscribes the cores and OpenMP spins.
+        # Two ranks on one machine: half the cores each for intra-op threads (one
+        # each on two cores); more oversubscribes the cores and OpenMP spins.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -127,8 +127,13 @@ def run_peak_rss(sizes: Sizes, bench_dir: str, address: str, namespace: str, log
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"peak-RSS child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
-        runs.append(json.loads(line))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            raise RuntimeError(
+                f"peak-RSS child exited 0 without its JSON line:\n{proc.stdout[-2000:]}"
+                f"\n{proc.stderr[-4000:]}"
+            )
+        runs.append(json.loads(lines[-1]))
         first = runs[-1]["first"]
         log(
             f"  rss rep {rep + 1}/{sizes.rss_reps}: first save +{first['extra_bytes'] / 2**20:.0f} MiB, "

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -39,7 +40,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked; a bad value exits 2 naming it, before anything runs."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -66,13 +68,56 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "alone, a part of gpu)",
     )
     args = p.parse_args(argv)
-    if args.only:
-        unknown = set(args.only.split(",")) - set(BENCHMARKS)
+    # Checked before anything runs: a bad value found after minutes of benchmarks
+    # would lose the run (the results are written last).
+    choose = f"choose from {', '.join(BENCHMARKS)}"
+    if args.only is not None:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        if not names:
+            p.error(f"--only: no benchmark named in {args.only!r}; {choose}")
+        unknown = sorted(set(names) - set(BENCHMARKS))
         if unknown:
-            p.error(
-                f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}"
-            )
+            p.error(f"--only: unknown benchmark(s) {', '.join(map(repr, unknown))}; {choose}")
+        args.only = ",".join(names)
+    if args.json is not None:
+        _check_json_path(p, args.json)
+    if args.dir is not None and os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        p.error(f"--dir: {args.dir!r} exists and is not a directory")
+    if args.ray_address is not None:
+        _check_ray_address(p, args.ray_address)
     return args
+
+
+def _check_json_path(p: argparse.ArgumentParser, path: str) -> None:
+    if os.path.isdir(path):
+        p.error(f"--json: {path!r} is a directory; name the file to write the results to")
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--json: cannot create the folder of {path!r}: {exc.strerror}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"--json: cannot write {path!r}: its folder {parent!r} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        p.error(f"--json: {path!r} exists and is not writable")
+
+
+def _check_ray_address(p: argparse.ArgumentParser, address: str) -> None:
+    """A ``HOST:PORT`` must have a server behind it; ``ray.init`` would retry for minutes."""
+    if address == "auto" or "://" in address:
+        return  # Ray resolves these itself
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(
+            f"--ray-address: {address!r} is not HOST:PORT (the GCS address of a running cluster)"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        p.error(
+            f"--ray-address: nothing answers at {address!r} ({exc}); give the GCS address "
+            "of a running Ray cluster (`ray status` prints it)"
+        )
 
 
 def selected(only: str | None) -> list[str]:
@@ -130,7 +175,7 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = parse_args(argv)
     mode = (
         "smoke"
         if args.smoke or os.environ.get(SMOKE_ENV) == "1"

@@ -16,7 +16,8 @@ The reported value is the total extra cost per save, wherever it is paid:
 (b) the background thread's ``obsckpt.save`` span (with the admission-wait
     check: a span is recorded only for waits of ``MIN_WAIT_SPAN_S`` or more,
     and an unrestricted admission never waits that long), timed directly in
-    a loop of ``telemetry_code_iters`` iterations, on minus off;
+    loops of ``telemetry_code_iters`` iterations in all, alternating batches,
+    median of the batches, on minus off;
 (c) the monitor: its real ``notify_started`` + ``notify_finished`` handlers
     for one save, run in this process on two monitor instances (Prometheus
     registry vs no-op metrics), alternating batches, on minus off.
@@ -37,6 +38,7 @@ from benchmarks.common import Result, Sizes, median
 
 _SLOT = "bench"
 _STEP = 1  # one step that is never submitted: the monitor's state stays the same size
+_CODE_BATCHES = 10  # batches of the directly timed code paths, per configuration
 
 
 class _Null:
@@ -258,10 +260,19 @@ def run_telemetry_overhead(sizes: Sizes, bench_dir: str, namespace: str, log) ->
                 f"{median(samples['on']['call']) / 1e3:.1f} us, off "
                 f"{median(samples['off']['call']) / 1e3:.1f} us"
             )
-    # One actor at a time: the two loops must not compete for the cores.
+    # One actor at a time: the two loops must not compete for the cores. Alternating
+    # batches, as the calls above: a burst of load on the machine then hits both
+    # configurations, not whichever ran during it.
     iters = sizes.telemetry_code_iters
-    code_on = ray.get(on.telemetry_code_us.remote(iters))
-    code_off = ray.get(off.telemetry_code_us.remote(iters))
+    code_runs: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    per_batch = max(50, iters // _CODE_BATCHES)
+    for i in range(_CODE_BATCHES):
+        for name, actor in (("on", on), ("off", off)) if i % 2 == 0 else (("off", off), ("on", on)):
+            code_runs[name].append(ray.get(actor.telemetry_code_us.remote(per_batch)))
+    code_on, code_off = (
+        {k: median([run[k] for run in code_runs[name]]) for k in code_runs[name][0]}
+        for name in ("on", "off")
+    )
     for handle in (on, off, mon_on, mon_off):
         ray.kill(handle)
     handlers = _monitor_handlers_us(os.path.join(bench_dir, "telemetry-handlers"), iters)
@@ -299,7 +310,10 @@ def run_telemetry_overhead(sizes: Sizes, bench_dir: str, namespace: str, log) ->
             "save_thread_extra_us": r1(background_us),
             "save_thread_note": "formatting the carrier, the obsckpt.save span (batch span "
             "processor), the admission-wait check (no span below MIN_WAIT_SPAN_S) and its attributes, timed "
-            f"directly over {iters} iterations, on minus off",
+            f"directly in {_CODE_BATCHES} alternating batches of {per_batch} iterations per "
+            "configuration, median of the batches, on minus off",
+            "save_thread_on_samples_us": [r1(r["save_span_us"]) for r in code_runs["on"]],
+            "save_thread_off_samples_us": [r1(r["save_span_us"]) for r in code_runs["off"]],
             "monitor_extra_us": r1(monitor_us),
             "monitor_note": "the monitor's notify_started + notify_finished handlers for "
             "one save, run in-process on two monitors (Prometheus registry vs no-op "

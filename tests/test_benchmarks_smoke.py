@@ -3,13 +3,16 @@
 Runs ``benchmarks/run.py`` in its hidden smoke mode (tiny sizes, one
 repetition). Timings at these sizes mean nothing, so nothing here asserts on
 them; only that every benchmark ran (or says why it was skipped) and reported
-a value, its target and whether it was met.
+a value, its target and whether it was met. Bad command-line values are
+refused before anything runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +138,15 @@ class TestSmokeRun:
         _, doc = smoke_run
         assert doc["results"]["write_vs_disk"]["torch_load_ok"] is True
 
+    def test_telemetry_code_paths_are_timed_in_alternating_batches(self, smoke_run):
+        _, doc = smoke_run
+        r = doc["results"]["telemetry_overhead_us"]
+        on, off = r["save_thread_on_samples_us"], r["save_thread_off_samples_us"]
+        assert len(on) == len(off) >= 2
+        assert r["save_thread_extra_us"] == pytest.approx(
+            statistics.median(on) - statistics.median(off), abs=0.2
+        )
+
 
 def test_only_runs_each_benchmark_once():
     from benchmarks.run import BENCHMARKS, selected
@@ -143,3 +155,48 @@ def test_only_runs_each_benchmark_once():
     assert selected("gpu,ipc") == selected("ipc,gpu") == ["gpu"]  # gpu includes the ipc sync
     assert selected("save,save,peers") == ["save", "peers"]
     assert selected(None) == [n for n in BENCHMARKS if n != "ipc"]
+
+
+class TestArguments:
+    """A bad argument exits 2 naming the value before any benchmark runs (results are written last)."""
+
+    def refused(self, capsys, *argv: str) -> str:
+        from benchmarks.run import parse_args
+
+        with pytest.raises(SystemExit) as exc:
+            parse_args(list(argv))
+        assert exc.value.code == 2
+        return capsys.readouterr().err
+
+    def test_only_naming_nothing(self, capsys):
+        assert "--only: no benchmark named in ''" in self.refused(capsys, "--only", "")
+        assert "no benchmark named in ' , '" in self.refused(capsys, "--only", " , ")
+
+    def test_only_naming_an_unknown_benchmark(self, capsys):
+        assert "unknown benchmark(s) 'nope'" in self.refused(capsys, "--only", "save,nope")
+
+    def test_only_tolerates_spaces_and_a_trailing_comma(self):
+        from benchmarks.run import parse_args
+
+        assert parse_args(["--only", " save , peers,"]).only == "save,peers"
+
+    def test_json_naming_a_directory(self, capsys, tmp_path):
+        err = self.refused(capsys, "--json", str(tmp_path))
+        assert f"--json: {str(tmp_path)!r} is a directory" in err
+
+    def test_dir_naming_a_file(self, capsys, tmp_path):
+        path = tmp_path / "a-file"
+        path.write_text("")
+        assert f"--dir: {str(path)!r} exists and is not a directory" in self.refused(
+            capsys, "--dir", str(path)
+        )
+
+    def test_ray_address_that_is_not_host_port(self, capsys):
+        assert "'nowhere' is not HOST:PORT" in self.refused(capsys, "--ray-address", "nowhere")
+
+    def test_ray_address_where_nothing_listens(self, capsys):
+        with socket.socket() as s:  # a port just freed: nothing listens there
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        err = self.refused(capsys, "--ray-address", f"127.0.0.1:{port}")
+        assert f"--ray-address: nothing answers at '127.0.0.1:{port}'" in err
