@@ -624,6 +624,7 @@ class CheckpointCoordinator:
         timer = None
         error: SaveError | None = None
         reporting = False  # this thread claimed the report of a save that ran ok
+        writing = False  # fn has been called
         try:
             with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
                 # The step's context goes with the admission, so the monitor's commit
@@ -647,6 +648,7 @@ class CheckpointCoordinator:
                     timer.name = f"obsckpt-watchdog-{save.slot}-step{save.step}"
                     timer.start()
                 t0 = time.perf_counter()
+                writing = True
                 try:
                     records = fn() or []
                 except BaseException as exc:
@@ -677,6 +679,15 @@ class CheckpointCoordinator:
         except BaseException as exc:  # noqa: BLE001 - stored and re-raised by wait_all
             if timer is not None:
                 timer.cancel()
+            if not writing and save.on_skip is not None:
+                # Nothing will write this snapshot (its admission failed): let its staging
+                # copy end here, so the slot's buffers and the caller's tensors are let go.
+                try:
+                    save.on_skip()
+                except BaseException:  # noqa: BLE001 - the admission's error is the one raised
+                    self.logger.exception(
+                        "obsckpt: ending the staging copy of %r failed", save.slot
+                    )
             what = f"background save {save.slot!r} of step {save.step} ({save.kind})"
             if reporting:
                 # The files are written, but the monitor may not have counted the

@@ -414,7 +414,10 @@ class CheckpointMonitor:
             ticket.ticket, _label(ticket.node_id), _label(job_id), ticket.pid
         )
         admitted = asyncio.get_running_loop().create_future()
-        if self.admission.request(ticket.ticket, key, lambda: admitted.set_result(None)):
+        # A wait cancelled before its handler has run is released by that handler;
+        # the grant must not raise into the release that made it (another save's finish).
+        grant = lambda: admitted.done() or admitted.set_result(None)  # noqa: E731
+        if self.admission.request(ticket.ticket, key, grant):
             return
         try:
             await admitted

@@ -17,7 +17,6 @@ itself (see :class:`StagingCopy`).
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import mmap
 import threading
@@ -143,13 +142,10 @@ def _signature(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype)
 
 
-@functools.cache
-def _can_view(dtype: torch.dtype) -> bool:
-    try:
-        torch.empty(dtype.itemsize, dtype=torch.uint8).view(dtype)
-    except (RuntimeError, TypeError, ValueError):  # a dtype that cannot view bytes
-        return False
-    return True
+def _in_arena(t: torch.Tensor) -> bool:
+    # A quantized tensor's scale and zero point live beside its bytes, and may
+    # change from one save to the next: it is copied into a buffer of its own.
+    return t.numel() > 0 and not t.is_quantized
 
 
 def _rebuild_sharded(obj: Any, it) -> Any:
@@ -190,25 +186,24 @@ class StagingBuffers:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._arena: Arena | None = None
         self._signatures: list[tuple] = []
-        self._buffers: list[torch.Tensor] = []
-        self._loose_bytes = 0  # buffers outside the arena (dtypes that cannot view bytes)
+        # None where a tensor gets a buffer of its own at each save (see _in_arena).
+        self._buffers: list[torch.Tensor | None] = []
         self._pinned = False  # whether the current buffers are pinned
         self._stream = None  # side CUDA stream of overlapped copies
+        self._copy: StagingCopy | None = None  # the last overlapped copy into the buffers
         # How the last allocation went, for the caller's telemetry.
         self.allocations = 0
         self.last_allocation_s = 0.0
 
     @property
     def bytes_allocated(self) -> int:
-        """Host bytes this slot's staging holds (the arena plus any loose buffers)."""
-        arena = self._arena.nbytes if self._arena is not None else 0
-        return arena + self._loose_bytes
+        """Host bytes this slot's staging holds (its arena)."""
+        return self._arena.nbytes if self._arena is not None else 0
 
     @property
     def pinned_bytes(self) -> int:
         """Of :attr:`bytes_allocated`, the page-locked (CUDA-registered) bytes."""
-        arena = self._arena.nbytes if self._arena is not None and self._arena.pinned else 0
-        return arena + (self._loose_bytes if self._pinned else 0)
+        return self._arena.nbytes if self._arena is not None and self._arena.pinned else 0
 
     @property
     def arena(self) -> Arena | None:
@@ -225,24 +220,25 @@ class StagingBuffers:
         return self._ensure([t for _, t in found], populate=True)
 
     def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
+        self._settle_copy()
         signatures = [_signature(t) for t in tensors]
         pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
         if signatures == self._signatures and self._arena is not None and self._pinned >= pin:
             return False
         t0 = time.perf_counter()
         self.release()
-        viewable = [_can_view(t.dtype) for t in tensors]
-        sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, viewable, strict=True)]
+        shared = [_in_arena(t) for t in tensors]
+        sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, shared, strict=True)]
         offsets, total = _layout(sizes)
         arena = Arena(total, pin=pin, populate=populate)
-        buffers = []
-        for t, ok, offset in zip(tensors, viewable, offsets, strict=True):
-            if ok and t.numel():
+        buffers: list[torch.Tensor | None] = []
+        for t, ok, offset in zip(tensors, shared, offsets, strict=True):
+            if ok:
                 buffers.append(arena.view(offset, t.shape, t.dtype))
-            else:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and ok)
-                self._loose_bytes += _nbytes(buf)
-                buffers.append(buf)
+            elif t.is_quantized:
+                buffers.append(None)
+            else:  # empty: pinned like its neighbours (a ShardedTensor checks its shards agree)
+                buffers.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin))
         self._arena, self._signatures, self._buffers = arena, signatures, buffers
         self._pinned = pin
         self.allocations += 1
@@ -251,12 +247,23 @@ class StagingBuffers:
 
     def release(self) -> None:
         """Drop the buffers; the arena is unregistered and unmapped once no view is held."""
+        self._settle_copy()
         if self._arena is not None:
             self._arena.release()
         self._arena = None
         self._signatures, self._buffers = [], []
-        self._loose_bytes = 0
         self._pinned = False
+
+    def _settle_copy(self) -> None:
+        """Wait for the last overlapped copy into the buffers before they are reused or freed.
+
+        Its save may have ended without waiting for it (e.g. its admission
+        failed): a copy still running would write the older state into the
+        next snapshot, or into pinned memory being unregistered.
+        """
+        if self._copy is not None:
+            self._copy.settle()
+            self._copy = None
 
     def plan(self, obj: Any) -> tuple[Any, list[tuple[str, torch.Tensor, torch.Tensor]]]:
         """``obj`` rebuilt around this slot's buffers, and the copies still to make.
@@ -268,9 +275,12 @@ class StagingBuffers:
         found: list[tuple[str, torch.Tensor]] = []
         tensor_leaves(obj, found)
         self._ensure([t for _, t in found], populate=False)
-        copies = [(key, src, buf) for (key, src), buf in zip(found, self._buffers, strict=True)]
-        it = iter(self._buffers)
-        return self._rebuild(obj, it), copies
+        buffers = [
+            torch.empty_like(src, device="cpu") if buf is None else buf
+            for (_, src), buf in zip(found, self._buffers, strict=True)
+        ]
+        copies = [(key, src, buf) for (key, src), buf in zip(found, buffers, strict=True)]
+        return self._rebuild(obj, iter(buffers)), copies
 
     def _rebuild(self, obj: Any, it) -> Any:
         if type(obj) in PLAIN_TENSORS:  # the common leaf, without the subclass lookups
@@ -278,21 +288,24 @@ class StagingBuffers:
         dtensor = dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
             local = self._rebuild(obj.to_local(), it)
-            return dtensor.from_local(
-                local,
-                obj.device_mesh,
-                obj.placements,
-                run_check=False,
-                shape=obj.shape,
-                stride=obj.stride(),
-            )
+            # Not from_local: it moves a local tensor to its mesh's device, which
+            # would put a copy of the (not yet filled) host buffer on the GPU.
+            return dtensor(local, obj._spec, requires_grad=False)
         sharded = sharded_tensor_type()
         if sharded is not None and isinstance(obj, sharded):
             return _rebuild_sharded(obj, it)
         if isinstance(obj, torch.Tensor):
             return next(it)
         if isinstance(obj, dict):
-            return type(obj)((k, self._rebuild(v, it)) for k, v in obj.items())
+            items = [(k, self._rebuild(v, it)) for k, v in obj.items()]
+            if type(obj) is dict:
+                return dict(items)
+            # A subclass's constructor may take other arguments (a defaultdict's
+            # factory): a shallow copy keeps its type and state, its values replaced.
+            out = copy.copy(obj)
+            for k, v in items:
+                out[k] = v
+            return out
         if isinstance(obj, list):
             return [self._rebuild(v, it) for v in obj]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
@@ -341,6 +354,7 @@ class StagingCopy:
     """
 
     def __init__(self, staging: StagingBuffers, copies: list) -> None:
+        staging._copy = self
         self.copies = copies
         self.versions = [src._version for _, src, _ in copies]
         self.done = threading.Event()  # set when the thread has queued or made every copy
@@ -348,6 +362,7 @@ class StagingCopy:
         self._event = None  # recorded on the side stream after its copies
         self._lock = threading.Lock()
         self._ordered = False  # the caller's stream waits for the copies (wait() was called)
+        self._started = False
         self._cuda = [(k, s, b) for k, s, b in copies if s.is_cuda]
         self._cpu = [(i, c) for i, c in enumerate(copies) if not c[1].is_cuda]
         self._side = self._ready = None
@@ -366,6 +381,7 @@ class StagingCopy:
             submit(self.run)
         else:
             threading.Thread(target=self.run, name="obsckpt-stage", daemon=True).start()
+        self._started = True
 
     def finished(self) -> bool:
         """Whether every copy has completed (CUDA ones included), without blocking."""
@@ -432,10 +448,23 @@ class StagingCopy:
         return True
 
     def settle(self) -> None:
-        """Block until every copy has ended, for a save whose result is not used."""
+        """Block until every copy has ended, for a save whose result is not used.
+
+        Returns at once for copies that were never started (nothing will run them).
+        """
+        if not self._started and not self.done.is_set():
+            return
         self.done.wait()
         if self._event is not None:
             self._event.synchronize()
+        self._forget_sources()
+
+    def _forget_sources(self) -> None:
+        """Let go of the sources and buffers once copied: the caller may keep this object
+        (through its save's handle) long after, and the sources may be a whole state
+        dict made for the save."""
+        with self._lock:
+            self.copies, self.versions, self._cuda, self._cpu = [], [], [], []
 
     def finish(self) -> None:
         """For the writer: block until every copy is in host memory; raise a mutation found."""
@@ -445,5 +474,6 @@ class StagingCopy:
             with self._lock:
                 # Changes queued without waiting may have run before the copies.
                 self._cuda_sources_unchanged()
+        self._forget_sources()
         if self.error is not None:
             raise self.error

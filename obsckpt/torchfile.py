@@ -9,6 +9,7 @@ chunks. The file's CRC32 is computed on the way and goes into the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -159,6 +160,7 @@ class _PipelinedSink:
     """
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.crc = 0
         self.size = 0
         self.direct_bytes = 0  # written from the caller's memory, without a copy
@@ -253,7 +255,10 @@ class _PipelinedSink:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise OSError(f"writing the checkpoint file failed: {self._error}") from self._error
+            raise OSError(
+                f"writing {self.path} failed: {self._error}; the save is abandoned (check the "
+                "filesystem's free space and health)"
+            ) from self._error
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -319,16 +324,24 @@ class _PipelinedSink:
             buf, n, offset, token = item
             if self._error is None:
                 try:
-                    with memoryview(buf) as whole:
-                        view = whole[:n]
-                        while view:
-                            written = os.pwrite(self.fd, view, offset)
-                            offset += written
-                            view = view[written:]
-                        view.release()
+                    self._pwrite(buf, n, offset)
                 except BaseException as exc:  # noqa: BLE001 - raised by the saving thread
                     self._error = self._error or exc
             self._release(token)
+
+    def _pwrite(self, buf: Any, n: int, offset: int) -> None:
+        whole = memoryview(buf)
+        view = whole[:n]
+        try:
+            while view:
+                written = os.pwrite(self.fd, view, offset)
+                offset += written
+                view = view[written:]
+        finally:
+            # The stored error's traceback keeps this frame: a view left in it would
+            # keep the chunk's mapping exported, and the chunk could not be closed.
+            view.release()
+            whole.release()
 
     def finish(self) -> None:
         """Write the last chunk, truncate to the real size, fsync, close."""
@@ -365,7 +378,10 @@ class _PipelinedSink:
             os.close(self.fd)
             self.fd = -1
         for chunk in self._chunks:
-            chunk.close()
+            # A chunk still exported (by a view torch holds) is unmapped by the collector
+            # instead; failing here would hide the error that ended the write.
+            with contextlib.suppress(BufferError):
+                chunk.close()
         self._chunks.clear()
 
 
@@ -390,7 +406,15 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     except TypeError:  # pragma: no cover - a torch whose writer takes other arguments
         torch.save(obj, sink)
         return
-    _save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    try:
+        _save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # An unfinished writer finishes the file in its destructor, whenever the
+        # collector frees it, and an error there (the sink refusing writes) aborts
+        # the process: finish it now, where its error can be dropped for the first one.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
     writer.write_end_of_file()
 
 

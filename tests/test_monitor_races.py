@@ -245,6 +245,29 @@ def test_a_cancelled_admission_leaves_nothing_behind(tmp_path):
     assert m.tracker.pending() == []
 
 
+def test_a_release_right_after_a_cancelled_admission_wait_is_not_disturbed(tmp_path):
+    """The queued save's RPC is cancelled and, before its handler has run, the save
+    ahead of it finishes: that finish is counted and its step commits."""
+    root = tmp_path / "root"
+    m = monitor(root, SaveStrategy.SINGLE_THREAD)
+
+    async def run() -> None:
+        await m.register_thread_count(1, checkpoint_thread_count=1)
+        first = await m.notify_started("n", "j", step=1, slot="model", pid=1)
+        waiting = asyncio.create_task(m.notify_started("n", "j", step=2, slot="model", pid=2))
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # its wait is cancelled now; its handler runs at the next await
+        write(root, 1, "model.pt")
+        await m.notify_finished(1, False, ticket=first["ticket"], slot="model")
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await m.monitor_step(1)
+
+    asyncio.run(run())
+    assert disk.read_iteration(root, "checkpoint") == 1
+    assert not m._tickets and m.admission.waiting == 0
+
+
 def test_a_cancelled_rpc_does_not_stop_its_commit(tmp_path, gate):
     """The RPC whose notification made a step whole is cancelled during the commit's
     I/O: the commit still completes (the step is not left "committing")."""

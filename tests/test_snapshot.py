@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import torch
 
 from obsckpt.staging import StagingBuffers
@@ -141,3 +146,66 @@ class TestDirectWrite:
         finally:
             sink.close()
         assert (tmp_path / "reserved.bin").read_bytes() == b"obsckpt" * 1000
+
+
+# Runs in a child process: before the fix a failed write aborted the process.
+_FAILING_DISK = textwrap.dedent(
+    """
+    import errno, gc, json, os, sys
+    import torch
+    import obsckpt.torchfile as torchfile
+    from obsckpt.staging import StagingBuffers
+
+    root = sys.argv[1]
+    pwrite = os.pwrite
+    results = []
+    for fail_after in (0, 1, 3, 6):
+        calls = [0]
+
+        def full_disk(fd, data, offset):
+            calls[0] += 1
+            if calls[0] > fail_after:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return pwrite(fd, data, offset)
+
+        torchfile.os.pwrite = full_disk
+        sd = {f"w{i}": torch.randn(3 << 20) for i in range(6)}
+        sd["small"] = torch.randn(5)
+        snap = StagingBuffers(pin_memory=False).stage(sd)
+        path = os.path.join(root, f"model{fail_after}.pt")
+        try:
+            torchfile.write_torch_file(snap, path)
+            results.append({"fail_after": fail_after, "raised": None})
+        except Exception as exc:
+            cause = exc.__cause__
+            results.append({
+                "fail_after": fail_after,
+                "raised": type(exc).__name__,
+                "message": str(exc),
+                "errno": getattr(cause, "errno", None),
+            })
+            del exc
+        torchfile.os.pwrite = pwrite
+        gc.collect()  # frees what the failed write left, torch's writer included
+    print(json.dumps({"results": results, "left": sorted(os.listdir(root))}))
+    """
+)
+
+
+class TestWriteFailure:
+    """A write the disk refuses raises that error, naming the file, and leaves no file behind."""
+
+    def test_full_disk_raises_its_error_and_the_process_goes_on(self, tmp_path):
+        proc = subprocess.run(
+            [sys.executable, "-c", _FAILING_DISK, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+        for result in found["results"]:
+            assert result["raised"] == "OSError", result
+            assert result["errno"] == 28, result  # ENOSPC, not an error of the cleanup
+            assert f"model{result['fail_after']}.pt" in result["message"], result
+        assert found["left"] == []

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import threading
 import weakref
 
+import numpy as np
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 from metrics_helpers import scrape, value
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
@@ -181,6 +184,143 @@ class TestStagingCopy:
         assert torch.equal(snap["big"], before)
 
 
+class _Config(dict):
+    """A dict subclass whose constructor takes something else than items."""
+
+    def __init__(self, name: str, **items) -> None:
+        super().__init__(**items)
+        self.name = name
+
+
+class TestStructure:
+    """A snapshot has the containers, types and values of the state it copies."""
+
+    def test_dict_subclasses_keep_their_type_and_state(self, tmp_path):
+        state = collections.defaultdict(dict)
+        state[0]["exp_avg"] = torch.randn(5)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).state_dict()
+        sd = {"state": state, "cfg": _Config("adam", lr=torch.tensor(0.1)), "model": model}
+        snap = StagingBuffers(pin_memory=False).stage(sd)
+        # The module versions load_state_dict() hands each module's loader.
+        assert snap["model"]._metadata == model._metadata
+        assert type(snap["state"]) is collections.defaultdict
+        assert snap["state"].default_factory is dict
+        assert torch.equal(snap["state"][0]["exp_avg"], state[0]["exp_avg"])
+        assert type(snap["cfg"]) is _Config and snap["cfg"].name == "adam"
+        assert torch.equal(snap["cfg"]["lr"], torch.tensor(0.1))
+        write_torch_file(snap, tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+        assert torch.equal(loaded["state"][0]["exp_avg"], state[0]["exp_avg"])
+        assert loaded["model"]._metadata == model._metadata
+
+    @pytest.mark.filterwarnings("ignore::UserWarning")
+    def test_quantized_tensors_keep_their_quantization(self, tmp_path):
+        staging = StagingBuffers(pin_memory=False)
+        for scale in (0.1, 0.5):  # the second save reuses the staging with other parameters
+            sd = {
+                "per_tensor": torch.quantize_per_tensor(torch.randn(64), scale, 3, torch.quint8),
+                "per_channel": torch.quantize_per_channel(
+                    torch.randn(3, 8),
+                    torch.tensor([scale, 0.2, 0.3]),
+                    torch.tensor([0, 1, 2]),
+                    0,
+                    torch.qint8,
+                ),
+                "plain": torch.randn(4),
+            }
+            write_torch_file(staging.stage(sd), tmp_path / "q.pt")
+            loaded = torch.load(tmp_path / "q.pt", weights_only=False)
+            for key in ("per_tensor", "per_channel"):
+                assert torch.equal(loaded[key].dequantize(), sd[key].dequantize()), key
+            assert loaded["per_tensor"].q_scale() == scale
+            assert torch.equal(
+                loaded["per_channel"].q_per_channel_scales(),
+                sd["per_channel"].q_per_channel_scales(),
+            )
+            assert torch.equal(loaded["plain"], sd["plain"])
+
+    def test_dtensor_with_local_shards_on_another_device_than_its_mesh(self):
+        """FSDP2 with CPU offload: CPU shards of a CUDA mesh stay in the staging buffers."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            # No CUDA needed: a mesh that is never used to communicate.
+            mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+            local = torch.randn(6, 4)
+            meta = TensorMeta(local.shape, local.stride(), local.dtype)
+            weight = DTensor(
+                local, DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False
+            )
+            staging = StagingBuffers(pin_memory=False)
+            snap, copies = staging.plan({"w": weight})
+            staged = snap["w"].to_local()
+            assert staged.device.type == "cpu"
+            assert staged.data_ptr() == copies[0][2].data_ptr()  # the buffer the copy fills
+            for _, src, buf in copies:
+                buf.copy_(src)
+            assert torch.equal(staged, local)
+            assert snap["w"].device_mesh is mesh and snap["w"].placements == (Shard(0),)
+            assert snap["w"].shape == weight.shape
+        finally:
+            dist.destroy_process_group()
+
+
+class TestReuse:
+    """A slot's buffers are not handed out again while an earlier copy into them may run,
+    and a finished copy holds nothing of the state it copied."""
+
+    def test_staging_waits_for_an_unfinished_copy_into_the_same_buffers(self):
+        staging = StagingBuffers(pin_memory=False)
+        old = {"w": torch.full((1 << 20,), 1.0)}
+        _, copies = staging.plan(old)
+        copier = StagingCopy(staging, copies)
+        go = threading.Event()
+
+        def late_copy(run):  # a copy thread that runs late (its save was abandoned)
+            threading.Thread(target=lambda: (go.wait(30), run()), daemon=True).start()
+
+        copier.start(late_copy)
+        new = {"w": torch.full((1 << 20,), 2.0)}
+        staged = {}
+        stager = threading.Thread(target=lambda: staged.update(staging.stage(new)))
+        stager.start()
+        stager.join(1.0)
+        go.set()
+        stager.join(30)
+        copier.settle()
+        assert torch.equal(staged["w"], new["w"])
+
+    def test_a_copy_never_started_does_not_hold_up_the_next_one(self):
+        staging = StagingBuffers(pin_memory=False)
+        _, copies = staging.plan({"w": torch.ones(8)})
+        StagingCopy(staging, copies)  # e.g. its thread could not be started
+        staged = {}
+        stager = threading.Thread(
+            target=lambda: staged.update(staging.stage({"w": torch.zeros(8)})), daemon=True
+        )
+        stager.start()
+        stager.join(30)
+        assert torch.equal(staged["w"], torch.zeros(8))
+
+    def test_finished_copy_holds_no_source(self):
+        array = np.ones(1 << 16, dtype=np.float32)
+        gone = weakref.ref(array)
+        sd = {"w": torch.from_numpy(array)}
+        staging = StagingBuffers(pin_memory=False)
+        snap, copies = staging.plan(sd)
+        copier = StagingCopy(staging, copies)
+        del array, sd, copies
+        copier.run()
+        copier.finish()
+        gc.collect()
+        assert gone() is None
+        assert copier.wait(1)  # still answers once its sources are let go
+        assert torch.equal(snap["w"], torch.ones(1 << 16))
+
+
 @pytest.fixture
 def coordinator(namespace, tmp_path):
     monitor = CheckpointMonitor.get_actor(
@@ -254,6 +394,40 @@ class TestCoordinatorStaging:
         loaded = torch.load(_path(tmp_path, 1), weights_only=True)
         for a, b in zip(_tensors(loaded), _tensors(expected), strict=True):
             assert torch.equal(a, b)
+
+    def test_finished_overlapped_save_keeps_no_reference_to_the_state(self, coordinator, tmp_path):
+        """A fresh state dict (e.g. a full one offloaded to the CPU) is freed once saved."""
+        coord, _ = coordinator
+        arrays = [np.full(1 << 16, i, dtype=np.float32) for i in range(3)]
+        gone = [weakref.ref(a) for a in arrays]
+        sd = {f"w{i}": torch.from_numpy(a) for i, a in enumerate(arrays)}
+        del arrays
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        handle.wait_staged(timeout=60)
+        coord.wait_all(timeout=60)
+        del sd
+        gc.collect()
+        assert all(ref() is None for ref in gone)  # while the handle is still held
+        loaded = torch.load(_path(tmp_path, 1), weights_only=True)
+        assert torch.equal(loaded["w2"], torch.full((1 << 16,), 2.0))
+
+    def test_a_save_refused_at_admission_lets_go_of_its_state(self, coordinator, tmp_path):
+        """The monitor is gone, so the save never writes: its copy still ends, and the
+        caller's tensors are not kept alive by the slot until its next save."""
+        coord, monitor = coordinator
+        ray.kill(monitor, no_restart=True)
+        arrays = [np.full(1 << 16, i, dtype=np.float32) for i in range(3)]
+        gone = [weakref.ref(a) for a in arrays]
+        sd = {f"w{i}": torch.from_numpy(a) for i, a in enumerate(arrays)}
+        del arrays
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=True)
+        with pytest.raises(SaveError, match="failed"):
+            coord.wait_all(timeout=60)
+        assert handle.staged
+        del sd
+        gc.collect()
+        assert all(ref() is None for ref in gone)
+        assert not _path(tmp_path, 1).exists()
 
     def test_tensor_changed_before_staging_finished_fails_the_save(
         self, coordinator, tmp_path, monkeypatch
