@@ -2,7 +2,10 @@
 # make demo: set up the same environment and run the main job.
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
-UV        ?= uv
+# uv from PATH; where there is none, one installed into .uv-tools (a virtual
+# environment of its own: pip refuses to install into a system python, PEP 668).
+UV        ?= $(or $(shell command -v uv 2>/dev/null),.uv-tools/bin/uv)
+UV_DEP    := $(filter .uv-tools/bin/uv,$(UV))
 # Local wheel folders (PIP_FIND_LINKS) carry the CPU build of torch; uv does not read that variable.
 LINKDIRS  := $(or $(PIP_FIND_LINKS),$(wildcard /opt/wheels))
 FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
@@ -16,8 +19,11 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt Makefile
-	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
+.uv-tools/bin/uv:
+	@python3 -m venv .uv-tools || { echo "make: cannot create .uv-tools; install uv (https://docs.astral.sh/uv/) or python3-venv" >&2; exit 1; }
+	.uv-tools/bin/python -m pip install --quiet uv
+
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 	$(UV) venv --quiet --allow-existing --python python3 $(VENV)
 	$(UVINSTALL) --python $(PY) -e ".[all]"
 	@touch $@
@@ -31,8 +37,7 @@ VERL_MIN_VENV ?= .venv-verl-min
 VERL_MIN_TESTS := tests/test_fsdp_checkpoint_manager.py tests/test_verl_install.py \
 	tests/test_verl_fsdp.py tests/test_verl_megatron.py tests/test_trinity_dropin.py
 
-$(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt Makefile
-	@command -v $(UV) >/dev/null 2>&1 || python3 -m pip install --quiet uv
+$(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 	$(UV) venv --quiet --allow-existing --python python3 $(VERL_MIN_VENV)
 	$(UVINSTALL) --python $(VERL_MIN_VENV)/bin/python -e ".[all]" "verl==0.7.1" "pyarrow<21"
 	@touch $@
@@ -67,4 +72,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(LOG_DIR)
 
 clean:
-	rm -rf $(VENV) $(VERL_MIN_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_MIN_VENV) .uv-tools .pytest_cache .hypothesis
