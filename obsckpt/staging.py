@@ -142,6 +142,13 @@ def _signature(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype)
 
 
+def _alias_key(t: torch.Tensor) -> tuple | None:
+    """What makes two leaves the same tensor (same memory, dtype and view); None: not known."""
+    if t.is_meta or t.is_quantized or t.numel() == 0:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 def _in_arena(t: torch.Tensor) -> bool:
     # A quantized tensor's scale and zero point live beside its bytes, and may
     # change from one save to the next: it is copied into a buffer of its own.
@@ -279,7 +286,17 @@ class StagingBuffers:
             torch.empty_like(src, device="cpu") if buf is None else buf
             for (_, src), buf in zip(found, self._buffers, strict=True)
         ]
-        copies = [(key, src, buf) for (key, src), buf in zip(found, buffers, strict=True)]
+        copies = []
+        first: dict[tuple, int] = {}
+        for i, (key, src) in enumerate(found):
+            alias = _alias_key(src)
+            j = i if alias is None else first.setdefault(alias, i)
+            if j != i:
+                # The same tensor under another key (tied weights): one buffer, so the
+                # file holds its bytes once and it loads back tied, as torch.save's does.
+                buffers[i] = buffers[j]
+                continue
+            copies.append((key, src, buffers[i]))
         return self._rebuild(obj, iter(buffers)), copies
 
     def _rebuild(self, obj: Any, it) -> Any:

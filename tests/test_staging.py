@@ -195,6 +195,29 @@ class _Config(dict):
 class TestStructure:
     """A snapshot has the containers, types and values of the state it copies."""
 
+    @pytest.mark.parametrize("overlap", [False, True])
+    def test_tied_weights_are_written_once_and_load_back_tied(self, tmp_path, overlap):
+        model = torch.nn.Sequential(torch.nn.Embedding(4096, 64), torch.nn.Linear(64, 4096))
+        model[1].weight = model[0].weight  # tied input and output embeddings
+        sd = model.state_dict()
+        assert sd["0.weight"].data_ptr() == sd["1.weight"].data_ptr()
+        staging = StagingBuffers(pin_memory=False)
+        if overlap:
+            snapshot, copies = staging.plan(sd)
+            copier = StagingCopy(staging, copies)
+            copier.start()
+            copier.finish()
+        else:
+            snapshot = staging.stage(sd)
+        path = tmp_path / "model.pt"
+        write_torch_file(snapshot, str(path))
+        reference = tmp_path / "reference.pt"
+        torch.save(sd, reference)
+        loaded = torch.load(path, weights_only=True)
+        assert loaded["0.weight"].data_ptr() == loaded["1.weight"].data_ptr()
+        assert torch.equal(loaded["1.weight"], sd["1.weight"])
+        assert path.stat().st_size <= reference.stat().st_size + 64 * 1024
+
     def test_dict_subclasses_keep_their_type_and_state(self, tmp_path):
         state = collections.defaultdict(dict)
         state[0]["exp_avg"] = torch.randn(5)
