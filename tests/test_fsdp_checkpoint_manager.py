@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -23,22 +25,27 @@ class Rank:
     def __init__(self, namespace: str, rank: int, port: int) -> None:
         from workers import cpu_fsdp_group, tiny_fsdp_llama
 
-        from obsckpt.integrations import FSDPCheckpointManager
-
         torch.set_num_threads(1)
         model = tiny_fsdp_llama(cpu_fsdp_group(rank, 2, port))
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)
+        self.namespace = namespace
+        self.restart_manager()
+
+    def restart_manager(self) -> None:
+        """A new manager, as a restarted worker builds it: it knows nothing of earlier saves."""
+        from obsckpt.integrations import FSDPCheckpointManager
+
         self.manager = FSDPCheckpointManager(
-            model=model,
+            model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.scheduler,
             checkpoint_config={
                 "save_contents": ["model", "optimizer", "extra"],
                 "load_contents": ["model", "optimizer", "extra"],
             },
-            ray_namespace=namespace,
+            ray_namespace=self.namespace,
         )
 
     def train(self, step: int) -> float:
@@ -49,6 +56,10 @@ class Rank:
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
+        # What dropout and data shuffling draw: the RNGs verl's extra state restores.
+        torch.rand(1)
+        np.random.rand()
+        random.random()
         return float(loss)
 
     def save(self, root: str, step: int, keep: int) -> dict:
@@ -57,8 +68,14 @@ class Rank:
         self.manager.wait_on_save_thread(timeout=120)
         return counts
 
+    def save_state_dict(self, root: str, step: int) -> int:
+        path = os.path.join(root, f"global_step_{step}", "actor")
+        n = self.manager.save_state_dict(path, global_step=step)
+        self.manager.wait_on_save_thread(timeout=120)
+        return n
+
     def snapshot(self) -> dict:
-        """Full parameters, optimizer state and scheduler state (collectives: call on both ranks)."""
+        """Full parameters, optimizer, scheduler and RNG states (collectives: call on both ranks)."""
         from torch.distributed.tensor import DTensor
 
         def full(t):
@@ -67,7 +84,8 @@ class Rank:
         params = {n: full(p.detach()) for n, p in self.model.named_parameters()}
         state = self.optimizer.state_dict()["state"]
         optim = {(i, k): full(v) for i, s in state.items() for k, v in s.items()}
-        return {"params": params, "optim": optim, "lr": self.scheduler.get_last_lr()}
+        rng = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+        return {"params": params, "optim": optim, "lr": self.scheduler.get_last_lr(), "rng": rng}
 
     def load(self, root: str, step: int) -> None:
         self.manager.load_checkpoint(os.path.join(root, f"global_step_{step}", "actor"))
@@ -129,6 +147,132 @@ def test_save_resume_and_retention(namespace, tmp_path):
     assert saved["optim"].keys() == resumed["optim"].keys()
     assert same(saved["optim"], resumed["optim"]) == []
     assert resumed["lr"] == pytest.approx(saved["lr"])
+    assert not torch.equal(changed["rng"][0], saved["rng"][0])
+    assert torch.equal(resumed["rng"][0], saved["rng"][0])
+    assert (resumed["rng"][1] == saved["rng"][1]).all() and resumed["rng"][2] == saved["rng"][2]
+
+
+class TestCommittedFilesStay:
+    """A save of a step whose state dict is committed never rewrites that step's model files.
+
+    A restarted job retrains steps the Synchronizer has already loaded (it resumes from the
+    last full checkpoint, behind the state-dict iteration file); the files the iteration
+    file and the manifest vouch for must stay as they were committed.
+    """
+
+    def test_resave_behind_the_state_dict_iteration_file(self, namespace, tmp_path):
+        from obsckpt import commit as disk
+
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(root), metrics_port=None
+        )
+        ray.get(monitor.status.remote())
+        port = free_port()
+        ranks = [Rank.remote(namespace, r, port) for r in range(2)]
+
+        def both(method, *args):
+            return ray.get([getattr(r, method).remote(*args) for r in ranks])
+
+        both("train", 1)
+        assert both("save_state_dict", str(root), 1) == [1, 1]
+        # Each rank's manager registered its own save.
+        asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(1, is_state_dict=True))
+        assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "1"
+        step_dir = disk.step_dir(root, 1)
+        model_files = sorted((step_dir / "actor").glob("model_world_size_2_rank_*.pt"))
+        committed = {p.name: p.read_bytes() for p in model_files}
+        assert len(committed) == 2 and disk.verify_step(step_dir) == []
+
+        # The restarted job: new managers, weights that differ from the committed ones.
+        both("restart_manager")
+        both("train", 2)
+        assert both("save_state_dict", str(root), 1) == [0, 0]
+        assert {p.name: p.read_bytes() for p in model_files} == committed
+        # A full checkpoint of that step saves optimizer and extra state; the model it
+        # holds is the committed one.
+        counts = both("save", str(root), 1, None)
+        assert counts == [{"state_dict": 0, "checkpoint": 2}] * 2
+        commit(monitor, 1)
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        assert {p.name: p.read_bytes() for p in model_files} == committed
+        assert disk.verify_step(step_dir) == []
+        assert (step_dir / "actor" / "optim_world_size_2_rank_1.pt").is_file()
+
+
+@ray.remote
+class PretrainedRank:
+    """One FSDP2 rank (gloo) whose model was loaded from a pretrained directory, as verl's is."""
+
+    def __init__(self, namespace: str, port: int, src: str) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaForCausalLM
+        from workers import cpu_fsdp_group
+
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        torch.set_num_threads(1)
+        mesh = cpu_fsdp_group(0, 1, port)
+        model = LlamaForCausalLM.from_pretrained(src)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.manager = FSDPCheckpointManager(
+            model=model,
+            checkpoint_config={"save_contents": ["model", "hf_model"], "load_contents": ["model"]},
+            ray_namespace=namespace,
+        )
+
+    def save(self, path: str, step: int) -> dict:
+        counts = self.manager.save_checkpoint(path, global_step=step)
+        self.manager.wait_on_save_thread(timeout=120)
+        return counts
+
+    def save_as_hf_positionally(self, path: str, step: int) -> dict:
+        """Trinity's positional order: (local_path, global_step, max_ckpt_to_keep, save_as_hf)."""
+        self.manager.checkpoint_save_contents = ["model"]
+        counts = self.manager.save_checkpoint(path, step, None, True)
+        self.manager.wait_on_save_thread(timeout=120)
+        return counts
+
+
+def test_hf_export_keeps_the_pretrained_generation_config(namespace, tmp_path):
+    """As verl's manager: huggingface/ carries the model's own generation config (its stop
+    tokens and sampling defaults), not one derived from the model config, also once the
+    HF model is exported there."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from workers import TINY_LLAMA
+
+    src = tmp_path / "pretrained"
+    torch.manual_seed(0)
+    pretrained = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    pretrained.generation_config = GenerationConfig(
+        eos_token_id=[3, 7], do_sample=True, temperature=0.6
+    )
+    pretrained.save_pretrained(src)
+    root = tmp_path / "ckpt"
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(root), metrics_port=None
+    )
+    ray.get(monitor.status.remote())
+    rank = PretrainedRank.remote(namespace, free_port(), str(src))
+    path = root / "global_step_1" / "actor"
+    assert ray.get(rank.save.remote(str(path), 1)) == {"state_dict": 1, "checkpoint": 1}
+    commit(monitor, 1)
+    hf_dir = path / "huggingface"
+    got = GenerationConfig.from_pretrained(hf_dir)
+    assert got.eos_token_id == [3, 7] and got.temperature == 0.6
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    assert same(dict(pretrained.named_parameters()), dict(exported.named_parameters())) == []
+
+    # Trinity's save_as_hf, given positionally, asks for the export as hf_model does.
+    path = root / "global_step_2" / "actor"
+    assert ray.get(rank.save_as_hf_positionally.remote(str(path), 2)) == {
+        "state_dict": 1,
+        "checkpoint": 1,
+    }
+    commit(monitor, 2)
+    assert (path / "huggingface" / "model.safetensors").is_file()
 
 
 @ray.remote

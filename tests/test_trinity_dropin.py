@@ -389,7 +389,7 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
         f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
     ]
     assert disk.verify_step(step_dir) == []
-    from obsckpt.sync.synchronizer import load_sharded_state_dict
+    from obsckpt.sync.shards import load_sharded_state_dict
 
     merged = load_sharded_state_dict(path, manifest_dir=step_dir)
     expected = ray.get([w.full.remote() for w in workers])[0]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -267,6 +270,120 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert "obsckpt.broadcast" in [n for n, _ in ray.get(rollout.spans.remote())]
 
 
+CUSTOM_MODEL_CODE = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "tiny-custom"
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+"""
+
+
+class TestHFMetadata:
+    """Rank 0 writes next to the shards what verl's own manager writes there, durably.
+
+    verl's model merger rebuilds the HF model from it: the generation config of a
+    pretrained model (else generation falls back to one derived from the model config),
+    a custom model's code (else its config cannot be loaded), and a LoRA model's rank
+    and alpha (else the merged adapter gets lora_alpha=0 and does nothing).
+    """
+
+    def test_generation_config_of_a_pretrained_model(self, tmp_path):
+        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+        from workers import TINY_LLAMA
+
+        from obsckpt.integrations.verl_fsdp import save_hf_metadata
+
+        src = tmp_path / "pretrained"
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        model.generation_config = GenerationConfig(
+            eos_token_id=[3, 7], do_sample=True, temperature=0.6
+        )
+        model.save_pretrained(src)
+        out = tmp_path / "actor"
+        out.mkdir()
+        hf_dir = save_hf_metadata(LlamaForCausalLM.from_pretrained(src), str(out))
+        got = GenerationConfig.from_pretrained(hf_dir)
+        assert got.eos_token_id == [3, 7] and got.temperature == 0.6
+        assert json.loads((out / "fsdp_config.json").read_text()) == {
+            "FSDP_version": 0,
+            "world_size": 1,
+        }
+
+    def test_custom_model_code(self, tmp_path, monkeypatch):
+        from transformers import AutoConfig
+
+        from obsckpt.integrations.verl_fsdp import save_hf_metadata
+
+        (tmp_path / "tiny_custom.py").write_text(CUSTOM_MODEL_CODE)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        import tiny_custom
+        from workers import TINY_LLAMA
+
+        config = tiny_custom.TinyCustomConfig(**TINY_LLAMA)
+        config.auto_map = {
+            "AutoConfig": "tiny_custom.TinyCustomConfig",
+            "AutoModelForCausalLM": "tiny_custom.TinyCustomForCausalLM",
+        }
+        out = tmp_path / "actor"
+        out.mkdir()
+        hf_dir = save_hf_metadata(tiny_custom.TinyCustomForCausalLM(config), str(out))
+        assert (Path(hf_dir) / "tiny_custom.py").read_text() == CUSTOM_MODEL_CODE
+        monkeypatch.delitem(sys.modules, "tiny_custom")
+        monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+        loaded = AutoConfig.from_pretrained(hf_dir, trust_remote_code=True)
+        assert type(loaded).__name__ == "TinyCustomConfig"
+
+    def test_lora_rank_and_alpha(self, tmp_path):
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from workers import TINY_LLAMA
+
+        from obsckpt.integrations.verl_fsdp import save_hf_metadata
+
+        lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+        model = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), lora)
+        out = tmp_path / "actor"
+        out.mkdir()
+        hf_dir = save_hf_metadata(model, str(out))
+        assert (Path(hf_dir) / "config.json").is_file()
+        assert json.loads((out / "lora_train_meta.json").read_text()) == {
+            "r": 4,
+            "lora_alpha": 16,
+            "task_type": "CAUSAL_LM",
+        }
+
+    def test_every_file_is_fsynced_and_renamed_into_place(self, tmp_path, monkeypatch):
+        """The step commits once its shards are durable: these files must be durable first."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from workers import TINY_LLAMA
+
+        from obsckpt import commit as disk
+        from obsckpt.integrations.verl_fsdp import save_hf_metadata
+
+        synced: list[str] = []
+        original = disk.fsync_file
+
+        def fsync_file(path):
+            synced.append(os.path.abspath(os.fspath(path)))
+            original(path)
+
+        monkeypatch.setattr(disk, "fsync_file", fsync_file)
+        out = tmp_path / "actor"
+        out.mkdir()
+        save_hf_metadata(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), str(out))
+        written = sorted(str(p) for p in out.rglob("*") if p.is_file())
+        assert written == sorted(
+            str(out / name) for name in ("fsdp_config.json", "huggingface/config.json")
+        )
+        # Each file was synced where it was written, before it was renamed into place.
+        assert sorted(os.path.basename(p) for p in synced) == ["config.json", "fsdp_config.json"]
+
+
 def plain(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     """Tensors as plain bytes: safe on a queue after the sending process exits.
 
@@ -312,7 +429,7 @@ def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -
     from obsckpt.sync.broadcast import WeightBroadcaster
     from obsckpt.sync.device import setup_rank_device
     from obsckpt.sync.group import WeightSyncGroup
-    from obsckpt.sync.synchronizer import load_sharded_state_dict
+    from obsckpt.sync.shards import load_sharded_state_dict
 
     try:
         rd = setup_rank_device([str(rank)])  # as Ray would give it

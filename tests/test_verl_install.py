@@ -1,8 +1,9 @@
 """A stock verl 0.9 job switched to obsckpt by ``verl_install.install()``.
 
 verl's own code runs the save and resume: the trainer's ``_save_checkpoint``
-and ``_load_checkpoint`` (``RayPPOTrainer``'s methods on a minimal trainer
-object: config, step, dataloader, worker groups), the workers' engine
+and ``_load_checkpoint`` (the methods of verl 0.9's default V1 ``PPOTrainer``
+and of ``RayPPOTrainer``, which ``trainer.use_v1=false`` runs, on a minimal
+trainer object: config, step, dataloader, worker groups), the workers' engine
 ``FSDPEngine.save_checkpoint`` / ``load_checkpoint``, and the manager each
 engine builds from the name in ``verl.workers.engine.fsdp.transformer_impl``.
 The workers are Ray actors training FSDP2 models on gloo (an actor on two
@@ -137,7 +138,8 @@ class DataLoader:
         self.position = state["position"]
 
 
-def make_trainer(root, actor_wg, critic_wg):
+def make_trainer(root, actor_wg, critic_wg, *, v1: bool = False):
+    """What verl's trainers read when they save and resume (V1: sync mode, with its callback)."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.create(
@@ -153,7 +155,7 @@ def make_trainer(root, actor_wg, critic_wg):
             "actor_rollout_ref": {"actor": {"checkpoint": {}}},
         }
     )
-    return types.SimpleNamespace(
+    trainer = types.SimpleNamespace(
         config=config,
         global_steps=0,
         use_critic=True,
@@ -161,6 +163,55 @@ def make_trainer(root, actor_wg, critic_wg):
         critic_wg=critic_wg,
         train_dataloader=DataLoader(),
     )
+    if v1:
+        from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
+
+        trainer.trainer_mode = "sync"
+        trainer.checkpoint_callback = CheckpointCallback(config)
+    return trainer
+
+
+class RecordingCallback:
+    """A ``trainer.checkpoint_callback_class``: notes what the iteration file said at ``on_save``."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.seen: list[tuple[int, str | None]] = []
+
+    def on_save(self, trainer, global_step: int, checkpoint_dir: str, **kwargs) -> None:
+        self.seen.append((global_step, iteration(self.root)))
+
+
+class _AnyNames(types.ModuleType):
+    """A module with a placeholder class for every name imported from it."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+def trainer_class(kind: str, monkeypatch):
+    """verl 0.9's default trainer (``trainer.use_v1``) or the one ``use_v1=false`` runs."""
+    if kind == "legacy":
+        from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+        return RayPPOTrainer, "verl.trainer.ppo.ray_trainer"
+    import importlib.util
+
+    import verl
+
+    if importlib.util.find_spec("verl.trainer.ppo.v1") is None:
+        pytest.skip(f"verl {verl.__version__} has no V1 trainer")
+    try:
+        import transfer_queue  # noqa: F401
+    except ImportError:
+        # verl lists TransferQueue under its verl-core extra; only the asynchronous
+        # modes use it, so a stand-in lets the sync mode's module load without it.
+        monkeypatch.setitem(sys.modules, "transfer_queue", _AnyNames("transfer_queue"))
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    return PPOTrainer, "verl.trainer.ppo.v1.trainer_base"
 
 
 def params(workers: list) -> list[dict]:
@@ -222,14 +273,15 @@ def test_install_reaches_ray_workers_of_the_job(ray_cluster):
     ]
 
 
-def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
+@pytest.mark.parametrize("kind", ["v1", "legacy"])
+def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_path, monkeypatch):
     verl_install.patch()  # install() does this in the driver
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    Trainer, module = trainer_class(kind, monkeypatch)
 
-    assert verl_install.is_patched("verl.trainer.ppo.ray_trainer")
+    assert verl_install.is_patched(module)
     root = tmp_path / "ckpt"
     flag = tmp_path / "release"
-    trainer = make_trainer(root, None, None)
+    trainer = make_trainer(root, None, None, v1=kind == "v1")
     monitor = verl_install.monitor_for(trainer)  # init_workers does this before the workers
     try:
         actor = [VerlWorker.remote("actor", r, 2, port) for port in [free_port()] for r in (0, 1)]
@@ -244,11 +296,19 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
             ray.get([w.train.remote(step) for w in workers])
             trainer.global_steps = step
             trainer.train_dataloader.position = step
-            RayPPOTrainer._save_checkpoint(trainer)
+            Trainer._save_checkpoint(trainer)
 
+        if kind == "v1":
+            # A checkpoint callback is told of a save once it is committed, as verl promises
+            # (async_save=False: durable); verl's no-op default does not make the save wait.
+            default_callback = trainer.checkpoint_callback
+            trainer.checkpoint_callback = recorder = RecordingCallback(root)
         train_and_save(1)
         assert verl_install.wait_for_commit(trainer, timeout=120) == 1
         assert iteration(root) == "1"
+        if kind == "v1":
+            assert recorder.seen == [(1, "1")]
+            trainer.checkpoint_callback = default_callback
 
         # Step 2's writes are held: verl's trainer has returned, its data.pt is
         # there, but the iteration file still names the committed step.
@@ -284,8 +344,8 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(ray_cluster, tmp_path):
         ray.get([w.train.remote(3) for w in workers])
         moved = params(workers)[0]
         assert any(not torch.equal(moved[n], saved_actor[n]) for n in saved_actor)
-        resumed = make_trainer(root, WorkerGroup(actor), WorkerGroup(critic))
-        RayPPOTrainer._load_checkpoint(resumed)
+        resumed = make_trainer(root, WorkerGroup(actor), WorkerGroup(critic), v1=kind == "v1")
+        Trainer._load_checkpoint(resumed)
         assert resumed.global_steps == 2
         assert resumed.train_dataloader.position == 2
         now = params(workers)

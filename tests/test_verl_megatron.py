@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import types
 
 import pytest
 import ray
@@ -73,13 +74,19 @@ class FakeMcoreEngine:
 
         return gen(), None
 
+    # As McoreEngine calls its manager: with keywords.
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
         self.checkpoint_mananager.save_checkpoint(
-            local_path, hdfs_path, global_step, max_ckpt_to_keep
+            local_path=local_path,
+            hdfs_path=hdfs_path,
+            global_step=global_step,
+            max_ckpt_to_keep=max_ckpt_to_keep,
         )
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True):
-        self.checkpoint_mananager.load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        self.checkpoint_mananager.load_checkpoint(
+            local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load
+        )
 
 
 def hf_state_dict(engine: FakeMcoreEngine) -> dict[str, torch.Tensor]:
@@ -231,11 +238,44 @@ def test_integrations_do_not_import_verl():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_without_verl_the_managers_say_what_to_install():
+    """The helpers work without verl; the managers, which need it, say how to get it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class NoVerl:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'verl':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoVerl())\n"
+        "import obsckpt.integrations as i\n"
+        "i.fsdp_save_state_dict, i.megatron_save_state_dict\n"
+        "for make in (lambda: i.FSDPCheckpointManager, "
+        "lambda: i.MegatronCheckpointManager(monitor=object())):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=120, capture_output=True, text=True
+    )
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    for what, line in zip(
+        ("FSDPCheckpointManager", "MegatronCheckpointManager"), lines, strict=True
+    ):
+        assert what in line and "pip install 'obsckpt[verl]'" in line, line
+
+
 class VerlLikeMegatronManager(FakeCheckpointManager):
     """verl's MegatronCheckpointManager interface: built with keywords, knows its rank."""
 
     def __init__(self, *, engine: FakeMcoreEngine, checkpoint_config=None, **kwargs) -> None:
         super().__init__(engine)
+        self.checkpoint_config = checkpoint_config
         self.rank = engine.rank
         self.kwargs = kwargs
         self.keep_args: list = []
@@ -248,14 +288,53 @@ class VerlLikeMegatronManager(FakeCheckpointManager):
 class TestMegatronCheckpointManager:
     """Saves are registered and reported, commit only when submitted, and retention is safe."""
 
-    def make(self, monitor):
+    def make(self, monitor, **kwargs):
         from obsckpt.integrations import MegatronCheckpointManager
 
         engine = FakeMcoreEngine()
         manager = MegatronCheckpointManager(
-            engine=engine, base_class=VerlLikeMegatronManager, monitor=monitor, role="actor"
+            engine=engine,
+            base_class=VerlLikeMegatronManager,
+            monitor=monitor,
+            role="actor",
+            **kwargs,
         )
         return engine, manager
+
+    @pytest.mark.parametrize(
+        "config",
+        [{"async_save": True}, types.SimpleNamespace(async_save=True)],
+        ids=["dict", "dataclass"],
+    )
+    def test_async_save_is_refused_by_name(self, monitor, config):
+        """Megatron's asynchronous save returns before its files exist: the step would
+        commit too early, and verl would write the iteration file itself."""
+        with pytest.raises(ValueError, match=r"checkpoint\.async_save=True.*async_save=false"):
+            self.make(monitor, checkpoint_config=config)
+        _, manager = self.make(monitor, checkpoint_config={"async_save": False})
+        assert manager.checkpoint_config == {"async_save": False}
+
+    def test_attribute_writes_reach_verls_manager(self, monitor):
+        """verl's properties read verl's attributes: a write through the manager must land there."""
+        _, manager = self.make(monitor)
+        manager.checkpoint_save_contents = ["model"]
+        assert manager.base.checkpoint_save_contents == ["model"]
+        assert "checkpoint_save_contents" not in vars(manager)
+
+    def test_checkpoint_sync_through_the_managers_engine(self, monitor, tmp_path):
+        """megatron_save_state_dict on an engine that holds this manager (what verl_install
+        builds): only the model is saved, and the step has no checkpoint save left open."""
+        engine, manager = self.make(monitor)
+        engine.checkpoint_mananager = manager
+        coord = CheckpointCoordinator(monitor, rank=0)
+        path = tmp_path / "ckpt" / "global_step_7" / "actor"
+        assert megatron_save_state_dict(engine, str(path), 7, coord) == 1
+        assert manager.base.calls == [["model"]]
+        assert sorted(os.listdir(path)) == ["model_0.pt"]
+        asyncio.run(coord.register_and_monitor(7, is_state_dict=True, state_dict_thread_count=1))
+        status = ray.get(monitor.status.remote())
+        assert status["latest"]["state_dict"] == 7
+        assert status["pending"] == [] and status["failed"] == []
 
     def test_save_commit_retention_and_load(self, monitor, tmp_path):
         engine, manager = self.make(monitor)
@@ -283,6 +362,20 @@ class TestMegatronCheckpointManager:
                 p.add_(1)
         manager.load_checkpoint(str(root / "global_step_3" / "actor"))
         assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+
+    def test_unreadable_iteration_file_skips_retention_not_the_save(self, monitor, tmp_path):
+        """Retention cannot tell which step is committed: it deletes nothing, and the save
+        that succeeded is not reported as failed (as the FSDP manager does)."""
+        _, manager = self.make(monitor)
+        root = tmp_path / "ckpt"  # the monitor's root, created with it
+        (root / "latest_checkpointed_iteration.txt").write_text("half-written\n")
+        for step in (1, 2):
+            path = root / f"global_step_{step}" / "actor"
+            assert manager.save_checkpoint(str(path), None, step, max_ckpt_to_keep=1) == {
+                "state_dict": 0,
+                "checkpoint": 1,
+            }
+        assert (root / "global_step_1" / "actor" / "model_0.pt").exists()
 
     def test_failed_save_raises_and_never_commits(self, monitor, tmp_path):
         _, manager = self.make(monitor)

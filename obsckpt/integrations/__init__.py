@@ -25,12 +25,29 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def _verl_missing(what: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
+    """The error for ``what`` needing verl when ``exc`` says verl is not installed."""
+    return ModuleNotFoundError(
+        f"{what} needs verl, which is not installed ({exc}): pip install 'obsckpt[verl]'",
+        name=exc.name,
+    )
+
+
+def _is_verl_missing(exc: ModuleNotFoundError) -> bool:
+    return (exc.name or "").split(".")[0] == "verl"
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'obsckpt.integrations' has no attribute {name!r}")
     attr = "install" if name == "install_verl" else name
-    value = getattr(importlib.import_module(module), attr)
+    try:
+        value = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as exc:
+        if _is_verl_missing(exc):
+            raise _verl_missing(name, exc) from exc
+        raise
     globals()[name] = value
     return value
 

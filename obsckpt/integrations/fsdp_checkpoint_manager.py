@@ -14,7 +14,11 @@ additions: ``save_state_dict`` / ``upload_state_dict`` for weight sync and
   start, so a fast save can never finish ahead of its registration;
 * retention (``max_ckpt_to_keep``) never deletes the latest committed step
   (of either kind, since the Synchronizer may be reading it) nor a step that
-  is newer than it (still being saved, or failed but not yet superseded).
+  is newer than it (still being saved, or failed but not yet superseded);
+* the model files of a step whose state dict the monitor has committed are
+  never written again (a restarted job retrains steps behind
+  ``latest_state_dict_iteration.txt``): ``save_state_dict`` skips such a
+  step and ``save_checkpoint`` saves only its optimizer and extra state.
 
 Importing this module imports verl (seconds): import it lazily.
 """
@@ -33,12 +37,13 @@ from verl.utils.checkpoint.fsdp_checkpoint_manager import (
     FSDPCheckpointManager as VerlFSDPCheckpointManager,
 )
 
-from obsckpt import commit as disk
 from obsckpt.coordinator import CheckpointCoordinator
-from obsckpt.integrations.retention import select_for_removal, step_of
+from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
+    already_committed,
     find_processing_class,
+    pretrained_generation_config,
     save_hf_metadata,
     unwrap,
     upload_state_dict,
@@ -128,13 +133,16 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     def save_state_dict(self, local_path: str, global_step: int = 0) -> int:
         """Save this rank's model shard for checkpoint sync, in the background.
 
-        Returns the number of state-dict saves started (0 when this step's
-        model was already saved), to register with the monitor.
+        Returns the number of state-dict saves started (registered with the
+        monitor here): 0 when this manager already saved the step's model, or
+        when the monitor has committed the step's state dict (or a later one).
         """
         if local_path is None or self.previous_state_dict_step == global_step:
             return 0
         os.makedirs(local_path, exist_ok=True)
         torch.distributed.barrier()
+        if already_committed(self.coordinator, global_step, logger):
+            return 0
         self._register(global_step, state_dict=1, checkpoint=0)
         self._save_model(local_path, global_step)
         return 1
@@ -158,7 +166,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         (``register_and_monitor(step)``). Returns this rank's save counts.
         """
         if isinstance(hdfs_path, int) and not isinstance(hdfs_path, bool):
-            # Trinity's positional order: (local_path, global_step, max_ckpt_to_keep).
+            # Trinity's positional order: (local_path, global_step, max_ckpt_to_keep,
+            # save_as_hf), so its save_as_hf arrives where verl's max_ckpt_to_keep goes.
+            if isinstance(max_ckpt_to_keep, bool):
+                save_as_hf = save_as_hf or max_ckpt_to_keep
             global_step, max_ckpt_to_keep, hdfs_path = hdfs_path, global_step or None, None
         if local_path is None:
             return {"state_dict": 0, "checkpoint": 0}
@@ -174,7 +185,12 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 "checkpoint save contents include 'optimizer' but no optimizer was given"
             )
 
-        save_model = self.should_save_model and self.previous_state_dict_step != global_step
+        # Asked after the barrier, so no rank is still saving the step when another asks.
+        save_model = (
+            self.should_save_model
+            and self.previous_state_dict_step != global_step
+            and not already_committed(self.coordinator, global_step, logger)
+        )
         save_hf = (self.should_save_hf_model or save_as_hf) and self.rank == 0
         counts = {
             "state_dict": int(save_model),
@@ -194,7 +210,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 self._save_optimizer(local_path, global_step)
             if self.should_save_extra:
                 self._save_extra_state(local_path, global_step)
-        if self.rank == 0:
+        if self.rank == 0 and save_model:
+            # With the model: a committed step keeps the metadata it was committed with.
             save_hf_metadata(self.model, local_path, self.processing_class)
         if self.should_save_hf_model or save_as_hf:
             self._save_hf_model(local_path, global_step, write=save_hf)
@@ -218,29 +235,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
 
     def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
         """Delete old checkpoints beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
-        saved = list(self.previous_saved_paths)
-        if not saved:
-            return []
-        located = step_of(saved[-1])
-        if located is None:
-            return []
-        root = located[0]
-        try:
-            latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
-        except ValueError as exc:
-            logger.error("obsckpt: retention skipped, cannot read iteration files: %s", exc)
-            return []
-        doomed = select_for_removal(saved, max_ckpt_to_keep, latest)
+        doomed, step_dirs = removable(list(self.previous_saved_paths), max_ckpt_to_keep)
         if doomed:
-            # The whole step directory goes (manifest, huggingface/ and all), not only
-            # the manager's own sub-directory: a step dir left with a manifest and no
-            # files would look like a damaged step.
-            step_dirs = []
-            for path in doomed:
-                step_root, step = step_of(path)
-                step_dirs.append(str(disk.step_dir(step_root, step)))
-            self.remove_previous_save_local_path(sorted(set(step_dirs)))
-            self.previous_saved_paths = [p for p in saved if p not in doomed]
+            self.remove_previous_save_local_path(step_dirs)
+            self.previous_saved_paths = [p for p in self.previous_saved_paths if p not in doomed]
         return doomed
 
     # verl's own rotation deletes before the new save commits; ours replaces it.
@@ -288,8 +286,15 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     def _save_model(self, local_path: str, global_step: int) -> None:
         # verl's format (FSDP1: ShardedTensor, FSDP2: DTensor), so verl's loader reads it.
         state_dict = self._sharded(self.model.state_dict)
+        # unless_committed: the monitor decides again when it admits the write, so a
+        # commit that lands after the check above still leaves the committed files alone.
         self.coordinator.save_state_dict_async(
-            MODEL_SLOT, state_dict, self._path(local_path, "model"), global_step, is_state_dict=True
+            MODEL_SLOT,
+            state_dict,
+            self._path(local_path, "model"),
+            global_step,
+            is_state_dict=True,
+            unless_committed=True,
         )
         self.previous_state_dict_step = global_step
 
@@ -327,6 +332,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         hf_dir = os.path.join(local_path, "huggingface")
         processing_class = self.processing_class or find_processing_class(self)
         trust_remote_code = getattr(self, "trust_remote_code", False)
+        generation_config = pretrained_generation_config(model)
 
         def save() -> None:
             from accelerate import init_empty_weights
@@ -336,6 +342,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                     config, torch_dtype=torch.bfloat16, trust_remote_code=trust_remote_code
                 )
             empty.to_empty(device="cpu")
+            # save_pretrained writes the model's generation config: the pretrained one, as
+            # save_hf_metadata wrote it, not one derived from the model config.
+            if generation_config is not None and empty.can_generate():
+                empty.generation_config = generation_config
             try:  # verl >= 0.9: tied weights' duplicate keys are dropped before saving
                 from verl.utils.transformers_compat import drop_tied_target_keys
             except ImportError:

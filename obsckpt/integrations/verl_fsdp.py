@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from obsckpt import commit as disk
 from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster, WeightSyncTelemetry
 from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.group import WeightSyncGroup
@@ -45,6 +48,7 @@ _log = logging.getLogger(__name__)
 MODEL_SLOT = "model_state_dict"
 HF_SUBDIR = "huggingface"
 FSDP_CONFIG_FILE = "fsdp_config.json"
+LORA_META_FILE = "lora_train_meta.json"
 _FSDP_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 # One broadcaster (and its reusable buffers) per weight-sync group.
@@ -137,24 +141,111 @@ def find_processing_class(engine: Any) -> Any:
 def save_hf_metadata(
     module: torch.nn.Module, local_path: str, processing_class: Any = None
 ) -> str | None:
-    """Write the HF config (and tokenizer/processor) to ``{local_path}/huggingface/``, plus
-    ``fsdp_config.json``, so the shards can be merged into an HF model later.
+    """Write on rank 0 what verl's own manager writes next to the model shards.
+
+    verl's model merger rebuilds the HF model from it: ``huggingface/`` holds
+    the HF config, the generation config of a pretrained model, the tokenizer
+    or processor and a custom model's code (``auto_map``);
+    ``fsdp_config.json`` the FSDP version and world size; and
+    ``lora_train_meta.json`` a LoRA model's rank and alpha. Each file is
+    written in a scratch directory, fsynced and renamed into place: a crash
+    never leaves a torn file, and the files are durable before this rank's
+    shard is handed to the coordinator (so before the step can commit).
 
     Returns the ``huggingface`` directory, or None when the model has no HF config.
     """
     model = unwrap(module)
     config = getattr(model, "config", None)
-    hf_dir = os.path.join(local_path, HF_SUBDIR)
-    if config is not None and hasattr(config, "save_pretrained"):
-        os.makedirs(hf_dir, exist_ok=True)
-        config.save_pretrained(hf_dir)
-        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            processing_class.save_pretrained(hf_dir)
-    else:
-        hf_dir = None
-    with open(os.path.join(local_path, FSDP_CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump({"FSDP_version": fsdp_version(module), "world_size": dist_world_size()}, f)
-    return hf_dir
+    has_config = config is not None and hasattr(config, "save_pretrained")
+    scratch = tempfile.mkdtemp(prefix=".obsckpt-metadata-", dir=local_path)
+    try:
+        if has_config:
+            _write_hf_dir(model, config, os.path.join(scratch, HF_SUBDIR), processing_class)
+        with open(os.path.join(scratch, FSDP_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump({"FSDP_version": fsdp_version(module), "world_size": dist_world_size()}, f)
+        lora = lora_train_meta(model)
+        if lora is not None:
+            with open(os.path.join(scratch, LORA_META_FILE), "w", encoding="utf-8") as f:
+                json.dump(lora, f, indent=4)
+        _move_durably(scratch, local_path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return os.path.join(local_path, HF_SUBDIR) if has_config else None
+
+
+def _write_hf_dir(model: Any, config: Any, hf_dir: str, processing_class: Any) -> None:
+    os.makedirs(hf_dir)
+    generation_config = pretrained_generation_config(model)
+    if generation_config is not None:
+        generation_config.save_pretrained(hf_dir)
+    auto_map = getattr(config, "auto_map", None)
+    if isinstance(auto_map, dict) and None in auto_map:
+        config.auto_map = {k: v for k, v in auto_map.items() if k is not None}
+    config.save_pretrained(hf_dir)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(hf_dir)
+    if hasattr(config, "auto_map"):
+        from transformers.dynamic_module_utils import custom_object_save
+
+        # The file that defines the model's class; a PEFT wrapper's would be peft's own.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        custom_object_save(base, hf_dir, config=config)
+
+
+def _move_durably(scratch: str, dest: str) -> None:
+    """Fsync every file under ``scratch``, rename it to the same place under ``dest``."""
+    touched = set()
+    for dirpath, _dirnames, filenames in os.walk(scratch):
+        target_dir = os.path.join(dest, os.path.relpath(dirpath, scratch))
+        os.makedirs(target_dir, exist_ok=True)
+        for name in filenames:
+            disk.fsync_file(os.path.join(dirpath, name))
+            os.replace(os.path.join(dirpath, name), os.path.join(target_dir, name))
+            touched.add(target_dir)
+    for directory in touched | {dest}:
+        disk.fsync_dir(directory)
+
+
+# name_or_path -> its generation config (or None): read once, not on every step's save.
+_generation_configs: dict[str, Any] = {}
+
+
+def pretrained_generation_config(model: Any) -> Any:
+    """The generation config stored with the pretrained model, as verl's manager reads it.
+
+    None for a model that cannot generate or was not loaded from a pretrained
+    model (verl's merger then derives one from the model config).
+    """
+    can_generate = getattr(model, "can_generate", None)
+    name = getattr(getattr(model, "config", None), "name_or_path", None)
+    if not (callable(can_generate) and can_generate() and name):
+        return None
+    if name not in _generation_configs:
+        from transformers import GenerationConfig
+
+        try:
+            _generation_configs[name] = GenerationConfig.from_pretrained(name)
+        except Exception:  # noqa: BLE001 - none stored: verl saves none either
+            _generation_configs[name] = None
+    return _generation_configs[name]
+
+
+def lora_train_meta(model: Any) -> dict | None:
+    """A LoRA model's rank, alpha and task type, as verl records them, else None."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return None
+    if isinstance(peft_config, dict):
+        peft_config = peft_config.get("default") or next(iter(peft_config.values()), None)
+    rank = int(getattr(peft_config, "r", 0) or 0)
+    if rank <= 0:
+        return None
+    task_type = getattr(peft_config, "task_type", None) or "CAUSAL_LM"
+    return {
+        "r": rank,
+        "lora_alpha": int(getattr(peft_config, "lora_alpha", rank) or 0),
+        "task_type": str(getattr(task_type, "value", task_type)),
+    }
 
 
 # ----------------------------------------------------------------------
@@ -207,7 +298,7 @@ def fsdp_save_state_dict(
     """
     log = logger or _log
     rank, world = dist_rank(engine), dist_world_size(engine)
-    if _already_committed(coordinator, global_step, log):
+    if already_committed(coordinator, global_step, log):
         return 0
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
@@ -229,7 +320,7 @@ def fsdp_save_state_dict(
     return 1 if rank == 0 else 0
 
 
-def _already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:
+def already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:
     """True (logged) when the monitor has committed ``global_step``'s state dict or a later one."""
     latest = coordinator.committed_step(is_state_dict=True)
     if latest is None or global_step > latest:

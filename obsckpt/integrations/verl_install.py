@@ -2,8 +2,11 @@
 
 verl has no setting that chooses its checkpoint manager: every worker builds
 ``FSDPCheckpointManager`` (or ``MegatronCheckpointManager``) from the name its
-module imported, and the trainer (``RayPPOTrainer._save_checkpoint``) writes
+module imported, and the trainer's ``_save_checkpoint`` writes
 ``latest_checkpointed_iteration.txt`` itself as soon as the workers return.
+Two trainers are covered: verl 0.9's default, the V1 ``PPOTrainer``
+(``verl.trainer.ppo.v1``, ``trainer.use_v1=true``), and ``RayPPOTrainer``
+(``trainer.use_v1=false``, and verl 0.7).
 :func:`install` therefore
 
 * registers a Ray ``worker_process_setup_hook`` (merged into the
@@ -13,13 +16,16 @@ module imported, and the trainer (``RayPPOTrainer._save_checkpoint``) writes
 * :func:`patch` rebinds the manager names in verl's worker and engine modules
   to obsckpt's managers, now if they are imported, else the moment they are
   (an import hook: a worker that never imports verl pays nothing);
-* wraps ``RayPPOTrainer``: ``init_workers`` creates the
-  ``checkpoint_monitor`` (root ``trainer.default_local_dir``) before any
-  worker builds its manager; ``_save_checkpoint`` runs verl's own code with
-  its write of the iteration file diverted (the monitor writes it, atomically,
-  when every rank's files are durable), fsyncs verl's ``data.pt`` and submits
-  the step; ``fit`` waits, before returning, until the last submitted step
-  is committed (verl would exit and kill the save threads).
+* wraps the trainer: the method that builds the workers (``init_workers``;
+  the V1 trainer's ``init``) first creates the ``checkpoint_monitor`` (root
+  ``trainer.default_local_dir``), so every worker's manager finds it;
+  ``_save_checkpoint`` runs verl's own code with its write of the iteration
+  file diverted (the monitor writes it, atomically, when every rank's files
+  are durable), fsyncs what the trainer wrote itself (``data.pt``, the V1
+  asynchronous modes' ``transfer_queue/``) and submits the step; a V1
+  ``checkpoint_callback`` hears of the save only once it is committed; ``fit``
+  waits, before returning, until the last submitted step is committed (verl
+  would exit and kill the save threads).
 
 Resume is verl's own ``_load_checkpoint``: it reads the iteration file, which
 names only committed steps, and each manager waits for its saves in flight
@@ -78,7 +84,12 @@ MANAGER_SITES: dict[str, tuple[str, str, str]] = {
         "MegatronCheckpointManager",
     ),
 }
-TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+# verl module -> (trainer class, the method that builds the workers). verl 0.9 runs the
+# V1 trainer unless trainer.use_v1=false; verl 0.7 has only RayPPOTrainer.
+TRAINER_SITES: dict[str, tuple[str, str]] = {
+    "verl.trainer.ppo.v1.trainer_base": ("PPOTrainer", "init"),
+    "verl.trainer.ppo.ray_trainer": ("RayPPOTrainer", "init_workers"),
+}
 
 _lock = threading.RLock()
 _patched: set[str] = set()
@@ -177,7 +188,7 @@ def patch() -> None:
     """Rebind verl's manager names and wrap its trainer, in this process (idempotent)."""
     global _finder
     with _lock:
-        for name in [*MANAGER_SITES, TRAINER_MODULE]:
+        for name in [*MANAGER_SITES, *TRAINER_SITES]:
             module = sys.modules.get(name)
             if module is not None:
                 _apply(name, module)
@@ -195,8 +206,8 @@ def _apply(name: str, module: Any) -> None:
     with _lock:
         if name in _patched:
             return
-        if name == TRAINER_MODULE:
-            _patch_trainer(module)
+        if name in TRAINER_SITES:
+            _patch_trainer(module, *TRAINER_SITES[name])
         else:
             attr, source, source_attr = MANAGER_SITES[name]
             if hasattr(module, attr):
@@ -211,7 +222,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Applies :func:`_apply` to a target module right after its code runs."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in MANAGER_SITES and fullname != TRAINER_MODULE:
+        if fullname not in MANAGER_SITES and fullname not in TRAINER_SITES:
             return None
         if fullname in _patched:
             return None
@@ -255,17 +266,17 @@ def _diverting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> An
     return builtins.open(file, mode, *args, **kwargs)
 
 
-def _patch_trainer(module: Any) -> None:
-    cls = module.RayPPOTrainer
+def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
+    cls = getattr(module, class_name)
     module.open = _diverting_open  # looked up in module globals before builtins
-    orig_init_workers = cls.init_workers
+    orig_setup = getattr(cls, setup_name)
     orig_save = cls._save_checkpoint
     orig_fit = cls.fit
 
-    @functools.wraps(orig_init_workers)
-    def init_workers(self: Any, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(orig_setup)
+    def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
         monitor_for(self)  # before any worker builds its manager (which looks it up)
-        return orig_init_workers(self, *args, **kwargs)
+        return orig_setup(self, *args, **kwargs)
 
     @functools.wraps(orig_save)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -277,7 +288,7 @@ def _patch_trainer(module: Any) -> None:
         wait_for_commit(self)
         return result
 
-    for wrapper in (init_workers, _save_checkpoint, fit):
+    for wrapper in (setup, _save_checkpoint, fit):
         wrapper.obsckpt = True  # type: ignore[attr-defined]
         setattr(cls, wrapper.__name__, wrapper)
 
@@ -305,24 +316,71 @@ def monitor_for(trainer: Any) -> Any:
 
 
 def save_and_submit(trainer: Any, save: Any) -> Any:
-    """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit."""
+    """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit.
+
+    A V1 trainer's ``checkpoint_callback`` is called after the step is
+    committed: verl calls it once the iteration file names the step
+    (``async_save=False``: the checkpoint is durable), and a callback that
+    uploads or registers the step must not see files still being written.
+    verl's default callback does nothing, so it does not make the save wait.
+    """
     import ray
 
     monitor = monitor_for(trainer)
     step = int(trainer.global_steps)
+    callback = getattr(trainer, "checkpoint_callback", None)
+    deferred: list[tuple[tuple, dict]] = []
+    if callback is not None:
+        trainer.checkpoint_callback = _DeferredCallback(deferred)
     token = _diverting.set(True)
     try:
         result = save()
     finally:
         _diverting.reset(token)
+        if callback is not None:
+            trainer.checkpoint_callback = callback
     step_dir = disk.step_dir(checkpoint_root(trainer), step)
     data = step_dir / "data.pt"  # verl's dataloader state, written with torch.save
     if data.exists():
         disk.fsync_file(data)
+    # The V1 trainer's asynchronous modes save the prompts in flight here.
+    _fsync_tree(step_dir / "transfer_queue")
+    if step_dir.is_dir():
         disk.fsync_dir(step_dir)
     ray.get(monitor.monitor_step.remote(step, False))
     trainer._obsckpt_last_submitted = step
+    if deferred and not _is_noop_callback(callback):
+        wait_for_commit(trainer)
+    for args, kwargs in deferred:
+        callback.on_save(*args, **kwargs)
     return result
+
+
+class _DeferredCallback:
+    """Stands in for a V1 trainer's ``checkpoint_callback`` while verl's save runs."""
+
+    def __init__(self, calls: list[tuple[tuple, dict]]) -> None:
+        self._calls = calls
+
+    def on_save(self, *args: Any, **kwargs: Any) -> None:
+        self._calls.append((args, kwargs))
+
+
+def _is_noop_callback(callback: Any) -> bool:
+    try:
+        from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
+    except ImportError:
+        return False
+    return type(callback).on_save is CheckpointCallback.on_save
+
+
+def _fsync_tree(root: Any) -> None:
+    if not root.is_dir():
+        return
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            disk.fsync_file(os.path.join(dirpath, name))
+        disk.fsync_dir(dirpath)
 
 
 def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 0.2) -> int | None:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from obsckpt.integrations.verl_fsdp import (
-    _already_committed,
+    already_committed,
     broadcast_named_tensors,
     dist_rank,
     dist_world_size,
@@ -48,11 +48,20 @@ def checkpoint_manager(engine: Any) -> Any:
 
 @contextmanager
 def model_contents_only(manager: Any) -> Iterator[None]:
-    """Make ``manager`` save only the model while inside, restoring its contents after."""
+    """Make ``manager`` save only the model while inside, restoring its contents after.
+
+    On obsckpt's :class:`MegatronCheckpointManager` the save inside is also not
+    reported as a checkpoint of its own: the caller reports it as a state dict.
+    """
     saved = manager.checkpoint_save_contents
     manager.checkpoint_save_contents = ["model"]
+    unreported = manager.unreported() if isinstance(manager, MegatronCheckpointManager) else None
     try:
-        yield
+        if unreported is None:
+            yield
+        else:
+            with unreported:
+                yield
     finally:
         manager.checkpoint_save_contents = saved
 
@@ -86,7 +95,7 @@ def megatron_save_state_dict(
     """
     log = logger or _log
     manager = checkpoint_manager(engine)
-    if _already_committed(coordinator, global_step, log):
+    if already_committed(coordinator, global_step, log):
         return 0
     rank, world = dist_rank(engine), dist_world_size(engine)
 
@@ -172,6 +181,15 @@ def megatron_sync_weight_nccl(
 # ----------------------------------------------------------------------
 
 
+def _config_value(config: Any, key: str) -> Any:
+    """``config[key]`` of a mapping (dict, DictConfig) or ``config.key`` of a dataclass."""
+    if config is None:
+        return None
+    if hasattr(config, "get"):
+        return config.get(key, None)
+    return getattr(config, key, None)
+
+
 class MegatronCheckpointManager:
     """verl's Megatron checkpoint manager, its saves reported to and committed by the monitor.
 
@@ -184,14 +202,24 @@ class MegatronCheckpointManager:
     commits only when every rank's save is done and the trainer submitted it.
     verl's own rotation is not given ``max_ckpt_to_keep`` (it deletes before
     the new save is committed); retention keeps the latest committed step and
-    anything newer, as the FSDP manager's does. Other attributes are verl's.
+    anything newer, as the FSDP manager's does. Other attributes are verl's,
+    read and written on verl's manager. Megatron's asynchronous save
+    (``checkpoint.async_save``) is refused: it returns before its files are
+    written, so the step would commit early.
 
     Args:
         *args, **kwargs: verl's ``MegatronCheckpointManager`` arguments.
         base_class: the manager class wrapped (default: verl's, which needs
             Megatron-core).
         ray_namespace, monitor, coordinator: as :class:`FSDPCheckpointManager`.
+        save_timeout: passed to the default coordinator.
+
+    Raises:
+        ValueError: verl's checkpoint config asks for ``async_save``.
     """
+
+    # Attributes of this wrapper; every other one is verl's manager's.
+    _OWN = frozenset({"base", "coordinator", "checkpoint_monitor", "saved_paths", "_reporting"})
 
     def __init__(
         self,
@@ -204,10 +232,25 @@ class MegatronCheckpointManager:
         **kwargs: Any,
     ) -> None:
         if base_class is None:
-            from verl.utils.checkpoint.megatron_checkpoint_manager import (
-                MegatronCheckpointManager as base_class,
-            )
+            try:
+                from verl.utils.checkpoint.megatron_checkpoint_manager import (
+                    MegatronCheckpointManager as base_class,
+                )
+            except ModuleNotFoundError as exc:
+                from obsckpt.integrations import _is_verl_missing, _verl_missing
+
+                if _is_verl_missing(exc):
+                    raise _verl_missing("MegatronCheckpointManager", exc) from exc
+                raise
         self.base = base_class(*args, **kwargs)
+        if _config_value(getattr(self.base, "checkpoint_config", None), "async_save"):
+            raise ValueError(
+                "checkpoint.async_save=True: Megatron's asynchronous save returns before its "
+                "files are written (verl then writes latest_checkpointed_iteration.txt itself "
+                "once they are), so obsckpt would commit the step too early. Set "
+                "actor_rollout_ref.actor.checkpoint.async_save=false (and the critic's) to "
+                "checkpoint through obsckpt"
+            )
         if monitor is None and coordinator is None:
             import ray
 
@@ -229,9 +272,28 @@ class MegatronCheckpointManager:
         self.coordinator = coordinator
         self.checkpoint_monitor = monitor if monitor is not None else coordinator._monitor
         self.saved_paths: list[str] = []
+        self._reporting = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["base"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # verl's properties (should_save_*) read verl's attributes, so a write such as
+        # checkpoint_save_contents must land on verl's manager, not on this wrapper.
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.__dict__["base"], name, value)
+
+    @contextmanager
+    def unreported(self) -> Iterator[None]:
+        """Saves inside run verl's save only: a caller that reports them itself
+        (:func:`megatron_save_state_dict`) must not leave a checkpoint save open too."""
+        self._reporting = False
+        try:
+            yield
+        finally:
+            self._reporting = True
 
     def save_checkpoint(
         self,
@@ -245,6 +307,9 @@ class MegatronCheckpointManager:
         import ray
 
         if local_path is None:
+            return {"state_dict": 0, "checkpoint": 0}
+        if not self._reporting:
+            self.base.save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)
             return {"state_dict": 0, "checkpoint": 0}
         ray.get(
             self.checkpoint_monitor.register_thread_count.remote(
@@ -270,16 +335,10 @@ class MegatronCheckpointManager:
         """Delete step directories beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
         import shutil
 
-        from obsckpt import commit as disk
-        from obsckpt.integrations.retention import select_for_removal, step_of
+        from obsckpt.integrations.retention import removable
 
-        if not self.saved_paths or step_of(self.saved_paths[-1]) is None:
-            return []
-        root = step_of(self.saved_paths[-1])[0]
-        latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
-        doomed = select_for_removal(self.saved_paths, max_ckpt_to_keep, latest)
-        for path in doomed:
-            step_root, step = step_of(path)
-            shutil.rmtree(disk.step_dir(step_root, step), ignore_errors=True)
+        doomed, step_dirs = removable(self.saved_paths, max_ckpt_to_keep)
+        for step_dir in step_dirs:
+            shutil.rmtree(step_dir, ignore_errors=True)
         self.saved_paths = [p for p in self.saved_paths if p not in doomed]
         return doomed
