@@ -426,17 +426,8 @@ class CheckpointMonitor:
             # run. Nothing of it may stay behind, and its step cannot be whole.
             self._release(ticket.ticket)
             if ticket.step is not None:
-                self.tracker.finish(
-                    ticket.step,
-                    ticket.kind or "checkpoint",
-                    ok=False,
-                    error=f"save {ticket.slot!r} on rank {ticket.rank} gave up waiting for "
-                    "admission",
-                    resave=ticket.resave,
-                    slot=ticket.slot,
-                    part=ticket.part,
-                    parts=ticket.parts,
-                )
+                why = f"save {ticket.slot!r} on rank {ticket.rank} gave up waiting for admission"
+                self._fail_ticket(ticket, why, started=True)
                 await self._after_change()
             raise
 
@@ -469,18 +460,22 @@ class CheckpointMonitor:
         kind = info.kind or "checkpoint"
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:
-            self.tracker.finish(
-                info.step,
-                kind,
-                ok=False,
-                error=msg,
-                started=False,
-                resave=info.resave,
-                slot=info.slot,
-                part=info.part,
-                parts=info.parts,
-            )
+            self._fail_ticket(info, msg, started=False)
         await self._after_change()
+
+    def _fail_ticket(self, info: Ticket, error: str, *, started: bool) -> None:
+        """Fail the save ``info`` names in the tracker: its step cannot be whole."""
+        self.tracker.finish(
+            info.step,
+            info.kind or "checkpoint",
+            ok=False,
+            error=error,
+            started=started,
+            resave=info.resave,
+            slot=info.slot,
+            part=info.part,
+            parts=info.parts,
+        )
 
     async def notify_finished(
         self,

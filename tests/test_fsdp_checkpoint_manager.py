@@ -99,8 +99,8 @@ def same(a: dict, b: dict) -> list:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_save_resume_and_retention(namespace, tmp_path):
-    root = tmp_path / "ckpt"
+def start_job(namespace, root):
+    """The monitor at ``root`` and two ranks; returns it and ``both(method, *args)``."""
     monitor = CheckpointMonitor.get_actor(
         namespace=namespace, default_local_dir=str(root), metrics_port=None
     )
@@ -110,6 +110,13 @@ def test_save_resume_and_retention(namespace, tmp_path):
 
     def both(method, *args):
         return ray.get([getattr(r, method).remote(*args) for r in ranks])
+
+    return monitor, both
+
+
+def test_save_resume_and_retention(namespace, tmp_path):
+    root = tmp_path / "ckpt"
+    monitor, both = start_job(namespace, root)
 
     def step_files(step):
         return sorted(os.listdir(root / f"global_step_{step}" / "actor"))
@@ -164,16 +171,7 @@ class TestCommittedFilesStay:
         from obsckpt import commit as disk
 
         root = tmp_path / "ckpt"
-        monitor = CheckpointMonitor.get_actor(
-            namespace=namespace, default_local_dir=str(root), metrics_port=None
-        )
-        ray.get(monitor.status.remote())
-        port = free_port()
-        ranks = [Rank.remote(namespace, r, port) for r in range(2)]
-
-        def both(method, *args):
-            return ray.get([getattr(r, method).remote(*args) for r in ranks])
-
+        monitor, both = start_job(namespace, root)
         both("train", 1)
         assert both("save_state_dict", str(root), 1) == [1, 1]
         # Each rank's manager registered its own save.
