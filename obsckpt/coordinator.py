@@ -313,21 +313,26 @@ class CheckpointCoordinator:
         validate_step(global_step)
         validate_parts(part, parts)
         path = os.fspath(path)
-        join_wait = self._join(name, trace_context)
-
-        staging = self._staging_for(name)
-        allocations = staging.allocations
-        copier = None
-        if overlap:
-            snapshot, copies = staging.plan(state_dict)
-            copier = StagingCopy(staging, copies)
-        else:
-            snapshot = staging.stage(state_dict)
-        if staging.allocations != allocations:
-            self._cold_save(name, global_step, staging)
-        if copier is not None:
-            # Kept threads: the copy thread costs a queue put, not a thread start.
-            copier.start(lambda run: THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}"))
+        try:
+            join_wait = self._join(name, trace_context)
+            staging = self._staging_for(name)
+            allocations = staging.allocations
+            copier = None
+            if overlap:
+                snapshot, copies = staging.plan(state_dict)
+                copier = StagingCopy(staging, copies)
+            else:
+                snapshot = staging.stage(state_dict)
+            if staging.allocations != allocations:
+                self._cold_save(name, global_step, staging)
+            if copier is not None:
+                # Kept threads: the copy thread costs a queue put, not a thread start.
+                copier.start(
+                    lambda run: THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}")
+                )
+        except Exception as exc:
+            self._report_unstarted(name, global_step, is_state_dict, exc, part=part, parts=parts)
+            raise
 
         def write() -> list[FileRecord]:
             if copier is not None:
@@ -561,6 +566,24 @@ class CheckpointCoordinator:
             )
         return waited
 
+    def _report_unstarted(
+        self,
+        name: str,
+        step: int,
+        is_state_dict: bool,
+        exc: BaseException,
+        *,
+        part: int | None = None,
+        parts: int | None = None,
+    ) -> None:
+        """Tell the monitor that a save failed before it started (the caller gets ``exc``).
+
+        Its step may have registered it already: the step fails now, instead of
+        waiting for a save that will never come.
+        """
+        save = _Save(name, step, disk.kind_of(is_state_dict), part=part, parts=parts)
+        self._link.failed(save, None, exc, None, admitted=False)
+
     def _submit(
         self,
         name: str,
@@ -576,7 +599,11 @@ class CheckpointCoordinator:
         on_skip: Callable[[], None] | None = None,
     ) -> None:
         if join_wait is None:
-            join_wait = self._join(name, trace_context)
+            try:
+                join_wait = self._join(name, trace_context)
+            except SaveTimeoutError as exc:
+                self._report_unstarted(name, step, is_state_dict, exc, part=part, parts=parts)
+                raise
         save = _Save(
             name,
             step,

@@ -493,15 +493,39 @@ class CheckpointMonitor:
         files: list[dict] | None = None,
         part: int | None = None,
         parts: int | None = None,
+        admitted: bool = True,
     ) -> None:
         """A save ended, successfully (``ok``) or not; never leaves the step waiting.
 
         A part of a save (see :meth:`notify_started`) passes the same ``part``
         and ``parts`` again; its ticket's are used when the ticket is known.
+        ``admitted=False`` (with ``ok=False``) reports a save that failed before
+        it asked for admission, e.g. its snapshot could not be taken: it
+        releases no ticket, and the step it was registered for fails.
         """
         validate_step(step)
         validate_parts(part, parts)
         kind = disk.kind_of(is_state_dict)
+        if not admitted:
+            if ok:
+                raise ValueError(
+                    f"admitted=False reports a save that failed before admission, so ok must "
+                    f"be False (step {step}, slot {slot!r})"
+                )
+            self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, None)
+            logger.error(
+                "obsckpt: save %r of step %d (%s) on rank %s failed before it started: %s",
+                slot,
+                step,
+                kind,
+                rank,
+                error,
+            )
+            self.tracker.finish(
+                step, kind, ok=False, error=error, started=False, slot=slot, part=part, parts=parts
+            )
+            await self._after_change()
+            return
         if self._tickets.take_expired(ticket):
             # Its lease ran out and the save was already counted as failed; the
             # process was only slow. Its step stays failed.

@@ -109,8 +109,19 @@ class MonitorLink:
             timeout=self.rpc_timeout,
         )
 
-    def failed(self, save: _Save, ticket: int | None, exc: BaseException, join_wait: float) -> None:
-        """Report that ``save`` failed with ``exc``; a report that cannot be sent is logged."""
+    def failed(
+        self,
+        save: _Save,
+        ticket: int | None,
+        exc: BaseException,
+        join_wait: float | None,
+        *,
+        admitted: bool = True,
+    ) -> None:
+        """Report that ``save`` failed with ``exc``; a report that cannot be sent is logged.
+
+        ``admitted=False``: it failed before asking for admission (it holds no ticket).
+        """
         try:
             self.finished(
                 save,
@@ -118,6 +129,7 @@ class MonitorLink:
                 ok=False,
                 error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
                 join_wait_s=join_wait,
+                **({} if admitted else {"admitted": False}),
             )
         except Exception as report_exc:  # noqa: BLE001 - the monitor may be gone
             logger.error(

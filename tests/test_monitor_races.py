@@ -326,3 +326,29 @@ def test_commit_lag_of_a_full_checkpoint_counts_from_its_state_dict_save(tmp_pat
     for kind in disk.KINDS:
         count, total = lag(kind)
         assert count == 1 and 60.0 <= total < 90.0, (kind, count, total)
+
+
+def test_a_save_that_failed_before_admission_fails_its_step_at_once(tmp_path):
+    """Its snapshot could not be taken: the registered step fails now instead of waiting
+    for a save that never comes, and no other save's ticket is released."""
+    root = tmp_path / "root"
+    m = monitor(root)
+
+    async def run() -> None:
+        await m.register_thread_count(1, state_dict_thread_count=1)
+        await m.monitor_step(1, is_state_dict=True)
+        anonymous = await m.notify_started("n", "j")  # a Trinity caller's save, no step
+        with pytest.raises(ValueError, match="ok must be False"):
+            await m.notify_finished(1, True, slot="model", admitted=False)
+        await m.notify_finished(
+            1, True, slot="model", rank=0, ok=False, error="MemoryError", admitted=False
+        )
+        assert [t.ticket for t in m._tickets] == [anonymous["ticket"]]
+
+    asyncio.run(run())
+    assert [(s, k) for s, k, _ in m.tracker.failed()] == [(1, "state_dict")]
+    assert failures(m, "state_dict") == 1
+    saves = m.metrics.registry.get_sample_value(
+        "obsckpt_saves_total", {"slot": "model", "kind": "state_dict", "result": "error"}
+    )
+    assert saves == 1

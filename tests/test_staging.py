@@ -452,6 +452,24 @@ class TestCoordinatorStaging:
         assert all(ref() is None for ref in gone)
         assert not _path(tmp_path, 1).exists()
 
+    def test_a_snapshot_that_fails_fails_its_registered_step_at_once(
+        self, coordinator, tmp_path, monkeypatch
+    ):
+        coord, monitor = coordinator
+        ray.get(monitor.register_thread_count.remote(1, state_dict_thread_count=1))
+        ray.get(monitor.monitor_step.remote(1, is_state_dict=True))
+
+        def out_of_memory(self, obj):
+            raise MemoryError("cannot allocate the staging arena (injected)")
+
+        monkeypatch.setattr(StagingBuffers, "stage", out_of_memory)
+        with pytest.raises(MemoryError, match="injected"):
+            coord.save_state_dict_async("model", _state(), _path(tmp_path, 1), 1, True)
+        failed = ray.get(monitor.status.remote())["failed"]
+        assert [(f["step"], f["kind"]) for f in failed] == [(1, "state_dict")]
+        assert "MemoryError" in failed[0]["error"]
+        coord.wait_all(timeout=60)  # raised to the caller already, not again
+
     def test_tensor_changed_before_staging_finished_fails_the_save(
         self, coordinator, tmp_path, monkeypatch
     ):
