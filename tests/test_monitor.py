@@ -241,7 +241,7 @@ class TestParts:
             coord.save_async("model", lambda: None, 1, part=2, parts=2)
         with pytest.raises(ValueError, match="parts must be a positive integer.* got None"):
             coord.save_sync(lambda: None, 1, part=0)
-        assert ray.get(coord._monitor.status.remote())["in_flight"] == []
+        assert ray.get(coord.monitor.status.remote())["in_flight"] == []
 
 
 def _mapped(address: int) -> bool:

@@ -270,7 +270,7 @@ class MegatronCheckpointManager:
                 monitor, rank=getattr(self.base, "rank", None), save_timeout=save_timeout
             )
         self.coordinator = coordinator
-        self.checkpoint_monitor = monitor if monitor is not None else coordinator._monitor
+        self.checkpoint_monitor = monitor if monitor is not None else coordinator.monitor
         self.saved_paths: list[str] = []
         self._reporting = True
 
