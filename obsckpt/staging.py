@@ -337,12 +337,13 @@ class StagingBuffers:
         """
         out, copies = self.plan(obj)
         non_blocking = self._pinned
-        cuda = False
+        devices = set()
         for _, src, buf in copies:
-            cuda = cuda or src.is_cuda
+            if src.is_cuda:
+                devices.add(src.device)
             buf.copy_(src, non_blocking=non_blocking and src.is_cuda)
-        if cuda:
-            torch.cuda.synchronize()
+        for device in devices:  # each source's device: a process may hold several GPUs
+            torch.cuda.synchronize(device)
         return out
 
     def side_stream(self):
