@@ -552,6 +552,53 @@ class TestCuda:
         assert torch.equal(snap["w"], torch.ones(4096, 4096))
         staging.release()
 
+    @pytest.mark.parametrize("overlap", [False, True])
+    def test_tied_cuda_weights_are_written_once_and_load_back_tied(self, tmp_path, overlap):
+        model = torch.nn.Sequential(torch.nn.Embedding(4096, 64), torch.nn.Linear(64, 4096))
+        model[1].weight = model[0].weight
+        sd = model.cuda().state_dict()
+        expected = sd["0.weight"].cpu()
+        staging = StagingBuffers(pin_memory=True)
+        if overlap:
+            snap, copies = staging.plan(sd)
+            assert len(copies) == len(sd) - 1  # the tied weight is copied once
+            copier = StagingCopy(staging, copies)
+            copier.start()
+            copier.finish()
+        else:
+            snap = staging.stage(sd)
+        write_torch_file(snap, str(tmp_path / "model.pt"))
+        loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+        assert loaded["0.weight"].data_ptr() == loaded["1.weight"].data_ptr()
+        assert torch.equal(loaded["1.weight"], expected)
+        staging.release()
+
+    def test_dtensor_on_a_cuda_mesh_is_staged_in_host_memory(self):
+        """FSDP2 on GPU: the snapshot's local tensors are the host buffers the copies fill,
+        not a GPU copy of them made before they were filled."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+            local = torch.randn(1024, 256, device="cuda")
+            meta = TensorMeta(local.shape, local.stride(), local.dtype)
+            weight = DTensor(
+                local, DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False
+            )
+            expected = local.cpu()
+            staging = StagingBuffers(pin_memory=True)
+            snap = staging.stage({"w": weight})
+            local.zero_()  # the optimizer step, after the snapshot
+            staged = snap["w"].to_local()
+            assert staged.device.type == "cpu"
+            assert torch.equal(staged, expected)
+            staging.release()
+        finally:
+            dist.destroy_process_group()
+
     def test_overlapped_save_of_a_cuda_state(self, coordinator, tmp_path):
         coord, monitor = coordinator
         sd = {f"w{i}": torch.randn(512, 1024, device="cuda") for i in range(4)}
