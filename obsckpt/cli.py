@@ -443,7 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", type=int, default=3, help="full checkpoints to keep; 0 keeps all (default 3)"
     )
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model's initial weights and of the synthetic batches (default 0)",
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress line")
     d.add_argument(
         "--verbose", action="store_true", help="show the Ray workers' logs and tracebacks"

@@ -4,18 +4,28 @@ A submitted job goes to an idle thread if there is one, else to a new
 thread, so a job never waits behind another: a hung save keeps its thread
 and the next save gets a fresh one. A thread is named for the job it runs
 (``obsckpt-save-<slot>-step<N>``) and ``obsckpt-save-idle-<n>`` between jobs.
+
+The threads are daemons, so a hung save never keeps a process alive; at
+interpreter exit the process waits up to ``OBSCKPT_EXIT_WAIT_S`` seconds
+(default 60) for the jobs still running, since a process that exits without
+``wait_all()`` would otherwise drop its saves halfway.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+EXIT_WAIT_ENV = "OBSCKPT_EXIT_WAIT_S"
+_EXIT_WAIT_S = 60.0
 
 
 class SaveThreads:
@@ -29,6 +39,9 @@ class SaveThreads:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified when a job ends
+        self._running: dict[int, str] = {}  # submitted jobs not ended: number -> name
+        self._jobs = 0
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
         self._started = 0
@@ -45,10 +58,14 @@ class SaveThreads:
             # Started before the work is queued: if the thread cannot start, the
             # caller gets the error and nothing is left in the queue.
             self._spawn(number, idle=False)
+        with self._lock:
+            self._jobs += 1
+            job = self._jobs
+            self._running[job] = name  # from now: a process exiting right away waits for it
         # Each idle thread is either blocked in get() or about to be, and every
         # claim above is matched by exactly one get(): the item never waits
         # for a busy thread.
-        self._work.put((fn, name))
+        self._work.put((fn, name, job))
 
     def warm(self, idle: int) -> None:
         """Start threads until at least ``idle`` are idle, so the next saves start none."""
@@ -78,7 +95,7 @@ class SaveThreads:
         me = threading.current_thread()
         idle_name = me.name
         while True:
-            fn, name = self._work.get()
+            fn, name, job = self._work.get()
             me.name = name
             try:
                 fn()
@@ -91,6 +108,21 @@ class SaveThreads:
                 me.name = idle_name
                 with self._lock:
                     self._idle += 1
+                    self._running.pop(job, None)
+                    self._ended.notify_all()
+
+    def running(self) -> list[str]:
+        """The names of the jobs submitted and not ended."""
+        with self._lock:
+            return sorted(self._running.values())
+
+    def drain(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds until every job has ended; returns the ones still running."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._running and (left := deadline - time.monotonic()) > 0:
+                self._ended.wait(left)
+            return sorted(self._running.values())
 
 
 THREADS = SaveThreads()
@@ -98,3 +130,31 @@ THREADS = SaveThreads()
 if hasattr(os, "register_at_fork"):
     # The threads do not exist in a forked child; neither may their queued work.
     os.register_at_fork(after_in_child=THREADS._reset)
+
+
+def _wait_at_exit() -> None:
+    running = THREADS.running()
+    if not running:
+        return
+    try:
+        timeout = float(os.environ.get(EXIT_WAIT_ENV, _EXIT_WAIT_S))
+    except ValueError:
+        timeout = _EXIT_WAIT_S
+    logger.warning(
+        "obsckpt: the process is exiting with %d saves running (%s); waiting up to %.0f s "
+        "(%s). Call wait_all() before exiting",
+        len(running),
+        ", ".join(running),
+        timeout,
+        EXIT_WAIT_ENV,
+    )
+    left = THREADS.drain(timeout)
+    if left:
+        logger.error(
+            "obsckpt: exiting with saves still running (%s): their steps will not commit",
+            ", ".join(left),
+        )
+
+
+# After the threading module's own exit work: the save threads are daemons.
+atexit.register(_wait_at_exit)

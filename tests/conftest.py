@@ -12,6 +12,9 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A test process (or Ray worker) that exits with a deliberately hung save waits this
+# long for it, not the default minute.
+os.environ.setdefault("OBSCKPT_EXIT_WAIT_S", "5")
 
 
 @pytest.fixture(scope="session")

@@ -352,3 +352,13 @@ def test_a_save_that_failed_before_admission_fails_its_step_at_once(tmp_path):
         "obsckpt_saves_total", {"slot": "model", "kind": "state_dict", "result": "error"}
     )
     assert saves == 1
+
+
+def test_a_step_with_no_saves_is_never_named_by_an_iteration_file(tmp_path):
+    """Submitted with nothing registered, it has nothing on disk: it fails, saying so."""
+    root = tmp_path / "root"
+    m = monitor(root)
+    asyncio.run(m.monitor_step(5, is_state_dict=True))
+    assert disk.read_iteration(root, "state_dict") is None
+    assert [(s, k) for s, k, _ in m.tracker.failed()] == [(5, "state_dict")]
+    assert "nothing to commit" in m.tracker.failed()[0][2].error

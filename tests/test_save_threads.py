@@ -117,3 +117,50 @@ def test_a_thread_that_cannot_start_raises_and_leaves_nothing_queued(monkeypatch
     _run_one(pool, "obsckpt-save-x-step2")
     _wait_idle(pool, 1)
     assert ran == []  # the refused save never runs later behind another's back
+
+
+_EXITING_SCRIPT = """
+import sys, threading, time
+from obsckpt.save_threads import THREADS
+
+def save():
+    if sys.argv[2] == "hang":
+        threading.Event().wait()
+    time.sleep(1.0)
+    with open(sys.argv[1], "w") as f:
+        f.write("written")
+
+THREADS.submit(save, "obsckpt-save-model-step1")
+"""  # the main thread ends at once, without waiting for the save
+
+
+class TestExit:
+    """A process that exits with saves running waits for them, for a bounded time."""
+
+    def _run(self, tmp_path, mode: str, wait_s: str):
+        import subprocess
+        import sys
+
+        out = tmp_path / "model.pt"
+        env = {**os.environ, "OBSCKPT_EXIT_WAIT_S": wait_s}
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-c", _EXITING_SCRIPT, str(out), mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return proc, out, time.monotonic() - t0
+
+    def test_a_running_save_finishes_before_the_process_exits(self, tmp_path):
+        proc, out, _ = self._run(tmp_path, "finish", "30")
+        assert proc.returncode == 0, proc.stderr
+        assert out.read_text() == "written"
+        assert "1 saves running (obsckpt-save-model-step1)" in proc.stderr
+
+    def test_a_hung_save_holds_the_exit_only_for_the_bound(self, tmp_path):
+        proc, out, took = self._run(tmp_path, "hang", "0.5")
+        assert proc.returncode == 0, proc.stderr
+        assert not out.exists() and took < 20
+        assert "their steps will not commit" in proc.stderr

@@ -252,7 +252,23 @@ SPANS: tuple[SpanSpec, ...] = (
     SpanSpec("obsckpt.upload", "trainer rank 0", "One state dict upload to the Synchronizer."),
 )
 
-SPAN_ATTRIBUTES = ("obsckpt.step", "obsckpt.slot", "obsckpt.kind", "obsckpt.rank", "obsckpt.bytes")
+# Span attributes and what they hold; the first five are on every save and commit span.
+SPAN_ATTRIBUTES: dict[str, str] = {
+    "obsckpt.step": "the training step (the weight-sync version on obsckpt.broadcast)",
+    "obsckpt.slot": "the save slot",
+    "obsckpt.kind": "checkpoint or state_dict",
+    "obsckpt.rank": "the rank that saved, sent or received",
+    "obsckpt.bytes": "bytes written, sent or received",
+    "obsckpt.error": "the exception type of a save that failed (also SaveTimeoutError)",
+    "obsckpt.skipped": "true on a save not written because its step was already closed",
+    "obsckpt.backend": "weight sync: nccl, gloo, cuda_ipc or shm",
+    "obsckpt.method": "weight sync: broadcast or ipc",
+    "obsckpt.mode": "broadcast: bucketed or per_tensor",
+    "obsckpt.ipc_layout": "ipc sender: direct or buckets",
+    "obsckpt.ipc_queued": "ipc receiver: true when it answered once its copy was queued",
+    "obsckpt.ipc_described_again": "ipc sender: true when the receiver had lost the layout "
+    "(a restarted rollout) and it was sent again",
+}
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -377,9 +393,11 @@ def reference_markdown() -> str:
         lines.append(f"| `{span.name}` | {span.where} | {span.help} |")
     lines += [
         "",
-        "Attributes: " + ", ".join(f"`{a}`" for a in SPAN_ATTRIBUTES) + ".",
-        "",
+        "| attribute | meaning |",
+        "|---|---|",
     ]
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in SPAN_ATTRIBUTES.items()]
+    lines += [""]
     return "\n".join(lines)
 
 
