@@ -367,12 +367,6 @@ def finalize_step(
     records: dict[str, FileRecord] = {}
     targets: list[tuple[str | os.PathLike, bool]] = []
     exists = sdir.is_dir()
-    if not exists and not reported:
-        # An iteration file must never name a step that is not on disk.
-        raise FileNotFoundError(
-            f"{sdir} does not exist and no save reported a file of it: the step has nothing "
-            "to commit (was it submitted with no saves registered?)"
-        )
     if exists:
         top = os.fspath(sdir)
         for dirpath, dirnames, filenames in os.walk(top):

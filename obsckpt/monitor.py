@@ -645,6 +645,18 @@ class CheckpointMonitor:
         """Commit ``step`` of ``kind``, which the tracker has just marked committing."""
         whole_at = time.time()
         attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
+        saves = p.finished
+        if kind == "checkpoint":  # a full checkpoint includes its state-dict saves
+            saves += self.tracker.progress(step, "state_dict").finished
+        if saves == 0 and not disk.step_dir(self.root, step).is_dir():
+            # An iteration file must never name a step that is not on disk.
+            msg = (
+                f"step {step} ({kind}) was submitted with no saves and has no directory: "
+                "nothing to commit (register its saves with register_thread_count first)"
+            )
+            logger.error("obsckpt: %s", msg)
+            self.tracker.end_commit(step, kind, ok=False, error=msg)
+            return
         try:
             with tracing.span("obsckpt.commit", carrier=p.carrier, attributes=attrs):
                 phases: dict[str, float] = {}

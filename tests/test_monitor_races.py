@@ -362,3 +362,17 @@ def test_a_step_with_no_saves_is_never_named_by_an_iteration_file(tmp_path):
     assert disk.read_iteration(root, "state_dict") is None
     assert [(s, k) for s, k, _ in m.tracker.failed()] == [(5, "state_dict")]
     assert "nothing to commit" in m.tracker.failed()[0][2].error
+
+
+def test_a_step_whose_saves_wrote_no_files_still_commits(tmp_path):
+    """Saves that finished ok make a step whole, whether or not they wrote under it."""
+    root = tmp_path / "root"
+    m = monitor(root)
+
+    async def run() -> None:
+        await m.register_thread_count(3, checkpoint_thread_count=1)
+        await save(m, 3, "model")
+        await m.monitor_step(3)
+
+    asyncio.run(run())
+    assert disk.read_iteration(root, "checkpoint") == 3
