@@ -152,10 +152,13 @@ class CheckpointCoordinator:
         ):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
         self._monitor = checkpoint_monitor
-        self.rank = rank if rank is not None else _default_rank()
+        # The link holds the rank and rpc_timeout it reports with (properties below).
+        self._link = MonitorLink(
+            checkpoint_monitor,
+            rank=rank if rank is not None else _default_rank(),
+            rpc_timeout=rpc_timeout,
+        )
         self.save_timeout = save_timeout
-        self.rpc_timeout = rpc_timeout
-        self._link = MonitorLink(checkpoint_monitor, rank=self.rank, rpc_timeout=rpc_timeout)
         self._saves: dict[str, _Save] = {}
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
@@ -167,6 +170,24 @@ class CheckpointCoordinator:
     def monitor(self) -> Any:
         """The :class:`~obsckpt.monitor.CheckpointMonitor` actor handle this coordinator reports to."""
         return self._monitor
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank, reported with every save."""
+        return self._link.rank
+
+    @rank.setter
+    def rank(self, value: int | None) -> None:
+        self._link.rank = value
+
+    @property
+    def rpc_timeout(self) -> float:
+        """Seconds to wait for a monitor RPC that is not an admission."""
+        return self._link.rpc_timeout
+
+    @rpc_timeout.setter
+    def rpc_timeout(self, value: float) -> None:
+        self._link.rpc_timeout = value
 
     # ------------------------------------------------------------------
     # Worker side

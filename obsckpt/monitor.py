@@ -506,26 +506,11 @@ class CheckpointMonitor:
         validate_step(step)
         validate_parts(part, parts)
         kind = disk.kind_of(is_state_dict)
-        if not admitted:
-            if ok:
-                raise ValueError(
-                    f"admitted=False reports a save that failed before admission, so ok must "
-                    f"be False (step {step}, slot {slot!r})"
-                )
-            self._observe_save(kind, slot, rank, ok, duration_s, nbytes, join_wait_s, None)
-            logger.error(
-                "obsckpt: save %r of step %d (%s) on rank %s failed before it started: %s",
-                slot,
-                step,
-                kind,
-                rank,
-                error,
+        if not admitted and ok:
+            raise ValueError(
+                f"admitted=False reports a save that failed before admission, so ok must "
+                f"be False (step {step}, slot {slot!r})"
             )
-            self.tracker.finish(
-                step, kind, ok=False, error=error, started=False, slot=slot, part=part, parts=parts
-            )
-            await self._after_change()
-            return
         if self._tickets.take_expired(ticket):
             # Its lease ran out and the save was already counted as failed; the
             # process was only slow. Its step stays failed.
@@ -533,7 +518,8 @@ class CheckpointMonitor:
                 "obsckpt: save %r of step %d finished after its lease expired", slot, step
             )
             return
-        info = self._release(ticket)
+        # Without ticket (admitted=False): a Trinity caller's oldest save is not released.
+        info = self._release(ticket) if admitted else None
         slot = slot or (info.slot if info else None)
         if info is not None and info.parts is not None:
             part, parts = info.part, info.parts

@@ -129,7 +129,7 @@ class MonitorLink:
                 ok=False,
                 error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
                 join_wait_s=join_wait,
-                **({} if admitted else {"admitted": False}),
+                admitted=admitted,
             )
         except Exception as report_exc:  # noqa: BLE001 - the monitor may be gone
             logger.error(

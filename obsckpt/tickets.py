@@ -51,20 +51,14 @@ class Tickets:
         return len(self._open)
 
     def __iter__(self) -> Iterator[Ticket]:
+        """The open tickets, oldest first (a copy: closing one while iterating is safe)."""
         return iter(list(self._open.values()))
-
-    def values(self) -> list[Ticket]:
-        """The open tickets, oldest first."""
-        return list(self._open.values())
 
     def issue(self, **fields: object) -> Ticket:
         """Open a ticket with a new number for a save described by ``fields``."""
         ticket = Ticket(next(self._numbers), **fields)  # type: ignore[arg-type]
         self._open[ticket.ticket] = ticket
         return ticket
-
-    def get(self, number: int) -> Ticket | None:
-        return self._open.get(number)
 
     def close(self, number: int | None) -> Ticket | None:
         """Remove and return ticket ``number``; None when it is not open.

@@ -234,7 +234,7 @@ def test_a_cancelled_admission_leaves_nothing_behind(tmp_path):
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert [t.slot for t in m._tickets.values()] == ["model"]
+        assert [t.slot for t in m._tickets] == ["model"]
         write(root, 1, "model.pt")
         await m.notify_finished(1, False, ticket=first["ticket"], slot="model")
         await m.monitor_step(1)
