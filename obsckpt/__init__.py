@@ -13,7 +13,6 @@ from obsckpt.errors import (
     PartsMismatchError,
     SaveError,
     SaveTimeoutError,
-    StepOrderError,
     TensorMutatedError,
 )
 from obsckpt.monitor import CheckpointMonitor
@@ -34,7 +33,6 @@ __all__ = [
     "SaveStrategy",
     "SaveTimeoutError",
     "StagedSave",
-    "StepOrderError",
     "Synchronizer",
     "TensorMutatedError",
 ]

@@ -76,6 +76,8 @@ class _Save:
     # Run instead of the I/O when it is not written (e.g. let a staging copy finish).
     on_skip: Callable[[], None] | None = None
     skipped: bool = False
+    # What the save's own I/O raised (not an admission, report or timeout failure).
+    fn_error: BaseException | None = None
 
     def part_kwargs(self) -> dict[str, int]:
         """``part``/``parts`` for the monitor's RPCs; nothing for an unsplit save."""
@@ -209,15 +211,18 @@ class CheckpointCoordinator:
         """Run ``save_fn`` in a background thread, reported to the monitor.
 
         Joins the previous save of slot ``name`` first. Files named in
-        ``paths`` are fsynced and checksummed here, so the monitor's commit
-        does not have to read them back.
+        ``paths`` are fsynced and checksummed here, on the node that wrote
+        them, so the monitor's commit does not have to read them back (nor
+        can miss them when it runs on another node).
 
         Args:
             name: the save slot (e.g. ``"model"``); safe in file names.
             save_fn: zero-argument callable doing the I/O.
             global_step: the training step.
             is_state_dict: True for state-dict (weight sync) saves.
-            paths: files ``save_fn`` writes (optional).
+            paths: files ``save_fn`` writes (optional). A directory stands for
+                every file under it: name one only if this save alone writes
+                into it (not a directory that other ranks' saves share).
             trace_context: W3C carrier of the step's trace (default: the current context).
             part: this save's index among ``parts`` (e.g. the rank), for a save
                 made of several parts, one per process; with ``parts``.
@@ -237,7 +242,8 @@ class CheckpointCoordinator:
         validate_slot(name)
         validate_step(global_step)
         validate_parts(part, parts)
-        path_list = [os.fspath(p) for p in paths] if paths is not None else None
+        path_list = _path_list(paths)
+        self._require_monitor()
         self._submit(
             name,
             lambda: _run_and_record(save_fn, path_list),
@@ -266,13 +272,17 @@ class CheckpointCoordinator:
 
         ``part``/``parts`` mark one part of a save made of several, and
         ``unless_committed`` skips a step already committed (see :meth:`save_async`).
-        Returns False when ``unless_committed`` skipped it, else True. Raises the save's error
-        (as :class:`SaveError`) after reporting it.
+        Returns False when ``unless_committed`` skipped it, else True. What
+        ``save_fn`` raises (or checking ``paths`` raises) is raised as it is,
+        after the failure is reported, with a note naming the slot and step; a
+        failure of the save around it (the monitor unreachable, ``save_timeout``
+        passed) raises :class:`SaveError`.
         """
         validate_slot(name)
         validate_step(global_step)
         validate_parts(part, parts)
-        path_list = [os.fspath(p) for p in paths] if paths is not None else None
+        path_list = _path_list(paths)
+        self._require_monitor()
         save = _Save(
             name,
             global_step,
@@ -289,6 +299,11 @@ class CheckpointCoordinator:
         if error is not None:
             with self._lock:
                 self._errors = [e for e in self._errors if e is not error]
+            own = save.fn_error
+            if own is not None and error.__cause__ is own:
+                # What save_fn raised, as a direct call of it would: callers catch its type.
+                own.add_note(f"obsckpt: {error} (the monitor was told; the step fails)")
+                raise own
             raise error
         return not save.skipped
 
@@ -334,6 +349,7 @@ class CheckpointCoordinator:
         validate_step(global_step)
         validate_parts(part, parts)
         path = os.fspath(path)
+        self._require_monitor()
         try:
             join_wait = self._join(name, trace_context)
             staging = self._staging_for(name)
@@ -549,6 +565,7 @@ class CheckpointCoordinator:
         commit joins that step's trace.
         """
         validate_step(global_step)
+        self._require_monitor()
         if state_dict_thread_count or checkpoint_thread_count:
             await self._monitor.register_thread_count.remote(
                 global_step,
@@ -562,6 +579,15 @@ class CheckpointCoordinator:
     # ------------------------------------------------------------------
     # Internals
     # ------------------------------------------------------------------
+
+    def _require_monitor(self) -> None:
+        if self._monitor is None:
+            raise ValueError(
+                "this CheckpointCoordinator has no monitor (checkpoint_monitor=None), so its "
+                "saves could never commit; create it with the monitor actor handle, e.g. "
+                "CheckpointCoordinator(CheckpointMonitor.get_actor(namespace=..., "
+                "default_local_dir=...))"
+            )
 
     def _join(self, name: str, trace_context: dict | None = None) -> float:
         """Wait for the previous save of ``name``; returns seconds waited.
@@ -700,6 +726,7 @@ class CheckpointCoordinator:
                 try:
                     records = fn() or []
                 except BaseException as exc:
+                    save.fn_error = exc
                     span.set_attribute("obsckpt.error", type(exc).__name__)
                     raise
                 if save.reported:
@@ -801,17 +828,51 @@ class CheckpointCoordinator:
         save.settled.set()
 
 
+def _path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:
+    if paths is None:
+        return None
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise ValueError(
+            f"paths must be a list of files or directories, got the single path {paths!r}; "
+            "pass [path]"
+        )
+    return [os.fspath(p) for p in paths]
+
+
 def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[FileRecord]:
+    """Run ``save_fn``, then make what it wrote under ``paths`` durable and checksum it.
+
+    A path that is a directory stands for every file under it (temp files of
+    unfinished writes excepted); its directories are fsynced too.
+    """
     save_fn()
     if not paths:
         return []
+    files: list[str] = []
+    dirs: set[str] = set()
+    for path in map(os.path.abspath, paths):
+        if os.path.isdir(path):
+            for dirpath, dirnames, filenames in os.walk(path):
+                dirnames.sort()
+                files += [
+                    os.path.join(dirpath, n) for n in sorted(filenames) if not disk.is_temp_name(n)
+                ]
+                dirs.add(dirpath)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(
+                f"{path} is named in paths= but the save function did not write it (or it "
+                "is not a regular file or directory): name only what the save writes"
+            )
+        dirs.add(os.path.dirname(path))
     records = []
-    for path in paths:
+    for path in dict.fromkeys(files):  # a file named and inside a named directory: once
         disk.fsync_file(path)
         size, crc = disk.file_crc32(path)
-        records.append(FileRecord(path=os.path.abspath(path), size=size, crc32=crc))
-    for parent in {os.path.dirname(os.path.abspath(p)) for p in paths}:
-        disk.fsync_dir(parent)
+        records.append(FileRecord(path=path, size=size, crc32=crc))
+    for directory in sorted(dirs, key=len, reverse=True):  # a file's directory before its parent
+        disk.fsync_dir(directory)
     return records
 
 

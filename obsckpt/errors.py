@@ -11,10 +11,6 @@ class IterationFileError(ValueError):
     """An iteration file exists but does not hold a step number."""
 
 
-class StepOrderError(ValueError):
-    """A step was submitted or notified out of the allowed order."""
-
-
 class NotificationError(ValueError):
     """A notification does not match what the monitor knows (e.g. more finishes than registrations)."""
 

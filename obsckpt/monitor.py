@@ -646,7 +646,8 @@ class CheckpointMonitor:
         try:
             with tracing.span("obsckpt.commit", carrier=p.carrier, attributes=attrs):
                 phases: dict[str, float] = {}
-                await asyncio.to_thread(self._write_commit, step, kind, dict(p.files), phases)
+                files = self.tracker.reported_files(step, kind)
+                await asyncio.to_thread(self._write_commit, step, kind, files, phases)
         except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
             msg = f"commit of step {step} ({kind}) failed: {exc}"
             logger.error("obsckpt: %s", msg)

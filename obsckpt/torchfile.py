@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import threading
+import uuid
 from typing import Any
 
 import numpy as np
@@ -423,7 +424,8 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> FileRecord:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    # Unique per write: two saves of one path in a process must not share a temp file.
+    tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         sink = _PipelinedSink(tmp)
         try:

@@ -87,6 +87,9 @@ class Progress:
     resolved_at: float | None = None
     carrier: dict | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
+    # Files two saves reported differently (both wrote them): only the file on
+    # disk tells which write is there, so the commit checksums it itself.
+    contested: set[str] = field(default_factory=set)
     # The first counted save of this step and kind that failed, kept even when the
     # step was already closed (abandoned): its step's checkpoint must not commit.
     save_failure: str | None = None
@@ -203,6 +206,24 @@ class CommitTracker:
         if p.first_seen is None:
             p.first_seen = self.clock()
         return p
+
+    def reported_files(self, step: int, kind: str) -> dict[str, FileRecord]:
+        """The files the saves of ``step`` reported, for its ``kind`` commit to trust unread.
+
+        A full checkpoint's directory also holds its state-dict saves' files, so
+        their reports count too. A file reported differently by two saves (both
+        wrote it) is left out: the commit checksums what is on disk.
+        """
+        kinds = ("state_dict", "checkpoint") if kind == "checkpoint" else (kind,)
+        merged: dict[str, FileRecord] = {}
+        contested: set[str] = set()
+        for k in kinds:
+            p = self.progress(step, k)
+            contested |= p.contested
+            for path, rec in p.files.items():
+                if merged.setdefault(path, rec) != rec:
+                    contested.add(path)
+        return {path: rec for path, rec in merged.items() if path not in contested}
 
     def _fail(self, step: int, kind: str, error: str) -> list[tuple[int, str]]:
         """Mark a step failed; returns the (step, kind) pairs that newly failed."""
@@ -401,7 +422,12 @@ class CommitTracker:
             self.resaves += 1
             return [] if ok else self._fail(step, kind, error or "save failed")
         for rec in files:
-            p.files[rec.path] = rec
+            known = p.files.get(rec.path, rec)
+            if known != rec or rec.path in p.contested:
+                p.files.pop(rec.path, None)
+                p.contested.add(rec.path)
+            else:
+                p.files[rec.path] = rec
         if parts is None:
             p.finished += 1
         else:

@@ -254,6 +254,77 @@ def _mapped(address: int) -> bool:
     return False
 
 
+class TestSavedPaths:
+    """``paths=`` files and directories are made durable and checksummed by the saving process."""
+
+    def test_a_directory_stands_for_every_file_under_it(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        hf = disk.step_dir(root, 5) / "actor" / "huggingface"
+        payload = {"model.safetensors": os.urandom(70_000), "sub/tokenizer.json": b"{}"}
+
+        def save() -> None:
+            for rel, data in payload.items():
+                (hf / rel).parent.mkdir(parents=True, exist_ok=True)
+                (hf / rel).write_bytes(data)
+            (hf / "model.safetensors.tmp.123").write_bytes(b"unfinished")
+
+        coord.save_async("hf_model", save, 5, paths=[hf])
+        coord.wait_all(timeout=60)
+        submit(monitor, 5, ck=1)
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 5, what="step 5 committed")
+        records = {r.path: r for r in disk.read_manifest(disk.step_dir(root, 5))}
+        for rel, data in payload.items():
+            rec = records[f"actor/huggingface/{rel}"]
+            assert (rec.size, rec.crc32) == (len(data), disk.crc32(data))
+        # Reported by the save (the temp file is not part of it), not found by the monitor.
+        reported = sum(len(d) for d in payload.values())
+        saved = value(
+            scrape(monitor), "obsckpt_save_bytes_total", slot="hf_model", kind="checkpoint"
+        )
+        assert saved == reported
+
+    def test_a_named_path_the_save_did_not_write_fails_the_save(self, namespace, root):
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        missing = disk.step_dir(root, 6) / "never.pt"
+        with pytest.raises(FileNotFoundError, match=r"never.pt is named in paths= but the save"):
+            coord.save_sync(lambda: None, 6, paths=[missing])
+        coord.wait_all(timeout=10)  # raised once, by save_sync
+        submit(monitor, 6, ck=1)
+        wait_for(lambda: ray.get(monitor.status.remote())["failed"], what="step 6 failed")
+        assert disk.read_iteration(root, "checkpoint") is None
+
+    def test_a_single_path_instead_of_a_list_is_refused_before_anything_runs(self, namespace, root):
+        coord = CheckpointCoordinator(make_monitor(namespace, root), rank=0)
+        ran = []
+        with pytest.raises(ValueError, match=r"single path 'x.pt'; pass \[path\]"):
+            coord.save_async("model", lambda: ran.append(1), 1, paths="x.pt")
+        assert ran == [] and ray.get(coord.monitor.status.remote())["in_flight"] == []
+
+    def test_one_file_written_by_two_saves_of_a_step_commits_as_it_is_on_disk(
+        self, namespace, root
+    ):
+        """A state-dict save and a full checkpoint of one step write the same model file:
+        both succeed, and the manifest holds the write that is on disk, whichever it is."""
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        for trial, value_ in enumerate((1.0, 2.0, 3.0)):
+            step = 8 + trial
+            path = disk.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
+            coord.save_state_dict_async("model", {"w": torch.full((1 << 20,), value_)}, path, step)
+            coord.save_state_dict_async(
+                "model_state_dict", {"w": torch.full((1 << 20,), -value_)}, path, step, True
+            )
+            coord.wait_all(timeout=60)
+            submit(monitor, step, sd=1, ck=1)
+            wait_for(
+                lambda step=step: disk.read_iteration(root, "checkpoint") == step,
+                what=f"step {step} committed",
+            )
+            assert disk.verify_step(disk.step_dir(root, step)) == []
+
+
 class TestSaveOutcomes:
     """The trainer hears of every save that did not end well, when it asks, and at once."""
 
@@ -281,6 +352,25 @@ class TestSaveOutcomes:
         with pytest.raises(SaveTimeoutError, match=r"save_timeout=0.3"):
             coord.save_sync(lambda: time.sleep(1.0), 2)
         coord.wait_all(timeout=10)  # raised once, by save_sync
+
+    def test_save_sync_raises_what_the_save_raised(self, namespace, root):
+        """As a direct call of save_fn would (Trinity's save_sync): callers catch its type."""
+
+        class DiskQuotaExceeded(OSError):
+            pass
+
+        def save() -> None:
+            raise DiskQuotaExceeded("quota of /ckpt exceeded")
+
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        with pytest.raises(DiskQuotaExceeded, match="quota of /ckpt exceeded") as raised:
+            coord.save_sync(save, 7, name="megatron")
+        [note] = raised.value.__notes__
+        assert "'megatron' of step 7 (checkpoint) failed" in note and "the step fails" in note
+        coord.wait_all(timeout=10)  # raised once, by save_sync
+        submit(monitor, 7, ck=1)
+        wait_for(lambda: ray.get(monitor.status.remote())["failed"], what="step 7 failed")
 
     def test_a_save_whose_report_is_lost_is_raised(self, namespace, root):
         """The save wrote its files but the monitor died before hearing of it: the step

@@ -115,6 +115,21 @@ class TestBadSaveArguments:
             coord.save_sync(_noop, 4, part=part, parts=parts)
         _assert_nothing_lost(root, before)
 
+    def test_a_coordinator_without_a_monitor_refuses_to_save(self, committed):
+        root, _, before = committed
+        coord = CheckpointCoordinator(None)
+        ran = []
+        for call in (
+            lambda: coord.save_async("model", lambda: ran.append(1), 4),
+            lambda: coord.save_sync(lambda: ran.append(1), 4),
+            lambda: coord.save_state_dict_async("model", {}, root / "x.pt", 4),
+            lambda: asyncio.run(coord.register_and_monitor(4)),
+        ):
+            with pytest.raises(ValueError, match=r"no monitor \(checkpoint_monitor=None\)"):
+                call()
+        assert ran == []
+        _assert_nothing_lost(root, before)
+
     @pytest.mark.parametrize("timeout", [0, -1, "5", True, float("nan")], ids=repr)
     def test_bad_save_timeout(self, timeout):
         with pytest.raises(ValueError, match="save_timeout") as info:

@@ -116,33 +116,8 @@ class TestCommitDurabilityOrder:
 
     def test_fsync_before_rename_then_dir_fsync(self, strace, tmp_path):
         root = Path(os.path.realpath(tmp_path)) / "root"
-        trace = tmp_path / "strace.txt"
-        script = tmp_path / "drive_commit.py"
-        script.write_text(DRIVER)
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        done = subprocess.run(
-            [
-                strace,
-                "-f",
-                "-y",
-                "-qq",
-                "-o",
-                str(trace),
-                "-e",
-                "trace=fsync,fdatasync,rename,renameat,renameat2,openat",
-                sys.executable,
-                str(script),
-                str(root),
-            ],  # fmt: skip
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            check=False,
-        )
-        assert done.returncode == 0, f"strace run failed ({done.returncode}): {done.stderr[-3000:]}"
+        calls = _traced(strace, tmp_path, DRIVER, str(root))
         assert disk.read_iteration(root, "checkpoint") == 1
-        calls = parse_strace(trace.read_text())
 
         sdir = root / "global_step_1"
         syncs = [c for c in calls if c.name in ("fsync", "fdatasync") and c.fd_path]
@@ -178,3 +153,74 @@ class TestCommitDurabilityOrder:
             # ... and the rename is made durable by fsyncing the root afterwards.
             after = [c for c in syncs if c.fd_path == str(root) and c.index > commit.index]
             assert after, f"{root} was not fsynced after renaming {iteration.name}"
+
+    def test_a_saved_directory_is_made_durable_by_the_saving_process(self, strace, tmp_path):
+        """``paths=[directory]``: every file and directory under it is fsynced by the process
+        that wrote them before the save reports its records (the monitor may be on another node,
+        where an fsync cannot reach this node's page cache)."""
+        hf = Path(os.path.realpath(tmp_path)) / "global_step_3" / "actor" / "huggingface"
+        calls = _traced(strace, tmp_path, SAVE_DRIVER, str(hf))
+        done = [c for c in calls if c.name == "openat" and c.paths[:1] == [str(hf) + ".done"]]
+        assert len(done) == 1, "the driver did not finish"
+        synced = {c.fd_path for c in calls if c.name == "fsync" and c.index < done[0].index}
+        expected = {
+            str(hf / "model.safetensors"),
+            str(hf / "sub" / "tokenizer.json"),
+            str(hf / "sub"),
+            str(hf),
+            str(hf.parent),
+        }
+        assert expected <= synced, f"not fsynced before the save returned: {expected - synced}"
+        assert str(hf / "model.safetensors.tmp.7") not in synced
+
+
+SAVE_DRIVER = textwrap.dedent(
+    """
+    import os, sys
+    from obsckpt.coordinator import _run_and_record
+
+    hf = sys.argv[1]
+
+    def save():
+        os.makedirs(os.path.join(hf, "sub"))
+        for rel in ("model.safetensors", "sub/tokenizer.json", "model.safetensors.tmp.7"):
+            with open(os.path.join(hf, rel), "wb") as f:  # no fsync: the save's job
+                f.write(os.urandom(4096))
+
+    records = _run_and_record(save, [hf])
+    assert sorted(os.path.relpath(r.path, hf) for r in records) == [
+        "model.safetensors", os.path.join("sub", "tokenizer.json")
+    ], records
+    open(hf + ".done", "w").close()  # marks the return in the trace
+    """
+)
+
+
+def _traced(strace: str, tmp_path: Path, driver: str, *args: str) -> list[Call]:
+    """Run ``driver`` under strace (fsync, rename and openat calls); its calls in order."""
+    trace = tmp_path / "strace.txt"
+    script = tmp_path / "driver.py"
+    script.write_text(driver)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [
+            strace,
+            "-f",
+            "-y",
+            "-qq",
+            "-o",
+            str(trace),
+            "-e",
+            "trace=fsync,fdatasync,rename,renameat,renameat2,openat",
+            sys.executable,
+            str(script),
+            *args,
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, f"strace run failed ({done.returncode}): {done.stderr[-3000:]}"
+    return parse_strace(trace.read_text())

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import torch
 
@@ -54,6 +55,32 @@ class TestWrite:
         loaded = torch.load(path)
         assert torch.equal(loaded["w"], sd["w"]) and loaded["step"] == 4
         assert [p.name for p in path.parent.iterdir()] == ["model.pt"]
+
+    def test_two_writes_of_one_path_at_once_leave_one_of_them_whole(self, tmp_path):
+        """Two saves of one process writing one file (a state-dict save and a full
+        checkpoint of the same step): each has its own temp file, both succeed, and the
+        file is one of the two writes, matching that write's record."""
+        import zlib
+
+        path = tmp_path / "model.pt"
+        states = [{"w": torch.full((3 << 20,), float(i))} for i in range(2)]
+        for _ in range(5):
+            records: list = [None, None]
+
+            def write(i: int, records=records) -> None:
+                records[i] = write_torch_file(states[i], path)
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert None not in records, "a write failed"
+            data = path.read_bytes()
+            [won] = [i for i, r in enumerate(records) if r.crc32 == zlib.crc32(data)]
+            assert records[won].size == len(data)
+            assert torch.equal(torch.load(path)["w"], states[won]["w"])
+            assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def _loads_back(path, expected: dict) -> None:

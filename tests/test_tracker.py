@@ -74,6 +74,43 @@ class TestCommitRule:
         assert commit_ready(t) == [(3, "state_dict")]
 
 
+class TestFiles:
+    """Files the saves reported go into the manifest unread, unless two saves disagree."""
+
+    def test_a_file_two_saves_reported_differently_is_left_to_the_commit(self):
+        t = CommitTracker()
+        t.register(2, state_dict_count=1, checkpoint_count=2)
+        for kind in ("state_dict", "checkpoint", "checkpoint"):
+            t.start(2, kind)
+        model = "actor/model_world_size_1_rank_0.pt"
+        # Two saves of one step wrote the same file; which write is on disk only the disk knows.
+        t.finish(2, "checkpoint", files=[FileRecord(model, 10, 1), FileRecord("a.pt", 5, 7)])
+        t.finish(2, "checkpoint", files=[FileRecord(model, 10, 2), FileRecord("a.pt", 5, 7)])
+        t.finish(2, "state_dict", files=[FileRecord(model, 10, 1)])
+        p = t.progress(2, "checkpoint")
+        assert p.files == {"a.pt": FileRecord("a.pt", 5, 7)}
+        # A third report agreeing with one of them does not settle it.
+        t.finish(2, "checkpoint", started=False, files=[FileRecord(model, 10, 2)])
+        assert model not in p.files
+        assert t.progress(2, "state_dict").files == {model: FileRecord(model, 10, 1)}
+        # The checkpoint's commit trusts neither; the state dict's own commit has one report.
+        assert t.reported_files(2, "checkpoint") == {"a.pt": FileRecord("a.pt", 5, 7)}
+        assert t.reported_files(2, "state_dict") == {model: FileRecord(model, 10, 1)}
+
+    def test_a_checkpoint_commit_checks_state_dict_reports_against_its_own(self):
+        t = CommitTracker()
+        model, extra = "actor/model.pt", "actor/extra.pt"
+        t.finish(3, "state_dict", started=False, files=[FileRecord(model, 10, 1)])
+        t.finish(3, "checkpoint", started=False, files=[FileRecord(extra, 4, 9)])
+        # Reported by the state-dict save only: trusted by the full checkpoint's commit too.
+        assert t.reported_files(3, "checkpoint") == {
+            model: FileRecord(model, 10, 1),
+            extra: FileRecord(extra, 4, 9),
+        }
+        t.finish(3, "checkpoint", started=False, files=[FileRecord(model, 10, 3)])
+        assert t.reported_files(3, "checkpoint") == {extra: FileRecord(extra, 4, 9)}
+
+
 class TestFailures:
     """A failed save fails its step, which never commits; later steps still do."""
 

@@ -19,7 +19,7 @@ import ray
 import torch
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, Synchronizer
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer
 from obsckpt.integrations import (
     megatron_save_state_dict,
     megatron_sync_weight_nccl,
@@ -145,8 +145,11 @@ class TestSaveStateDict:
         engine = FakeMcoreEngine()
         engine.checkpoint_mananager.fail = True
         coord = CheckpointCoordinator(monitor, rank=0)
-        with pytest.raises(SaveError, match="disk full"):
+        with pytest.raises(OSError, match="disk full") as raised:
             megatron_save_state_dict(engine, str(tmp_path / "x"), 4, coord, None)
+        # What the engine raised, as a direct call raises it, with a note naming the save.
+        assert type(raised.value) is OSError
+        assert "of step 4 (state_dict) failed" in raised.value.__notes__[0]
         assert engine.checkpoint_mananager.checkpoint_save_contents == [
             "model",
             "optimizer",
@@ -163,8 +166,9 @@ class TestSaveStateDict:
         failing = FakeMcoreEngine(rank=1, world_size=2)
         failing.checkpoint_mananager.fail = True
         coord = CheckpointCoordinator(monitor, rank=1)
-        with pytest.raises(SaveError, match="disk full"):
+        with pytest.raises(OSError, match="disk full") as raised:
             megatron_save_state_dict(failing, path, 5, coord, None)
+        assert "the step fails" in raised.value.__notes__[0]
         rank0 = CheckpointCoordinator(monitor, rank=0)
         assert megatron_save_state_dict(FakeMcoreEngine(rank=0, world_size=2), path, 5, rank0) == 1
         asyncio.run(rank0.register_and_monitor(5, is_state_dict=True, state_dict_thread_count=1))
@@ -381,8 +385,9 @@ class TestMegatronCheckpointManager:
         _, manager = self.make(monitor)
         manager.base.fail = True
         root = tmp_path / "ckpt"
-        with pytest.raises(SaveError, match="disk full"):
+        with pytest.raises(OSError, match="disk full") as raised:
             manager.save_checkpoint(str(root / "global_step_4" / "actor"), None, 4)
+        assert "'megatron_checkpoint' of step 4" in raised.value.__notes__[0]
         asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(4))
         status = ray.get(monitor.status.remote())
         assert [f["step"] for f in status["failed"]] == [4]

@@ -356,7 +356,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             if processing_class is not None:
                 processing_class.save_pretrained(hf_dir)
 
-        self.coordinator.save_async("hf_model", save, global_step)
+        # Fsynced and checksummed by this process (the monitor may run on another node).
+        self.coordinator.save_async("hf_model", save, global_step, paths=[hf_dir])
 
 
 def hf_model_class(config: Any, model: Any = None) -> Any:
