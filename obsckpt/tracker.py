@@ -218,7 +218,9 @@ class CommitTracker:
         merged: dict[str, FileRecord] = {}
         contested: set[str] = set()
         for k in kinds:
-            p = self.progress(step, k)
+            p = self.steps.get(step, {}).get(k)
+            if p is None:  # nothing of this kind (not created here: it would show as pending)
+                continue
             contested |= p.contested
             for path, rec in p.files.items():
                 if merged.setdefault(path, rec) != rec:
