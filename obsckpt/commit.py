@@ -208,7 +208,7 @@ def write_iterations(root: str | os.PathLike, steps: dict[str, int]) -> None:
     """
     pending = _stage_iterations(Path(root), steps)
     try:
-        _fsync_many([(tmp, False) for tmp, _ in pending])
+        fsync_many([(tmp, False) for tmp, _ in pending])
     except BaseException:
         _discard(pending)
         raise
@@ -271,7 +271,7 @@ _fsync_pool: ThreadPoolExecutor | None = None
 _fsync_pool_lock = threading.Lock()
 
 
-def _fsync_many(targets: list[tuple[str | os.PathLike, bool]]) -> None:
+def fsync_many(targets: list[tuple[str | os.PathLike, bool]]) -> None:
     """fsync files (False) and directories (True) concurrently.
 
     On a journaling filesystem concurrent fsyncs share one journal commit
@@ -396,12 +396,12 @@ def finalize_step(
             manifest.append(_write_temp(sdir / MANIFEST_NAME, _manifest_bytes(ordered)))
         pending = _stage_iterations(root, iterations or {})
         t1 = clock()
-        _fsync_many(targets + [(tmp, False) for tmp, _ in manifest + pending])
+        fsync_many(targets + [(tmp, False) for tmp, _ in manifest + pending])
         t2 = clock()
         if exists:
             os.replace(*manifest[0])
             manifest = []
-            _fsync_many([(sdir, True), (root, True)])
+            fsync_many([(sdir, True), (root, True)])
         t3 = clock()
     except BaseException:
         _discard(manifest + pending)

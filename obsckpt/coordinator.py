@@ -866,13 +866,13 @@ def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list
                 "is not a regular file or directory): name only what the save writes"
             )
         dirs.add(os.path.dirname(path))
+    files = list(dict.fromkeys(files))  # a file named and inside a named directory: once
+    # Concurrent fsyncs share journal commits; the checksums then read the page cache.
+    disk.fsync_many([(f, False) for f in files] + [(d, True) for d in sorted(dirs)])
     records = []
-    for path in dict.fromkeys(files):  # a file named and inside a named directory: once
-        disk.fsync_file(path)
+    for path in files:
         size, crc = disk.file_crc32(path)
         records.append(FileRecord(path=path, size=size, crc32=crc))
-    for directory in sorted(dirs, key=len, reverse=True):  # a file's directory before its parent
-        disk.fsync_dir(directory)
     return records
 
 
