@@ -496,6 +496,10 @@ class TestPeerFailure:
             assert side["elapsed"] < 3.0 + MARGIN_S, out
             assert side["span_status"] == ["ERROR"], out
             assert side["after"] == [], out
+            if not side["error"].startswith("BroadcastTimeoutError"):
+                # A peer gone is a failure, not a timeout: the message must not say it ran out of time.
+                assert "did not finish within" not in side["error"], side["error"]
+                assert "failed " in side["error"] and "peer gone" in side["error"], side
         assert sum(sender["failures"].values()) == 1, sender["failures"]
 
     @pytest.mark.parametrize("backend", ["gloo", NCCL_PAIR])
@@ -836,3 +840,123 @@ class TestAbortIsJoined:
             [sys.executable, "-c", _EXIT_AFTER_BREAK], capture_output=True, text=True, timeout=120
         )
         assert p.returncode == 0, p.stderr[-2000:]  # not -6: SIGABRT inside gloo's abort
+
+
+# ----------------------------------------------------------------------
+# Any dtype, odd shapes, tied and duplicate names; the group's resources after close
+# ----------------------------------------------------------------------
+
+
+def exotic_tensors() -> dict[str, torch.Tensor]:
+    """Dtypes gloo has no type for (float8, wide unsigned), complex, 0-d, zero-size, tied."""
+    g = torch.Generator().manual_seed(3)
+    tied = torch.randn(5, 3, generator=g, requires_grad=True)
+    return {
+        "f8": torch.randn(9, generator=g).to(torch.float8_e4m3fn),
+        "f8.e5m2": torch.randn(2, 2, generator=g).to(torch.float8_e5m2),
+        "u16": torch.arange(7).to(torch.uint16),
+        "u32": torch.tensor([0, 2**32 - 1]).to(torch.uint32),
+        "u64": torch.arange(3).to(torch.uint64),
+        "c64": torch.randn(6, generator=g, dtype=torch.complex64),
+        "c128.big": torch.randn(300, generator=g, dtype=torch.complex128),  # alone
+        "scalar.bool": torch.tensor(True),
+        "scalar.f8": torch.tensor(0.5).to(torch.float8_e4m3fn),
+        "zero.i32": torch.empty(0, 3, dtype=torch.int32),  # a bucket of no bytes
+        "embed.weight": tied,  # the same tensor under two names
+        "lm_head.weight": tied,
+    }
+
+
+def _any_dtype(rank: int, port: int) -> dict:
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
+    )
+    b = WeightBroadcaster(group, bucket_bytes=1024, timeout_s=20)
+    sent = exotic_tensors()
+    report: dict = {}
+    if rank == 0:
+        b.send(sent, step=1)
+        b.send(sent, step=2, mode="per_tensor")
+        b.send({}, step=3)  # an empty state dict is a broadcast too
+        try:
+            b.send([("a", torch.ones(2)), ("a", torch.zeros(2))], step=4)
+        except ValueError as exc:
+            report["duplicate"] = str(exc)
+        report["broken_after_duplicate"] = group.broken
+        b.send({"after": torch.ones(2)}, step=4)
+    else:
+        report["bucketed"] = same_bits(sent, b.recv(clone=True))
+        into = {n: torch.zeros_like(t.detach()) for n, t in sent.items()}
+        report["per_tensor"] = same_bits(sent, b.recv(into=into))
+        report["empty"] = (b.recv(), b.last_step)
+        report["after"] = (same_bits({"after": torch.ones(2)}, b.recv()), b.last_step)
+    report["broken"] = group.broken
+    group.close()
+    return report
+
+
+class TestAnyDtype:
+    """Every dtype travels bit-identical (as bytes), and names stay one per tensor."""
+
+    def test_exotic_dtypes_shapes_and_names(self):
+        out = run_ranks(_any_dtype, timeout=180)
+        sender, receiver = out[0], out[1]
+        assert receiver["bucketed"] == [] and receiver["per_tensor"] == [], receiver
+        assert receiver["empty"] == ({}, 3), receiver
+        # A name sent twice is refused before any collective: the group stays usable.
+        assert "['a'] appear more than once" in sender["duplicate"], sender
+        assert sender["broken_after_duplicate"] is None
+        assert receiver["after"] == ([], 4), receiver
+        assert sender["broken"] is None and receiver["broken"] is None
+
+
+class TestClose:
+    """close() lets go of everything the group holds; a closed group says so when used."""
+
+    @staticmethod
+    def _port_free(port: int) -> bool:
+        import socket
+
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    def test_close_frees_the_store_port_and_use_after_close_is_clear(self):
+        port = free_port()
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=0, world_size=1, backend="gloo", timeout_s=10
+        )
+        group.close()
+        group.close()  # twice: nothing more to do
+        assert self._port_free(port)
+        with pytest.raises(BroadcastError, match="was closed; create a new group"):
+            group.broadcast(torch.ones(1))
+        # The same port can host a new group at once.
+        again = WeightSyncGroup(
+            host="127.0.0.1", port=port, rank=0, world_size=1, backend="gloo", timeout_s=10
+        )
+        again.close()
+
+    def test_failed_formation_frees_the_store_port(self):
+        port = free_port()
+        with pytest.raises(BroadcastTimeoutError) as info:
+            WeightSyncGroup(
+                host="127.0.0.1", port=port, rank=0, world_size=2, backend="gloo", timeout_s=1.0
+            )
+        assert info.value is not None  # the caller still holds the error
+        assert self._port_free(port)
+
+    def test_non_contiguous_tensor_is_refused_before_the_collective(self):
+        group = WeightSyncGroup(
+            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
+        )
+        try:
+            with pytest.raises(ValueError, match="contiguous"):
+                group.broadcast(torch.ones(3, 4).t())
+            assert group.broken is None
+        finally:
+            group.close()

@@ -653,3 +653,105 @@ def test_files_of_a_dead_sender_are_removed():
         for path in (orphan, alive, locked):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_shared_memory_buckets_are_reserved_when_made(tmp_path):
+    """A bucket file's pages are reserved when it is made, not at the first write: on a
+    full tmpfs a sparse file would kill the trainer with SIGBUS while it packs."""
+    import os
+
+    sender = IpcWeightSender(device="cpu", shm_dir=str(tmp_path))
+    try:
+        path = sender._shm_file(1 << 20)
+        assert os.stat(path).st_blocks * 512 >= 1 << 20
+    finally:
+        sender.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _small_tmpfs(path) -> bool:
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        return False
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True
+    )
+    return p.returncode == 0
+
+
+def test_full_shared_memory_is_an_error_not_a_crash(tmp_path):
+    """Buckets larger than what /dev/shm holds (Docker's default is 64 MiB): the send raises,
+    saying where and what to do, leaves no file behind, and the process lives on."""
+    import os
+    import subprocess
+    import sys
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    if not _small_tmpfs(shm):
+        pytest.skip("mounting a small tmpfs needs root")
+    script = f"""
+import torch
+from obsckpt.sync.group import BroadcastError
+from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
+sender = IpcWeightSender(device="cpu", shm_dir={str(shm)!r}, bucket_bytes=1 << 20)
+receiver = IpcWeightReceiver()
+weights = {{f"w{{i}}": torch.randn(256 * 1024) for i in range(4)}}  # 4 MiB in a 1 MiB tmpfs
+try:
+    sender.send(weights, lambda p: receiver.recv(p)[0], step=1)
+except BroadcastError as exc:
+    print("ERROR", exc)
+"""
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode == 0, (p.returncode, p.stderr[-2000:])  # not -7: SIGBUS
+        assert "ERROR" in p.stdout and "no room for a 1.0 MiB bucket" in p.stdout, p.stdout
+        assert "--shm-size" in p.stdout and "shm_dir=" in p.stdout
+        assert os.listdir(shm) == []
+    finally:
+        subprocess.run(["umount", str(shm)], check=False)
+
+
+def test_any_dtype_and_unique_names_over_shared_memory(tmp_path):
+    """Float8, wide unsigned, complex, 0-d, zero-size and tied tensors arrive bit-identical;
+    a name given twice is refused before anything is handed over."""
+    g = torch.Generator().manual_seed(5)
+    tied = torch.randn(4, 3, generator=g, requires_grad=True)
+    weights = {
+        "f8": torch.randn(9, generator=g).to(torch.float8_e4m3fn),
+        "u32": torch.tensor([0, 2**32 - 1]).to(torch.uint32),
+        "c64": torch.randn(5, generator=g, dtype=torch.complex64),
+        "scalar": torch.tensor(True),
+        "zero": torch.empty(0, 2, dtype=torch.int16),
+        "embed.weight": tied,
+        "lm_head.weight": tied,
+    }
+    sender = IpcWeightSender(device="cpu", shm_dir=str(tmp_path), bucket_bytes=64)
+    receiver = IpcWeightReceiver(device="cpu")
+    try:
+        acks: list = []
+
+        def deliver(p):
+            ack, out = receiver.recv(p)
+            acks.append(out)
+            return ack
+
+        sender.send(weights, deliver, step=1)
+        got = acks[-1]
+        assert list(got) == list(weights)
+        for name, t in weights.items():
+            want = t.detach().reshape(-1).view(torch.uint8)
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), want), name
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        with pytest.raises(ValueError, match=r"\['a'\] appear more than once"):
+            sender.send([("a", torch.ones(2)), ("a", torch.zeros(2))], deliver, step=2)
+        assert sender.last_step == 1 and receiver.last_step == 1
+        sender.send({"a": torch.ones(2)}, deliver, step=2)  # still usable
+        assert acks[-1]["a"].tolist() == [1.0, 1.0]
+    finally:
+        sender.close()
+        receiver.close()

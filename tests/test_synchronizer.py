@@ -264,3 +264,28 @@ class TestVersionRace:
         assert uploaded is True and version == 10
         assert sync._version == 10 and equal(sync._state_dict, state_dict(10))
         assert asyncio.run(sync.status())["loaded_step"] is None
+
+
+class TestResume:
+    """After a resume the rollout's reported version follows the restarted versions."""
+
+    def test_rollout_version_follows_a_resume(self):
+        from prometheus_client import CollectorRegistry
+
+        from obsckpt.sync.synchronizer import Synchronizer as Actor
+
+        sync = Actor(None, namespace="no-monitor-here", registry=CollectorRegistry())
+
+        async def run() -> tuple[dict, str]:
+            await sync.set_model_state_dict(None, 10)
+            await sync.get_model_state_dict()  # the rollout runs step 10
+            await sync.resume_from(5)
+            await sync.set_model_state_dict(None, 6)
+            await sync.get_model_state_dict()  # and now step 6
+            return await sync.status(), await sync.metrics_text()
+
+        status, text = asyncio.run(run())
+        assert status["version"] == 6 and status["rollout_version"] == 6, status
+        m = samples(text)
+        assert m[("obsckpt_model_version", (("role", "rollout"),))] == 6
+        assert m[("obsckpt_model_version", (("role", "trainer"),))] == 6

@@ -39,7 +39,14 @@ from typing import Any
 
 import torch
 
-from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorMeta, plan_buckets, tensor_meta
+from obsckpt.sync.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    TensorMeta,
+    check_unique_names,
+    plan_buckets,
+    tensor_meta,
+)
 from obsckpt.sync.group import BroadcastError, WeightSyncGroup, check_newer_step
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
@@ -176,6 +183,7 @@ class WeightBroadcaster:
             meta = tensor_meta(items)
         else:
             items = _announced(items, meta)
+        check_unique_names(meta)
         nbytes = sum(m.nbytes for m in meta)
         attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": self.group.rank}
         with (
@@ -233,7 +241,7 @@ class WeightBroadcaster:
             src = t.detach().to(self.group.device).contiguous()
             work = self._issue(src, deadline)
             self.group.wait(
-                work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
+                work, deadline, lambda t, i=i: self._progress("tensor", i, len(meta), meta, t)
             )
             sent += 1
         self._check_count(sent, meta)
@@ -260,7 +268,9 @@ class WeightBroadcaster:
 
         def drain_one() -> None:
             work, buf, b = inflight.popleft()
-            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
+            self.group.wait(
+                work, deadline, lambda t: self._progress("bucket", b, len(plan), meta, t)
+            )
             if buf is not None:
                 free.append(buf)
 
@@ -421,7 +431,7 @@ class WeightBroadcaster:
             self.group.wait(
                 self._issue(buf, deadline),
                 deadline,
-                lambda k=k: self._progress(unit, k, len(units), meta),
+                lambda t, k=k: self._progress(unit, k, len(units), meta, t),
             )
 
     def _recv_header(
@@ -482,7 +492,7 @@ class WeightBroadcaster:
             buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
             work = self._issue(buf, deadline)
             self.group.wait(
-                work, deadline, lambda i=i: self._progress("tensor", i, len(meta), meta)
+                work, deadline, lambda t, i=i: self._progress("tensor", i, len(meta), meta, t)
             )
             if dst is not None and not direct:
                 dst.copy_(buf)
@@ -500,7 +510,9 @@ class WeightBroadcaster:
 
         def finish_one() -> None:
             work, b, flat, raw, reuse = inflight.popleft()
-            self.group.wait(work, deadline, lambda: self._progress("bucket", b, len(plan), meta))
+            self.group.wait(
+                work, deadline, lambda t: self._progress("bucket", b, len(plan), meta, t)
+            )
             bucket = plan[b]
             if into is None and not clone:
                 # The receive area's views do not change while the layout does not.
@@ -618,9 +630,16 @@ class WeightBroadcaster:
 
     def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
         work = self._issue(t, deadline)
-        self.group.wait(work, deadline, lambda: self._progress(what, 0, 1, None))
+        self.group.wait(work, deadline, lambda t: self._progress(what, 0, 1, None, t))
 
-    def _progress(self, unit: str, at: int, total: int, meta: list[TensorMeta] | None) -> str:
+    def _progress(
+        self,
+        unit: str,
+        at: int,
+        total: int,
+        meta: list[TensorMeta] | None,
+        timed_out: bool = True,
+    ) -> str:
         budget = self.timeout_s if self.timeout_s is not None else self.group.timeout_s
         role = "sending" if self.is_sender else "receiving"
         if meta is None:
@@ -630,9 +649,13 @@ class WeightBroadcaster:
             mib = sum(m.nbytes for m in meta) / 2**20
             what = f"{role}, {len(meta)} tensors, {mib:.1f} MiB, {self.group.backend}"
             done = f"{at} of {total} {unit}s completed"
+        where = f"weight broadcast ({what}) on {self.group.host}:{self.group.port}"
+        if timed_out:
+            return f"{where} did not finish within {budget:.1f} s: {done}; the group is now broken"
+        done = f"on the {unit}" if meta is None else f"after {done}"
         return (
-            f"weight broadcast ({what}) on {self.group.host}:{self.group.port} did not finish "
-            f"within {budget:.1f} s: {done}; the group is now broken"
+            f"{where} failed {done} (a peer gone, or the backend refused the collective); "
+            "the group is now broken: close it and form a new group on a fresh port"
         )
 
     def release_buffers(self) -> None:

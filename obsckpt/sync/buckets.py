@@ -48,6 +48,22 @@ def tensor_meta(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Tenso
     return [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors]
 
 
+def check_unique_names(meta: list[TensorMeta]) -> None:
+    """Refuse a name given twice: names key the receiver's dict, so one would vanish silently.
+
+    Raises:
+        ValueError: some name appears more than once (nothing was sent).
+    """
+    if len({m.name for m in meta}) == len(meta):
+        return
+    seen: set[str] = set()
+    dups = sorted({m.name for m in meta if m.name in seen or seen.add(m.name)})
+    raise ValueError(
+        f"tensor names must be unique, but {dups[:3]} appear more than once; the receiver "
+        "would keep only one of each. Nothing was sent: give each tensor its own name"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """One collective: tensors of one dtype packed back to back, or one large tensor alone."""

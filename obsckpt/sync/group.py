@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -128,7 +129,9 @@ class WeightSyncGroup:
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self._broken: str | None = None
+        self._closed = False
         self._pg: Any = None
+        self._store: Any = None
         self._abort_thread: threading.Thread | None = None
         if backend == "gloo":
             self.device = torch.device("cpu")
@@ -162,7 +165,6 @@ class WeightSyncGroup:
         try:
             # The client retries its connection past its timeout; keep the deadline.
             _bounded(connect, deadline, lambda: None, "the store did not answer in time")
-            store = made[0]
         except BroadcastError as exc:
             waited = time.monotonic() - t0
             if rank == 0:
@@ -179,10 +181,24 @@ class WeightSyncGroup:
             if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
                 raise BroadcastTimeoutError(msg) from exc
             raise BroadcastError(msg) from exc
-        self._store = dist.PrefixStore(group_name, store)
-        self._rendezvous(deadline, where)
-        self._pg = self._connect(deadline, where)
-        self._warm_up(deadline, where)
+        # No local keeps the store: a failed formation must not hold rank 0's port.
+        self._store = dist.PrefixStore(group_name, made.pop())
+        try:
+            self._rendezvous(deadline, where)
+            self._pg = self._connect(deadline, where)
+            self._warm_up(deadline, where)
+        except BaseException as exc:
+            self._closed = True
+            self._release(("abort", "shutdown"))
+            self._join_abort()
+            self._store = None
+            # The traceback's frames hold the store too (a caller keeping the error
+            # would keep the port): let go of their locals.
+            seen: BaseException | None = exc
+            while seen is not None:
+                traceback.clear_frames(seen.__traceback__)
+                seen = seen.__cause__ or seen.__context__
+            raise
 
     # -- formation -------------------------------------------------------
 
@@ -311,7 +327,10 @@ class WeightSyncGroup:
             self.wait(
                 self.broadcast_async(probe, 0, deadline),
                 deadline,
-                lambda: f"{where}: the first collective did not complete",
+                lambda timed_out: (
+                    f"{where}: the first collective "
+                    + ("did not complete" if timed_out else "failed")
+                ),
             )
 
         try:
@@ -348,23 +367,33 @@ class WeightSyncGroup:
         """Start broadcasting ``tensor`` from ``src``; returns the work handle.
 
         With ``deadline`` (monotonic seconds) the collective itself times out
-        then, so nothing of it outlives the caller's bound.
+        then, so nothing of it outlives the caller's bound. The tensor must be
+        contiguous; it travels as its bytes, so every dtype does (gloo refuses
+        float8 and unsigned types wider than a byte, and would break the group).
         """
         self._check()
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"broadcast needs a contiguous tensor, got one of shape {tuple(tensor.shape)} "
+                f"and strides {tensor.stride()}; pass tensor.contiguous() (and copy it back)"
+            )
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         budget = self.timeout_s if deadline is None else deadline - time.monotonic()
         opts.timeout = timedelta(seconds=max(budget, 0.001))
+        wire = tensor.reshape(-1).view(torch.uint8)  # a view: received bytes land in ``tensor``
         try:
-            return self._pg.broadcast([tensor], opts)
+            return self._pg.broadcast([wire], opts)
         except RuntimeError as exc:
             self._break(f"broadcast could not start: {exc}")
             raise BroadcastError(f"{self!r}: {exc}") from exc
 
-    def wait(self, work, deadline: float, progress: Callable[[], str]) -> None:
+    def wait(self, work, deadline: float, progress: Callable[[bool], str]) -> None:
         """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure.
 
+        ``progress(timed_out)`` describes the failure: a collective that ran
+        out of time, or one that failed (a peer gone, a type gloo refuses).
         On NCCL, ``work.wait()`` only orders streams, so completion is polled
         on the CPU against the deadline; a collective that does not complete
         in time aborts the communicator, which ends it on every member.
@@ -381,10 +410,10 @@ class WeightSyncGroup:
             timed_out = time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower()
             self._break(str(exc))
             cls = BroadcastTimeoutError if timed_out else BroadcastError
-            raise cls(f"{progress()}: {exc}") from exc
+            raise cls(f"{progress(timed_out)}: {exc}") from exc
         if ok is False:
             self._break("wait timed out")
-            raise BroadcastTimeoutError(progress())
+            raise BroadcastTimeoutError(progress(True))
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
@@ -395,7 +424,10 @@ class WeightSyncGroup:
         self.wait(
             work,
             deadline,
-            lambda: f"broadcast of {tensor.numel() * tensor.element_size()} bytes on {self!r}",
+            lambda timed_out: (
+                f"broadcast of {tensor.numel() * tensor.element_size()} bytes on "
+                f"{self!r} {'did not finish in time' if timed_out else 'failed'}"
+            ),
         )
 
     def close(self) -> None:
@@ -407,9 +439,13 @@ class WeightSyncGroup:
         if self._broken is None:
             self._broken = "closed"
             self._release(("shutdown", "abort"))
-        elif self._abort_thread is None:
+        elif self._broken != "closed" and self._abort_thread is None:
             self._abort()
         self._join_abort()
+        self._closed = True
+        # Rank 0 hosts the store: its listening port and thread live as long as the
+        # store does, so drop it now rather than when this object is collected.
+        self._store = None
 
     def _join_abort(self) -> None:
         t = self._abort_thread
@@ -464,6 +500,11 @@ class WeightSyncGroup:
         _leave_behind(t)
 
     def _check(self) -> None:
+        if self._closed:
+            raise BroadcastError(
+                f"{self!r} was closed; create a new group (on a fresh port, see free_port) "
+                "on every member to sync again"
+            )
         if self._broken is not None:
             raise BroadcastError(
                 f"{self!r} cannot be used: {self._broken}; close it and create a new group "

@@ -228,6 +228,10 @@ class Synchronizer:
             if on_disk is not None:
                 stale.append(on_disk)
         self._stale_upto = max(stale, default=None)
+        # The rollout's version only rises between resumes; kept, the pre-resume one
+        # would hide every version the rollout fetches until the trainer passes it
+        # (and the lag, trainer - rollout, would read negative meanwhile).
+        self._rollout_version = None
         logger.info(
             "obsckpt: trainer resumed from step %d; versions restart there (checkpoint sync "
             "resumes after step %s)",

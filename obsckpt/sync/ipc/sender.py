@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import operator
@@ -21,6 +22,7 @@ from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     TensorMeta,
+    check_unique_names,
     plan_buckets,
     tensor_meta,
 )
@@ -221,6 +223,7 @@ class IpcWeightSender:
         fp = self._fingerprint(names, tensors)
         if not fp.same_meta(self._fp):  # described once per layout of the model, not per sync
             meta = tensor_meta(zip(names, tensors, strict=True))
+            check_unique_names(meta)
             if meta != self._meta:
                 self._meta = meta
                 self._meta_gen += 1
@@ -463,6 +466,14 @@ class IpcWeightSender:
             remove_orphaned_shm(self.shm_dir)
         self._plan = plan
         self._alloc_gen += 1
+        try:
+            self._allocate_buckets(plan)
+        except BaseException:
+            self._free()  # no file of a half-made plan stays behind
+            self._plan_key = None
+            raise
+
+    def _allocate_buckets(self, plan: list[Bucket]) -> None:
         buffers, handles = [], []
         slots: list[torch.Tensor | None] = [None] * len(self._meta)
         for bucket in plan:
@@ -495,10 +506,19 @@ class IpcWeightSender:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, size)
-        except BaseException:
+            # Reserve the pages now: a sparse file on a full tmpfs (Docker's 64 MiB
+            # /dev/shm) would kill this process with SIGBUS at the first write.
+            os.posix_fallocate(fd, 0, size)
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG):
+                raise BroadcastError(
+                    f"ipc weight sync ({self.backend}): no room for a {size / 2**20:.1f} MiB "
+                    f"bucket in {self.shm_dir} ({exc.strerror}; the buckets need "
+                    f"{self._nbytes / 2**20:.1f} MiB in all). Enlarge it (docker --shm-size, "
+                    "or the pod's /dev/shm emptyDir), or pass shm_dir= a larger directory"
+                ) from exc
             raise
         self._paths.append(path)
         self._fds.append(fd)
