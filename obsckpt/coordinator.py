@@ -20,6 +20,7 @@ expected saves of a step and submits it for commit.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -55,6 +56,33 @@ def _default_rank() -> int | None:
     except Exception:  # noqa: BLE001
         pass
     return None
+
+
+def _positive_seconds(value: object) -> bool:
+    # bool is an int subclass; NaN fails every comparison, so "not > 0" catches it.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _checked_rpc_timeout(value: object) -> float:
+    if not _positive_seconds(value) or value == float("inf"):
+        raise ValueError(
+            f"rpc_timeout must be a positive, finite number of seconds, got {value!r} "
+            "(the default is 300)"
+        )
+    return float(value)
+
+
+def _checked_rank(value: object) -> int:
+    try:  # an int, or an integer type that says it is one (numpy's)
+        rank = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        rank = -1
+    if rank < 0:
+        raise ValueError(
+            f"rank must be a non-negative integer (this process's rank) or None to take "
+            f"it from RANK or torch.distributed, got {value!r}"
+        )
+    return rank
 
 
 @dataclass(slots=True)
@@ -147,18 +175,14 @@ class CheckpointCoordinator:
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
     ) -> None:
-        if save_timeout is not None and (
-            isinstance(save_timeout, bool)
-            or not isinstance(save_timeout, (int, float))
-            or not save_timeout > 0
-        ):
+        if save_timeout is not None and not _positive_seconds(save_timeout):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
         self._monitor = checkpoint_monitor
         # The link holds the rank and rpc_timeout it reports with (properties below).
         self._link = MonitorLink(
             checkpoint_monitor,
-            rank=rank if rank is not None else _default_rank(),
-            rpc_timeout=rpc_timeout,
+            rank=_checked_rank(rank) if rank is not None else _default_rank(),
+            rpc_timeout=_checked_rpc_timeout(rpc_timeout),
         )
         self.save_timeout = save_timeout
         self._saves: dict[str, _Save] = {}
@@ -180,7 +204,7 @@ class CheckpointCoordinator:
 
     @rank.setter
     def rank(self, value: int | None) -> None:
-        self._link.rank = value
+        self._link.rank = None if value is None else _checked_rank(value)
 
     @property
     def rpc_timeout(self) -> float:
@@ -189,7 +213,7 @@ class CheckpointCoordinator:
 
     @rpc_timeout.setter
     def rpc_timeout(self, value: float) -> None:
-        self._link.rpc_timeout = value
+        self._link.rpc_timeout = _checked_rpc_timeout(value)
 
     # ------------------------------------------------------------------
     # Worker side

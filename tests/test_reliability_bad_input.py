@@ -130,6 +130,26 @@ class TestBadSaveArguments:
         assert ran == []
         _assert_nothing_lost(root, before)
 
+    @pytest.mark.parametrize("rank", [-1, "0", 1.0, True], ids=repr)
+    def test_bad_rank(self, rank):
+        with pytest.raises(ValueError, match="rank must be a non-negative integer") as info:
+            CheckpointCoordinator(None, rank=rank)
+        assert repr(rank) in str(info.value)
+        coord = CheckpointCoordinator(None, rank=1)
+        with pytest.raises(ValueError, match="rank must be"):
+            coord.rank = rank
+        assert coord.rank == 1
+
+    @pytest.mark.parametrize("timeout", [0, -1, "5", True, None, float("nan"), float("inf")])
+    def test_bad_rpc_timeout(self, timeout):
+        with pytest.raises(ValueError, match="rpc_timeout must be a positive, finite") as info:
+            CheckpointCoordinator(None, rpc_timeout=timeout)
+        assert repr(timeout) in str(info.value)
+        coord = CheckpointCoordinator(None, rpc_timeout=5)
+        with pytest.raises(ValueError, match="rpc_timeout must be"):
+            coord.rpc_timeout = timeout
+        assert coord.rpc_timeout == 5
+
     @pytest.mark.parametrize("timeout", [0, -1, "5", True, float("nan")], ids=repr)
     def test_bad_save_timeout(self, timeout):
         with pytest.raises(ValueError, match="save_timeout") as info:
