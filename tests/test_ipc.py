@@ -669,16 +669,21 @@ def test_shared_memory_buckets_are_reserved_when_made(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _small_tmpfs(path) -> bool:
+def _small_tmpfs(path) -> str | None:
+    """Mount a 1 MiB tmpfs on ``path``; None when mounted, else why it could not be."""
     import os
     import subprocess
 
     if os.geteuid() != 0:
-        return False
+        return "mounting a small tmpfs needs root"
     p = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
     )
-    return p.returncode == 0
+    if p.returncode != 0:
+        return f"mounting a small tmpfs failed (CAP_SYS_ADMIN?): {p.stderr.strip()}"
+    return None
 
 
 def test_full_shared_memory_is_an_error_not_a_crash(tmp_path):
@@ -690,8 +695,9 @@ def test_full_shared_memory_is_an_error_not_a_crash(tmp_path):
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    if not _small_tmpfs(shm):
-        pytest.skip("mounting a small tmpfs needs root")
+    why_not = _small_tmpfs(shm)
+    if why_not is not None:
+        pytest.skip(why_not)
     script = f"""
 import torch
 from obsckpt.sync.group import BroadcastError
