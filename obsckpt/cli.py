@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,9 +29,15 @@ from typing import TextIO
 from obsckpt import commit as disk
 from obsckpt.errors import IterationFileError
 
+# The marker file the demo writes into its checkpoint root (obsckpt.demo.root.MARKER).
+DEMO_MARKER = "obsckpt-demo.json"
+# The demo's seed range (kept here so `obsckpt --help` does not import torch).
+MAX_SEED = 2**32 - 1
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 class CliError(Exception):
@@ -56,7 +64,12 @@ def open_root(path: str) -> tuple[Path, dict[str, int | None]]:
             latest[kind] = disk.read_iteration(root, kind)
         except IterationFileError as exc:
             raise CliError(str(exc)) from None
-    if all(v is None for v in latest.values()) and not disk.steps_on_disk(root):
+    if (
+        all(v is None for v in latest.values())
+        and not disk.steps_on_disk(root)
+        # The demo's root before its first save: a root all the same (it says to run status).
+        and not (root / DEMO_MARKER).is_file()
+    ):
         raise CliError(
             f"{path}: not a checkpoint root (no {disk.ITERATION_FILES['checkpoint']}, "
             f"no {disk.ITERATION_FILES['state_dict']} and no global_step_<N> directories)"
@@ -330,28 +343,101 @@ def cmd_demo(args, out: TextIO, err: TextIO) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    # Checked before the run, not found out after it.
+    result_json = check_result_json(args.result_json) if args.result_json else None
     try:
         result = run_demo(cfg, out=out, err=err)
     except DemoError as exc:
         raise CliError(str(exc)) from None
-    if args.result_json:
-        from dataclasses import asdict
-
-        data = asdict(result)
-        if data.get("summary"):
-            data["summary"]["rows"] = [asdict(r) for r in result.summary["rows"]]
-        Path(args.result_json).write_text(json.dumps(data, indent=2, default=str) + "\n")
-    err.write(
-        f"demo {result.stop_reason}: steps {result.first_step}-{result.last_step}, committed "
-        f"checkpoint {_opt(result.committed.get('checkpoint'))}, {result.elapsed_s:.1f} s\n"
-    )
+    err.write(finish_line(result) + "\n")
+    if result_json is not None:
+        try:
+            write_result_json(result, result_json)
+        except OSError as exc:
+            err.write(
+                f"obsckpt demo: error: --result-json {result_json} could not be written "
+                f"({exc.strerror or exc}); the run itself is as reported above\n"
+            )
+            return result.exit_code or EXIT_FAILED
     return result.exit_code
 
 
+def finish_line(result) -> str:
+    """The demo's last line: how it ended, which steps it trained, what is committed."""
+    if result.last_step >= result.first_step:
+        trained = f"steps {result.first_step}-{result.last_step}"
+        if result.first_step == result.last_step:
+            trained = f"step {result.first_step}"
+    else:
+        trained = "no step trained"
+    return (
+        f"demo {result.stop_reason}: {trained}, committed checkpoint "
+        f"{_opt(result.committed.get('checkpoint'))}, {result.elapsed_s:.1f} s"
+    )
+
+
+def check_result_json(path: str) -> Path:
+    """The absolute --result-json path; CliError when it cannot be written."""
+    target = Path(path).expanduser().resolve()
+    if target.is_dir():
+        raise CliError(f"--result-json {target} is a directory; pass the path of a file")
+    if not target.parent.is_dir():
+        raise CliError(
+            f"--result-json {target}: {target.parent} is not an existing directory; "
+            "create it first or pass a path in an existing directory"
+        )
+    if not os.access(target.parent, os.W_OK | os.X_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        raise CliError(f"--result-json {target} is not writable by this user")
+    return target
+
+
+def write_result_json(result, path: Path) -> None:
+    """Write the run's result as JSON, atomically (a reader never sees half of it)."""
+    from dataclasses import asdict
+
+    data = asdict(result)
+    if data.get("summary"):
+        data["summary"]["rows"] = [asdict(r) for r in result.summary["rows"]]
+    disk.atomic_write(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0-65535, got {value}")
+    return value
+
+
+def _int_from(minimum: int, maximum: int | None = None, what: str = "an integer"):
+    """An argparse type for whole numbers in a range; argparse names the flag in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive, finite number of seconds, got {text}"
+        )
     return value
 
 
@@ -385,14 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
         "print a summary. See docs/demo.md.",
     )
     d.add_argument(
-        "--steps", type=int, default=40, help="training steps; 0 runs until stopped (default 40)"
+        "--steps",
+        type=_int_from(0),
+        default=40,
+        help="training steps; 0 runs until stopped (default 40)",
     )
     d.add_argument(
-        "--save-every", type=int, default=10, help="full checkpoint every N steps (default 10)"
+        "--save-every",
+        type=_int_from(1),
+        default=10,
+        help="full checkpoint every N steps (default 10)",
     )
     d.add_argument(
         "--world-size",
-        type=int,
+        type=_int_from(1),
         default=None,
         help="trainer ranks (default 2 on CPU, 1 on a single GPU, a GPU each with more)",
     )
@@ -409,7 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--resume", action="store_true", help="continue from the newest committed step")
     d.add_argument(
-        "--duration", type=float, default=None, metavar="SECONDS", help="stop after this long"
+        "--duration",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop after training this long (start-up not counted); the last step is saved",
     )
     d.add_argument(
         "--metrics-port", type=_port, default=0, help="/metrics port; 0 picks a free one (default)"
@@ -440,12 +536,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="admission of concurrent saves (default unrestricted)",
     )
     d.add_argument(
-        "--keep", type=int, default=3, help="full checkpoints to keep; 0 keeps all (default 3)"
+        "--keep",
+        type=_int_from(0),
+        default=3,
+        help="full checkpoints to keep; 0 keeps all (default 3)",
     )
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto")
     d.add_argument(
         "--seed",
-        type=int,
+        type=_int_from(0, MAX_SEED, "a seed"),
         default=0,
         help="seed of the model's initial weights and of the synthetic batches (default 0)",
     )
@@ -502,11 +601,30 @@ def main(
     except OSError as exc:
         err.write(f"obsckpt {args.command}: error: {exc}\n")
         return EXIT_USAGE if args.command != "demo" else EXIT_FAILED
+    except KeyboardInterrupt:
+        # Ctrl-C outside the demo's own handling (its start-up, say): no traceback.
+        err.write(f"obsckpt {args.command}: interrupted\n")
+        return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - one line unless asked for the traceback
         if getattr(args, "verbose", False):
             raise
-        err.write(f"obsckpt {args.command}: error: {type(exc).__name__}: {exc}\n")
+        hint = " (run with --verbose for the traceback)" if args.command == "demo" else ""
+        err.write(f"obsckpt {args.command}: error: {one_line(exc)}{hint}\n")
         return EXIT_FAILED
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line; a Ray task error is named by its task and its cause.
+
+    The text of a RayTaskError holds the remote traceback, many lines long.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__name__.startswith("RayTaskError"):
+        # Raised as RayTaskError(<cause's type>); its text starts "ray::Actor.method()".
+        named = re.search(r"ray::([\w.]+)\(", str(exc))
+        return f"{named.group(1) if named else 'a Ray task'} failed: {one_line(cause)}"
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":

@@ -318,3 +318,157 @@ class TestDemoWithoutItsExtra:
         for name in hidden:
             assert name in lines[0]
         assert proc.stdout == ""
+
+
+class TestDemoFlags:
+    """A bad `obsckpt demo` value is refused before anything starts, naming the flag as typed."""
+
+    @pytest.mark.parametrize(
+        "flag, value, why",
+        [
+            ("--steps", "-1", "argument --steps: must be an integer >= 0, got -1"),
+            ("--save-every", "0", "argument --save-every: must be an integer >= 1, got 0"),
+            ("--world-size", "0", "argument --world-size: must be an integer >= 1, got 0"),
+            ("--keep", "-2", "argument --keep: must be an integer >= 0, got -2"),
+            ("--duration", "0", "argument --duration: must be a positive, finite number"),
+            ("--duration", "nan", "argument --duration: must be a positive, finite number"),
+            ("--duration", "inf", "argument --duration: must be a positive, finite number"),
+            ("--metrics-port", "abc", "argument --metrics-port: must be a port number 0-65535"),
+            ("--seed", str(2**64), "argument --seed: must be a seed from 0 to 4294967295"),
+            ("--seed", "-1", "argument --seed: must be a seed from 0 to 4294967295"),
+        ],
+    )
+    def test_bad_values(self, tmp_path, capsys, flag, value, why):
+        root = tmp_path / "ckpt"
+        code, out, err = run("demo", "--ckpt-dir", str(root), flag, value)
+        usage = capsys.readouterr().err
+        assert code == 2 and out == "" and err == ""
+        assert why in usage, usage
+        assert "_port" not in usage and "_int" not in usage and "or None" not in usage
+        assert not root.exists()
+
+    def test_the_seed_range_is_the_demos(self):
+        from obsckpt.cli import MAX_SEED
+        from obsckpt.demo import DemoConfig
+        from obsckpt.demo.job import MAX_SEED as DEMO_MAX_SEED
+
+        assert MAX_SEED == DEMO_MAX_SEED
+        DemoConfig(seed=MAX_SEED)
+        with pytest.raises(ValueError, match="seed must be from 0"):
+            DemoConfig(seed=MAX_SEED + 1)
+
+
+def earlier_demo_run(tmp_path: Path) -> Path:
+    """The root of an earlier demo run: its marker and committed step 2."""
+    from obsckpt.demo.root import MARKER
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / MARKER).write_text("{}\n")
+    make_step(root, 2)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+class TestDemoRefusesBeforeStarting:
+    """Paths and endpoints the demo cannot use fail at once with one line and exit 2, before
+    Ray starts and before an earlier run's checkpoints are removed (it starts over without
+    --resume)."""
+
+    def demo(self, root: Path, *extra: str) -> tuple[int, str]:
+        code, out, err = run("demo", "--ckpt-dir", str(root), "--steps", "1", *extra)
+        assert out == ""
+        assert err.count("\n") == 1, err
+        return code, err
+
+    def test_result_json_in_a_missing_directory(self, tmp_path):
+        root = earlier_demo_run(tmp_path)
+        before = snapshot(root)
+        target = tmp_path / "no" / "such" / "result.json"
+        code, err = self.demo(root, "--result-json", str(target))
+        assert code == 2
+        assert f"--result-json {target}: {target.parent} is not an existing directory" in err
+        assert snapshot(root) == before
+
+    def test_result_json_that_is_a_directory(self, tmp_path):
+        root = earlier_demo_run(tmp_path)
+        code, err = self.demo(root, "--result-json", str(tmp_path))
+        assert code == 2 and f"--result-json {tmp_path} is a directory" in err
+
+    def test_file_sd_that_is_a_directory(self, tmp_path):
+        root = earlier_demo_run(tmp_path)
+        before = snapshot(root)
+        code, err = self.demo(root, "--file-sd", str(tmp_path))
+        assert code == 2 and f"--file-sd {tmp_path} is a directory" in err
+        assert snapshot(root) == before
+
+    def test_file_sd_under_a_file(self, tmp_path):
+        root = earlier_demo_run(tmp_path)
+        blocker = tmp_path / "blocker"
+        blocker.write_text("x")
+        code, err = self.demo(root, "--file-sd", str(blocker / "sd" / "targets.json"))
+        assert code == 2 and f"{blocker} is a file, not a directory" in err
+
+    def test_metrics_port_in_use(self, tmp_path):
+        import socket
+
+        root = earlier_demo_run(tmp_path)
+        before = snapshot(root)
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            code, err = self.demo(root, "--metrics-host", "127.0.0.1", "--metrics-port", str(port))
+        assert code == 2
+        assert f"--metrics-port {port}: 127.0.0.1:{port} is already in use" in err
+        assert "--no-metrics" in err
+        assert snapshot(root) == before  # the earlier run is still there
+
+    def test_metrics_host_that_is_not_an_address(self, tmp_path):
+        root = earlier_demo_run(tmp_path)
+        code, err = self.demo(root, "--metrics-host", "no-such-host.invalid")
+        assert code == 2 and "--metrics-host 'no-such-host.invalid' is not an address" in err
+
+
+class TestDemoOutputLines:
+    def test_finish_line(self):
+        from obsckpt.cli import finish_line
+        from obsckpt.demo import DemoResult
+
+        r = DemoResult(stop_reason="terminated", first_step=1, last_step=0, elapsed_s=3.0)
+        r.committed = {"checkpoint": None, "state_dict": None}
+        assert (
+            finish_line(r) == "demo terminated: no step trained, committed checkpoint none, 3.0 s"
+        )
+        r = DemoResult(first_step=4, last_step=5, elapsed_s=1.25)
+        r.committed = {"checkpoint": 5, "state_dict": 5}
+        assert finish_line(r) == "demo completed: steps 4-5, committed checkpoint 5, 1.2 s"
+        r.first_step = 5
+        assert finish_line(r).startswith("demo completed: step 5,")
+
+    def test_a_ray_task_error_is_one_line(self, ray_cluster):
+        from obsckpt.cli import one_line
+
+        @ray.remote
+        def setup():
+            raise ValueError("Overflow when unpacking\nlong long")
+
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(setup.remote())
+        assert "\n" in str(info.value)  # the remote traceback
+        assert one_line(info.value) == "setup failed: ValueError: Overflow when unpacking long long"
+
+
+def test_status_of_a_demo_root_before_its_first_save(tmp_path):
+    """The demo points at `obsckpt status ROOT` from its start; before a save, that is a root."""
+    from obsckpt.cli import DEMO_MARKER
+    from obsckpt.demo.root import MARKER
+
+    assert DEMO_MARKER == MARKER
+    (tmp_path / MARKER).write_text("{}\n")
+    code, out, err = run("status", str(tmp_path))
+    assert code == 0, err
+    assert "latest checkpoint: none" in out and "no step directories" in out

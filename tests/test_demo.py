@@ -22,7 +22,7 @@ class TestDemoRun:
     """A 4-step run saving every 2 steps commits step 4 whole, and the rollout saw every version."""
 
     def test_end_to_end(self, ray_cluster, tmp_path):
-        root = tmp_path / "ckpt"
+        root = tmp_path / "my ckpt"  # a space: the printed command must still work
         out, err = io.StringIO(), io.StringIO()
         # The CPU plan, also on a GPU machine (the GPU plan: test_demo_on_gpu).
         cfg = DemoConfig(
@@ -54,6 +54,7 @@ class TestDemoRun:
         table = out.getvalue()
         assert "p50" in table and "committed: checkpoint 4" in table
         assert "metrics: http://127.0.0.1:" in err.getvalue()
+        assert f"(inspect with `obsckpt status '{root}'`)" in err.getvalue()
 
         # The CLI agrees with the run.
         code_out = io.StringIO()
@@ -237,8 +238,9 @@ class TestResumeWithCheckpointSync:
         _stop_between_full_checkpoints(root, 3, checkpoint=2)
 
         err = io.StringIO()
+        resumed = dict(common, progress=True)
         result = run_demo(
-            DemoConfig(steps=3, save_every=3, resume=True, **common),
+            DemoConfig(steps=3, save_every=3, resume=True, **resumed),
             out=io.StringIO(),
             err=err,
             handle_signals=False,
@@ -246,6 +248,10 @@ class TestResumeWithCheckpointSync:
         assert result.exit_code == 0, err.getvalue()
         assert (result.resumed_from, result.first_step, result.last_step) == (2, 3, 5)
         assert "step 3 is trained again without state-dict saves" in err.getvalue()
+        # Steps 3 to 5 of a run that ends at step 5 (not "step 5/3").
+        progress = [ln for ln in err.getvalue().splitlines() if ln.startswith("[")]
+        assert progress and progress[-1].startswith("[" + "#" * 24 + "] step 5/5"), progress
+        assert all("/5 " in ln for ln in progress), progress
         # Step 3 is a full checkpoint again; 4 a state dict, 5 the last full checkpoint.
         assert result.checkpoint_steps == [3, 5]
         assert result.rollout_versions == [4, 5]
@@ -349,3 +355,179 @@ class TestSummaryMath:
         hs = Scrape(text).histograms("obsckpt_save_duration_seconds", by="slot")
         assert set(hs) == {"optim"}
         assert hs["optim"].count == 4 and hs["optim"].quantile(0.5) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_duration_memory_sync_and_result_json(ray_cluster, tmp_path, monkeypatch):
+    """`obsckpt demo --steps 0 --duration` counts from the first step (start-up takes longer
+    than this duration), saves the step that ends it, and --result-json holds what was printed.
+    Relative --file-sd and --result-json paths are the caller's, made absolute."""
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "ckpt"
+    out, err = io.StringIO(), io.StringIO()
+    code = main(
+        [
+            "demo",
+            "--steps",
+            "0",
+            "--duration",
+            "0.001",
+            "--sync-method",
+            "memory",
+            "--device",
+            "cpu",
+            "--ckpt-dir",
+            str(root),
+            "--metrics-host",
+            "127.0.0.1",
+            "--file-sd",
+            "sd/targets.json",
+            "--result-json",
+            "result.json",
+            "--no-progress",
+        ],
+        out=out,
+        err=err,
+    )
+    text = err.getvalue()
+    assert code == 0, text
+    assert f"file_sd: {tmp_path / 'sd' / 'targets.json'}\n" in text
+    assert (tmp_path / "sd" / "targets.json").is_file()
+    assert text.endswith("\n") and "demo duration: step 1, committed checkpoint 1, " in text
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert data["stop_reason"] == "duration" and data["exit_code"] == 0
+    assert (data["first_step"], data["last_step"]) == (1, 1)
+    assert data["checkpoint_steps"] == [1] and data["rollout_versions"] == [1]
+    assert data["committed"] == {"checkpoint": 1, "state_dict": 1}
+    assert disk.read_iteration(root, "checkpoint") == 1
+    assert disk.verify_step(disk.step_dir(root, 1)) == []
+    # The JSON's summary is the table that was printed, row by row.
+    summary = data["summary"]
+    assert summary["model_version"] == {"trainer": 1, "rollout": 1}
+    table = out.getvalue()
+    for row in summary["rows"]:
+        line = next(ln for ln in table.splitlines() if ln.startswith(row["what"] + " "))
+        for cell in ("count", "p50", "p95", "max", "mean"):
+            assert row[cell] in line, (row, line)
+    assert "state-dict upload" in [r["what"] for r in summary["rows"]]
+    assert "model version: trainer 1, rollout 1" in table
+
+
+class TestRootChecks:
+    """What prepare_root refuses, and its dry run (checks before Ray starts) changes nothing."""
+
+    def test_dry_run_removes_nothing(self, tmp_path):
+        root = demo_root(tmp_path)
+        before = tree(root)
+        for resume in (False, True):
+            got = prepare_root(
+                DemoConfig(ckpt_dir=str(root), resume=resume, world_size=2),
+                pytest.fail,
+                dry_run=True,
+            )
+            assert got == ((root.resolve(), 4, 6) if resume else (root.resolve(), 0, None))
+        assert tree(root) == before
+
+    def test_resume_from_a_damaged_step_is_refused(self, tmp_path):
+        """Loading it would fail in a trainer rank with a remote traceback, or load bad state."""
+        root = demo_root(tmp_path)
+        shard = disk.step_dir(root, 4) / "actor" / "optim_world_size_2_rank_1.pt"
+        shard.write_bytes(b"x" * 3)
+        before = tree(root)
+        with pytest.raises(DemoError) as info:
+            prepare_root(DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), pytest.fail)
+        msg = str(info.value)
+        assert "--resume: committed step 4" in msg and "does not match its manifest" in msg
+        assert f"{shard}: truncated" in msg and "obsckpt verify" in msg
+        assert tree(root) == before  # step 8, never committed, is not removed either
+
+    def test_resume_with_another_world_size_is_refused(self, tmp_path):
+        root = demo_root(tmp_path)
+        with pytest.raises(DemoError, match=r"not saved by 3 ranks \(found world sizes \['2'\]\)"):
+            prepare_root(DemoConfig(ckpt_dir=str(root), resume=True, world_size=3), pytest.fail)
+
+
+class TestProgress:
+    def test_a_resumed_run_counts_to_its_last_step(self):
+        from obsckpt.demo.progress import Progress
+
+        stream = io.StringIO()
+        p = Progress(3, stream=stream, interactive=False)
+        p.set_range(4, 7)  # resumed at 4, --steps 3
+        p.update(5, loss=1.0, committed=4, in_flight=0, pending=0, rollout_version=5)
+        line = stream.getvalue().splitlines()[-1]
+        assert line.startswith("[########................] step 5/7"), line
+
+
+def test_summary_shows_no_version_before_one_is_reported():
+    """The model-version series are created at 0; a run that synced nothing shows '-'."""
+    from obsckpt.demo.summary import format_table, summarize
+
+    text = (
+        "# TYPE obsckpt_model_version gauge\n"
+        'obsckpt_model_version{role="trainer"} 0\n'
+        'obsckpt_model_version{role="rollout"} 0\n'
+    )
+    summary = summarize(Scrape(text), {"checkpoint": None, "state_dict": None})
+    assert summary["model_version"] == {"trainer": None, "rollout": None}
+    assert "model version: trainer -, rollout -" in format_table(summary)
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once(tmp_path):
+    """Two Ctrl-Cs: exit 130, and the last line names the checkpoint the iteration file
+    names (read from disk: the monitor is not asked), which is whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    root = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "obsckpt.cli", "demo", "--steps", "0", "--save-every", "1"]
+    cmd += ["--device", "cpu", "--ckpt-dir", str(root), "--metrics-host", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, RAY_DEDUP_LOGS="0"),
+    )
+    lines: list[str] = []
+    first_seen = threading.Event()
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("received SIGINT"):
+                first_seen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while disk.read_iteration(root, "checkpoint") is None:
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        # Two signals sent at once arrive as one: the second goes once the first is handled,
+        # while the step in progress (a train step and a save) still runs.
+        assert first_seen.wait(60), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        reader.join(30)
+        err = "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    committed = disk.read_iteration(root, "checkpoint")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("demo aborted: step"), err
+    assert f", committed checkpoint {committed}, " in last, err
+    assert "stopped at once: saves still in flight are left uncommitted" in err
+    assert "Traceback" not in err
+    assert disk.verify_step(disk.step_dir(root, committed)) == []

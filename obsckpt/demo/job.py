@@ -23,8 +23,11 @@ iteration file never names a partial step). A second SIGINT stops at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,6 +47,8 @@ DEFAULT_CKPT_DIR = os.path.join("obsckpt-demo", "ckpt")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# Seeds of the synthetic batches are combined with the step into a 64-bit torch seed.
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,8 +92,14 @@ class DemoConfig:
             raise ValueError(f"sync_method must be one of {SYNC_METHODS}, got {self.sync_method!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.duration is not None and not self.duration > 0:
-            raise ValueError(f"duration must be positive seconds or None, got {self.duration!r}")
+        if self.duration is not None and not (self.duration > 0 and math.isfinite(self.duration)):
+            raise ValueError(
+                f"duration must be positive, finite seconds or None, got {self.duration!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be from 0 to {MAX_SEED}, got {self.seed}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be 0-65535 or None, got {self.metrics_port!r}")
         if not self.lr > 0:
@@ -269,12 +280,13 @@ def run_demo(
     out = out or sys.stdout
     err = err or sys.stderr
     cfg = resolve_plan(cfg)
+    cfg = _check_endpoints(cfg)
     progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
     result = DemoResult()
     t_start = time.monotonic()
-    root, resumed, state_dict_step = prepare_root(cfg, progress.note)
-    result.root = str(root)
-    result.resumed_from = resumed or None
+    # Every check, before Ray starts and before anything in the root is removed: a
+    # run that cannot start (a bad --address, say) must not have wiped the last one.
+    prepare_root(cfg, progress.note, dry_run=True)
     env = _otel_env(cfg)
 
     import ray
@@ -292,6 +304,11 @@ def run_demo(
     monitor = None
     loop = asyncio.new_event_loop()
     try:
+        root, resumed, state_dict_step = prepare_root(cfg, progress.note)
+        result.root = str(root)
+        result.resumed_from = resumed or None
+        # Step numbers go on from the resumed step: the bar spans this run's steps.
+        progress.set_range(resumed, resumed + cfg.steps if cfg.steps else None)
         monitor = CheckpointMonitor.get_actor(
             namespace=namespace,
             save_strategy=cfg.save_strategy,
@@ -306,7 +323,12 @@ def run_demo(
         if address:
             progress.note(f"metrics: http://{address}/metrics")
         elif cfg.metrics_port is not None:
-            progress.note(f"metrics: not served ({status['metrics']['error']})")
+            # Checked before Ray started on a local cluster; on a joined one the monitor
+            # may run elsewhere. A demo without /metrics has no summary: refuse to run.
+            raise DemoError(
+                f"the monitor cannot serve /metrics ({status['metrics']['error']}); pass "
+                "another --metrics-port (0 picks a free one), or --no-metrics"
+            )
         if cfg.file_sd:
             progress.note(f"file_sd: {cfg.file_sd}")
         if traced:
@@ -323,9 +345,11 @@ def run_demo(
         progress.note(
             f"obsckpt demo: {cfg.world_size} FSDP2 ranks ({info['backend']}, {info['device']}), "
             f"Qwen2 with {info['parameters'] / 1e6:.2f} M parameters, weight sync "
-            f"{_sync_name(cfg, info)}, full checkpoint every {cfg.save_every} steps"
+            f"{_sync_name(cfg, info)}, full checkpoint every "
+            f"{'step' if cfg.save_every == 1 else f'{cfg.save_every} steps'}"
         )
-        progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {root}`)")
+        where = shlex.quote(str(root))
+        progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {where}`)")
         if resumed:
             ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
             progress.note(f"resumed from committed step {resumed}")
@@ -367,7 +391,7 @@ def run_demo(
             stop=stop,
             result=result,
         )
-        _train(cfg, root, resumed, job, t_start, retrained=retrained)
+        _train(cfg, root, resumed, job, retrained=retrained)
         progress.close()
         _drain(cfg, trainers, monitor, progress, result)
         if stop.signum is not None:
@@ -379,14 +403,106 @@ def run_demo(
         progress.note("stopped at once: saves still in flight are left uncommitted")
         result.stop_reason = "aborted"
         result.exit_code = EXIT_INTERRUPTED
+        # No time to ask the monitor: what is committed is what the iteration files name.
+        if result.root:
+            result.committed = committed_on_disk(Path(result.root))
     finally:
         stop.restore()
         loop.close()
         if monitor is not None and result.stop_reason != "aborted":
-            _report(monitor, result, out, progress)
+            if result.last_step >= result.first_step:
+                _report(monitor, result, out, progress)
+            else:
+                progress.note("no summary: no training step ran")
         _shutdown(actors, monitor, owns_ray)
         result.elapsed_s = time.monotonic() - t_start
     return result
+
+
+def committed_on_disk(root: Path) -> dict[str, int | None]:
+    """The steps the iteration files name (None: no file, or one that cannot be read)."""
+    from obsckpt import commit as disk
+    from obsckpt.errors import IterationFileError
+
+    latest: dict[str, int | None] = {}
+    for kind in disk.KINDS:
+        try:
+            latest[kind] = disk.read_iteration(root, kind)
+        except IterationFileError:
+            latest[kind] = None
+    return latest
+
+
+def _check_endpoints(cfg: DemoConfig) -> DemoConfig:
+    """Check --metrics-host/--metrics-port and --file-sd before anything starts.
+
+    The file_sd path is made absolute here: the monitor actor writes it, and its
+    working directory is not the caller's on a joined cluster.
+    """
+    import dataclasses
+
+    if cfg.metrics_port is not None and not cfg.address:
+        check_metrics_endpoint(cfg.metrics_host, cfg.metrics_port)
+    if cfg.file_sd:
+        cfg = dataclasses.replace(cfg, file_sd=check_file_sd(cfg.file_sd))
+    return cfg
+
+
+def check_metrics_endpoint(host: str, port: int) -> None:
+    """Raise DemoError when the monitor could not serve /metrics on ``host:port`` here."""
+    import errno
+
+    shown = f"{host or '0.0.0.0'}:{port}"
+    try:
+        infos = socket.getaddrinfo(
+            host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise DemoError(
+            f"--metrics-host {host!r} is not an address of this machine ({exc.strerror}); "
+            "pass an interface address such as 0.0.0.0 or 127.0.0.1"
+        ) from None
+    family, kind, proto, _name, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # As the metrics server binds (it reuses addresses), so a port in TIME_WAIT passes.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise DemoError(
+                    f"--metrics-port {port}: {shown} is already in use; pass another "
+                    "--metrics-port (0 picks a free one), or --no-metrics"
+                ) from None
+            raise DemoError(
+                f"/metrics cannot be served on {shown} ({exc.strerror or exc}); pass another "
+                "--metrics-host or --metrics-port, or --no-metrics"
+            ) from None
+
+
+def check_file_sd(path: str) -> str:
+    """The absolute --file-sd path; DemoError when no file can be written there."""
+    target = Path(path).expanduser().resolve()
+    if target.is_dir():
+        raise DemoError(
+            f"--file-sd {target} is a directory; pass the path of a file in it, "
+            f"e.g. --file-sd {shlex.quote(str(target / 'obsckpt-demo.json'))}"
+        )
+    # Missing directories are created by the monitor; the nearest existing one must take them.
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DemoError(
+            f"--file-sd {target}: {parent} is a file, not a directory; pass a path whose "
+            "directories exist or can be created"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DemoError(
+            f"--file-sd {target}: {parent} is not writable by this user; pass a path in a "
+            "directory you can write"
+        )
+    return str(target)
 
 
 def _steps(first: int, last: int) -> str:
@@ -476,9 +592,13 @@ class _Job:
     result: Any
 
 
-def _train(cfg, root, resumed: int, job: _Job, t_start: float, *, retrained: int) -> None:
+def _train(cfg, root, resumed: int, job: _Job, *, retrained: int) -> None:
     """Train steps ``resumed + 1`` on; with checkpoint sync, steps up to ``retrained``
-    have a committed state dict already: they save none and sync nothing."""
+    have a committed state dict already: they save none and sync nothing.
+
+    ``--duration`` counts from here, not from the start-up (Ray and the workers can
+    take longer than a short duration); the step that ends it is the last one, and is
+    saved as such."""
     import ray
 
     from obsckpt.telemetry import tracing
@@ -491,18 +611,17 @@ def _train(cfg, root, resumed: int, job: _Job, t_start: float, *, retrained: int
     step = resumed
     result.first_step = resumed + 1
     committed_seen: int | None = None
+    t_train = time.monotonic()
     while not stop.event.is_set():
         if last is not None and step >= last:
-            break
-        if cfg.duration is not None and time.monotonic() - t_start >= cfg.duration:
-            result.stop_reason = "duration"
             break
         step += 1
         losses = ray.get([t.train_step.remote(step) for t in trainers])
         result.losses.append(losses[0])
         result.last_step = step
         monitor.record_model_version.remote("trainer", step)
-        is_last = last is not None and step == last
+        timed_out = cfg.duration is not None and time.monotonic() - t_train >= cfg.duration
+        is_last = (last is not None and step == last) or timed_out
         full = step % cfg.save_every == 0 or is_last
         if full:
             with tracing.checkpoint_span(step) as carrier:
@@ -542,6 +661,9 @@ def _train(cfg, root, resumed: int, job: _Job, t_start: float, *, retrained: int
             pending=len(status["pending"]),
             rollout_version=version,
         )
+        if timed_out:
+            result.stop_reason = "duration"
+            break
 
 
 def _sync(cfg, step, trainers, rollout, synchronizer) -> int:

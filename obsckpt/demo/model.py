@@ -1,7 +1,7 @@
 """The demo's model and data: a tiny causal LM built from a config, and a learnable stream.
 
 Nothing is downloaded: the model is a transformers Qwen2 built from a config
-written here (about 0.6 M parameters), and the data is synthetic. Each
+written here (about 0.43 M parameters), and the data is synthetic. Each
 sequence counts up ``x[i+1] = (x[i] + a) mod vocab`` with a per-sequence
 stride ``a`` drawn from a small set, so the loss falls visibly within a few
 dozen steps instead of sitting at ``log(vocab)``.

@@ -46,6 +46,12 @@ class Progress:
         self._drawn = False
         self._first_step: int | None = None
         self._first_at: float | None = None
+        self._start = 0  # the step this run goes on from (the resumed step)
+
+    def set_range(self, start: int, last: int | None) -> None:
+        """Steps ``start + 1`` to ``last`` (None: until stopped); a resumed run starts above 0."""
+        self._start = start
+        self.total = last
 
     def update(
         self,
@@ -87,7 +93,8 @@ class Progress:
         done = step - (self._first_step or step)
         rate = done / since if since > 0 else 0.0
         if self.total:
-            frac = min(1.0, step / self.total)
+            span = self.total - self._start
+            frac = min(1.0, (step - self._start) / span) if span > 0 else 1.0
             filled = int(round(frac * _BAR))
             bar = "[" + "#" * filled + "." * (_BAR - filled) + "]"
             head = f"{bar} step {step}/{self.total}"

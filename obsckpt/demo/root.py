@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -28,7 +29,7 @@ class DemoError(RuntimeError):
     """The demo cannot start or continue; the message says why and what to do."""
 
 
-def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
+def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, int, int | None]:
     """Create or check the checkpoint root.
 
     The demo removes checkpoints as it runs (it starts over without --resume,
@@ -36,6 +37,10 @@ def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
     holding its marker file, which it writes there; anything else is refused,
     with --resume too. Resuming removes only steps above both iteration files
     (saves an earlier run never committed): a committed step is never removed.
+
+    With ``dry_run`` it only checks (creating the directory if missing): nothing
+    is removed or written and nothing is said, so a run can refuse a root before
+    it starts anything.
 
     Returns:
         The root, the committed checkpoint to resume after (0: none) and, with
@@ -54,6 +59,11 @@ def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
         raise DemoError(str(exc)) from exc
     on_disk = disk.steps_on_disk(root)
     ck, sd = latest["checkpoint"], latest["state_dict"]
+    if cfg.resume and ck is not None:
+        _check_world_size(root, ck, cfg.world_size)
+        _check_whole(root, ck)
+    if dry_run:
+        return root, ck if cfg.resume and ck is not None else 0, sd if cfg.resume else None
     if not cfg.resume:
         if on_disk or ck is not None or sd is not None:
             say(
@@ -67,7 +77,6 @@ def prepare_root(cfg: DemoConfig, say) -> tuple[Path, int, int | None]:
             say(f"--resume: {root} holds no committed checkpoint; starting at step 1")
             resumed = 0
         else:
-            _check_world_size(root, ck, cfg.world_size)
             resumed = ck
         committed = max((s for s in (ck, sd) if s is not None), default=-1)
         # Above both iteration files: saves of an earlier run that never committed,
@@ -126,6 +135,23 @@ def _check_world_size(root: Path, step: int, world_size: int | None) -> None:
         raise DemoError(
             f"step {step} in {root} was not saved by {world_size} ranks "
             f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
+        )
+
+
+def _check_whole(root: Path, step: int) -> None:
+    """Refuse to resume from a step whose files do not match its manifest.
+
+    Loading it would fail deep in a trainer rank (or, worse, load damaged state).
+    """
+    problems = disk.verify_step(disk.step_dir(root, step))
+    if problems:
+        shown = "; ".join(problems[:3]) + (
+            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        )
+        raise DemoError(
+            f"--resume: committed step {step} in {root} does not match its manifest ({shown}); "
+            f"see `obsckpt verify {shlex.quote(str(root))}`. Restore the step's files, or "
+            "start over without --resume (which removes them)"
         )
 
 

@@ -215,7 +215,9 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
             for n, lab, v in scrape.samples
             if n == "obsckpt_model_version" and lab.get("role") == role
         ]
-        versions[role] = int(present[0]) if present else None
+        # The series exists at 0 from the first scrape, before anything is reported, and
+        # the demo's versions are training steps, which start at 1: 0 means "none yet".
+        versions[role] = int(present[0]) if present and present[0] > 0 else None
     return {
         "rows": rows,
         "saves_ok": int(saves_ok),
