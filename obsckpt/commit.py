@@ -19,6 +19,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,19 @@ class FileRecord:
 
 def kind_of(is_state_dict: bool) -> str:
     return "state_dict" if is_state_dict else "checkpoint"
+
+
+def positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a positive number of seconds (an int or float, not a bool)."""
+    # bool is an int subclass; NaN fails every comparison, so "> 0" refuses it.
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def walk_files(top: str) -> Iterator[tuple[str, list[str]]]:
+    """``(directory, file names)`` under ``top``, in sorted order, temp files left out."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames.sort()
+        yield dirpath, [name for name in sorted(filenames) if not is_temp_name(name)]
 
 
 def validate_step(step: object, what: str = "global_step") -> int:
@@ -369,13 +383,12 @@ def finalize_step(
     exists = sdir.is_dir()
     if exists:
         top = os.fspath(sdir)
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames.sort()
+        for dirpath, names in walk_files(top):
             # Relative names by prefix, not os.path.relpath: a step can hold thousands.
             prefix = "" if dirpath == top else os.path.relpath(dirpath, top) + os.sep
-            for name in sorted(filenames):
+            for name in names:
                 rel = prefix + name
-                if rel == MANIFEST_NAME or is_temp_name(name):
+                if rel == MANIFEST_NAME:
                     continue
                 full = os.path.join(dirpath, name)
                 known = reported.get(rel)

@@ -58,13 +58,8 @@ def _default_rank() -> int | None:
     return None
 
 
-def _positive_seconds(value: object) -> bool:
-    # bool is an int subclass; NaN fails every comparison, so "not > 0" catches it.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
 def _checked_rpc_timeout(value: object) -> float:
-    if not _positive_seconds(value) or value == float("inf"):
+    if not disk.positive_seconds(value) or value == float("inf"):
         raise ValueError(
             f"rpc_timeout must be a positive, finite number of seconds, got {value!r} "
             "(the default is 300)"
@@ -175,7 +170,7 @@ class CheckpointCoordinator:
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
     ) -> None:
-        if save_timeout is not None and not _positive_seconds(save_timeout):
+        if save_timeout is not None and not disk.positive_seconds(save_timeout):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
         self._monitor = checkpoint_monitor
         # The link holds the rank and rpc_timeout it reports with (properties below).
@@ -876,11 +871,8 @@ def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list
     dirs: set[str] = set()
     for path in map(os.path.abspath, paths):
         if os.path.isdir(path):
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames.sort()
-                files += [
-                    os.path.join(dirpath, n) for n in sorted(filenames) if not disk.is_temp_name(n)
-                ]
+            for dirpath, names in disk.walk_files(path):
+                files += [os.path.join(dirpath, n) for n in names]
                 dirs.add(dirpath)
         elif os.path.isfile(path):
             files.append(path)

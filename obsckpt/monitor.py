@@ -104,11 +104,7 @@ class CheckpointMonitor:
         registry: CollectorRegistry | None = None,
         lease_timeout_s: float | None = 120.0,
     ) -> None:
-        if lease_timeout_s is not None and (
-            isinstance(lease_timeout_s, bool)
-            or not isinstance(lease_timeout_s, int | float)
-            or not lease_timeout_s > 0
-        ):
+        if lease_timeout_s is not None and not disk.positive_seconds(lease_timeout_s):
             raise ValueError(
                 f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
             )

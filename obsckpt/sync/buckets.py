@@ -10,6 +10,7 @@ one collective per bucket; the ipc sync packs its buckets the same way.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,10 +55,9 @@ def check_unique_names(meta: list[TensorMeta]) -> None:
     Raises:
         ValueError: some name appears more than once (nothing was sent).
     """
-    if len({m.name for m in meta}) == len(meta):
+    dups = sorted(name for name, n in Counter(m.name for m in meta).items() if n > 1)
+    if not dups:
         return
-    seen: set[str] = set()
-    dups = sorted({m.name for m in meta if m.name in seen or seen.add(m.name)})
     raise ValueError(
         f"tensor names must be unique, but {dups[:3]} appear more than once; the receiver "
         "would keep only one of each. Nothing was sent: give each tensor its own name"
