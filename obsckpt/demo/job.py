@@ -403,9 +403,6 @@ def run_demo(
         progress.note("stopped at once: saves still in flight are left uncommitted")
         result.stop_reason = "aborted"
         result.exit_code = EXIT_INTERRUPTED
-        # No time to ask the monitor: what is committed is what the iteration files name.
-        if result.root:
-            result.committed = committed_on_disk(Path(result.root))
     finally:
         stop.restore()
         loop.close()
@@ -415,6 +412,10 @@ def run_demo(
             else:
                 progress.note("no summary: no training step ran")
         _shutdown(actors, monitor, owns_ray)
+        if result.stop_reason == "aborted" and result.root:
+            # Not the monitor's word: what the iteration files name once it is gone (a
+            # commit it had under way when the run was aborted may have landed since).
+            result.committed = committed_on_disk(Path(result.root))
         result.elapsed_s = time.monotonic() - t_start
     return result
 
