@@ -134,6 +134,7 @@ class CheckpointMonitor:
         self._last_commit_detail: dict[str, dict] = {}
         self._setup_tracing(trace_exporter)
         self._gauges_shown: tuple | None = None  # what _refresh_gauges last set
+        self._save_series: set[tuple[str, str | None]] = set()  # (slot, kind) with both series
         for kind, step in latest.items():
             if step is not None:
                 self.metrics.latest_step.labels(kind).set(step)
@@ -383,11 +384,12 @@ class CheckpointMonitor:
             parts=parts,
             lease=bool(lease) and self.lease_timeout_s is not None,
         )
-        if slot is not None:
+        if slot is not None and (slot, kind) not in self._save_series:
             # Both results' series exist from the slot's first save, so a first
             # failure is an increase from 0 that rate() and increase() can see.
             for result in RESULTS:
                 self.metrics.saves.labels(_label(slot), kind or "checkpoint", result)
+            self._save_series.add((slot, kind))
         await self._wait_admission(ticket, job_id)
         ticket.admitted = ticket.last_seen = time.time()
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
@@ -606,6 +608,11 @@ class CheckpointMonitor:
             # The running committer asks ready() again before it ends (with no await
             # in between), so nothing is missed; waiting here would only hold
             # admissions behind commit I/O.
+            self._refresh_gauges()
+            return
+        if not self.tracker.ready():
+            # Nothing is whole (most notifications): no commit task, no trip through
+            # the event loop on every RPC.
             self._refresh_gauges()
             return
         self._committer = asyncio.get_running_loop().create_task(self._commit_ready())
