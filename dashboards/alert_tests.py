@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from dashboards.alerts import AlertThresholds, alert_rules
+from dashboards.alerts import AlertThresholds, alert_rules, duration_seconds
 
 JOB = "obsckpt"
 INSTANCE = "obsckpt:9400"
@@ -20,14 +20,6 @@ _TARGET = f'job="{JOB}",instance="{INSTANCE}"'
 OTHER_INSTANCE = "obsckpt-b:9400"
 _OTHER = f'job="{JOB}",instance="{OTHER_INSTANCE}"'
 _THIRD = f'job="{JOB}",instance="obsckpt-c:9400"'
-
-
-def _seconds(duration: str) -> int:
-    """Seconds in a Prometheus duration made of one unit: "90s", "2m", "1h"."""
-    match = re.fullmatch(r"(\d+)(s|m|h)", duration)
-    if not match:
-        raise ValueError(f"duration {duration!r} is not of the form <int>(s|m|h)")
-    return int(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
 def _render(template: str, labels: dict[str, str], value: float | None) -> str:
@@ -74,23 +66,32 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     # ObsckptCommitStalled: a step starts at t=60 s and never commits.
     start = 60
     stall_min = math.ceil(t.commit_stall_seconds / 60)
-    stall_fire = stall_min + 2 + math.ceil(_seconds(t.commit_stall_for) / 60) + 1
+    stall_fire = stall_min + 2 + math.ceil(duration_seconds(t.commit_stall_for) / 60) + 1
     stall_len = stall_fire + 5
 
     # ObsckptNoRecentCommit: one commit at t=300 s, then none.
     commit_at = 300
     quiet_min = math.ceil((commit_at + t.no_commit_seconds) / 60) - 1
-    no_commit_fire = quiet_min + 2 + math.ceil(_seconds(t.no_commit_for) / 60) + 1
+    no_commit_fire = quiet_min + 2 + math.ceil(duration_seconds(t.no_commit_for) / 60) + 1
 
     # ObsckptSaveFailures: one failure after minute 10.
-    window_min = math.ceil(_seconds(t.failure_window) / 60)
+    window_min = math.ceil(duration_seconds(t.failure_window) / 60)
+    # ... or one at minute 5, then a failed scrape, then Prometheus down for a while.
+    gap_at = window_min + 20
+    outage_at = gap_at + 2 * window_min + 10
+    outage_end = outage_at + 2 * window_min
+
+    def failing(instance: str) -> dict:
+        """The failures alert firing for the checkpoint kind of the monitor at ``instance``."""
+        labels = {"job": JOB, "instance": instance, "kind": "checkpoint"}
+        return _expected("ObsckptSaveFailures", rules, labels)
 
     # ObsckptMonitorDown: target down from minute 6.
-    down_for_min = math.ceil(_seconds(t.monitor_down_for) / 60)
+    down_for_min = math.ceil(duration_seconds(t.monitor_down_for) / 60)
 
     # ObsckptWeightSyncLagging: rollout falls behind after minute 10.
     behind = int(t.weight_sync_max_lag) + 6
-    lag_fire = 11 + math.ceil(_seconds(t.weight_sync_for) / 60) + 3
+    lag_fire = 11 + math.ceil(duration_seconds(t.weight_sync_for) / 60) + 3
 
     def lagging(instance: str) -> dict:
         """The lag alert firing for the monitor at ``instance``, ``behind`` versions behind."""
@@ -183,11 +184,7 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             ],
             "alert_rule_test": [
                 _check(5, "ObsckptSaveFailures"),
-                _check(
-                    12,
-                    "ObsckptSaveFailures",
-                    _expected("ObsckptSaveFailures", rules, {"job": JOB, "kind": "checkpoint"}),
-                ),
+                _check(12, "ObsckptSaveFailures", failing(INSTANCE)),
                 _check(11 + window_min + 5, "ObsckptSaveFailures"),
             ],
         },
@@ -195,22 +192,71 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             "name": "save failures: a slot whose first save fails fires (its series starts at 1)",
             "interval": "1m",
             "input_series": [
+                _series("up", _TARGET, f"1x{window_min + 40}"),
                 _series(
                     "obsckpt_saves_total",
                     f'{ckpt_labels},slot="model",result="error"',
-                    f"_x10 1x{window_min + 30}",
+                    f"_x{window_min + 10} 1x{window_min + 30}",
                 ),
                 _series("obsckpt_step_failures_total", ckpt_labels, f"0x{window_min + 40}"),
             ],
             "alert_rule_test": [
-                _check(5, "ObsckptSaveFailures"),
-                _check(
-                    12,
-                    "ObsckptSaveFailures",
-                    _expected("ObsckptSaveFailures", rules, {"job": JOB, "kind": "checkpoint"}),
-                ),
-                _check(11 + window_min + 5, "ObsckptSaveFailures"),
+                _check(window_min + 5, "ObsckptSaveFailures"),
+                _check(window_min + 12, "ObsckptSaveFailures", failing(INSTANCE)),
+                _check(2 * window_min + 16, "ObsckptSaveFailures"),
             ],
+        },
+        {
+            "name": "save failures: an old failure stays quiet after failed scrapes",
+            "interval": "1m",
+            "input_series": [
+                # One failure at minute 5; the scrape at gap_at fails (a staleness
+                # marker), and Prometheus itself is down from outage_at for 2 windows.
+                _series(
+                    "up",
+                    _TARGET,
+                    f"1x{gap_at - 1} 0 1x{outage_at - gap_at - 2} _x{2 * window_min} "
+                    f"1x{window_min + 10}",
+                ),
+                *(
+                    _series(
+                        name,
+                        labels,
+                        f"0x4 1x{gap_at - 6} stale 1x{outage_at - gap_at - 2} "
+                        f"_x{2 * window_min} 1x{window_min + 10}",
+                    )
+                    for name, labels in (
+                        ("obsckpt_step_failures_total", ckpt_labels),
+                        ("obsckpt_saves_total", f'{ckpt_labels},slot="model",result="error"'),
+                    )
+                ),
+            ],
+            "alert_rule_test": [
+                _check(minute, "ObsckptSaveFailures")
+                for minute in (
+                    gap_at + window_min - 1,
+                    gap_at + window_min,
+                    gap_at + window_min + 1,
+                    outage_end + 1,
+                    outage_end + window_min // 2,
+                    outage_end + window_min,
+                )
+            ],
+        },
+        {
+            "name": "save failures: two training jobs in one scrape job are told apart",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, f"1x{window_min + 30}"),
+                _series("up", _OTHER, f"1x{window_min + 30}"),
+                _series("obsckpt_step_failures_total", ckpt_labels, f"0x{window_min + 30}"),
+                _series(
+                    "obsckpt_step_failures_total",
+                    f'{_OTHER},kind="checkpoint"',
+                    f"0x10 1x{window_min + 20}",
+                ),
+            ],
+            "alert_rule_test": [_check(12, "ObsckptSaveFailures", failing(OTHER_INSTANCE))],
         },
         {
             "name": "monitor down: a target that stops answering fires",

@@ -7,6 +7,8 @@ from the same expressions.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 RUNBOOK_PATH = "docs/runbook.md"
@@ -45,21 +47,58 @@ class AlertThresholds:
     runbook_base: str = RUNBOOK_PATH
 
     def __post_init__(self) -> None:
-        for name in ("commit_stall_seconds", "no_commit_seconds"):
+        for name in ("commit_stall_seconds", "no_commit_seconds", "weight_sync_max_lag"):
             value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        if self.weight_sync_max_lag < 0:
-            raise ValueError(
-                f"weight_sync_max_lag must not be negative, got {self.weight_sync_max_lag!r}"
-            )
-        if not self.monitor_job:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if value < 0 or (value == 0 and name != "weight_sync_max_lag"):
+                limit = "not be negative" if name == "weight_sync_max_lag" else "be positive"
+                raise ValueError(f"{name} must {limit}, got {value!r}")
+        for name in ("commit_stall_for", "no_commit_for", "monitor_down_for", "weight_sync_for"):
+            _check_duration(name, getattr(self, name))
+        # A range of 0 is a PromQL error: the whole rule file would fail to load.
+        if _check_duration("failure_window", self.failure_window) == 0:
+            raise ValueError(f"failure_window must be longer than 0, got {self.failure_window!r}")
+        if not isinstance(self.monitor_job, str) or not self.monitor_job:
             raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
 
 
+# Prometheus' duration syntax: units largest first, each at most once ("1h30m", "90s").
+_DURATION = re.compile(
+    r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?"
+)
+_UNIT_SECONDS = (365 * 86400, 7 * 86400, 86400, 3600, 60, 1, 0.001)
+
+
+def duration_seconds(duration: str) -> float:
+    """Seconds in a Prometheus duration such as ``"15m"`` or ``"1h30m"``.
+
+    Raises:
+        ValueError: ``duration`` is not one Prometheus accepts.
+    """
+    match = _DURATION.fullmatch(duration) if isinstance(duration, str) else None
+    if not duration or match is None:
+        raise ValueError(
+            f"{duration!r} is not a Prometheus duration: write an integer and a unit, "
+            'largest first, e.g. "90s", "15m" or "1h30m" (units ms, s, m, h, d, w, y)'
+        )
+    return sum(int(n) * unit for n, unit in zip(match.groups(), _UNIT_SECONDS, strict=True) if n)
+
+
+def _check_duration(name: str, value: object) -> float:
+    try:
+        return duration_seconds(value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def _num(value: float) -> str:
-    """A threshold as PromQL writes it: 900, not 900.0."""
-    return f"{value:g}"
+    """A threshold as PromQL writes it, exactly: 900, not 900.0 or 9e+02."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def runbook_anchor(alert: str) -> str:
@@ -74,6 +113,8 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
     no_commit = _num(t.no_commit_seconds)
     lag = _num(t.weight_sync_max_lag)
     job = t.monitor_job
+    # A monitor's target labels: the file_sd entry it writes adds its Ray namespace.
+    by = "job, instance, obsckpt_namespace, kind"
 
     def runbook(alert: str) -> str:
         return f"{t.runbook_base}#{runbook_anchor(alert)}"
@@ -125,22 +166,31 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
         },
         {
             "alert": "ObsckptSaveFailures",
-            # The last term: an error series that appeared within the window already
-            # counting (a slot's first save failed), which increase() reads as 0.
+            # Per monitor: several training jobs share the scrape job, and the on-call
+            # needs to know which one fails. The last term: an error series that
+            # appeared within the window already counting (a slot's first save
+            # failed), which increase() reads as 0. An old series missing a window ago
+            # only because that scrape failed (or Prometheus was down) is not new: the
+            # target must have been scraped then.
             "expr": (
-                "sum by (job, kind) ("
+                f"sum by ({by}) ("
                 f"increase(obsckpt_step_failures_total[{t.failure_window}])) > 0\n"
-                "or sum by (job, kind) ("
+                f"or sum by ({by}) ("
                 f'increase(obsckpt_saves_total{{result="error"}}[{t.failure_window}])) > 0\n'
-                'or sum by (job, kind) (obsckpt_saves_total{result="error"} > 0\n'
-                f'  unless obsckpt_saves_total{{result="error"}} offset {t.failure_window}) > 0\n'
+                f'or sum by ({by}) (obsckpt_saves_total{{result="error"}} > 0\n'
+                f'  unless obsckpt_saves_total{{result="error"}} offset {t.failure_window}\n'
+                f"  and on (job, instance) (up offset {t.failure_window} == 1)) > 0\n"
             ),
             "for": "0m",
             "labels": {"severity": "warning"},
             "annotations": {
-                "summary": "Checkpoint saves failing ({{ $labels.kind }}, job {{ $labels.job }})",
+                "summary": (
+                    "Checkpoint saves failing ({{ $labels.kind }}, job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
                 "description": (
-                    "Job {{ $labels.job }} had failed {{ $labels.kind }} saves or steps "
+                    "The training job whose monitor is {{ $labels.instance }} had failed "
+                    "{{ $labels.kind }} saves or steps "
                     f"in the last {t.failure_window}. A failed step is never committed; "
                     "the iteration file stays on the last whole step."
                 ),
@@ -157,7 +207,9 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                 "description": (
                     f"Prometheus has no healthy target for job {job}: the checkpoint "
                     "monitor actor is down, its /metrics endpoint is unreachable, or "
-                    "its file_sd file was never written. Checkpoint state is unobserved."
+                    "its file_sd file was never written. Checkpoint state is unobserved. "
+                    "With no target at all, the job may also have finished: its monitor "
+                    "withdraws its target at a clean shutdown."
                 ),
                 "runbook_url": runbook("ObsckptMonitorDown"),
             },

@@ -83,11 +83,15 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Time since last commit",
-                "Empty for a kind this monitor has not committed yet (its timestamp is 0).",
+                "Of the monitors scraped, the one that committed least recently (the one "
+                "ObsckptNoRecentCommit fires for first); empty for a kind not committed yet "
+                "(its timestamp is 0).",
                 "s",
                 [
                     (
-                        f"time() - (max by (kind) ({m('obsckpt_last_commit_timestamp_seconds')}) > 0)",
+                        # Filter the 0 before aggregating: a monitor yet to commit is
+                        # not the least recent one.
+                        f"time() - min by (kind) ({m('obsckpt_last_commit_timestamp_seconds')} > 0)",
                         "{{kind}}",
                     )
                 ],
@@ -205,18 +209,24 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Latest committed step",
-                "Step named by latest_*_iteration.txt.",
+                "Step named by latest_*_iteration.txt, per monitor (one per training job).",
                 "none",
-                [(f"max by (kind) ({m('obsckpt_latest_step')})", "{{kind}}")],
+                [
+                    (
+                        f"max by (instance, kind) ({m('obsckpt_latest_step')})",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
             ),
             PanelSpec(
                 "Time since last commit",
-                "Empty until the first commit of a kind.",
+                "Per monitor (one per training job); empty until its first commit of a kind.",
                 "s",
                 [
                     (
-                        f"time() - (max by (kind) ({m('obsckpt_last_commit_timestamp_seconds')}) > 0)",
-                        "{{kind}}",
+                        "time() - max by (instance, kind) "
+                        f"({m('obsckpt_last_commit_timestamp_seconds')} > 0)",
+                        "{{instance}} {{kind}}",
                     )
                 ],
                 width=8,

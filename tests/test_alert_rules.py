@@ -101,6 +101,23 @@ class TestUnitTestsDiscriminate:
         for alert in ("ObsckptCommitStalled", "ObsckptNoRecentCommit", "ObsckptMonitorDown"):
             assert alert in out
 
+    def test_other_thresholds_pass_their_own_tests(self, promtool, tmp_path):
+        # Durations of several units and thresholds of more than six digits, as
+        # Prometheus reads them: the generated cases still fire on the edges.
+        thresholds = AlertThresholds(
+            commit_stall_seconds=1234.567,
+            commit_stall_for="1m30s",
+            no_commit_seconds=7200.25,
+            failure_window="1h30m",
+            weight_sync_for="1h",
+        )
+        (tmp_path / "rules.yml").write_text(rules_yaml(thresholds))
+        assert run_promtool(promtool, "check", "rules", "rules.yml", cwd=tmp_path).returncode == 0
+        tests = alert_unit_tests(thresholds, rules_file="rules.yml")
+        (tmp_path / "tests.yml").write_text(to_yaml(tests))
+        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+
     def test_rules_that_fire_early_fail_the_tests(self, promtool, tmp_path):
         result = self._run_against(
             promtool,
@@ -111,6 +128,18 @@ class TestUnitTestsDiscriminate:
         out = result.stdout + result.stderr
         for alert in ("ObsckptCommitStalled", "ObsckptNoRecentCommit", "ObsckptWeightSyncLagging"):
             assert alert in out
+
+    def test_failures_rule_that_trusts_a_missed_scrape_fails_the_tests(self, promtool, tmp_path):
+        # Without the scrape guard, an error counter that was already counting reads
+        # as new a window after one failed scrape, and the alert fires on an old failure.
+        guard = "\n  and on (job, instance) (up offset 15m == 1)"
+        rules = rules_yaml(AlertThresholds())
+        assert guard.replace("\n", "\n      ") in rules
+        (tmp_path / "rules.yml").write_text(rules.replace(guard.replace("\n", "\n      "), ""))
+        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
+        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+        assert result.returncode != 0
+        assert "an old failure stays quiet after failed scrapes" in result.stdout + result.stderr
 
 
 class TestRules:
@@ -170,12 +199,43 @@ class TestRules:
 
     @pytest.mark.parametrize(
         "kwargs",
-        [{"commit_stall_seconds": 0}, {"no_commit_seconds": -1}, {"weight_sync_max_lag": -1}],
+        [
+            {"commit_stall_seconds": 0},
+            {"no_commit_seconds": -1},
+            {"weight_sync_max_lag": -1},
+            {"commit_stall_seconds": "900"},
+            {"no_commit_seconds": float("nan")},
+            {"weight_sync_max_lag": True},
+            {"failure_window": "0m"},
+            {"monitor_job": None},
+        ],
     )
     def test_invalid_thresholds_name_the_field(self, kwargs):
-        (field,) = kwargs
-        with pytest.raises(ValueError, match=field):
+        ((field, value),) = kwargs.items()
+        with pytest.raises(ValueError, match=f"{field} must .*got {re.escape(repr(value))}"):
             AlertThresholds(**kwargs)
+
+    @pytest.mark.parametrize(
+        "field", ["commit_stall_for", "no_commit_for", "failure_window", "monitor_down_for"]
+    )
+    @pytest.mark.parametrize("value", ["90", "15 minutes", "1m30", "", 60])
+    def test_durations_prometheus_would_refuse_name_the_field(self, field, value):
+        # Prometheus refuses a rule file with such a duration as a whole: no alert at all.
+        with pytest.raises(
+            ValueError,
+            match=rf"{field}: {re.escape(repr(value))} is not a Prometheus duration.*\"15m\"",
+        ):
+            AlertThresholds(**{field: value})
+
+    def test_thresholds_are_written_exactly(self):
+        expr = next(
+            r["expr"]
+            for r in alert_rules(AlertThresholds(no_commit_seconds=1234567))
+            if r["alert"] == "ObsckptNoRecentCommit"
+        )
+        assert "> 1234567\n" in expr, expr
+        stalled = alert_rules(AlertThresholds(commit_stall_seconds=1234.567))[0]
+        assert "> 1234.567\n" in stalled["expr"], stalled["expr"]
 
     def test_every_alert_has_a_firing_and_a_quiet_case(self):
         fired, quiet = set(), set()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
 from dashboards import build_dashboard, expand, panel_queries
 from dashboards.build import DASHBOARD, ROOT, generated_files, main, stale_files
@@ -105,3 +109,84 @@ class TestQueries:
     def test_expand_rejects_unknown_variables(self):
         with pytest.raises(ValueError, match=r"\$instance"):
             expand('up{instance="$instance"}')
+
+
+def _panel_exprs(title: str, viz: str) -> list[str]:
+    """The queries of the panel called ``title`` drawn as ``viz``, ready for Prometheus."""
+    [panel] = [p for p in build_dashboard()["panels"] if p["title"] == title and p["type"] == viz]
+    return [expand(t["expr"], job="obsckpt", rate_interval="5m") for t in panel["targets"]]
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool") or "/usr/bin/promtool"
+    if not Path(path).exists():
+        pytest.fail("promtool not found: install Debian's `prometheus` package")
+    return path
+
+
+def _evaluate(promtool: str, tmp_path: Path, series: dict[str, str], cases: list[dict]) -> str:
+    """Run ``promql_expr_test`` cases on ``series`` (1 min apart) with Prometheus' engine."""
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                "promql_expr_test": cases,
+            }
+        ],
+    }
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests))
+    result = subprocess.run(
+        [promtool, "test", "rules", "tests.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return result.stdout + result.stderr if result.returncode else ""
+
+
+@pytest.mark.needs_promtool
+class TestSeveralMonitors:
+    """With several training jobs' monitors in one scrape job, a stalled one is not hidden."""
+
+    # Monitor a committed once at minute 1; monitor b commits every minute.
+    SERIES = {
+        'obsckpt_last_commit_timestamp_seconds{job="obsckpt",instance="a:9400",kind="checkpoint"}': "60x40",
+        'obsckpt_last_commit_timestamp_seconds{job="obsckpt",instance="b:9400",kind="checkpoint"}': "0+60x40",
+        # A third monitor that has not committed yet (timestamp 0).
+        'obsckpt_last_commit_timestamp_seconds{job="obsckpt",instance="c:9400",kind="checkpoint"}': "0x40",
+        'obsckpt_latest_step{job="obsckpt",instance="a:9400",kind="checkpoint"}': "5x40",
+        'obsckpt_latest_step{job="obsckpt",instance="b:9400",kind="checkpoint"}': "0+10x40",
+    }
+
+    def test_overview_shows_the_least_recent_commit(self, promtool, tmp_path):
+        [expr] = _panel_exprs("Time since last commit", "stat")
+        case = {
+            "expr": expr,
+            "eval_time": "30m",
+            "exp_samples": [{"labels": '{kind="checkpoint"}', "value": 30 * 60 - 60}],
+        }
+        assert _evaluate(promtool, tmp_path, self.SERIES, [case]) == ""
+
+    def test_commit_panels_show_each_monitor(self, promtool, tmp_path):
+        [age] = _panel_exprs("Time since last commit", "timeseries")
+        [step] = _panel_exprs("Latest committed step", "timeseries")
+        a, b = '{instance="a:9400",kind="checkpoint"}', '{instance="b:9400",kind="checkpoint"}'
+        cases = [
+            {
+                "expr": age,
+                "eval_time": "30m",
+                "exp_samples": [{"labels": a, "value": 1740}, {"labels": b, "value": 0}],
+            },
+            {
+                "expr": step,
+                "eval_time": "30m",
+                "exp_samples": [{"labels": a, "value": 5}, {"labels": b, "value": 300}],
+            },
+        ]
+        assert _evaluate(promtool, tmp_path, self.SERIES, cases) == ""

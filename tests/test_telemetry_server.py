@@ -52,6 +52,20 @@ class TestAdvertisedAddress:
         finally:
             server.close()
 
+    @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+    @pytest.mark.parametrize(("host", "reached_at"), [("[::1]", "[::1]"), ("[::]", "127.0.0.1")])
+    def test_bracketed_ipv6_host_binds(self, registry, host, reached_at):
+        # The form URLs and Prometheus targets use; a bind needs the bare literal.
+        server = serve_metrics(registry, host, 0)
+        try:
+            assert server.error is None and server.address is not None, server.error
+            port = server.address.rsplit(":", 1)[1]
+            assert "obsckpt_test_total 1.0" in fetch(f"{reached_at}:{port}")
+            if host == "[::1]":
+                assert server.address == f"[::1]:{port}"
+        finally:
+            server.close()
+
     def test_empty_host_binds_every_interface(self, registry):
         server = serve_metrics(registry, "", 0)
         try:

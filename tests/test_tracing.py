@@ -185,6 +185,32 @@ class TestSetupTracing:
         out = run_python(code).stdout
         assert out.count('"name": "obsckpt.save"') == 1, out
 
+    def test_provider_configured_by_the_application_exports_once(self):
+        # opentelemetry-instrument builds its provider from the same OTEL_* variables;
+        # exporters added for them again would send every span twice.
+        code = (
+            "from opentelemetry import trace\n"
+            "from opentelemetry.sdk.trace import TracerProvider\n"
+            "from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor\n"
+            "from opentelemetry.sdk.trace.export.in_memory_span_exporter import (\n"
+            "    InMemorySpanExporter)\n"
+            "provider = TracerProvider()\n"
+            "provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))\n"
+            "trace.set_tracer_provider(provider)\n"
+            "from obsckpt.telemetry import tracing\n"
+            "assert tracing.setup_tracing('trainer') is True\n"
+            "assert tracing.setup_tracing('trainer') is True\n"
+            "with tracing.checkpoint_span(1) as carrier: assert 'traceparent' in carrier\n"
+            "explicit = InMemorySpanExporter()\n"
+            "assert tracing.setup_tracing('trainer', exporter=explicit)\n"
+            "with tracing.span('obsckpt.save'): pass\n"
+            "provider.force_flush()\n"
+            "assert [s.name for s in explicit.get_finished_spans()] == ['obsckpt.save']\n"
+        )
+        out = run_python(code, OTEL_TRACES_EXPORTER="console").stdout
+        assert out.count('"name": "obsckpt.checkpoint"') == 1, out
+        assert out.count('"name": "obsckpt.save"') == 1, out
+
     def test_service_name_from_resource_attributes(self):
         code = (
             "from opentelemetry import trace\n"

@@ -71,6 +71,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     """
     if port is None:
         return MetricsServer()
+    # "[::1]" is how URLs and Prometheus targets write an IPv6 literal; bind takes "::1".
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     try:
         # "" means every interface to socket.bind, but not to getaddrinfo, which
         # prometheus_client asks first.

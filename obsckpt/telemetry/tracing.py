@@ -43,6 +43,8 @@ _safe_exporters: list[SafeExporter] = []
 # Exporters this process's provider already has (names, or ids of exporter objects):
 # a second setup_tracing must not export every span twice.
 _installed: set[str | int] = set()
+# The provider setup_tracing created; any other SDK provider was configured elsewhere.
+_own_provider: TracerProvider | None = None
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -169,7 +171,9 @@ def setup_tracing(
     ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turns tracing
     off. The OTLP exporter reads its endpoint, headers and protocol from
     ``OTEL_EXPORTER_OTLP_*`` itself. Calling this again adds only exporters not
-    installed yet.
+    installed yet. An SDK tracer provider set up before (by
+    ``opentelemetry-instrument`` or the application) is used as it is: its own
+    exporters send obsckpt's spans, and only an explicit ``exporter`` is added.
 
     Args:
         service_name: ``service.name`` unless ``OTEL_SERVICE_NAME`` or
@@ -179,7 +183,7 @@ def setup_tracing(
     Returns:
         True when spans will be recorded in this process.
     """
-    global _enabled, _memory
+    global _enabled, _memory, _own_provider
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     wanted = _requested(exporter)
@@ -190,6 +194,15 @@ def setup_tracing(
         )
     if not wanted or wanted == ["none"]:
         return enabled()
+    current = trace.get_tracer_provider()
+    if exporter is None and isinstance(current, TracerProvider) and current is not _own_provider:
+        # opentelemetry-instrument (or the application) built this provider from the
+        # same OTEL_* variables: exporters of our own would send every span twice.
+        logger.info(
+            "obsckpt: spans go to the tracer provider configured by the application; "
+            "its exporters, not OTEL_TRACES_EXPORTER again, send them"
+        )
+        return True
     with _lock:
         processors = []
         for name in wanted:
@@ -222,7 +235,7 @@ def setup_tracing(
             # Recording spans that no exporter takes would cost without showing anything.
             return enabled()
         if not isinstance(provider, TracerProvider):
-            provider = TracerProvider(resource=_resource(service_name))
+            provider = _own_provider = TracerProvider(resource=_resource(service_name))
             trace.set_tracer_provider(provider)
         for processor in processors:
             provider.add_span_processor(processor)
