@@ -427,6 +427,19 @@ class TestDemoRefusesBeforeStarting:
         assert "--no-metrics" in err
         assert snapshot(root) == before  # the earlier run is still there
 
+    def test_bracketed_ipv6_metrics_host_is_an_address(self):
+        import socket
+
+        from obsckpt.demo.job import DemoError, check_metrics_endpoint
+
+        check_metrics_endpoint("[::1]", 0)  # as the metrics server takes it
+        with socket.socket(socket.AF_INET6) as busy:
+            busy.bind(("::1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(DemoError, match=rf"\[::1\]:{port} is already in use"):
+                check_metrics_endpoint("[::1]", port)
+
     def test_metrics_host_that_is_not_an_address(self, tmp_path):
         root = earlier_demo_run(tmp_path)
         code, err = self.demo(root, "--metrics-host", "no-such-host.invalid")

@@ -299,3 +299,52 @@ class TestRequested:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         assert tracing.requested(exporter) is expected
+
+
+class TestFlush:
+    """tracing.flush() returns within its timeout, even when the exporter hangs."""
+
+    def test_flush_with_a_hung_exporter_returns_in_time(self):
+        code = """
+import os, threading, time
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from obsckpt.telemetry import tracing
+
+class Hung(SpanExporter):  # a collector that accepts the connection and never answers
+    def export(self, spans):
+        threading.Event().wait(60)
+        return SpanExportResult.SUCCESS
+
+tracing.setup_tracing("flush-test", exporter=Hung())
+for i in range(2000):
+    with tracing.span("obsckpt.save", attributes={"i": i}):
+        pass
+t0 = time.monotonic()
+ok = tracing.flush(0.5)
+print(ok, round(time.monotonic() - t0, 2), flush=True)
+os._exit(0)  # the SDK's exit hook would flush again, into the same hung exporter
+"""
+        out = run_python(code).stdout.split()
+        assert out[0] == "False"
+        assert float(out[1]) < 3.0, out
+
+    def test_flush_with_a_working_exporter_exports_everything(self):
+        code = """
+import os
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from obsckpt.telemetry import tracing
+
+got = []
+class Keep(SpanExporter):
+    def export(self, spans):
+        got.extend(spans)
+        return SpanExportResult.SUCCESS
+
+tracing.setup_tracing("flush-test", exporter=Keep())
+for i in range(1500):
+    with tracing.span("obsckpt.save", attributes={"i": i}):
+        pass
+print(tracing.flush(10.0), len(got), flush=True)
+os._exit(0)
+"""
+        assert run_python(code).stdout.split() == ["True", "1500"]

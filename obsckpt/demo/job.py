@@ -454,9 +454,11 @@ def check_metrics_endpoint(host: str, port: int) -> None:
     import errno
 
     shown = f"{host or '0.0.0.0'}:{port}"
+    # "[::1]", as URLs write an IPv6 literal, is what the metrics server binds as "::1".
+    bind_host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         infos = socket.getaddrinfo(
-            host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            bind_host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
         raise DemoError(

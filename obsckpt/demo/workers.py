@@ -38,15 +38,10 @@ def _setup_worker_tracing(service: str) -> None:
 
 
 def _flush_tracing() -> None:
-    try:
-        from opentelemetry import trace
+    from obsckpt.telemetry import tracing
 
-        provider = trace.get_tracer_provider()
-        flush = getattr(provider, "force_flush", None)
-        if flush is not None:
-            flush(5000)
-    except Exception:  # noqa: BLE001 - telemetry never breaks the job
-        pass
+    # Bounded: with an unreachable collector the SDK's own flush can take minutes.
+    tracing.flush(5.0)
 
 
 def shard_name(kind: str, world_size: int, rank: int) -> str:

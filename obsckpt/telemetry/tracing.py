@@ -370,6 +370,39 @@ def checkpoint_span(step: int, *, is_state_dict: bool = False) -> Iterator[dict[
         yield inject()
 
 
+def flush(timeout_s: float = 5.0) -> bool:
+    """Export the spans this process has queued, waiting at most ``timeout_s``.
+
+    Returns True when every queued span was handed to its exporter in time.
+    The SDK's batch processor does not bound its own flush (it exports
+    everything, each batch waiting out the exporter's timeout when the
+    collector is unreachable), so the flush runs on a daemon thread that is
+    left behind, still exporting, when the time is up.
+    """
+    flush_provider = getattr(trace.get_tracer_provider(), "force_flush", None)
+    if flush_provider is None:
+        return True
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            flush_provider(int(timeout_s * 1000))
+        except Exception as exc:  # noqa: BLE001 - telemetry never breaks the job
+            logger.warning("obsckpt: flushing spans failed: %s", exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="obsckpt-span-flush", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    logger.warning(
+        "obsckpt: queued spans were not exported within %.1f s (is the collector "
+        "reachable?); going on without them",
+        timeout_s,
+    )
+    return False
+
+
 def attach(carrier: Mapping[str, str] | None):
     """Make the carrier's context current; returns a token for :func:`detach`."""
     ctx = extract(carrier)
