@@ -249,7 +249,11 @@ SPANS: tuple[SpanSpec, ...] = (
         "Waiting for admission under the save strategy (recorded when it lasts >= 1 ms).",
     ),
     SpanSpec("obsckpt.broadcast", "trainer rank 0 / rollout", "One weight broadcast."),
-    SpanSpec("obsckpt.upload", "trainer rank 0", "One state dict upload to the Synchronizer."),
+    SpanSpec(
+        "obsckpt.upload",
+        "trainer rank 0 / Synchronizer",
+        "One state dict upload to the Synchronizer, or one committed state dict it loads.",
+    ),
 )
 
 # Span attributes and what they hold; the first five are on every save and commit span.
