@@ -158,6 +158,15 @@ def test_save_resume_and_retention(namespace, tmp_path):
     assert torch.equal(resumed["rng"][0], saved["rng"][0])
     assert (resumed["rng"][1] == saved["rng"][1]).all() and resumed["rng"][2] == saved["rng"][2]
 
+    # A step saved by another number of ranks (a resume on other GPUs) is refused by name
+    # on every rank, before verl's load reaches its barrier.
+    other = root / "global_step_9" / "actor"
+    other.mkdir(parents=True)
+    for rank in range(4):
+        (other / f"model_world_size_4_rank_{rank}.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"saved by 4 ranks .* this job runs 2 ranks"):
+        both("load", str(root), 9)
+
 
 class TestCommittedFilesStay:
     """A save of a step whose state dict is committed never rewrites that step's model files.
@@ -196,6 +205,28 @@ class TestCommittedFilesStay:
         assert {p.name: p.read_bytes() for p in model_files} == committed
         assert disk.verify_step(step_dir) == []
         assert (step_dir / "actor" / "optim_world_size_2_rank_1.pt").is_file()
+
+    def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path):
+        """A job resumed from an older step (``resume_from_path``) retrains steps whose
+        checkpoints are committed: their optimizer and extra state stay the committed ones,
+        so such a step never holds one run's model with another run's optimizer."""
+        from obsckpt import commit as disk
+
+        root = tmp_path / "ckpt"
+        monitor, both = start_job(namespace, root)
+        both("train", 1)
+        both("save", str(root), 1, None)
+        commit(monitor, 1)
+        step_dir = disk.step_dir(root, 1)
+        committed = {p: p.read_bytes() for p in sorted((step_dir / "actor").glob("*.pt"))}
+        assert len(committed) == 6 and disk.verify_step(step_dir) == []
+
+        both("restart_manager")
+        both("train", 5)  # the rerun's weights, optimizer and RNG differ from the first run's
+        counts = both("save", str(root), 1, None)
+        assert disk.verify_step(step_dir) == []
+        assert {p: p.read_bytes() for p in committed} == committed
+        assert counts == [{"state_dict": 0, "checkpoint": 0}] * 2
 
 
 @ray.remote

@@ -352,4 +352,144 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
         for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
             assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
     finally:
-        ray.kill(monitor)
+        kill_monitor(monitor)
+
+
+class HeldSaves:
+    """A worker group whose ranks save in the background through a real coordinator.
+
+    Each save registers with the monitor, as the managers do, and its write
+    waits until ``release`` is set.
+    """
+
+    def __init__(self, monitor) -> None:
+        import threading
+
+        from obsckpt import CheckpointCoordinator
+
+        self.monitor = monitor
+        self.coordinator = CheckpointCoordinator(monitor)
+        self.release = threading.Event()
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        ray.get(self.monitor.register_thread_count.remote(global_step, checkpoint_thread_count=1))
+        os.makedirs(local_path, exist_ok=True)
+        path = os.path.join(local_path, "model_world_size_1_rank_0.pt")
+
+        def write() -> None:
+            self.release.wait(120)
+            torch.save({"step": global_step}, path)
+
+        self.coordinator.save_async(f"model_{global_step}", write, global_step, paths=[path])
+
+
+def recipe_trainer(asynchronous: bool):
+    """A trainer subclass as verl's experimental trainers and recipes (DAPO) write them.
+
+    It overrides the methods verl_install wraps without calling verl's: its own
+    ``init_workers``, a ``fit`` that never calls ``RayPPOTrainer.fit``, and a copy
+    of ``_save_checkpoint`` that saves at a version number of its own (not
+    ``global_steps``) and writes the iteration file itself. Defined after
+    ``patch()``, as a job's trainer module is imported after verl's.
+    """
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    class RecipeTrainer(RayPPOTrainer):
+        def __init__(self, root) -> None:
+            self.config = make_trainer(root, None, None).config
+            self.global_steps = 0
+            self.version = 0
+
+        def _build(self) -> None:
+            # The workers' managers look the monitor up when they are built.
+            self.actor_rollout_wg = HeldSaves(ray.get_actor("checkpoint_monitor"))
+
+        def _train(self) -> None:
+            for _ in range(2):
+                self.version += 1
+                self._save_checkpoint()
+
+        def _save_checkpoint(self) -> None:
+            root = self.config.trainer.default_local_dir
+            folder = os.path.join(root, f"global_step_{self.version}")
+            self.actor_rollout_wg.save_checkpoint(os.path.join(folder, "actor"), None, self.version)
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(self.version))
+
+    if asynchronous:
+
+        class AsyncRecipeTrainer(RecipeTrainer):
+            async def init_workers(self) -> None:
+                self._build()
+
+            async def fit(self) -> None:
+                self._train()
+
+        return AsyncRecipeTrainer
+
+    class SyncRecipeTrainer(RecipeTrainer):
+        def init_workers(self) -> None:
+            self._build()
+
+        def fit(self) -> None:
+            self._train()
+
+    return SyncRecipeTrainer
+
+
+class TestTrainerSubclasses:
+    """A trainer subclass that overrides fit, _save_checkpoint or init_workers is covered too.
+
+    Its iteration file names a step only once that step is committed, the
+    monitor exists before its workers are built, and fit returns only once the
+    last saved step is committed (else the job exits while the saves are written).
+    """
+
+    @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+    def test_overrides_are_wrapped(self, asynchronous, ray_cluster, tmp_path):
+        import asyncio
+        import threading
+
+        from obsckpt.commit import read_manifest
+
+        verl_install.patch()
+        root = tmp_path / "ckpt"
+        trainer = recipe_trainer(asynchronous)(root)
+
+        def call(method):
+            result = method()
+            return asyncio.run(result) if asynchronous else result
+
+        call(trainer.init_workers)
+        monitor = ray.get_actor("checkpoint_monitor")
+        try:
+            assert ray.get(monitor.status.remote())["root"] == str(root)
+            done = threading.Event()
+            fit = threading.Thread(target=lambda: (call(trainer.fit), done.set()), daemon=True)
+            fit.start()
+            # Both saves were dispatched and are held: the trainer's own write of the
+            # iteration file went nowhere, and fit has not returned.
+            assert not done.wait(2.0)
+            assert iteration(root) is None
+            trainer.actor_rollout_wg.release.set()
+            assert done.wait(120)
+            assert iteration(root) == "2"  # the trainer's version, not its global_steps (0)
+            listed = {r.path for r in read_manifest(root / "global_step_2")}
+            assert "actor/model_world_size_1_rank_0.pt" in listed
+        finally:
+            trainer.actor_rollout_wg.release.set()
+            kill_monitor(monitor)
+
+
+def kill_monitor(monitor) -> None:
+    """Kill the monitor and wait until its name is free (the next test creates its own)."""
+    import time
+
+    ray.kill(monitor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("checkpoint_monitor")
+        except ValueError:
+            return
+        time.sleep(0.1)

@@ -392,3 +392,26 @@ class TestMegatronCheckpointManager:
         status = ray.get(monitor.status.remote())
         assert [f["step"] for f in status["failed"]] == [4]
         assert not (root / "latest_checkpointed_iteration.txt").exists()
+
+    def test_resave_of_a_committed_checkpoint_writes_nothing(self, monitor, tmp_path):
+        """A job resumed from an older step retrains steps whose checkpoints are committed:
+        Megatron writes its files in place, so a re-save would change (and a crash during it
+        tear) a checkpoint the iteration file vouches for. verl's save is not run at all."""
+        from obsckpt import commit as disk
+
+        engine, manager = self.make(monitor)
+        root = tmp_path / "ckpt"
+        path = root / "global_step_5" / "actor"
+        manager.save_checkpoint(str(path), None, 5)
+        asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(5))
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+        committed = (path / "model_0.pt").read_bytes()
+
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1)  # the rerun's weights
+        counts = manager.save_checkpoint(str(path), None, 5)
+        assert (path / "model_0.pt").read_bytes() == committed
+        assert disk.verify_step(root / "global_step_5") == []
+        assert counts == {"state_dict": 0, "checkpoint": 0}
+        assert len(manager.base.calls) == 1

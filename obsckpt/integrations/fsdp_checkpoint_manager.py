@@ -18,7 +18,10 @@ additions: ``save_state_dict`` / ``upload_state_dict`` for weight sync and
 * the model files of a step whose state dict the monitor has committed are
   never written again (a restarted job retrains steps behind
   ``latest_state_dict_iteration.txt``): ``save_state_dict`` skips such a
-  step and ``save_checkpoint`` saves only its optimizer and extra state.
+  step and ``save_checkpoint`` saves only its optimizer and extra state;
+* a step whose checkpoint the monitor has committed is not saved again (a
+  job resumed from an older step retrains it);
+* a checkpoint saved by another number of ranks is refused by name on load.
 
 Importing this module imports verl (seconds): import it lazily.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from typing import Any
 
@@ -186,17 +190,22 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             )
 
         # Asked after the barrier, so no rank is still saving the step when another asks.
+        # A committed checkpoint (a job resumed from an older step retrains it) keeps the
+        # files it was committed with: one run's model with another run's optimizer would
+        # resume as neither run.
+        committed = already_committed(self.coordinator, global_step, logger, is_state_dict=False)
         save_model = (
             self.should_save_model
             and self.previous_state_dict_step != global_step
+            and not committed
             and not already_committed(self.coordinator, global_step, logger)
         )
-        save_hf = (self.should_save_hf_model or save_as_hf) and self.rank == 0
+        save_optimizer = self.should_save_optimizer and not committed
+        save_extra = self.should_save_extra and not committed
+        save_hf = (self.should_save_hf_model or save_as_hf) and self.rank == 0 and not committed
         counts = {
             "state_dict": int(save_model),
-            "checkpoint": int(self.should_save_optimizer)
-            + int(self.should_save_extra)
-            + int(save_hf),
+            "checkpoint": int(save_optimizer) + int(save_extra) + int(save_hf),
         }
         self._register(
             global_step, state_dict=counts["state_dict"], checkpoint=counts["checkpoint"]
@@ -206,9 +215,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             warnings.simplefilter("ignore")
             if save_model:
                 self._save_model(local_path, global_step)
-            if self.should_save_optimizer:
+            if save_optimizer:
                 self._save_optimizer(local_path, global_step)
-            if self.should_save_extra:
+            if save_extra:
                 self._save_extra_state(local_path, global_step)
         if self.rank == 0 and save_model:
             # With the model: a committed step keeps the metadata it was committed with.
@@ -223,9 +232,60 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     def load_checkpoint(
         self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
     ) -> None:
-        """Wait for this rank's saves in flight, then load as verl does."""
+        """Wait for this rank's saves in flight, then load as verl does.
+
+        Raises:
+            FileNotFoundError: ``local_path`` was saved by a different number of
+                ranks (the message names both and what to do), or lacks a file.
+        """
         self.coordinator.wait_all()
+        if local_path is not None and "://" not in local_path:  # verl copies remote ones
+            self._check_world_size(local_path)
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+
+    def _check_world_size(self, local_path: str) -> None:
+        """Refuse, by name, a checkpoint written by another number of ranks.
+
+        verl reads ``<prefix>_world_size_<W>_rank_<R>.pt`` for this job's W and R
+        only; without this check a resume on another number of GPUs fails
+        with a bare missing-file error on some ranks.
+        """
+        prefixes = [
+            prefix
+            for prefix, wanted in (
+                ("model", self.should_load_model),
+                ("optim", self.should_load_optimizer),
+                ("extra_state", self.should_load_extra),
+            )
+            if wanted
+        ]
+        for prefix in prefixes:
+            if os.path.exists(self._path(local_path, prefix)):
+                continue
+            pattern = re.compile(rf"^{prefix}_world_size_(\d+)_rank_\d+\.pt$")
+            try:
+                names = os.listdir(local_path)
+            except OSError:
+                names = []
+            sizes = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
+            if sizes and self.world_size not in sizes:
+                saved = sizes[0] if len(sizes) == 1 else sizes
+                raise FileNotFoundError(
+                    f"{local_path} holds a checkpoint saved by {saved} ranks "
+                    f"({prefix}_world_size_{sizes[0]}_rank_*.pt), but this job runs "
+                    f"{self.world_size} ranks; verl loads FSDP shards only at the world size "
+                    "that saved them. Resume with the same number of GPUs (trainer.nnodes x "
+                    "trainer.n_gpus_per_node), or merge the step into an HF model (python -m "
+                    f"verl.model_merger merge --backend fsdp --local_dir {local_path} "
+                    "--target_dir <dir>) and start a new run from it"
+                )
+            raise FileNotFoundError(
+                f"{self._path(local_path, prefix)} does not exist: {local_path} is not a "
+                f"whole checkpoint of {self.world_size} ranks (checkpoint.load_contents asks "
+                f"for {prefixes}). Resume from a committed step (the one "
+                "latest_checkpointed_iteration.txt names) or drop what it lacks from "
+                "checkpoint.load_contents"
+            )
 
     def wait_on_save_thread(self, timeout: float | None = None) -> None:
         """Wait for every background save of this rank; raises the first failure."""
@@ -301,7 +361,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     def _save_optimizer(self, local_path: str, global_step: int) -> None:
         state = self._sharded(self.optimizer.state_dict)
         self.coordinator.save_state_dict_async(
-            "optim", state, self._path(local_path, "optim"), global_step
+            "optim", state, self._path(local_path, "optim"), global_step, unless_committed=True
         )
 
     def _save_extra_state(self, local_path: str, global_step: int) -> None:
@@ -312,7 +372,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             "rng": self.get_rng_state(),
         }
         self.coordinator.save_state_dict_async(
-            "extra_state", extra, self._path(local_path, "extra_state"), global_step
+            "extra_state",
+            extra,
+            self._path(local_path, "extra_state"),
+            global_step,
+            unless_committed=True,
         )
 
     def _save_hf_model(self, local_path: str, global_step: int, *, write: bool) -> None:
@@ -357,7 +421,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 processing_class.save_pretrained(hf_dir)
 
         # Fsynced and checksummed by this process (the monitor may run on another node).
-        self.coordinator.save_async("hf_model", save, global_step, paths=[hf_dir])
+        self.coordinator.save_async(
+            "hf_model", save, global_step, paths=[hf_dir], unless_committed=True
+        )
 
 
 def hf_model_class(config: Any, model: Any = None) -> Any:

@@ -320,14 +320,20 @@ def fsdp_save_state_dict(
     return 1 if rank == 0 else 0
 
 
-def already_committed(coordinator: Any, global_step: int, log: logging.Logger) -> bool:
-    """True (logged) when the monitor has committed ``global_step``'s state dict or a later one."""
-    latest = coordinator.committed_step(is_state_dict=True)
+def already_committed(
+    coordinator: Any, global_step: int, log: logging.Logger, *, is_state_dict: bool = True
+) -> bool:
+    """True (logged) when the monitor has committed ``global_step`` or a later step of the kind.
+
+    The kind is the state dict by default, the full checkpoint with ``is_state_dict=False``.
+    """
+    latest = coordinator.committed_step(is_state_dict=is_state_dict)
     if latest is None or global_step > latest:
         return False
     log.info(
-        "obsckpt: state dict of step %d not saved again: the monitor has committed step %d "
+        "obsckpt: %s of step %d not saved again: the monitor has committed step %d "
         "and a re-save would change files the iteration file vouches for",
+        "state dict" if is_state_dict else "checkpoint",
         global_step,
         latest,
     )

@@ -25,7 +25,8 @@ Two trainers are covered: verl 0.9's default, the V1 ``PPOTrainer``
   asynchronous modes' ``transfer_queue/``) and submits the step; a V1
   ``checkpoint_callback`` hears of the save only once it is committed; ``fit``
   waits, before returning, until the last submitted step is committed (verl
-  would exit and kill the save threads).
+  would exit and kill the save threads). Subclasses' overrides of these
+  methods (recipes, verl's experimental trainers) are wrapped the same way.
 
 Resume is verl's own ``_load_checkpoint``: it reads the iteration file, which
 names only committed steps, and each manager waits for its saves in flight
@@ -34,11 +35,13 @@ before loading.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextvars
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import io
 import logging
 import os
@@ -95,9 +98,10 @@ _lock = threading.RLock()
 _patched: set[str] = set()
 _finder: _PatchOnImport | None = None
 _ray_init_wrapped = False
-# Set while verl's _save_checkpoint runs: its write of the iteration file is diverted.
-_diverting: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "obsckpt_verl_diverting", default=False
+# Set while verl's _save_checkpoint runs: its writes of the iteration file are diverted
+# into this list (their text names the step it saved), not written.
+_diverted: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "obsckpt_verl_diverted", default=None
 )
 
 
@@ -255,42 +259,124 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 def _diverting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-    """``open`` for verl's trainer module: its write of the iteration file goes nowhere."""
+    """``open`` for verl's trainer modules: a write of the iteration file goes nowhere."""
+    writes = _diverted.get()
     if (
-        _diverting.get()
+        writes is not None
         and "w" in mode
         and isinstance(file, str | os.PathLike)
         and os.path.basename(os.fspath(file)) == disk.ITERATION_FILES["checkpoint"]
     ):
-        return io.StringIO()  # the monitor writes it when the step commits
+        return _DivertedWrite(writes)  # the monitor writes it when the step commits
     return builtins.open(file, mode, *args, **kwargs)
 
 
+class _DivertedWrite(io.StringIO):
+    """What the trainer writes into the iteration file, kept to learn the step it saved."""
+
+    def __init__(self, writes: list[str]) -> None:
+        super().__init__()
+        self._writes = writes
+
+    def close(self) -> None:
+        if not self.closed:
+            self._writes.append(self.getvalue())
+        super().close()
+
+
 def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
+    """Wrap ``class_name`` and every subclass of it, also those defined later.
+
+    Subclasses (verl's experimental trainers, recipes such as DAPO, a job's own
+    trainer) often override ``fit``, ``_save_checkpoint`` or the method that
+    builds the workers without calling verl's: each override is wrapped too,
+    so the monitor exists before the workers, the iteration file is written
+    only at commit, and ``fit`` returns only once the last step is committed.
+    """
     cls = getattr(module, class_name)
-    module.open = _diverting_open  # looked up in module globals before builtins
-    orig_setup = getattr(cls, setup_name)
-    orig_save = cls._save_checkpoint
-    orig_fit = cls.fit
+    _wrap_trainer_class(cls, setup_name)
+    pending = list(cls.__subclasses__())
+    while pending:
+        sub = pending.pop()
+        _wrap_trainer_class(sub, setup_name)
+        pending += sub.__subclasses__()
+    previous = cls.__dict__.get("__init_subclass__")
 
-    @functools.wraps(orig_setup)
+    def __init_subclass__(sub: type, **kwargs: Any) -> None:
+        if previous is not None:
+            previous.__get__(None, sub)(**kwargs)
+        else:
+            super(cls, sub).__init_subclass__(**kwargs)
+        _wrap_trainer_class(sub, setup_name)
+
+    cls.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def _wrap_trainer_class(cls: type, setup_name: str) -> None:
+    """Wrap the trainer methods ``cls`` itself defines (not inherited ones) once."""
+    module = sys.modules.get(cls.__module__)
+    # Looked up in module globals before builtins; a module's own ``open`` is left alone.
+    if module is not None and getattr(module, "open", _diverting_open) is _diverting_open:
+        try:
+            module.open = _diverting_open
+        except (AttributeError, TypeError):  # a module that takes no attributes
+            logger.warning("obsckpt: cannot divert the iteration file write of %s", module)
+    makers = {setup_name: _setup_wrapper, "_save_checkpoint": _save_wrapper, "fit": _fit_wrapper}
+    for name, make in makers.items():
+        orig = cls.__dict__.get(name)
+        if orig is None or not callable(orig) or getattr(orig, "obsckpt", False):
+            continue
+        wrapper = make(orig)
+        wrapper.obsckpt = True  # type: ignore[attr-defined]
+        setattr(cls, name, wrapper)
+
+
+def _setup_wrapper(orig: Any) -> Any:
+    if inspect.iscoroutinefunction(orig):
+
+        @functools.wraps(orig)
+        async def setup_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            monitor_for(self)  # before any worker builds its manager (which looks it up)
+            return await orig(self, *args, **kwargs)
+
+        return setup_async
+
+    @functools.wraps(orig)
     def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
-        monitor_for(self)  # before any worker builds its manager (which looks it up)
-        return orig_setup(self, *args, **kwargs)
+        monitor_for(self)
+        return orig(self, *args, **kwargs)
 
-    @functools.wraps(orig_save)
+    return setup
+
+
+def _save_wrapper(orig: Any) -> Any:
+    @functools.wraps(orig)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return save_and_submit(self, lambda: orig_save(self, *args, **kwargs))
+        if _diverted.get() is not None:  # an override calling verl's: the outer call submits
+            return orig(self, *args, **kwargs)
+        return save_and_submit(self, lambda: orig(self, *args, **kwargs))
 
-    @functools.wraps(orig_fit)
+    return _save_checkpoint
+
+
+def _fit_wrapper(orig: Any) -> Any:
+    if inspect.iscoroutinefunction(orig):
+
+        @functools.wraps(orig)
+        async def fit_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = await orig(self, *args, **kwargs)
+            await asyncio.to_thread(wait_for_commit, self)
+            return result
+
+        return fit_async
+
+    @functools.wraps(orig)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig_fit(self, *args, **kwargs)
+        result = orig(self, *args, **kwargs)
         wait_for_commit(self)
         return result
 
-    for wrapper in (setup, _save_checkpoint, fit):
-        wrapper.obsckpt = True  # type: ignore[attr-defined]
-        setattr(cls, wrapper.__name__, wrapper)
+    return fit
 
 
 def checkpoint_root(trainer: Any) -> str:
@@ -327,18 +413,23 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     import ray
 
     monitor = monitor_for(trainer)
-    step = int(trainer.global_steps)
+    writes: list[str] = []
     callback = getattr(trainer, "checkpoint_callback", None)
     deferred: list[tuple[tuple, dict]] = []
     if callback is not None:
         trainer.checkpoint_callback = _DeferredCallback(deferred)
-    token = _diverting.set(True)
+    token = _diverted.set(writes)
     try:
         result = save()
     finally:
-        _diverting.reset(token)
+        _diverted.reset(token)
         if callback is not None:
             trainer.checkpoint_callback = callback
+    # The step the trainer named in the iteration file is the one it saved (verl's
+    # fully asynchronous trainer saves at its parameter version, not global_steps).
+    step = _written_step(writes)
+    if step is None:  # nothing written (Megatron's async_save path): verl's own counter
+        step = int(trainer.global_steps)
     step_dir = disk.step_dir(checkpoint_root(trainer), step)
     data = step_dir / "data.pt"  # verl's dataloader state, written with torch.save
     if data.exists():
@@ -354,6 +445,11 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     for args, kwargs in deferred:
         callback.on_save(*args, **kwargs)
     return result
+
+
+def _written_step(writes: list[str]) -> int | None:
+    text = writes[-1].strip() if writes else ""
+    return int(text) if text.isdigit() and text.isascii() else None
 
 
 class _DeferredCallback:

@@ -311,20 +311,29 @@ class MegatronCheckpointManager:
         if not self._reporting:
             self.base.save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs)
             return {"state_dict": 0, "checkpoint": 0}
-        ray.get(
-            self.checkpoint_monitor.register_thread_count.remote(
-                global_step, state_dict_thread_count=0, checkpoint_thread_count=1
+        # Megatron writes in place: a re-save of a committed checkpoint (a job resumed from
+        # an older step retrains it) would change, or a crash tear, what the iteration file
+        # vouches for. Every rank skips it alike: the step was committed before any rank
+        # saved, or, committing meanwhile, the monitor skips each rank's save at admission.
+        written = not already_committed(self.coordinator, global_step, _log, is_state_dict=False)
+        if written:
+            ray.get(
+                self.checkpoint_monitor.register_thread_count.remote(
+                    global_step, state_dict_thread_count=0, checkpoint_thread_count=1
+                )
             )
-        )
-        self.coordinator.save_sync(
-            lambda: self.base.save_checkpoint(local_path, hdfs_path, global_step, None, **kwargs),
-            global_step,
-            name="megatron_checkpoint",
-        )
+            written = self.coordinator.save_sync(
+                lambda: self.base.save_checkpoint(
+                    local_path, hdfs_path, global_step, None, **kwargs
+                ),
+                global_step,
+                name="megatron_checkpoint",
+                unless_committed=True,
+            )
         if getattr(self.base, "rank", 0) == 0:
             self.saved_paths.append(local_path)
             self.enforce_retention(max_ckpt_to_keep)
-        return {"state_dict": 0, "checkpoint": 1}
+        return {"state_dict": 0, "checkpoint": int(written)}
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:
         """Wait for this rank's saves in flight, then load as verl does."""
