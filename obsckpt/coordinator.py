@@ -686,7 +686,8 @@ class CheckpointCoordinator:
             self._saves[name] = save
         try:
             THREADS.submit(
-                lambda: self._run(save, fn, parent, join_wait), f"obsckpt-save-{name}-step{step}"
+                lambda: self._run(save, fn, parent, join_wait, background=True),
+                f"obsckpt-save-{name}-step{step}",
             )
         except BaseException:
             # No thread will run it: the slot must not wait for it.
@@ -701,10 +702,13 @@ class CheckpointCoordinator:
         fn: Callable[[], list[FileRecord]],
         carrier: dict | otel_context.Context | None,
         join_wait: float,
+        *,
+        background: bool = False,
     ) -> SaveError | None:
         """Body of a save: admission, I/O, report. Returns the error, also stored.
 
         ``carrier`` is the step's W3C carrier, or a context from :func:`tracing.capture`.
+        ``background``: on a save thread, so the error waits for ``wait_all()``.
         """
         carrier = tracing.as_carrier(carrier)
         attrs = {
@@ -805,6 +809,12 @@ class CheckpointCoordinator:
             save.settled.set()
         if error is not None:
             with self._lock:
+                if background and self._errors:
+                    # Only the first stored failure is raised; the others were logged with
+                    # their tracebacks. A traceback keeps its frames, and they keep what the
+                    # save was writing (save_fn's closure, a snapshot): until wait_all(), a
+                    # job that waits rarely would hold one copy per failed save.
+                    _drop_tracebacks(error)
                 self._errors.append(error)
         return error
 
@@ -845,6 +855,15 @@ class CheckpointCoordinator:
             self._errors.append(exc)
         self._link.failed(save, ticket, exc, join_wait)
         save.settled.set()
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+    """Let go of the tracebacks of ``exc`` and of its causes (their messages stay)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:

@@ -163,6 +163,9 @@ class CommitTracker:
         self.restarted = False
         # Notifications about closed steps that were accepted and changed nothing.
         self.resaves = 0
+        # A step failed since resolved steps were last forgotten: a job whose saves
+        # keep failing commits nothing, so the commit's own pruning never runs.
+        self._forget_due = False
 
     def closed(self, step: int, kind: str) -> bool:
         """True when ``step`` of ``kind`` is committed, being committed, or below the
@@ -247,6 +250,7 @@ class CommitTracker:
     def _set_failed(self, step: int, kind: str, p: Progress, error: str) -> None:
         """The one transition into FAILED (so ``on_fail`` sees every failure once)."""
         p.state, p.error, p.resolved_at = FAILED, error, self.clock()
+        self._forget_due = True
         if self.on_fail is not None:
             self.on_fail(step, kind)
 
@@ -476,6 +480,9 @@ class CommitTracker:
 
         Steps that became whole below the committed one are marked superseded.
         """
+        if self._forget_due:
+            # Here, not where the step fails: that may be inside a walk over the steps.
+            self._forget_resolved()
         out = []
         for step in sorted(self.steps):
             kinds = self.steps[step]
@@ -547,6 +554,7 @@ class CommitTracker:
                     self.abandoned.setdefault(step, p.error)
 
     def _forget_resolved(self) -> None:
+        self._forget_due = False
         resolved = [
             s
             for s, kinds in self.steps.items()

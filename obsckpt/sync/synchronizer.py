@@ -48,6 +48,10 @@ ACTOR_NAME = "synchronizer"
 MONITOR_ACTOR_NAME = "checkpoint_monitor"
 # How often to look for a monitor that was not there yet.
 _MONITOR_RETRY_S = 5.0
+# Steps that could not be loaded, kept for status(); older ones are forgotten
+# (load_failures counts them all). The iteration file never goes backwards, so
+# a forgotten step is never named again.
+_KEEP_FAILED = 64
 
 
 # ----------------------------------------------------------------------
@@ -454,6 +458,8 @@ class Synchronizer:
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
             msg = f"step {step}: {exc}"
             self._failed_steps[step] = str(exc)
+            if len(self._failed_steps) > _KEEP_FAILED:
+                del self._failed_steps[min(self._failed_steps)]
             self._load_failures += 1
             self._last_error = msg
             logger.error(

@@ -180,6 +180,11 @@ class IpcWeightReceiver:
         if payload.meta != self._wire:  # parsed once per layout of the model
             self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
             self._wire = payload.meta
+            # The receive area holds a tensor per name: one the model no longer sends
+            # would stay allocated for the rest of the job.
+            names = {m.name for m in self._meta}
+            for name in [n for n in self._area if n not in names]:
+                del self._area[name]
         meta = self._meta
         self._sources = []
         if payload.layout == "direct":

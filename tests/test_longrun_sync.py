@@ -1,0 +1,79 @@
+"""Weight sync for days: what the Synchronizer and the ipc receiver keep stays bounded.
+
+The Synchronizer is used in-process (its methods are async) against real
+files; the ipc sender and receiver run on the CPU, through real shared-memory
+files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from obsckpt import commit as disk
+from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
+from obsckpt.sync.synchronizer import Synchronizer
+
+KEEP = 64  # failed steps the Synchronizer keeps for status()
+
+
+class TestSynchronizerForgetsOldLoadFailures:
+    """A job whose committed steps cannot be loaded for hours keeps status() the size of
+    the newest failures; every failure is still counted, and none is retried."""
+
+    def test_failed_steps_keep_the_newest(self, tmp_path):
+        root = tmp_path / "ckpt"
+        sync = Synchronizer(str(root), registry=CollectorRegistry())
+        n = 200
+
+        async def main():
+            for step in range(1, n + 1):
+                shard = disk.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
+                shard.parent.mkdir(parents=True)
+                shard.write_bytes(b"not a torch file")
+                disk.write_iteration(root, "state_dict", step)
+                await sync.poll_once()
+            await sync.poll_once()  # the newest failed step is not loaded again
+            return await sync.status()
+
+        status = asyncio.run(main())
+        assert status["load_failures"] == n
+        assert sorted(status["failed_steps"]) == list(range(n - KEEP + 1, n + 1))
+        assert status["version"] is None
+
+
+class TestIpcReceiverLetsGoOfRenamedWeights:
+    """When the model's tensors are renamed (another layout), the receive area no longer
+    holds tensors for the old names: the rollout does not keep a copy of weights that
+    are never sent again."""
+
+    def test_old_names_are_freed(self, tmp_path):
+        sender = IpcWeightSender(device="cpu", bucket_bytes=1 << 12, shm_dir=str(tmp_path))
+        receiver = IpcWeightReceiver(device="cpu")
+        received: dict[str, dict[str, torch.Tensor]] = {}
+
+        def deliver(payload):
+            ack, received["weights"] = receiver.recv(payload)
+            return ack
+
+        first_layouts: list[weakref.ref] = []
+        try:
+            for step in range(1, 31):
+                prefix = f"layout{step % 10}"  # ten namings of the model, in turn
+                weights = {f"{prefix}.w{i}": torch.full((16, 16), float(step)) for i in range(4)}
+                sender.send(weights, deliver, step=step)
+                got = received.pop("weights")
+                assert torch.equal(got[f"{prefix}.w3"], weights[f"{prefix}.w3"])
+                if step <= 10:
+                    first_layouts.append(weakref.ref(got[f"{prefix}.w0"]))
+                del got
+            gc.collect()
+            kept = sum(r() is not None for r in first_layouts)
+            assert kept == 0, f"the receiver still holds {kept} tensors of names it was sent before"
+        finally:
+            sender.close()
+            receiver.close()
