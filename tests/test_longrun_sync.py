@@ -77,3 +77,28 @@ class TestIpcReceiverLetsGoOfRenamedWeights:
         finally:
             sender.close()
             receiver.close()
+
+
+class TestBroadcastersGoWithTheirGroups:
+    """The broadcaster the verl helpers keep for a weight-sync group, and its buffers,
+    live as long as the group: a job that makes a new group for each sync (after a
+    broken one, or per rollout restart) does not keep every old group's buffers."""
+
+    def test_closed_groups_are_not_kept(self):
+        from obsckpt.integrations.verl_fsdp import broadcaster_for
+        from obsckpt.sync.group import WeightSyncGroup, free_port
+
+        alive = []
+        for step in range(1, 11):
+            group = WeightSyncGroup(
+                host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo"
+            )
+            b = broadcaster_for(group, bucket_bytes=1 << 20)
+            assert broadcaster_for(group) is b  # one per group
+            b.send({"w": torch.ones(1024)}, step=step)
+            group.close()
+            alive.append(weakref.ref(group))
+            del group, b
+        gc.collect()
+        kept = sum(ref() is not None for ref in alive)
+        assert kept == 0, f"{kept} of {len(alive)} closed groups are still kept"

@@ -29,7 +29,6 @@ import os
 import shutil
 import tempfile
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,10 +50,9 @@ FSDP_CONFIG_FILE = "fsdp_config.json"
 LORA_META_FILE = "lora_train_meta.json"
 _FSDP_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
-# One broadcaster (and its reusable buffers) per weight-sync group.
-_broadcasters: weakref.WeakKeyDictionary[WeightSyncGroup, WeightBroadcaster] = (
-    weakref.WeakKeyDictionary()
-)
+# One broadcaster (and its reusable buffers) per weight-sync group, kept on the group:
+# a broadcaster holds its group, so a map keyed weakly by the group would keep both.
+_BROADCASTER_ATTR = "_obsckpt_broadcaster"
 
 
 # ----------------------------------------------------------------------
@@ -458,9 +456,10 @@ def full_params(module: torch.nn.Module) -> Iterator[tuple[list[TensorMeta], Ite
 
 def broadcaster_for(group: WeightSyncGroup, **kwargs: Any) -> WeightBroadcaster:
     """The broadcaster kept for ``group`` (created with ``kwargs`` the first time)."""
-    b = _broadcasters.get(group)
+    b = getattr(group, _BROADCASTER_ATTR, None)
     if b is None:
-        b = _broadcasters[group] = WeightBroadcaster(group, **kwargs)
+        b = WeightBroadcaster(group, **kwargs)
+        setattr(group, _BROADCASTER_ATTR, b)
     return b
 
 
