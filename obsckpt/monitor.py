@@ -222,8 +222,10 @@ class CheckpointMonitor:
         strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
         _refuse_hdfs(default_hdfs_dir)
+        # As the caller sees it: a relative root would otherwise be resolved against the
+        # actor's working directory, which on another node is not the caller's.
+        default_local_dir = os.path.abspath(os.fspath(default_local_dir))
         # Checked here too, so a bad root fails in the caller, not in a dead actor.
-        default_local_dir = os.fspath(default_local_dir)
         disk.ensure_root(default_local_dir)
         remote_cls = ray.remote(cls)
         options: dict[str, Any] = dict(
@@ -235,7 +237,7 @@ class CheckpointMonitor:
         )
         if namespace:
             options["namespace"] = namespace
-        return remote_cls.options(**options).remote(
+        monitor = remote_cls.options(**options).remote(
             strategy,
             default_local_dir,
             default_hdfs_dir,
@@ -246,6 +248,20 @@ class CheckpointMonitor:
             trace_exporter=trace_exporter,
             lease_timeout_s=lease_timeout_s,
         )
+        # get_if_exists hands back a monitor already running under the name, whatever
+        # its root: this job's steps would then be committed (or never) under another
+        # root, with nothing said. Waiting for the answer also surfaces a monitor that
+        # failed to start here rather than at the first save.
+        running = ray.get(monitor.checkpoint_root.remote())
+        if os.path.realpath(running) != os.path.realpath(default_local_dir):
+            where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+            raise ValueError(
+                f"a {ACTOR_NAME} actor already runs in {where} with checkpoint root "
+                f"{running!r}, not default_local_dir={default_local_dir!r}; it commits only "
+                "steps under its own root. Give this job a Ray namespace of its own "
+                "(namespace=...), or pass the same default_local_dir"
+            )
+        return monitor
 
     # ------------------------------------------------------------------
     # Trinity's RPCs
@@ -753,6 +769,10 @@ class CheckpointMonitor:
     async def metrics_address(self) -> str | None:
         """``host:port`` of /metrics, or None when not served (see status() for why)."""
         return self.server.address
+
+    async def checkpoint_root(self) -> str:
+        """The directory this monitor commits steps under (``default_local_dir``)."""
+        return str(self.root)
 
     async def status(self) -> dict:
         """Latest committed steps, pending, failed and abandoned steps, saves in flight."""

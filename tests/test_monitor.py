@@ -616,6 +616,25 @@ class TestMetrics:
 class TestBadInput:
     """Bad arguments get a clear error naming the value; nothing is committed."""
 
+    def test_a_running_monitor_of_another_root_is_refused(self, namespace, tmp_path):
+        first = CheckpointMonitor.get_actor(namespace=namespace, default_local_dir=tmp_path / "a")
+        again = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(tmp_path / "x" / ".." / "a")
+        )
+        assert ray.get(again.status.remote())["root"] == str(tmp_path / "a")
+        with pytest.raises(ValueError) as err:
+            CheckpointMonitor.get_actor(namespace=namespace, default_local_dir=tmp_path / "b")
+        msg = str(err.value)
+        assert str(tmp_path / "a") in msg and str(tmp_path / "b") in msg
+        assert "namespace" in msg
+        ray.kill(first)
+
+    def test_a_relative_root_is_the_callers(self, namespace, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        monitor = CheckpointMonitor.get_actor(namespace=namespace, default_local_dir="ckpt")
+        assert ray.get(monitor.checkpoint_root.remote()) == str(tmp_path / "ckpt")
+        ray.kill(monitor)
+
     def test_unwritable_directory_is_refused_at_creation(self, namespace):
         with pytest.raises(CheckpointDirError, match="/proc/obsckpt"):
             CheckpointMonitor.get_actor(namespace=namespace, default_local_dir="/proc/obsckpt")
