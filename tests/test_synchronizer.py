@@ -107,6 +107,28 @@ class TestMemorySync:
 class TestCheckpointSync:
     """Only committed steps are read; the newest committed step becomes the version."""
 
+    def test_a_running_synchronizer_of_another_root_is_refused(self, namespace, tmp_path):
+        memory_only = Synchronizer.get_actor(namespace=namespace)
+        with pytest.raises(ValueError, match="watches no checkpoint root"):
+            Synchronizer.get_actor(namespace=namespace, default_local_dir=tmp_path / "a")
+        ray.kill(memory_only)
+        wait_until_gone = time.monotonic() + 30
+        while time.monotonic() < wait_until_gone:
+            try:
+                ray.get_actor("synchronizer", namespace=namespace)
+            except ValueError:
+                break
+            time.sleep(0.1)
+        first = Synchronizer.get_actor(
+            namespace=namespace, default_local_dir=tmp_path / "a", watch=False
+        )
+        again = Synchronizer.get_actor(namespace=namespace, default_local_dir=str(tmp_path / "a"))
+        assert ray.get(again.checkpoint_root.remote()) == str(tmp_path / "a")
+        with pytest.raises(ValueError) as err:
+            Synchronizer.get_actor(namespace=namespace, default_local_dir=tmp_path / "b")
+        assert str(tmp_path / "a") in str(err.value) and str(tmp_path / "b") in str(err.value)
+        ray.kill(first)
+
     def test_commit_through_the_monitor(self, namespace, tmp_path):
         root = tmp_path / "ckpt"
         monitor = CheckpointMonitor.get_actor(

@@ -145,21 +145,41 @@ class Synchronizer:
         )
         if namespace:
             options["namespace"] = namespace
+        if default_local_dir is not None:
+            # As the caller sees it, not against the actor's working directory.
+            default_local_dir = os.path.abspath(os.fspath(default_local_dir))
         actor = (
             ray.remote(cls)
             .options(**options)
             .remote(
-                os.fspath(default_local_dir) if default_local_dir is not None else None,
+                default_local_dir,
                 poll_interval_s=poll_interval_s,
                 namespace=namespace,
                 trace_exporter=trace_exporter,
             )
         )
+        if default_local_dir is not None:
+            # get_if_exists hands back a synchronizer already running under the name,
+            # whatever root it watches: the rollout would then never see this job's steps.
+            running = ray.get(actor.checkpoint_root.remote())
+            if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
+                where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+                watched = f"watches {running!r}" if running else "watches no checkpoint root"
+                raise ValueError(
+                    f"a {ACTOR_NAME} actor already runs in {where} and {watched}, not "
+                    f"default_local_dir={default_local_dir!r}. Create it with this root "
+                    "before anything asks for it without one, give this job a Ray namespace "
+                    "of its own, or pass the same default_local_dir"
+                )
         if watch:
             ray.get(actor.start.remote())
         return actor
 
     # -- lifecycle -----------------------------------------------------
+
+    async def checkpoint_root(self) -> str | None:
+        """The checkpoint root this synchronizer watches (None: memory sync only)."""
+        return str(self.root) if self.root is not None else None
 
     async def start(self) -> bool:
         """Start watching the checkpoint root (idempotent); False when there is none."""
