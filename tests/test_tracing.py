@@ -348,3 +348,29 @@ print(tracing.flush(10.0), len(got), flush=True)
 os._exit(0)
 """
         assert run_python(code).stdout.split() == ["True", "1500"]
+
+
+class TestCarriers:
+    """as_carrier gives each captured context its own carrier, however often it is asked."""
+
+    def test_each_context_gets_its_own_carrier(self):
+        code = """
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from obsckpt.telemetry import tracing
+
+class Discard(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+
+tracing.setup_tracing("carrier-test", exporter=Discard())
+contexts = []
+for step in (1, 2):
+    with tracing.checkpoint_span(step):
+        contexts.append(tracing.capture())
+seen = [tracing.as_carrier(c)["traceparent"] for c in contexts + contexts[::-1] + contexts]
+expected = [tracing.inject(c)["traceparent"] for c in contexts + contexts[::-1] + contexts]
+carrier = tracing.as_carrier(contexts[0])
+carrier["traceparent"] = "changed by the caller"
+print(seen == expected, len(set(seen)), tracing.as_carrier(contexts[0]) != carrier)
+"""
+        assert run_python(code).stdout.split() == ["True", "2", "True"]

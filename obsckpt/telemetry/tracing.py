@@ -290,12 +290,23 @@ def capture() -> otel_context.Context | None:
     return otel_context.get_current() if enabled() else None
 
 
+# The last context formatted by as_carrier and its carrier: every save of a step
+# captures the same context object, so the step's saves format it once.
+_last_carrier: tuple[otel_context.Context, dict[str, str]] | None = None
+
+
 def as_carrier(parent: Mapping[str, str] | otel_context.Context | None) -> dict[str, str]:
     """A W3C carrier from a carrier, a captured context (see :func:`capture`) or None."""
+    global _last_carrier
     if parent is None:
         return {}
     if isinstance(parent, otel_context.Context):  # a Context is a Mapping too
-        return inject(parent)
+        last = _last_carrier  # one read: save threads run this concurrently
+        if last is not None and last[0] is parent:
+            return dict(last[1])
+        carrier = inject(parent)
+        _last_carrier = (parent, carrier)
+        return dict(carrier)
     return dict(parent)
 
 
