@@ -111,7 +111,9 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     if has_manifest and not data and step not in (ck, sd):
         state, kind = "removed", "-"
         note = "committed once; its files were removed (retention), the manifest is left"
-    elif has_manifest or step in (ck, sd):
+    elif step in (ck, sd) or (has_manifest and newest is not None and step < newest):
+        # A manifest alone does not make a step committed: a commit interrupted after
+        # writing it (the iteration file's write failed, the monitor died) leaves one.
         state = "committed"
         if step == ck:
             note = "latest checkpoint"
@@ -123,7 +125,12 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     else:
         state = "uncommitted"
         kind = "checkpoint" if full else "state_dict"
-        if newest is None or step > newest:
+        if has_manifest:
+            note = (
+                "never committed: its manifest was written but its commit did not finish "
+                "(no iteration file names it)"
+            )
+        elif newest is None or step > newest:
             note = "never committed: still being written, or abandoned by an interrupted save"
         else:
             note = "never committed: a save failed or the job stopped before it was whole"

@@ -13,6 +13,7 @@ temp file, fsync, rename over the target, fsync of the directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from obsckpt.errors import CheckpointDirError, IterationFileError
 
@@ -133,10 +135,23 @@ def steps_on_disk(root: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
+def raise_named(exc: OSError, path: str | os.PathLike) -> NoReturn:
+    """Raise ``exc``, naming ``path`` when it names no file (an error on a file descriptor).
+
+    ``os.write`` and ``os.fsync`` report only the cause ("No space left on
+    device"); a commit's error must also say which file of which step it hit.
+    """
+    if exc.filename is not None:
+        raise exc
+    raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise_named(exc, path)
     finally:
         os.close(fd)
 
@@ -145,6 +160,8 @@ def fsync_file(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise_named(exc, path)
     finally:
         os.close(fd)
 
@@ -268,17 +285,23 @@ def _write_temp(path: Path, data: bytes) -> tuple[Path, Path]:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-    finally:
+    except BaseException as exc:
         os.close(fd)
+        # Not handed to the caller's clean-up yet: a full disk would keep it for good.
+        _discard([(tmp, path)])
+        if isinstance(exc, OSError):
+            raise_named(exc, tmp)
+        raise
+    os.close(fd)
     return tmp, path
 
 
 def _discard(pending: list[tuple[Path, Path]]) -> None:
     for tmp, _ in pending:
-        try:
+        # Best effort: on a filesystem turned read-only the unlink fails too, and its
+        # error must not replace the one that ended the write.
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
 
 
 _fsync_pool: ThreadPoolExecutor | None = None

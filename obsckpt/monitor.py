@@ -10,6 +10,7 @@ measurements with every notification, status(), /metrics and file_sd.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -65,6 +66,21 @@ def _refuse_hdfs(default_hdfs_dir: object) -> None:
 
 def _label(value: object, default: str = "unknown") -> str:
     return default if value is None else str(value)
+
+
+def _storage_hint(exc: OSError, root: os.PathLike) -> str:
+    """What to do about a commit that failed on the storage, by its cause."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"Free space (or inodes) on the filesystem of {root}"
+    elif exc.errno == errno.EROFS:
+        what = f"Remount the filesystem of {root} read-write"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        what = f"Let this process create files in {root} and its step directories"
+    elif exc.errno == errno.ENOENT:
+        what = f"Leave the step directories under {root} in place until they are committed"
+    else:
+        what = f"Check the filesystem of {root}"
+    return f"{what}; the next step commits once it can be written"
 
 
 class CheckpointMonitor:
@@ -125,6 +141,9 @@ class CheckpointMonitor:
             latest, on_fail=lambda _step, kind: self.metrics.step_failures.labels(kind).inc()
         )
         self.tracker.restarted = _was_restarted()
+        # Whether this process sees the step directories the workers write: then a
+        # step directory missing at commit was removed, not written on another node.
+        self._sees_step_dirs = bool(disk.steps_on_disk(self.root))
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
         self._tickets = Tickets()
@@ -669,6 +688,13 @@ class CheckpointMonitor:
                 await asyncio.to_thread(self._write_commit, step, kind, files, phases)
         except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
             msg = f"commit of step {step} ({kind}) failed: {exc}"
+            if isinstance(exc, OSError):
+                latest = self.tracker.latest[kind]
+                msg += (
+                    f"; it is not committed and {disk.ITERATION_FILES[kind]} still names "
+                    f"{'no step' if latest is None else f'step {latest}'}. "
+                    + _storage_hint(exc, self.root)
+                )
             logger.error("obsckpt: %s", msg)
             self.tracker.end_commit(step, kind, ok=False, error=msg)
             return
@@ -701,6 +727,16 @@ class CheckpointMonitor:
         self, step: int, kind: str, files: dict[str, FileRecord], phases: dict[str, float]
     ) -> None:
         sdir = disk.step_dir(self.root, step)
+        if sdir.is_dir():
+            self._sees_step_dirs = True
+        elif files and self._sees_step_dirs:
+            # Committing it would name a step that is not on disk.
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"the step directory was removed or renamed after its saves reported "
+                f"{len(files)} file(s) in it",
+                str(sdir),
+            )
         steps = {kind: step}
         if kind == "checkpoint":
             # A full checkpoint also commits its state dict.

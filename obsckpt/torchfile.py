@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt.commit import FileRecord, crc32, fsync_dir
+from obsckpt.commit import FileRecord, crc32, fsync_dir, raise_named
 from obsckpt.tree import cpu_storages
 
 # The writer's chunks, for the bytes that cannot be written from where they lie
@@ -256,10 +256,13 @@ class _PipelinedSink:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise OSError(
+            error = OSError(
                 f"writing {self.path} failed: {self._error}; the save is abandoned (check the "
                 "filesystem's free space and health)"
-            ) from self._error
+            )
+            # Callers tell a full disk from other faults by errno, as for any OSError.
+            error.errno = getattr(self._error, "errno", None)
+            raise error from self._error
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -358,9 +361,12 @@ class _PipelinedSink:
             for seq in range(self._seq):
                 crc, n = self._crcs[seq]
                 self.crc = crc32_combine(self.crc, crc, n)
-            if self.direct:
-                os.ftruncate(self.fd, self.size)
-            os.fsync(self.fd)
+            try:
+                if self.direct:
+                    os.ftruncate(self.fd, self.size)
+                os.fsync(self.fd)
+            except OSError as exc:  # on a descriptor: the error names no file
+                raise_named(exc, self.path)
         finally:
             self.close()
 
