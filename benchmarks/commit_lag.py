@@ -69,6 +69,7 @@ class TimedMonitor(CheckpointMonitor):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._finish_rx: dict[int, float] = {}
+        self._cpu_from: dict[int, float] = {}
         # Garbage-collector pauses (wall-clock start, seconds, generation), to tell
         # a collection inside a commit from slow I/O.
         self._gc: list[tuple[float, float, int]] = []
@@ -90,7 +91,12 @@ class TimedMonitor(CheckpointMonitor):
         now = time.time()
         if now > self._finish_rx.get(step, 0.0):
             self._finish_rx[step] = now
+        self._cpu_from.setdefault(step, time.process_time())
         return await super().notify_finished(step, *args, **kwargs)
+
+    async def finish_cpu_s(self, step: int) -> float:
+        """CPU seconds of this process since the step's first ``notify_finished`` (all threads)."""
+        return time.process_time() - self._cpu_from.pop(step)
 
     async def last_finish_received(self, step: int) -> float | None:
         return self._finish_rx.pop(step, None)
@@ -101,11 +107,16 @@ class NoopMonitor:
 
     def __init__(self) -> None:
         self._rx: dict[int, float] = {}
+        self._cpu_from: dict[int, float] = {}
 
     async def notify_finished(self, step, *args, **kwargs) -> None:
         now = time.time()
         if now > self._rx.get(step, 0.0):
             self._rx[step] = now
+        self._cpu_from.setdefault(step, time.process_time())
+
+    async def finish_cpu_s(self, step: int) -> float:
+        return time.process_time() - self._cpu_from.pop(step)
 
     async def last_finish_received(self, step: int) -> float | None:
         return self._rx.pop(step, None)
@@ -245,6 +256,8 @@ def _run_steps(
         "floor_of": [],
         "gc_in_commit": [],
         "phases": [],
+        "monitor_cpu": [],
+        "floor_cpu": [],
     }
     for i in range(steps):
         step = first_step + i
@@ -266,13 +279,17 @@ def _run_steps(
         out["end_to_end"].append(committed_at - last_sent)
         out["monitor_side"].append(committed_at - received)
         out["whole_to_commit"].append(committed_at - detail["whole_at"])
+        out["monitor_cpu"].append(ray.get(monitor.finish_cpu_s.remote(step)))
         pauses = ray.get(monitor.gc_pauses.remote(received, committed_at))
         out["gc_in_commit"].append(sum(d for d, _g in pauses))
         out["phases"].append(detail.get("phases_s", {}))
 
         if i % floor_every == 0:
             floor_sent = _send_finishes(sims, step, spread_s, noop=True)
-            floor_rx = ray.get(noop.last_finish_received.remote(step))
+            floor_rx, floor_cpu = ray.get(
+                [noop.last_finish_received.remote(step), noop.finish_cpu_s.remote(step)]
+            )
+            out["floor_cpu"].append(floor_cpu)
             out["floor"].append(floor_rx - floor_sent)
             out["floor_of"].append(i)
 
@@ -409,6 +426,15 @@ def run_commit_lag(sizes: Sizes, bench_dir: str, namespace: str, log) -> Result:
             "monitor_side_p99_ms": main["monitor_side_p99_ms"],
             "whole_to_commit_p50_ms": main["whole_to_commit_p50_ms"],
             "whole_to_commit_p99_ms": main["whole_to_commit_p99_ms"],
+            "monitor_cpu_per_step_p50_ms": main["monitor_cpu_p50_ms"],
+            "floor_cpu_per_step_p50_ms": main["floor_cpu_p50_ms"],
+            "cpu_note": "CPU seconds (all threads) of the monitor's process, and of the no-op "
+            "actor's, from a step's first notify_finished until it is committed (received, "
+            "for the floor): the difference is the monitor's own work per step, handling "
+            "saves_per_step notifications and the commit. On a machine with few cores it "
+            "delays the notifications queued behind it, which the monitor-side lag (timed "
+            "from the last notification's handling) leaves out and end_to_end_minus_floor "
+            "contains",
             "gc_in_commit_max_ms": main["gc_in_commit_max_ms"],
             "steps_with_gc_in_commit": main["steps_with_gc_in_commit"],
             "slowest_steps": main["slowest_steps"],

@@ -239,6 +239,11 @@ def run_gpu_benchmarks(sizes: Sizes, log) -> list[Result]:
                 # the GPU's own cost of a concurrent D2H copy (HBM, clocks): a floor
                 "workload_with_raw_copy_s": round(median(raw), 6),
                 "raw_copy_stall_vs_d2h": round(max(0.0, median(raw) - median(alone)) / c, 4),
+                # Each overlapped run against the workload alone just before it: a
+                # small difference of two long times, less exposed to drift paired.
+                "paired_stall_vs_d2h": round(
+                    max(0.0, median([t - a for t, a in zip(together, alone, strict=True)])) / c, 4
+                ),
                 "hand_off_s": round(median(queued), 6),
                 "workload_alone_samples_s": rounded(alone),
                 "workload_with_copy_samples_s": rounded(together),

@@ -141,6 +141,7 @@ def run_peak_rss(sizes: Sizes, bench_dir: str, address: str, namespace: str, log
         )
         for entry in os.listdir(root):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
     nbytes = runs[0]["state_bytes"]
     firsts = [r["first"]["extra_bytes"] / nbytes for r in runs]
     steadies = [r["steady"]["extra_bytes"] / nbytes for r in runs]

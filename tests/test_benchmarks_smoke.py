@@ -124,10 +124,33 @@ class TestSmokeRun:
             assert dcp["stall_s"] > 0 and dcp["durable_s"] >= dcp["stall_s"]
             assert dcp["thread_count"] == obsckpt["writer_threads"]
             assert r["torch_save_fsync"]["durable_s"] > 0
-            best = r["dcp_default_stager"] if r["compared_with"] == "dcp_default_stager" else None
-            if best is not None:
-                key = "stall_s" if name == "peer_dcp_stall_ratio" else "durable_s"
-                assert r["value"] == pytest.approx(best[key] / obsckpt[key], rel=1e-2)
+            best = r[r["compared_with"]]
+            key = "stall_s" if name == "peer_dcp_stall_ratio" else "durable_s"
+            assert r["value"] == pytest.approx(best[key] / obsckpt[key], rel=1e-2)
+
+    def test_peers_compare_with_dcp_kept_stager_and_count_page_faults(self, smoke_run):
+        _, doc = smoke_run
+        r = doc["results"]["peer_dcp_stall_ratio"]
+        kept = r["dcp_kept_stager"]
+        assert kept["kept_default_stager"] is True and kept["stall_s"] > 0
+        for method in (r["obsckpt"], r["dcp_default_stager"], kept):
+            faults = method["stall_page_faults_samples"]
+            assert len(faults) == r["reps"] and all(f >= 0 for f in faults)
+        assert r["compared_with"] in r
+        if r["device"] == "cpu":
+            assert "cannot be shown on CPU" in r["cpu_note"]
+
+    def test_broadcast_baseline_is_the_reference_loop(self, smoke_run):
+        _, doc = smoke_run
+        r = doc["results"]["bucketed_vs_per_tensor"]
+        assert r["per_tensor_s"] > 0 and r["per_tensor_mode_s"] > 0
+        assert r["value"] == pytest.approx(r["per_tensor_s"] / r["bucketed_s"], rel=1e-3)
+        assert len(r["per_tensor_mode_samples_s"]) == r["reps"]
+
+    def test_commit_lag_reports_the_monitors_cpu_beside_the_floors(self, smoke_run):
+        _, doc = smoke_run
+        r = doc["results"]["commit_lag_p99_ms"]
+        assert r["monitor_cpu_per_step_p50_ms"] >= 0 and r["floor_cpu_per_step_p50_ms"] >= 0
 
     def test_first_save_reports_prepare_and_cold_numbers(self, smoke_run):
         _, doc = smoke_run
@@ -146,6 +169,8 @@ class TestSmokeRun:
         assert r["save_thread_extra_us"] == pytest.approx(
             statistics.median(on) - statistics.median(off), abs=0.2
         )
+        # Exporting is reported beside the value, not in it.
+        assert "otlp_export_encode_us" in r and "not in the value" in r["export_note"]
 
 
 def test_only_runs_each_benchmark_once():
