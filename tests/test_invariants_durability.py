@@ -9,82 +9,30 @@ another node, where it could not make this node's writes durable).
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from strace_helpers import Call, run_traced, strace_path
 
 from obsckpt import commit as disk
 
-_LINE = re.compile(r"^(\d+)\s+(.*)$")
-_CALL = re.compile(r"^(\w+)\((.*)")
-_RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)")
-_FD_PATH = re.compile(r"^\d+<(.*?)>")
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
-
-def _calls(text: str) -> list[tuple[str, str]]:
-    """(name, arguments) of the completed calls, in completion order."""
-    calls: list[tuple[str, str]] = []
-    pending: dict[tuple[str, str], str] = {}
-    for raw in text.splitlines():
-        m = _LINE.match(raw)
-        if not m:
-            continue
-        pid, rest = m.groups()
-        if rest.endswith("<unfinished ...>"):
-            if c := _CALL.match(rest):
-                pending[(pid, c.group(1))] = c.group(2)
-        elif r := _RESUMED.match(rest):
-            calls.append((r.group(1), pending.pop((pid, r.group(1)), "") + r.group(2)))
-        elif c := _CALL.match(rest):
-            calls.append((c.group(1), c.group(2)))
+def _trace(tmp_path: Path, driver: str, *args: str) -> list[Call]:
+    """The driver's calls, in completion order."""
+    strace = strace_path("the durable order of writes")
+    calls = run_traced(
+        strace,
+        tmp_path,
+        textwrap.dedent(driver),
+        "fsync,fdatasync,rename,renameat,renameat2,mkdir,mkdirat,openat",
+        *args,
+    )
     return calls
 
 
-def _fsynced(args: str) -> str | None:
-    m = _FD_PATH.match(args)
-    return m.group(1) if m else None
-
-
-def _trace(tmp_path: Path, driver: str, *args: str) -> list[tuple[str, str]]:
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.fail("strace not found: install Debian's `strace` package (apt-get install strace)")
-    trace = tmp_path / "strace.txt"
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(driver))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run(
-        [
-            strace,
-            "-f",
-            "-y",
-            "-qq",
-            "-o",
-            str(trace),
-            "-e",
-            "trace=fsync,fdatasync,rename,renameat,renameat2,mkdir,mkdirat,openat",
-            sys.executable,
-            str(script),
-            *args,
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, f"driver failed ({done.returncode}): {done.stderr[-3000:]}"
-    return _calls(trace.read_text())
-
-
 def _index(calls, pred, what: str) -> int:
-    found = [i for i, (name, args) in enumerate(calls) if pred(name, args)]
+    found = [c.index for c in calls if pred(c)]
     assert len(found) == 1, f"expected one {what}, found {len(found)}"
     return found[0]
 
@@ -127,18 +75,18 @@ class TestDurableOrder:
         iteration = str(root / disk.ITERATION_FILES["checkpoint"])
         made = _index(
             calls,
-            lambda n, a: n.startswith("mkdir") and _QUOTED.findall(a)[-1:] == [sdir],
+            lambda c: c.name.startswith("mkdir") and c.paths[-1:] == [sdir],
             f"mkdir of {sdir}",
         )
         renamed = _index(
             calls,
-            lambda n, a: n.startswith("rename") and _QUOTED.findall(a)[-1:] == [iteration],
+            lambda c: c.name.startswith("rename") and c.paths[-1:] == [iteration],
             f"rename onto {iteration}",
         )
         between = [
             i
-            for i, (name, args) in enumerate(calls)
-            if name in ("fsync", "fdatasync") and _fsynced(args) == str(root)
+            for i, c in enumerate(calls)
+            if c.name in ("fsync", "fdatasync") and c.fd_path == str(root)
         ]
         assert any(made < i < renamed for i in between), (
             f"{root} was not fsynced between creating {sdir} and renaming {iteration}"
@@ -152,21 +100,17 @@ class TestDurableOrder:
         assert target.is_file()
         returned = _index(
             calls,
-            lambda n, a: n == "openat" and _QUOTED.findall(a)[:1] == [f"{target}.done"],
+            lambda c: c.name == "openat" and c.paths[:1] == [f"{target}.done"],
             "open of the marker file",
         )
         renamed = _index(
             calls,
-            lambda n, a: n.startswith("rename") and _QUOTED.findall(a)[-1:] == [str(target)],
+            lambda c: c.name.startswith("rename") and c.paths[-1:] == [str(target)],
             f"rename onto {target}",
         )
-        tmp = _QUOTED.findall(calls[renamed][1])[0]
+        tmp = calls[renamed].paths[0]
         assert Path(tmp).parent == target.parent and Path(tmp).name.startswith("model.pt.tmp")
-        syncs = [
-            (i, _fsynced(args))
-            for i, (name, args) in enumerate(calls)
-            if name in ("fsync", "fdatasync")
-        ]
+        syncs = [(c.index, c.fd_path) for c in calls if c.name in ("fsync", "fdatasync")]
         assert any(i < renamed and path == tmp for i, path in syncs), (
             f"{tmp} was not fsynced before it was renamed to {target.name}"
         )

@@ -13,15 +13,11 @@ without it, since the ordering is otherwise unchecked.
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import subprocess
-import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from strace_helpers import Call, run_traced, strace_path
 
 from obsckpt import commit as disk
 
@@ -50,64 +46,10 @@ DRIVER = textwrap.dedent(
     """
 )
 
-_LINE = re.compile(r"^(\d+)\s+(.*)$")
-_CALL = re.compile(r"^(\w+)\((.*)")
-_RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)")
-_FD_PATH = re.compile(r"^\d+<(.*?)>")
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
-
-
-@dataclass
-class Call:
-    index: int  # order of completion
-    name: str
-    args: str
-
-    @property
-    def fd_path(self) -> str | None:
-        m = _FD_PATH.match(self.args)
-        return m.group(1) if m else None
-
-    @property
-    def paths(self) -> list[str]:
-        return _QUOTED.findall(self.args)
-
-
-def parse_strace(text: str) -> list[Call]:
-    """Completed calls in completion order; unfinished calls count when they resume."""
-    calls: list[Call] = []
-    pending: dict[tuple[str, str], str] = {}
-    for raw in text.splitlines():
-        m = _LINE.match(raw)
-        if not m:
-            continue
-        pid, rest = m.groups()
-        if rest.endswith("<unfinished ...>"):
-            c = _CALL.match(rest)
-            if c:
-                pending[(pid, c.group(1))] = c.group(2)
-            continue
-        r = _RESUMED.match(rest)
-        if r:
-            name = r.group(1)
-            args = pending.pop((pid, name), "") + r.group(2)
-            calls.append(Call(len(calls), name, args))
-            continue
-        c = _CALL.match(rest)
-        if c:
-            calls.append(Call(len(calls), c.group(1), c.group(2)))
-    return calls
-
 
 @pytest.fixture(scope="module")
 def strace() -> str:
-    path = shutil.which("strace")
-    if path is None:
-        pytest.fail(
-            "strace not found: install Debian's `strace` package (apt-get install -y strace); "
-            "without it the durability order of commits is unchecked"
-        )
-    return path
+    return strace_path("the durability order of commits")
 
 
 @pytest.mark.needs_strace
@@ -198,29 +140,6 @@ SAVE_DRIVER = textwrap.dedent(
 
 def _traced(strace: str, tmp_path: Path, driver: str, *args: str) -> list[Call]:
     """Run ``driver`` under strace (fsync, rename and openat calls); its calls in order."""
-    trace = tmp_path / "strace.txt"
-    script = tmp_path / "driver.py"
-    script.write_text(driver)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run(
-        [
-            strace,
-            "-f",
-            "-y",
-            "-qq",
-            "-o",
-            str(trace),
-            "-e",
-            "trace=fsync,fdatasync,rename,renameat,renameat2,openat",
-            sys.executable,
-            str(script),
-            *args,
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
+    return run_traced(
+        strace, tmp_path, driver, "fsync,fdatasync,rename,renameat,renameat2,openat", *args
     )
-    assert done.returncode == 0, f"strace run failed ({done.returncode}): {done.stderr[-3000:]}"
-    return parse_strace(trace.read_text())
