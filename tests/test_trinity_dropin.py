@@ -18,6 +18,7 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -440,3 +441,330 @@ class TestMegatronReportsOnce:
         status = ray.get(monitor.status.remote())
         assert status["pending"] == [] and status["failed"] == []
         assert status["latest"]["state_dict"] == 2 and status["resaves"] >= 2
+
+
+# ---------------------------------------------------------------------------
+# Name by name: Trinity-RFT's signatures, and its call sequences as written
+# ---------------------------------------------------------------------------
+
+
+def _positional(fn) -> list[tuple[str, object]]:
+    """(name, default) of the parameters a caller may pass by position, ``self`` excluded."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    return [
+        (p.name, p.default)
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _new_params_are_optional(fn, trinity: list[str]) -> list[str]:
+    """Parameters beyond Trinity's that a Trinity call would leave out but must pass."""
+    import inspect
+
+    return [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.name not in trinity
+        and p.name not in ("self", "cls")
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.default is inspect.Parameter.empty
+    ]
+
+
+_EMPTY = object()  # "no default" in the tables below
+
+
+def _signature_cases():
+    from obsckpt.integrations import verl_fsdp, verl_megatron
+
+    c, m = CheckpointCoordinator, CheckpointMonitor
+    return {
+        "CheckpointCoordinator": (c.__init__, [("checkpoint_monitor", _EMPTY)]),
+        "save_async": (
+            c.save_async,
+            [
+                ("name", _EMPTY),
+                ("save_fn", _EMPTY),
+                ("global_step", _EMPTY),
+                ("is_state_dict", False),
+            ],
+        ),
+        "save_sync": (
+            c.save_sync,
+            [("save_fn", _EMPTY), ("global_step", _EMPTY), ("is_state_dict", False)],
+        ),
+        "wait_all": (c.wait_all, [("timeout", None)]),
+        "register_and_monitor": (
+            c.register_and_monitor,
+            [
+                ("global_step", _EMPTY),
+                ("is_state_dict", False),
+                ("state_dict_thread_count", 0),
+                ("checkpoint_thread_count", 0),
+            ],
+        ),
+        "monitor_step": (m.monitor_step, [("step", _EMPTY), ("is_state_dict", False)]),
+        "notify_finished": (m.notify_finished, [("step", _EMPTY), ("is_state_dict", False)]),
+        "register_thread_count": (m.register_thread_count, [("step", _EMPTY)]),
+        "fsdp_save_state_dict": (
+            verl_fsdp.fsdp_save_state_dict,
+            [
+                ("engine", _EMPTY),
+                ("local_path", _EMPTY),
+                ("global_step", _EMPTY),
+                ("coordinator", _EMPTY),
+                ("logger", None),
+            ],
+        ),
+        "fsdp_upload_state_dict": (
+            verl_fsdp.fsdp_upload_state_dict,
+            [
+                ("engine", _EMPTY),
+                ("synchronizer", _EMPTY),
+                ("global_step", _EMPTY),
+                ("logger", None),
+            ],
+        ),
+        "fsdp_sync_weight_nccl": (
+            verl_fsdp.fsdp_sync_weight_nccl,
+            [("engine", _EMPTY), ("model_update_group", _EMPTY)],
+        ),
+        "megatron_save_state_dict": (
+            verl_megatron.megatron_save_state_dict,
+            [
+                ("engine", _EMPTY),
+                ("local_path", _EMPTY),
+                ("global_step", _EMPTY),
+                ("coordinator", _EMPTY),
+                ("logger", None),
+            ],
+        ),
+        "megatron_upload_state_dict": (
+            verl_megatron.megatron_upload_state_dict,
+            [
+                ("engine", _EMPTY),
+                ("synchronizer", _EMPTY),
+                ("global_step", _EMPTY),
+                ("logger", None),
+            ],
+        ),
+        "megatron_sync_weight_nccl": (
+            verl_megatron.megatron_sync_weight_nccl,
+            [("engine", _EMPTY), ("model_update_group", _EMPTY)],
+        ),
+    }
+
+
+class TestTrinitySignatures:
+    """Every Trinity-RFT call keeps its positions, names and defaults; additions are optional.
+
+    A Trinity caller's positional and keyword arguments land where they land in
+    Trinity (only an optional trailing parameter may be added: ``wait_all``'s
+    ``timeout``, the helpers' ``logger`` default), and no new parameter is
+    required.
+    """
+
+    @pytest.mark.parametrize("name", sorted(_signature_cases()))
+    def test_positions_names_defaults(self, name):
+        import inspect
+
+        fn, trinity = _signature_cases()[name]
+        got = [(n, _EMPTY if d is inspect.Parameter.empty else d) for n, d in _positional(fn)]
+        assert got == trinity
+        assert _new_params_are_optional(fn, [n for n, _ in trinity]) == []
+
+    def test_register_thread_count_counts_are_keywords_defaulting_to_zero(self):
+        import inspect
+
+        params = inspect.signature(CheckpointMonitor.register_thread_count).parameters
+        for count in ("state_dict_thread_count", "checkpoint_thread_count"):
+            assert params[count].kind is inspect.Parameter.KEYWORD_ONLY
+            assert params[count].default == 0
+
+    def test_notify_started_takes_node_and_job_by_keyword(self):
+        params = _positional(CheckpointMonitor.notify_started)
+        assert [n for n, _ in params] == ["node_id", "job_id"]
+
+    def test_register_and_monitor_is_a_coroutine_function(self):
+        import inspect
+
+        assert inspect.iscoroutinefunction(CheckpointCoordinator.register_and_monitor)
+
+    def test_monitor_get_actor_keeps_trinitys_order(self):
+        names = [n for n, _ in _positional(CheckpointMonitor.get_actor)]
+        assert names[:4] == ["namespace", "save_strategy", "default_local_dir", "default_hdfs_dir"]
+
+    def test_synchronizer_calls(self):
+        from obsckpt.sync.synchronizer import Synchronizer as SynchronizerClass
+
+        assert [n for n, _ in _positional(SynchronizerClass.set_model_state_dict)] == [
+            "model_state_dict",
+            "trainer_step",
+        ]
+        assert _positional(SynchronizerClass.get_model_state_dict) == []
+        assert _positional(SynchronizerClass.wait_new_model_state_dict)[0][0] == "current_version"
+
+
+class TestTrinityTrainerInThreads:
+    """A trainer saving state dicts and checkpoints in threads, then registering and
+    submitting the step, all with positional arguments as Trinity's pages show them,
+    under Trinity's own SINGLE_THREAD strategy: every call returns None (``save_sync``
+    True), and both iteration files name the step."""
+
+    def test_positional_sequence_commits(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace, TrinitySaveStrategy.SINGLE_THREAD, str(root), None, metrics_port=None
+        )
+        coordinator = CheckpointCoordinator(monitor)
+        actor = root / "global_step_1" / "actor"
+        actor.mkdir(parents=True)
+        sd = {"w": torch.arange(4.0)}
+        assert (
+            coordinator.save_async("model", lambda: torch.save(sd, actor / "m.pt"), 1, True) is None
+        )
+        assert coordinator.save_async("optim", lambda: torch.save(sd, actor / "o.pt"), 1) is None
+        assert coordinator.save_sync(lambda: torch.save(sd, actor / "e.pt"), 1, False) is True
+        assert coordinator.wait_all() is None
+        assert asyncio.run(coordinator.register_and_monitor(1, False, 1, 2)) is None
+        wait_until(lambda: disk.read_iteration(root, "checkpoint") == 1)
+        assert disk.read_iteration(root, "state_dict") == 1
+        assert torch.equal(torch.load(actor / "m.pt")["w"], sd["w"])
+        status = ray.get(monitor.status.remote())
+        assert status["failed"] == [] and status["pending"] == []
+
+
+class TestTrinityRawMonitorCalls:
+    """The monitor RPCs exactly as Trinity's FSDP checkpoint manager makes them
+    (``notify_started(node_id=, job_id=)``, ``notify_finished(step, True)`` and
+    ``notify_finished(step)``, ``register_thread_count`` after the saves) commit
+    the step; under SINGLE_THREAD a Trinity finish releases the admission."""
+
+    def test_manager_call_shape(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            save_strategy=TrinitySaveStrategy.SINGLE_THREAD,
+            default_local_dir=str(root),
+            default_hdfs_dir=None,
+            metrics_port=None,
+        )
+        ctx = ray.get_runtime_context()
+        ids = {"node_id": ctx.get_node_id(), "job_id": ctx.get_job_id()}
+        (root / "global_step_2").mkdir()
+        ray.get(monitor.notify_started.remote(**ids), timeout=30)
+        second = monitor.notify_started.remote(**ids)
+        assert ray.wait([second], timeout=0.3)[0] == []  # one save at a time
+        (root / "global_step_2" / "model.pt").write_bytes(b"m")
+        assert ray.get(monitor.notify_finished.remote(2, True)) is None
+        ray.get(second, timeout=30)
+        (root / "global_step_2" / "optim.pt").write_bytes(b"o")
+        ray.get(monitor.notify_finished.remote(2))
+        ray.get(monitor.register_thread_count.remote(2, state_dict_thread_count=1))
+        ray.get(monitor.register_thread_count.remote(2, checkpoint_thread_count=1))
+        assert ray.get(monitor.monitor_step.remote(2, is_state_dict=False)) is None
+        wait_until(lambda: disk.read_iteration(root, "checkpoint") == 2)
+        assert disk.read_iteration(root, "state_dict") == 2
+        # An older step submitted later is a no-op: the iteration file never goes back.
+        ray.get(monitor.monitor_step.remote(1, True))
+        assert disk.read_iteration(root, "state_dict") == 2
+
+
+class TestDocumentedDifferences:
+    """What a Trinity caller sees where obsckpt differs on purpose (docs/design.md)."""
+
+    @pytest.fixture
+    def job(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(root), metrics_port=None
+        )
+        return root, monitor, CheckpointCoordinator(monitor)
+
+    def test_wait_all_raises_a_background_failure_once(self, job):
+        from obsckpt import SaveError
+
+        root, _, coordinator = job
+
+        def full_disk() -> None:
+            raise OSError(28, "No space left on device")
+
+        coordinator.save_async("model", full_disk, 3, True)
+        with pytest.raises(SaveError, match="'model' of step 3") as caught:
+            coordinator.wait_all()
+        assert isinstance(caught.value, RuntimeError)
+        assert isinstance(caught.value.__cause__, OSError) and caught.value.step == 3
+        assert coordinator.wait_all() is None  # raised once
+
+    def test_save_sync_raises_what_save_fn_raised(self, job):
+        _, monitor, coordinator = job
+
+        def full_disk() -> None:
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space left"):
+            coordinator.save_sync(full_disk, 4)
+        wait_until(lambda: ray.get(monitor.status.remote())["failed"] != [])
+
+    @pytest.mark.parametrize("name", ["hf model", "actor/model", ""])
+    def test_slot_names_must_be_file_name_safe(self, job, name):
+        *_, coordinator = job
+        with pytest.raises(ValueError, match="slot name"):
+            coordinator.save_async(name, lambda: None, 1)
+
+    @pytest.mark.parametrize("step", [np.int64(5), 5.0, -1])
+    def test_steps_must_be_python_ints(self, job, step):
+        *_, coordinator = job
+        with pytest.raises(ValueError, match="global_step must be a non-negative integer"):
+            coordinator.save_async("model", lambda: None, step)
+        with pytest.raises(ValueError, match="global_step must be a non-negative integer"):
+            asyncio.run(coordinator.register_and_monitor(step, True))
+        assert coordinator.save_async("model", lambda: None, int(abs(step)), True) is None
+        coordinator.wait_all()
+
+    def test_submitting_a_step_with_no_saves_and_no_directory_commits_nothing(self, job):
+        root, monitor, coordinator = job
+        asyncio.run(coordinator.register_and_monitor(6, True))
+        wait_until(lambda: ray.get(monitor.status.remote())["failed"] != [])
+        [failed] = ray.get(monitor.status.remote())["failed"]
+        assert failed["step"] == 6 and "no saves and has no directory" in failed["error"]
+        assert disk.read_iteration(root, "state_dict") is None
+        # With its directory on disk the same call commits it.
+        (root / "global_step_7").mkdir()
+        asyncio.run(coordinator.register_and_monitor(7, True))
+        wait_until(lambda: disk.read_iteration(root, "state_dict") == 7)
+
+    def test_notify_started_returns_a_dict(self, job):
+        _, monitor, _ = job
+        answer = ray.get(monitor.notify_started.remote(node_id="n", job_id="j"))
+        assert isinstance(answer, dict) and "ticket" in answer
+        ray.get(monitor.notify_finished.remote(8, True))
+
+
+class TestTrinitySynchronizerCalls:
+    """The synchronizer's set/wait/get calls in Trinity's shapes: ``get_actor(config)``,
+    ``set_model_state_dict(None, step)`` first, ``wait_new_model_state_dict(version)``
+    and its positional ``no_wait``, ``get_model_state_dict()`` as ``(state_dict, version)``."""
+
+    def test_memory_sync_shapes(self, namespace):
+        import types
+
+        sync = Synchronizer.get_actor(types.SimpleNamespace(ray_namespace=namespace))
+        assert Synchronizer.get_actor(namespace=namespace)._actor_id == sync._actor_id
+        ray.get(sync.set_model_state_dict.remote(None, 0))
+        assert ray.get(sync.get_model_state_dict.remote()) == (None, 0)
+        assert ray.get(sync.wait_new_model_state_dict.remote(0, True)) == 0  # no_wait
+        waiting = sync.wait_new_model_state_dict.remote(0)
+        assert ray.wait([waiting], timeout=0.3)[0] == []
+        sd = {"w": torch.ones(3)}
+        ray.get(sync.set_model_state_dict.remote(sd, 1))
+        assert ray.get(waiting, timeout=30) == 1
+        assert ray.get(sync.wait_new_model_state_dict.remote(1, no_wait=True)) == 1
+        got, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 1 and torch.equal(got["w"], sd["w"])
+        ray.kill(sync)
