@@ -181,6 +181,7 @@ class TestCommittedFilesStay:
 
         root = tmp_path / "ckpt"
         monitor, both = start_job(namespace, root)
+        assert both("save_state_dict", str(root), 0) == [0, 0]  # the trainer's first sync
         both("train", 1)
         assert both("save_state_dict", str(root), 1) == [1, 1]
         # Each rank's manager registered its own save.
@@ -193,6 +194,7 @@ class TestCommittedFilesStay:
 
         # The restarted job: new managers, weights that differ from the committed ones.
         both("restart_manager")
+        assert both("save_state_dict", str(root), 0) == [0, 0]  # its first sync
         both("train", 2)
         assert both("save_state_dict", str(root), 1) == [0, 0]
         assert {p.name: p.read_bytes() for p in model_files} == committed
@@ -205,6 +207,24 @@ class TestCommittedFilesStay:
         assert {p.name: p.read_bytes() for p in model_files} == committed
         assert disk.verify_step(step_dir) == []
         assert (step_dir / "actor" / "optim_world_size_2_rank_1.pt").is_file()
+
+    def test_first_sync_saves_nothing_and_announces_the_step(self, namespace, tmp_path):
+        """As Trinity's: a manager's first save_state_dict (the trainer's prepare) writes
+        and registers nothing; rank 0 tells the Synchronizer the step is current, so a
+        resumed job's rollout versions restart at the resumed step."""
+        from obsckpt import Synchronizer
+
+        root = tmp_path / "ckpt"
+        sync = Synchronizer.get_actor(namespace=namespace)
+        assert ray.get(sync.set_model_state_dict.remote(None, 6))  # the run before the resume
+        monitor, both = start_job(namespace, root)
+        assert both("save_state_dict", str(root), 4) == [0, 0]
+        assert not (root / "global_step_4").exists()
+        assert ray.get(sync.get_version.remote()) == 4
+        assert ray.get(monitor.status.remote())["pending"] == []
+        both("train", 1)
+        assert both("save_state_dict", str(root), 5) == [1, 1]  # later syncs save
+        ray.kill(sync)
 
     def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path):
         """A job resumed from an older step (``resume_from_path``) retrains steps whose

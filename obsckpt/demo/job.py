@@ -342,12 +342,7 @@ def run_demo(
         actors += [*trainers, rollout] + ([synchronizer] if synchronizer is not None else [])
         result.device = info["device"]
         result.sync_method = cfg.sync_method
-        progress.note(
-            f"obsckpt demo: {cfg.world_size} FSDP2 ranks ({info['backend']}, {info['device']}), "
-            f"Qwen2 with {info['parameters'] / 1e6:.2f} M parameters, weight sync "
-            f"{_sync_name(cfg, info)}, full checkpoint every "
-            f"{'step' if cfg.save_every == 1 else f'{cfg.save_every} steps'}"
-        )
+        progress.note(plan_line(cfg, info))
         where = shlex.quote(str(root))
         progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {where}`)")
         if resumed:
@@ -359,6 +354,7 @@ def run_demo(
                 # skips the state dicts committed before it (Synchronizer.resume_from).
                 ray.get(synchronizer.resume_from.remote(resumed))
             if cfg.sync_method == "checkpoint":
+                ray.get([t.start_state_dict_sync.remote(resumed) for t in trainers])
                 ray.get(synchronizer.start.remote())
         retrained = resumed
         if (
@@ -510,6 +506,17 @@ def check_file_sd(path: str) -> str:
 
 def _steps(first: int, last: int) -> str:
     return f"step {first} is" if first == last else f"steps {first}-{last} are"
+
+
+def plan_line(cfg: DemoConfig, info: dict) -> str:
+    """The first line about the job: ranks, device, model size, sync, save interval."""
+    ranks = "1 FSDP2 rank" if cfg.world_size == 1 else f"{cfg.world_size} FSDP2 ranks"
+    return (
+        f"obsckpt demo: {ranks} ({info['backend']}, {info['device']}), "
+        f"Qwen2 with {info['parameters'] / 1e6:.2f} M parameters, weight sync "
+        f"{_sync_name(cfg, info)}, full checkpoint every "
+        f"{'step' if cfg.save_every == 1 else f'{cfg.save_every} steps'}"
+    )
 
 
 def _sync_name(cfg: DemoConfig, info: dict) -> str:
@@ -695,12 +702,21 @@ def _sync(cfg, step, trainers, rollout, synchronizer) -> int:
             )
         version, fp = ray.get(rollout.pull.remote(synchronizer, step, cfg.commit_timeout))
     fingerprints = ray.get([t.fingerprint.remote() for t in trainers])
-    if fp != fingerprints[0]:
-        raise DemoError(
-            f"the rollout's weights of version {version} differ from the trainer's step {step} "
-            f"(crc32 {fp} vs {fingerprints[0]})"
-        )
+    check_rollout_weights(version, step, fp, fingerprints[0])
     return version
+
+
+class WeightMismatchError(RuntimeError):
+    """The rollout's weights are not the trainer's: the run failed (exit 1, not a usage error)."""
+
+
+def check_rollout_weights(version: int, step: int, got: str | None, want: str | None) -> None:
+    """Raise WeightMismatchError when the rollout's CRC32 is not the trainer's."""
+    if got != want:
+        raise WeightMismatchError(
+            f"the rollout's weights of version {version} differ from the trainer's step {step} "
+            f"(crc32 {got} vs {want})"
+        )
 
 
 def _drain(cfg, trainers, monitor, progress, result) -> None:

@@ -190,6 +190,15 @@ class TrainerRank:
         finally:
             tracing.detach(token)
 
+    def start_state_dict_sync(self, step: int) -> None:
+        """Checkpoint sync: the manager's first state-dict call, before the first step.
+
+        It saves nothing (the rollout's weights are current at ``step``) and
+        announces ``step`` to the Synchronizer; only later calls save. Made by
+        the first trained step instead, it would leave that step without files.
+        """
+        self.manager.save_state_dict(None, global_step=step)
+
     def load_checkpoint(self, root: str, step: int) -> None:
         path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
         self.manager.load_checkpoint(path)

@@ -134,13 +134,25 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             )
         return upload_state_dict(named, self.synchronizer, global_step, rank=self.rank)
 
-    def save_state_dict(self, local_path: str, global_step: int = 0) -> int:
+    def save_state_dict(self, local_path: str | None, global_step: int = 0) -> int:
         """Save this rank's model shard for checkpoint sync, in the background.
 
+        As Trinity's, the first call of a manager (the trainer's first sync, in
+        ``prepare``) saves nothing: the rollout's weights are the trainer's
+        (both loaded the same model or checkpoint), so rank 0 only tells the
+        Synchronizer, if one runs, that ``global_step`` is current
+        (``set_model_state_dict(None, global_step)``; after a resume this
+        restarts its versions at the resumed step).
+
         Returns the number of state-dict saves started (registered with the
-        monitor here): 0 when this manager already saved the step's model, or
-        when the monitor has committed the step's state dict (or a later one).
+        monitor here): 0 on the first call, when this manager already saved the
+        step's model, or when the monitor has committed the step's state dict
+        (or a later one).
         """
+        if self.previous_state_dict_step is None:
+            self.previous_state_dict_step = global_step
+            self._announce(global_step)
+            return 0
         if local_path is None or self.previous_state_dict_step == global_step:
             return 0
         os.makedirs(local_path, exist_ok=True)
@@ -150,6 +162,21 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         self._register(global_step, state_dict=1, checkpoint=0)
         self._save_model(local_path, global_step)
         return 1
+
+    def _announce(self, global_step: int) -> None:
+        """Rank 0: tell the Synchronizer (if one runs) that ``global_step`` is current."""
+        if self.rank != 0:
+            return
+        try:
+            synchronizer = self.synchronizer
+        except RuntimeError:
+            logger.info(
+                "obsckpt: no synchronizer in namespace %r: step %d is not announced",
+                self.ray_namespace,
+                global_step,
+            )
+            return
+        ray.get(synchronizer.set_model_state_dict.remote(None, global_step))
 
     # -- full checkpoints ----------------------------------------------
 
