@@ -4,7 +4,7 @@
 
     obsckpt demo [--steps N] [--save-every N] [--world-size N] [...]
     obsckpt status DIR [--json]
-    obsckpt verify DIR [--step N | --all]
+    obsckpt verify DIR [--step N | --all] [--json]
 
 Exit codes: 0 success; 1 a check failed (``verify``), ``status`` reported a
 problem (an iteration file naming a step that is not on disk), or the demo
@@ -268,32 +268,54 @@ def cmd_verify(args, out: TextIO, err: TextIO) -> int:
                 f"{args.dir}: no committed step to verify (no iteration file); pass --step"
             )
         steps = [step]
-    failed = 0
-    now = time.time()
-    for step in sorted(set(steps) | set(missing)):
-        sdir = disk.step_dir(root, step)
-        if step in missing:
-            files = missing[step]
-            verb = "names" if len(files) == 1 else "name"
-            err.write(f"step {step}: {sdir} is missing, but {' and '.join(files)} {verb} it\n")
-            out.write(f"step {step}: FAILED, not on disk\n")
-            failed += 1
-            continue
-        if args.all and describe_step(root, step, latest, now)["state"] == "removed":
-            # As status shows it: retention removed its files and left the manifest.
-            out.write(f"step {step}: skipped, removed by retention (only its manifest is left)\n")
-            continue
-        problems = disk.verify_step(sdir)
-        if problems:
-            failed += 1
-            for p in problems:
+    results = [
+        _verify_one(root, step, latest, missing, args.all)
+        for step in sorted(set(steps) | set(missing))
+    ]
+    if args.json:
+        ok = all(r["result"] != "failed" for r in results)
+        out.write(
+            json.dumps({"root": str(root.resolve()), "ok": ok, "steps": results}, indent=2) + "\n"
+        )
+    else:
+        for r in results:
+            step = r["step"]
+            for p in r["problems"]:
                 err.write(f"step {step}: {p}\n")
-            out.write(f"step {step}: FAILED, {len(problems)} problem(s)\n")
-        else:
-            records = disk.read_manifest(sdir)
-            total = sum(r.size for r in records)
-            out.write(f"step {step}: OK, {len(records)} files, {_size(total)} match the manifest\n")
-    return EXIT_FAILED if failed else EXIT_OK
+            if r["result"] == "skipped":
+                out.write(
+                    f"step {step}: skipped, removed by retention (only its manifest is left)\n"
+                )
+            elif r["result"] == "ok":
+                out.write(
+                    f"step {step}: OK, {r['files']} files, {_size(r['bytes'])} match the manifest\n"
+                )
+            elif r["on_disk"]:
+                out.write(f"step {step}: FAILED, {len(r['problems'])} problem(s)\n")
+            else:
+                out.write(f"step {step}: FAILED, not on disk\n")
+    return EXIT_FAILED if any(r["result"] == "failed" for r in results) else EXIT_OK
+
+
+def _verify_one(
+    root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]], all_: bool
+) -> dict:
+    """One step checked against its manifest: ok, failed (with its problems) or skipped."""
+    sdir = disk.step_dir(root, step)
+    result = {"step": step, "result": "ok", "on_disk": True, "files": 0, "bytes": 0, "problems": []}
+    if step in missing:
+        files = missing[step]
+        verb = "names" if len(files) == 1 else "name"
+        problem = f"{sdir} is missing, but {' and '.join(files)} {verb} it"
+        return dict(result, result="failed", on_disk=False, problems=[problem])
+    if all_ and describe_step(root, step, latest, time.time())["state"] == "removed":
+        # As status shows it: retention removed its files and left the manifest.
+        return dict(result, result="skipped")
+    problems = disk.verify_step(sdir)
+    if problems:
+        return dict(result, result="failed", problems=list(problems))
+    records = disk.read_manifest(sdir)
+    return dict(result, files=len(records), bytes=sum(r.size for r in records))
 
 
 # Top-level modules of the ``demo`` extra that the job's processes import.
@@ -578,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check every step that has a manifest (steps removed by retention are skipped)",
     )
+    v.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 

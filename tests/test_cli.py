@@ -107,6 +107,23 @@ class TestVerify:
         if mode != []:
             assert "step 2: OK" in out
 
+    def test_json_gives_each_step_and_its_problems(self, root):
+        (disk.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        disk.write_iteration(root, "state_dict", 6)
+        code, out, err = run("verify", str(root), "--all", "--json")
+        assert code == 1 and err == ""
+        report = json.loads(out)
+        assert report["root"] == str(root.resolve()) and report["ok"] is False
+        by_step = {s["step"]: s for s in report["steps"]}
+        assert sorted(by_step) == [2, 4, 6]
+        assert by_step[2]["result"] == "failed"
+        assert "model_world_size_2_rank_1.pt: missing" in by_step[2]["problems"][0]
+        assert by_step[4]["result"] == "ok" and by_step[4]["files"] == 7
+        assert by_step[4]["bytes"] == sum(
+            r.size for r in disk.read_manifest(disk.step_dir(root, 4))
+        )
+        assert by_step[6]["result"] == "failed" and by_step[6]["on_disk"] is False
+
     def test_a_step_only_the_state_dict_file_names_must_be_on_disk(self, root):
         disk.write_iteration(root, "state_dict", 6)
         code, out, err = run("verify", str(root))
@@ -485,3 +502,34 @@ def test_status_of_a_demo_root_before_its_first_save(tmp_path):
     code, out, err = run("status", str(tmp_path))
     assert code == 0, err
     assert "latest checkpoint: none" in out and "no step directories" in out
+
+
+class TestDemoFailureExitCode:
+    """A run that fails after it started exits 1 with one line; 2 is for bad usage only."""
+
+    def test_rollout_weight_mismatch_is_a_failed_run(self, tmp_path, monkeypatch):
+        import obsckpt.demo
+        from obsckpt.demo.job import check_rollout_weights
+
+        def fails_mid_run(cfg, out, err):
+            check_rollout_weights(1, 1, "00000000", "3e534a6a")
+
+        monkeypatch.setattr(obsckpt.demo, "run_demo", fails_mid_run)
+        code, _out, err = run("demo", "--ckpt-dir", str(tmp_path / "ckpt"))
+        assert code == 1, err
+        assert err.count("\n") == 1
+        assert "the rollout's weights of version 1 differ from the trainer's step 1" in err
+
+
+class TestDemoPlanLine:
+    """The first line about the job says how many ranks, in the right number."""
+
+    def test_plan_line_counts_ranks(self):
+        from obsckpt.demo.job import DemoConfig, plan_line
+
+        info = {"backend": "gloo", "device": "cpu", "parameters": 430_000}
+        one = plan_line(DemoConfig(world_size=1, sync_method="broadcast", save_every=1), info)
+        assert one.startswith("obsckpt demo: 1 FSDP2 rank (gloo, cpu), Qwen2 with 0.43 M")
+        assert one.endswith("weight sync broadcast over gloo, full checkpoint every step")
+        two = plan_line(DemoConfig(world_size=2, sync_method="memory", save_every=3), info)
+        assert two.startswith("obsckpt demo: 2 FSDP2 ranks (gloo, cpu)")
