@@ -59,6 +59,15 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME_RE.search(name) is not None
 
 
+def temp_name(path: str | os.PathLike) -> str:
+    """The temp file to write ``path`` through: ``<path>.tmp.<pid>.<8 hex>``.
+
+    Unique per write, so two writers of one path (two processes, or two saves
+    in one process) never share it; :func:`is_temp_name` recognises it.
+    """
+    return f"{os.fspath(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
 @dataclass(frozen=True, slots=True)
 class FileRecord:
     """One file of a step, as a manifest records it."""
@@ -146,24 +155,22 @@ def raise_named(exc: OSError, path: str | os.PathLike) -> NoReturn:
     raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_path(path: str | os.PathLike, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as exc:
         raise_named(exc, path)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise_named(exc, path)
-    finally:
-        os.close(fd)
+    _fsync_path(path, os.O_RDONLY)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -279,7 +286,7 @@ def _publish(root: Path, pending: list[tuple[Path, Path]]) -> None:
 
 
 def _write_temp(path: Path, data: bytes) -> tuple[Path, Path]:
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp = Path(temp_name(path))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)

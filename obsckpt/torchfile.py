@@ -20,13 +20,12 @@ import os
 import pickle
 import queue
 import threading
-import uuid
 from typing import Any
 
 import numpy as np
 import torch
 
-from obsckpt.commit import FileRecord, crc32, fsync_dir, raise_named
+from obsckpt.commit import FileRecord, crc32, fsync_dir, raise_named, temp_name
 from obsckpt.tree import cpu_storages
 
 # The writer's chunks, for the bytes that cannot be written from where they lie
@@ -430,8 +429,7 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> FileRecord:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    # Unique per write: two saves of one path in a process must not share a temp file.
-    tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp = temp_name(path)
     try:
         sink = _PipelinedSink(tmp)
         try:
