@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 from metrics_helpers import samples, scrape
+from workers import kill_named
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
@@ -111,14 +112,7 @@ class TestCheckpointSync:
         memory_only = Synchronizer.get_actor(namespace=namespace)
         with pytest.raises(ValueError, match="watches no checkpoint root"):
             Synchronizer.get_actor(namespace=namespace, default_local_dir=tmp_path / "a")
-        ray.kill(memory_only)
-        wait_until_gone = time.monotonic() + 30
-        while time.monotonic() < wait_until_gone:
-            try:
-                ray.get_actor("synchronizer", namespace=namespace)
-            except ValueError:
-                break
-            time.sleep(0.1)
+        kill_named(memory_only, "synchronizer", namespace)
         first = Synchronizer.get_actor(
             namespace=namespace, default_local_dir=tmp_path / "a", watch=False
         )

@@ -23,6 +23,7 @@ import types
 import pytest
 import ray
 import torch
+from workers import kill_named
 
 from obsckpt.integrations import verl_install
 from obsckpt.sync.group import free_port
@@ -352,7 +353,7 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
         for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
             assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
     finally:
-        kill_monitor(monitor)
+        kill_named(monitor, "checkpoint_monitor")
 
 
 class HeldSaves:
@@ -478,18 +479,4 @@ class TestTrainerSubclasses:
             assert "actor/model_world_size_1_rank_0.pt" in listed
         finally:
             trainer.actor_rollout_wg.release.set()
-            kill_monitor(monitor)
-
-
-def kill_monitor(monitor) -> None:
-    """Kill the monitor and wait until its name is free (the next test creates its own)."""
-    import time
-
-    ray.kill(monitor)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor("checkpoint_monitor")
-        except ValueError:
-            return
-        time.sleep(0.1)
+            kill_named(monitor, "checkpoint_monitor")

@@ -157,3 +157,15 @@ def tiny_fsdp_llama(mesh, *, value_head: bool = False):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def kill_named(actor, name: str, namespace: str | None = None, timeout: float = 30.0) -> None:
+    """Kill ``actor`` and wait until its ``name`` is free, so the next get_actor creates one."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
