@@ -14,9 +14,11 @@ temp file, fsync, rename over the target, fsync of the directory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -39,11 +41,15 @@ ITERATION_FILES = {
 }
 KINDS = tuple(ITERATION_FILES)
 MANIFEST_NAME = "manifest.json"
-STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+# The step as writers format it: ASCII digits without a leading zero. Another spelling
+# (global_step_007, other scripts' digits) would name a directory that step_dir() never
+# builds, so readers would look for, and retention delete, the wrong one.
+STEP_DIR_RE = re.compile(r"^global_step_(0|[1-9][0-9]*)$", re.ASCII)
 # A temp file of a write not yet renamed into place: ``<name>.tmp`` or
 # ``<name>.tmp.<pid>[.<hex>]`` (obsckpt's own). Not part of a step's files.
 _TEMP_NAME_RE = re.compile(r"\.tmp(\.\d+(\.[0-9a-f]+)?)?$")
 _SLOT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CRC_RE = re.compile(r"^[0-9a-fA-F]{8}$")
 _CHUNK = 8 << 20
 # Iteration files hold a step number; anything longer than this is not one.
 _MAX_ITERATION_BYTES = 64
@@ -81,7 +87,27 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, obj: dict) -> FileRecord:
-        return cls(path=obj["path"], size=int(obj["size"]), crc32=int(obj["crc32"], 16))
+        """The record of a manifest entry; ValueError when it is not one obsckpt writes.
+
+        The path must stay inside the step directory: a reader joins it to that
+        directory, and an absolute path or a ``..`` would check, or load, a file
+        elsewhere in the step's place.
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f"{obj!r} is not an object with path, size and crc32")
+        missing = [key for key in ("path", "size", "crc32") if key not in obj]
+        if missing:
+            raise ValueError(f"{obj!r} has no {' and no '.join(missing)}")
+        path, size, crc = obj["path"], obj["size"], obj["crc32"]
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise ValueError(f"path {path!r} is not a file name")
+        if os.path.isabs(path) or ".." in Path(path).parts:
+            raise ValueError(f"path {path!r} points outside the step directory")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{path!r} has size {size!r}, not a non-negative integer")
+        if not isinstance(crc, str) or not _CRC_RE.match(crc):
+            raise ValueError(f"{path!r} has crc32 {crc!r}, not 8 hexadecimal digits")
+        return cls(path=path, size=size, crc32=int(crc, 16))
 
 
 def kind_of(is_state_dict: bool) -> str:
@@ -138,10 +164,23 @@ def steps_on_disk(root: str | os.PathLike) -> list[int]:
         return []
     steps = []
     for entry in entries:
-        m = STEP_DIR_RE.match(entry)
-        if m and os.path.isdir(os.path.join(root, entry)):
-            steps.append(int(m.group(1)))
+        step = step_of_dir_name(entry)
+        if step is not None and os.path.isdir(os.path.join(root, entry)):
+            steps.append(step)
     return sorted(steps)
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step a ``global_step_<N>`` directory name holds, None for any other name.
+
+    Only the spelling :func:`step_dir` builds counts, and only a step a reader can
+    hold (at most ``MAX_STEP``).
+    """
+    m = STEP_DIR_RE.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
 
 
 def raise_named(exc: OSError, path: str | os.PathLike) -> NoReturn:
@@ -201,6 +240,44 @@ def parse_iteration(text: str, path: str | os.PathLike) -> int:
     return value
 
 
+def open_regular(path: str | os.PathLike) -> int:
+    """A descriptor open for reading on ``path``, which must be a regular file.
+
+    Opened without blocking and checked before any read: a FIFO left in a
+    file's place (by another tool on a shared filesystem) would otherwise block
+    its reader, a monitor's commit or a CLI command, forever.
+
+    Raises:
+        OSError: ``path`` cannot be opened, or is not a regular file (naming what it is).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(
+                errno.EINVAL, f"not a regular file (a {_file_type(mode)})", os.fspath(path)
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
     """The step an iteration file names, None when there is no file.
 
@@ -209,14 +286,21 @@ def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
     """
     path = Path(root) / ITERATION_FILES[kind]
     try:
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:
             raw = f.read(_MAX_ITERATION_BYTES + 1)
     except FileNotFoundError:
         return None
-    except IsADirectoryError:
-        raise IterationFileError(f"{path} is a directory, not an iteration file") from None
     except OSError as exc:
-        raise IterationFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if exc.errno == errno.EISDIR:
+            raise IterationFileError(
+                f"{path} is a directory, not an iteration file; remove it (a file naming "
+                "the committed step is written at the next commit)"
+            ) from None
+        raise IterationFileError(
+            f"cannot read {path}: {exc.strerror or exc}; it must be a regular file holding "
+            "one non-negative integer. Restore it from a backup or remove it to start from "
+            "no committed step"
+        ) from exc
     if len(raw) > _MAX_ITERATION_BYTES:
         raise IterationFileError(
             f"{path} is {os.path.getsize(path)} bytes long, not a step number; "
@@ -365,7 +449,7 @@ def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
     """(size, crc32) of a file, read in chunks."""
     crc = 0
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
             crc = crc32(chunk, crc)
             size += len(chunk)
@@ -467,9 +551,37 @@ def _manifest_bytes(records: list[FileRecord]) -> bytes:
 
 
 def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
-    with open(Path(sdir) / MANIFEST_NAME, encoding="utf-8") as f:
-        data = json.load(f)
-    return [FileRecord.from_json(obj) for obj in data["files"]]
+    """The records of a step's manifest.
+
+    Raises:
+        FileNotFoundError: the step has no manifest.
+        OSError: it cannot be read, or is not a regular file.
+        ValueError: it is not a manifest obsckpt writes: not JSON, another shape, an
+            entry that is not a file inside the step (named by its index), a file
+            listed twice.
+    """
+    with open(open_regular(Path(sdir) / MANIFEST_NAME), encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except RecursionError:  # nesting no manifest has, deeper than the parser goes
+            raise ValueError("not a manifest: JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
+    files = data.get("files")
+    if not isinstance(files, list):
+        raise ValueError(f'no "files" list (it holds {files!r:.60})')
+    records = []
+    seen = set()
+    for i, obj in enumerate(files):
+        try:
+            rec = FileRecord.from_json(obj)
+        except ValueError as exc:
+            raise ValueError(f"entry {i}: {exc}") from None
+        if rec.path in seen:
+            raise ValueError(f"entry {i}: lists {rec.path!r} twice")
+        seen.add(rec.path)
+        records.append(rec)
+    return records
 
 
 def verify_step(sdir: str | os.PathLike) -> list[str]:
@@ -479,7 +591,7 @@ def verify_step(sdir: str | os.PathLike) -> list[str]:
         records = read_manifest(sdir)
     except FileNotFoundError:
         return [f"{sdir / MANIFEST_NAME}: missing manifest"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
         return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc})"]
     except OSError as exc:  # a directory in its place, a read error
         return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc.strerror or exc})"]

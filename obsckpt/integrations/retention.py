@@ -7,22 +7,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 from obsckpt import commit as disk
 
 logger = logging.getLogger(__name__)
-
-_STEP_COMPONENT = re.compile(r"^global_step_(\d+)$")
 
 
 def step_of(path: str) -> tuple[str, int] | None:
     """``(root, step)`` for a path inside ``<root>/global_step_<N>/``, else None."""
     parts = os.path.abspath(path).split(os.sep)
     for i in range(len(parts) - 1, -1, -1):
-        m = _STEP_COMPONENT.match(parts[i])
-        if m:
-            return os.sep.join(parts[:i]) or os.sep, int(m.group(1))
+        # Only the spelling step_dir() builds: the directory deleted is step_dir(root, step),
+        # so another spelling (global_step_007) would delete a different one.
+        step = disk.step_of_dir_name(parts[i])
+        if step is not None:
+            return os.sep.join(parts[:i]) or os.sep, step
     return None
 
 

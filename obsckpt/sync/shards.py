@@ -7,6 +7,7 @@ manifest holds each file's size and CRC32, checked as it is read.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -21,7 +22,13 @@ from obsckpt import commit as disk
 from obsckpt.commit import crc32
 
 MODEL_SUBDIR = "actor"
-_SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+# Numbers as writers format them (ASCII, no leading zero): another spelling of a rank
+# would be a second file for it.
+_SHARD_RE = re.compile(r"^model_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt$", re.ASCII)
+# What torch.load(weights_only=True) names when it refuses an object of a file.
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+# Ranks named in an error about missing ones: an absurd world size must not make it huge.
+_NAMED_RANKS = 8
 
 
 class StateDictLoadError(ValueError):
@@ -40,6 +47,12 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
         names = os.listdir(model_dir)
     except FileNotFoundError:
         raise StateDictLoadError(f"{model_dir} does not exist") from None
+    except NotADirectoryError:
+        raise StateDictLoadError(
+            f"{model_dir} is not a directory; a step's model shards are files in it"
+        ) from None
+    except OSError as exc:
+        raise StateDictLoadError(f"cannot list {model_dir}: {exc.strerror or exc}") from exc
     for name in names:
         m = _SHARD_RE.match(name)
         if m:
@@ -51,25 +64,45 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
             f"{model_dir} mixes shards of world sizes {sorted(found)}; remove the stale ones"
         )
     ((world, ranks),) = found.items()
-    missing = sorted(set(range(world)) - set(ranks))
-    if missing:
+    if world == 0:
         raise StateDictLoadError(
-            f"{model_dir} lacks the shards of ranks {missing} (world size {world})"
+            f"{model_dir} holds shards of world size 0 ({sorted(ranks.values())[0].name}), "
+            "which no save writes; remove them"
+        )
+    present = sum(1 for r in ranks if r < world)
+    if present < world:
+        # Counted, not listed: the world size is read from a file name, and may be absurd.
+        missing = [r for r in range(min(world, present + _NAMED_RANKS + 1)) if r not in ranks]
+        shown = ", ".join(map(str, missing[:_NAMED_RANKS]))
+        more = ", ..." if world - present > _NAMED_RANKS else ""
+        raise StateDictLoadError(
+            f"{model_dir} lacks the shards of ranks [{shown}{more}] (world size {world}, "
+            f"{world - present} missing)"
         )
     return world, ranks
 
 
-def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord]:
+def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord] | None:
+    """The step's manifest records by path; None when the step has no manifest."""
+    manifest = sdir / disk.MANIFEST_NAME
     try:
         return {r.path: r for r in disk.read_manifest(sdir)}
     except FileNotFoundError:
-        return {}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StateDictLoadError(f"{sdir / disk.MANIFEST_NAME} is unreadable: {exc}") from exc
+        return None
+    except ValueError as exc:
+        raise StateDictLoadError(f"{manifest} is unreadable: {exc}") from exc
+    except OSError as exc:
+        raise StateDictLoadError(f"{manifest} is unreadable: {exc.strerror or exc}") from exc
 
 
 def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
-    data = path.read_bytes()
+    try:
+        with open(disk.open_regular(path), "rb") as f:
+            data = f.read()
+    except IsADirectoryError:
+        raise StateDictLoadError(f"{path} is a directory, not a regular file") from None
+    except OSError as exc:
+        raise StateDictLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if record is not None:
         if len(data) != record.size:
             raise StateDictLoadError(
@@ -84,17 +117,48 @@ def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
 
 
 def _torch_load(data: bytes, path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True``, always: shard files may come from anywhere.
+
+    A file that holds other objects is refused, never loaded with
+    ``weights_only=False``: unpickling it could run any code its writer chose.
+    """
+    # DTensor shards unpickle under weights_only only once their module is imported.
+    with contextlib.suppress(ImportError):
+        import torch.distributed.tensor  # noqa: F401
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Files from older writers may hold objects weights_only refuses.
-        pass
+    except pickle.UnpicklingError as exc:
+        refused = _REFUSED_GLOBAL.search(str(exc))
+        if refused is None:
+            raise StateDictLoadError(
+                f"{path} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
+            ) from exc
+        if "ShardedTensor" in refused.group(1):
+            hint = (
+                "FSDP1's default sharded state dict holds ShardedTensors, which cannot be "
+                "merged without a process group; save with ShardedStateDictConfig("
+                "_use_dtensor=True) as fsdp_save_state_dict does"
+            )
+        else:
+            hint = (
+                "loading it otherwise could run code from the file. Save tensors, DTensors "
+                "and plain containers only, or, if the file is trusted, allow the class with "
+                "torch.serialization.add_safe_globals"
+            )
+        raise StateDictLoadError(
+            f"{path} cannot be loaded with torch.load(weights_only=True): it refers to "
+            f"{refused.group(1)}, which weights_only refuses; {hint}"
+        ) from exc
     except Exception as exc:  # noqa: BLE001
-        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001
-        raise StateDictLoadError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        raise StateDictLoadError(
+            f"{path} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line``: torch's errors run to several lines of advice."""
+    text = str(exc).strip().split("\n", 1)[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def load_sharded_state_dict(
@@ -102,22 +166,33 @@ def load_sharded_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Load every rank's shard file in ``model_dir`` and merge them into a full state dict.
 
-    Files listed in the step's ``manifest.json`` (in ``manifest_dir``, the
-    ``global_step_<N>`` directory) are checked against its size and CRC32.
+    With ``manifest_dir`` (the ``global_step_<N>`` directory) and a
+    ``manifest.json`` in it, every shard must be listed there and is checked
+    against its size and CRC32. Files are loaded with ``weights_only=True`` only.
 
     Raises:
-        StateDictLoadError: a shard is missing, corrupt, or cannot be merged.
+        StateDictLoadError: a shard is missing, not in the manifest, corrupt, holds
+            objects ``weights_only`` refuses, or cannot be merged.
     """
     model_dir = Path(model_dir)
     world, paths = shard_files(model_dir)
-    records: dict[str, disk.FileRecord] = {}
-    if manifest_dir is not None:
-        records = _manifest_records(Path(manifest_dir))
+    records = _manifest_records(Path(manifest_dir)) if manifest_dir is not None else None
     shards: dict[int, Mapping[str, Any]] = {}
     for rank in range(world):
         path = paths[rank]
-        rel = os.path.relpath(path, manifest_dir) if manifest_dir is not None else None
-        data = _read_checked(path, records.get(rel) if rel else None)
+        record = None
+        if records is not None:
+            rel = os.path.relpath(path, manifest_dir)
+            record = records.get(rel)
+            if record is None:
+                # Put there after the commit (the commit lists every file of the step):
+                # not the committed step's weights, and nothing to check them against.
+                raise StateDictLoadError(
+                    f"{path} is not listed in {Path(manifest_dir) / disk.MANIFEST_NAME}, so "
+                    "it is not part of the committed step; remove the files that were "
+                    "added to the step directory after its commit"
+                )
+        data = _read_checked(path, record)
         obj = _torch_load(data, path)
         if not isinstance(obj, Mapping):
             raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
