@@ -319,10 +319,16 @@ class CheckpointCoordinator:
             with self._lock:
                 self._errors = [e for e in self._errors if e is not error]
             own = save.fn_error
-            if own is not None and error.__cause__ is own:
+            cause = error.__cause__
+            if own is not None and cause is own:
                 # What save_fn raised, as a direct call of it would: callers catch its type.
                 own.add_note(f"obsckpt: {error} (the monitor was told; the step fails)")
                 raise own
+            if cause is not None and not isinstance(cause, Exception):
+                # Ctrl-C (or sys.exit) while waiting for admission or reporting: the caller's
+                # `except Exception` around the save must not swallow it as a failed save.
+                cause.add_note(f"obsckpt: {error} (the step fails)")
+                raise cause
             raise error
         return not save.skipped
 

@@ -35,6 +35,31 @@ def ray_identity() -> tuple[str, str]:
     return "local", "local"
 
 
+class RayShutDownError(RuntimeError):
+    """Ray is not initialized in this process, so the monitor cannot be reached."""
+
+
+def _connected_ray() -> Any:
+    """The ``ray`` module, once this process is connected to its cluster.
+
+    An actor call after ``ray.shutdown()`` (a save still running when the job
+    shut Ray down, or at exit) would start a new local Ray instance, whose
+    processes outlive this one, and then fail anyway: it is refused here.
+
+    Raises:
+        RayShutDownError: Ray is not initialized in this process.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        raise RayShutDownError(
+            "Ray is not initialized in this process (ray.shutdown() ran, or the process is "
+            "exiting), so the checkpoint monitor cannot be reached and this save cannot "
+            "commit; call wait_all() (or close()) on the coordinator before ray.shutdown()"
+        )
+    return ray
+
+
 class MonitorLink:
     """One coordinator's side of the monitor protocol.
 
@@ -60,8 +85,7 @@ class MonitorLink:
         queueing itself. A reply with a ``heartbeat_s`` takes a lease, which
         heartbeats renew until :meth:`drop_lease`.
         """
-        import ray
-
+        ray = _connected_ray()
         node_id, job_id = ray_identity()
         reply = ray.get(
             self.monitor.notify_started.remote(
@@ -94,8 +118,7 @@ class MonitorLink:
         Raises:
             Exception: the RPC failed or timed out; the monitor may not have counted the save.
         """
-        import ray
-
+        ray = _connected_ray()
         ray.get(
             self.monitor.notify_finished.remote(
                 save.step,
@@ -142,6 +165,7 @@ class MonitorLink:
     def record_staging(self, slot: str, staging: Any, *, cold: bool = False) -> None:
         """Report slot ``slot``'s staging bytes; sent, not waited for."""
         try:
+            _connected_ray()
             self.monitor.record_staging.remote(
                 rank=self.rank,
                 slot=slot,
@@ -154,9 +178,7 @@ class MonitorLink:
 
     def latest_steps(self) -> dict[str, int | None]:
         """The monitor's latest committed step of each kind."""
-        import ray
-
-        return ray.get(self.monitor.latest_steps.remote(), timeout=self.rpc_timeout)
+        return _connected_ray().get(self.monitor.latest_steps.remote(), timeout=self.rpc_timeout)
 
     def _hold_lease(self, ticket: int, interval: float) -> None:
         with self._lock:
@@ -169,8 +191,6 @@ class MonitorLink:
                 self._heartbeat.start()
 
     def _send_heartbeats(self) -> None:
-        import ray
-
         while True:
             time.sleep(self._heartbeat_s or 1.0)
             with self._lock:
@@ -179,6 +199,11 @@ class MonitorLink:
                     self._heartbeat = None
                     return
             try:
+                ray = _connected_ray()
                 ray.get(self.monitor.heartbeat.remote(tickets), timeout=self.rpc_timeout)
+            except RayShutDownError:
+                with self._lock:
+                    self._heartbeat = None
+                return  # nothing to renew with; a save that ends later fails the same way
             except Exception as exc:  # noqa: BLE001 - the next beat may get through
                 logger.warning("obsckpt: heartbeat to the monitor failed: %s", exc)

@@ -8,12 +8,17 @@ and the next save gets a fresh one. A thread is named for the job it runs
 The threads are daemons, so a hung save never keeps a process alive; at
 interpreter exit the process waits up to ``OBSCKPT_EXIT_WAIT_S`` seconds
 (default 60) for the jobs still running, since a process that exits without
-``wait_all()`` would otherwise drop its saves halfway.
+``wait_all()`` (an uncaught exception, ``sys.exit``, Ctrl-C, Ray's SIGTERM
+handler) would otherwise drop its saves halfway. The wait runs first thing at
+shutdown, while the thread pools a save uses still take work and before
+``atexit`` handlers (Ray's ``ray.shutdown`` among them) run; a Ctrl-C during
+it stops the wait, and the saves still running are left uncommitted.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
 import queue
@@ -142,13 +147,22 @@ def _wait_at_exit() -> None:
         timeout = _EXIT_WAIT_S
     logger.warning(
         "obsckpt: the process is exiting with %d saves running (%s); waiting up to %.0f s "
-        "(%s). Call wait_all() before exiting",
+        "(%s; Ctrl-C to stop waiting). Call wait_all() before exiting",
         len(running),
         ", ".join(running),
         timeout,
         EXIT_WAIT_ENV,
     )
-    left = THREADS.drain(timeout)
+    try:
+        left = THREADS.drain(timeout)
+    except KeyboardInterrupt:
+        # Raised out of the interpreter's shutdown, it would skip the hooks after this one.
+        logger.error(
+            "obsckpt: interrupted while waiting for saves at exit; exiting with saves still "
+            "running (%s): their steps will not commit",
+            ", ".join(THREADS.running()),
+        )
+        return
     if left:
         logger.error(
             "obsckpt: exiting with saves still running (%s): their steps will not commit",
@@ -156,5 +170,11 @@ def _wait_at_exit() -> None:
         )
 
 
-# After the threading module's own exit work: the save threads are daemons.
-atexit.register(_wait_at_exit)
+# Run at the start of the interpreter's shutdown (threading's exit hooks, last registered
+# first): before concurrent.futures refuses new work (the fsyncs of a save submit to a
+# pool) and before any atexit handler; ray.shutdown() is one, and a save reporting after
+# it would start a Ray instance of its own.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_wait_at_exit)
+else:  # pragma: no cover - CPython has had it since 3.9
+    atexit.register(_wait_at_exit)
