@@ -414,7 +414,16 @@ def fsync_many(targets: list[tuple[str | os.PathLike, bool]]) -> None:
     with _fsync_pool_lock:
         if _fsync_pool is None:
             _fsync_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="obsckpt-fsync")
-    futures = [_fsync_pool.submit(fn, path) for fn, (path, _) in zip(sync, targets, strict=True)]
+    try:
+        futures = [
+            _fsync_pool.submit(fn, path) for fn, (path, _) in zip(sync, targets, strict=True)
+        ]
+    except RuntimeError:
+        # The interpreter is shutting down (pools take no new work): a save that is
+        # still running then, past the exit wait, fsyncs its files one by one.
+        for fn, (path, _) in zip(sync, targets, strict=True):
+            fn(path)
+        return
     for future in futures:
         future.result()
 

@@ -392,7 +392,9 @@ class CheckpointCoordinator:
                 copier.start(
                     lambda run: THREADS.submit(run, f"obsckpt-stage-{name}-step{global_step}")
                 )
-        except Exception as exc:
+        except BaseException as exc:
+            # Ctrl-C during the snapshot too: a step that registered this save would
+            # otherwise wait for it (no lease was taken) until a later step commits.
             self._report_unstarted(name, global_step, is_state_dict, exc, part=part, parts=parts)
             raise
 

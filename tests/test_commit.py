@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -154,3 +156,25 @@ class TestManifest:
             (tmp_path / name).mkdir()
         (tmp_path / "global_step_5").write_text("a file, not a step")
         assert disk.steps_on_disk(tmp_path) == [3, 10]
+
+
+class TestFsyncAtShutdown:
+    """Files are fsynced even at interpreter shutdown, when thread pools take no new work
+    (a save still running past the exit wait)."""
+
+    def test_fsync_many_in_an_exit_handler(self, tmp_path):
+        paths = [tmp_path / "a", tmp_path / "b"]
+        for p in paths:
+            p.write_bytes(b"x")
+        script = (
+            "import atexit, sys\n"
+            "from obsckpt import commit\n"
+            f"targets = [({str(paths[0])!r}, False), ({str(paths[1])!r}, False), "
+            f"({str(tmp_path)!r}, True)]\n"
+            "atexit.register(lambda: (commit.fsync_many(targets), print('fsynced')))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "fsynced", done.stderr

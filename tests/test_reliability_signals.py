@@ -157,3 +157,38 @@ class TestCtrlCIsNotASaveError:
         assert "KeyboardInterrupt" in status["failed"][0]["error"]
         coord.wait_all(30)
         ray.kill(monitor)
+
+
+class _InterruptedMapping(dict):
+    """A state dict whose walk is interrupted, as by a Ctrl-C arriving mid-snapshot."""
+
+    def items(self):
+        raise KeyboardInterrupt
+
+
+class TestCtrlCDuringSnapshotFailsTheStep:
+    """Ctrl-C during a background save's snapshot reaches the caller as KeyboardInterrupt and
+    the monitor is told: the step that registered the save fails now instead of pending."""
+
+    def test_interrupted_snapshot(self, ray_cluster, namespace, tmp_path):
+        from obsckpt import CheckpointCoordinator
+
+        ray = ray_cluster
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(tmp_path / "root"), metrics_port=None
+        )
+        ray.get(monitor.register_thread_count.remote(1, state_dict_thread_count=1))
+        ray.get(monitor.monitor_step.remote(1, True))
+        coord = CheckpointCoordinator(monitor, rank=0)
+        state = _InterruptedMapping(w=None)
+        with pytest.raises(KeyboardInterrupt):
+            coord.save_state_dict_async("model", state, tmp_path / "m.pt", 1, is_state_dict=True)
+        status = wait_for(
+            lambda: (s := ray.get(monitor.status.remote()))["failed"] and s,
+            20,
+            "step 1 to fail",
+        )
+        assert [(f["step"], f["kind"]) for f in status["failed"]] == [(1, "state_dict")]
+        assert "KeyboardInterrupt" in status["failed"][0]["error"]
+        coord.wait_all(30)
+        ray.kill(monitor)
