@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a small FSDP2 job that checkpoints through obsckpt",
         description="Train a tiny causal LM with FSDP2 on Ray ranks, checkpoint it in the "
         "background through obsckpt, sync weights to a rollout actor, serve metrics and "
-        "print a summary. See docs/demo.md.",
+        "print a summary. docs/demo.md in the source distribution describes it.",
     )
     d.add_argument(
         "--steps",

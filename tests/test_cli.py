@@ -303,6 +303,25 @@ class TestErrors:
         assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
+class TestPythonDashM:
+    """``python -m obsckpt`` is the ``obsckpt`` command, exit codes included."""
+
+    def test_version_and_exit_code(self, tmp_path):
+        import obsckpt
+
+        done = subprocess.run(
+            [sys.executable, "-m", "obsckpt", "--version"], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"obsckpt {obsckpt.__version__}"
+        missing = subprocess.run(
+            [sys.executable, "-m", "obsckpt", "status", str(tmp_path / "nope")],
+            capture_output=True,
+            text=True,
+        )
+        assert missing.returncode == 2 and "no such directory" in missing.stderr
+
+
 class TestDemoWithoutItsExtra:
     """Without the demo extra, `obsckpt demo` exits at once with one line naming it, before Ray starts."""
 
