@@ -69,6 +69,15 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     stall_fire = stall_min + 2 + math.ceil(duration_seconds(t.commit_stall_for) / 60) + 1
     stall_len = stall_fire + 5
 
+    # A failed scrape (a staleness marker on every series of the target) exactly when
+    # an alert is due: the alert fires on time all the same. Minutes at which a
+    # condition first holds and an alert is first due:
+    def due(first_true: int, for_: str) -> int:
+        return first_true + math.ceil(duration_seconds(for_) / 60)
+
+    gap_window_min = math.ceil(duration_seconds(t.missed_scrape_window) / 60)
+    stall_due = due((start + int(t.commit_stall_seconds)) // 60 + 1, t.commit_stall_for)
+
     # ObsckptNoRecentCommit: one commit at t=300 s, then none.
     commit_at = 300
     quiet_min = math.ceil((commit_at + t.no_commit_seconds) / 60) - 1
@@ -92,6 +101,9 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     # ObsckptWeightSyncLagging: rollout falls behind after minute 10.
     behind = int(t.weight_sync_max_lag) + 6
     lag_fire = 11 + math.ceil(duration_seconds(t.weight_sync_for) / 60) + 3
+
+    no_commit_due = due((commit_at + int(t.no_commit_seconds)) // 60 + 1, t.no_commit_for)
+    lag_due = due(11, t.weight_sync_for)
 
     def lagging(instance: str) -> dict:
         """The lag alert firing for the monitor at ``instance``, ``behind`` versions behind."""
@@ -118,6 +130,46 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                     "ObsckptCommitStalled",
                     _expected("ObsckptCommitStalled", rules, ckpt, stall_fire * 60 - start),
                 ),
+            ],
+        },
+        {
+            "name": "commit stalled: a failed scrape does not reset the for timer",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_pending_steps", ckpt_labels, f"1x{stall_due - 1} stale 1x5"),
+                _series(
+                    "obsckpt_oldest_pending_step_start_timestamp_seconds",
+                    ckpt_labels,
+                    f"{start}x{stall_due - 1} stale {start}x5",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(stall_due - 1, "ObsckptCommitStalled"),
+                _check(
+                    stall_due,
+                    "ObsckptCommitStalled",
+                    _expected("ObsckptCommitStalled", rules, ckpt, stall_due * 60 - start),
+                ),
+            ],
+        },
+        {
+            "name": "commit stalled: a monitor gone for longer than a missed scrape resolves",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_pending_steps", ckpt_labels, f"1x{stall_due + 2} stale"),
+                _series(
+                    "obsckpt_oldest_pending_step_start_timestamp_seconds",
+                    ckpt_labels,
+                    f"{start}x{stall_due + 2} stale",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(
+                    stall_due + 3,
+                    "ObsckptCommitStalled",
+                    _expected("ObsckptCommitStalled", rules, ckpt, (stall_due + 3) * 60 - start),
+                ),
+                _check(stall_due + 3 + gap_window_min + 1, "ObsckptCommitStalled"),
             ],
         },
         {
@@ -162,6 +214,24 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                     _expected(
                         "ObsckptNoRecentCommit", rules, ckpt, no_commit_fire * 60 - commit_at
                     ),
+                ),
+            ],
+        },
+        {
+            "name": "no recent commit: a failed scrape does not reset the for timer",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_last_commit_timestamp_seconds",
+                    ckpt_labels,
+                    f"0x4 {commit_at}x{no_commit_due - 6} stale {commit_at}x5",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(
+                    no_commit_due,
+                    "ObsckptNoRecentCommit",
+                    _expected("ObsckptNoRecentCommit", rules, ckpt, no_commit_due * 60 - commit_at),
                 ),
             ],
         },
@@ -284,6 +354,35 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             ],
         },
         {
+            "name": "monitor down: quiet once the monitor shut down cleanly and withdrew its target",
+            "interval": "1m",
+            "input_series": [
+                # The last scrape before the target went away carried the shutdown time.
+                _series("up", _TARGET, "1x5 stale"),
+                _series("obsckpt_monitor_shutdown_timestamp_seconds", _TARGET, "0x4 300 stale"),
+            ],
+            "alert_rule_test": [
+                _check(6 + down_for_min + 1, "ObsckptMonitorDown"),
+                _check(6 + down_for_min + 30, "ObsckptMonitorDown"),
+            ],
+        },
+        {
+            "name": "monitor down: a target gone without a clean shutdown fires",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, "1x5 stale"),
+                _series("obsckpt_monitor_shutdown_timestamp_seconds", _TARGET, "0x5 stale"),
+            ],
+            "alert_rule_test": [
+                _check(5, "ObsckptMonitorDown"),
+                _check(
+                    6 + down_for_min + 1,
+                    "ObsckptMonitorDown",
+                    _expected("ObsckptMonitorDown", rules, {"job": JOB}),
+                ),
+            ],
+        },
+        {
             "name": "monitor down: a healthy target stays quiet",
             "interval": "1m",
             "input_series": [_series("up", _TARGET, "1x30")],
@@ -303,6 +402,34 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             "alert_rule_test": [
                 _check(10, "ObsckptWeightSyncLagging"),
                 lagging(INSTANCE),
+            ],
+        },
+        {
+            "name": "weight sync lagging: a failed scrape does not reset the for timer",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_model_version",
+                    f'{_TARGET},role="trainer"',
+                    f"20x{lag_due - 1} stale 20x5",
+                ),
+                _series(
+                    "obsckpt_model_version",
+                    f'{_TARGET},role="rollout"',
+                    f"19x10 {20 - behind}x{lag_due - 12} stale {20 - behind}x5",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(
+                    lag_due,
+                    "ObsckptWeightSyncLagging",
+                    _expected(
+                        "ObsckptWeightSyncLagging",
+                        rules,
+                        {"job": JOB, "instance": INSTANCE},
+                        behind,
+                    ),
+                ),
             ],
         },
         {

@@ -32,6 +32,13 @@ class AlertThresholds:
         weight_sync_max_lag: trainer minus rollout model version above which the
             rollout side counts as lagging.
         weight_sync_for: how long the lag must persist.
+        missed_scrape_window: how long a gauge's last scraped value stands in for
+            it when scrapes fail (a failed scrape marks the target's series stale),
+            so a missed scrape does not reset the ``for`` timer of the alerts that
+            read gauges; longer than the scrape interval.
+        finished_quiet_for: how long after a monitor's clean shutdown (the end of
+            a job) ObsckptMonitorDown stays quiet about the scrape job having no
+            target at all.
         runbook_base: URL (or path) of docs/runbook.md; anchors are appended.
     """
 
@@ -44,6 +51,8 @@ class AlertThresholds:
     monitor_job: str = DEFAULT_JOB
     weight_sync_max_lag: float = 4.0
     weight_sync_for: str = "10m"
+    missed_scrape_window: str = "2m"
+    finished_quiet_for: str = "7d"
     runbook_base: str = RUNBOOK_PATH
 
     def __post_init__(self) -> None:
@@ -61,8 +70,9 @@ class AlertThresholds:
         for name in ("commit_stall_for", "no_commit_for", "monitor_down_for", "weight_sync_for"):
             _check_duration(name, getattr(self, name))
         # A range of 0 is a PromQL error: the whole rule file would fail to load.
-        if _check_duration("failure_window", self.failure_window) == 0:
-            raise ValueError(f"failure_window must be longer than 0, got {self.failure_window!r}")
+        for name in ("failure_window", "missed_scrape_window", "finished_quiet_for"):
+            if _check_duration(name, getattr(self, name)) == 0:
+                raise ValueError(f"{name} must be longer than 0, got {getattr(self, name)!r}")
         if not isinstance(self.monitor_job, str) or not self.monitor_job:
             raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
 
@@ -113,6 +123,14 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
     no_commit = _num(t.no_commit_seconds)
     lag = _num(t.weight_sync_max_lag)
     job = t.monitor_job
+    window = t.missed_scrape_window
+
+    def last(selector: str) -> str:
+        """A gauge's last value in the window: a failed scrape leaves no gap in it."""
+        return f"last_over_time({selector}[{window}])"
+
+    trainer = last('obsckpt_model_version{role="trainer"}')
+    rollout = last('obsckpt_model_version{role="rollout"}')
     # A monitor's target labels: the file_sd entry it writes adds its Ray namespace.
     by = "job, instance, obsckpt_namespace, kind"
 
@@ -125,10 +143,10 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
             # The start timestamp is 0 when nothing is pending; without the guard
             # time() - 0 would read as a 55-year-old step.
             "expr": (
-                "(time() - obsckpt_oldest_pending_step_start_timestamp_seconds)"
+                f"(time() - {last('obsckpt_oldest_pending_step_start_timestamp_seconds')})"
                 f" > {stall}\n"
-                "and obsckpt_oldest_pending_step_start_timestamp_seconds > 0\n"
-                "and obsckpt_pending_steps > 0\n"
+                f"and {last('obsckpt_oldest_pending_step_start_timestamp_seconds')} > 0\n"
+                f"and {last('obsckpt_pending_steps')} > 0\n"
             ),
             "for": t.commit_stall_for,
             "labels": {"severity": "critical"},
@@ -148,8 +166,8 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
             # Only after a first commit: a kind the job never saves keeps its
             # timestamp at 0 and must not fire.
             "expr": (
-                f"(time() - obsckpt_last_commit_timestamp_seconds) > {no_commit}\n"
-                "and obsckpt_last_commit_timestamp_seconds > 0\n"
+                f"(time() - {last('obsckpt_last_commit_timestamp_seconds')}) > {no_commit}\n"
+                f"and {last('obsckpt_last_commit_timestamp_seconds')} > 0\n"
             ),
             "for": t.no_commit_for,
             "labels": {"severity": "warning"},
@@ -199,7 +217,16 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
         },
         {
             "alert": "ObsckptMonitorDown",
-            "expr": f'up{{job="{job}"}} == 0\nor absent(up{{job="{job}"}})\n',
+            # No target at all is quiet for a while after a clean shutdown: the
+            # monitor withdraws its target then, after a last scrape that carries
+            # its shutdown timestamp.
+            "expr": (
+                f'up{{job="{job}"}} == 0\n'
+                f'or (absent(up{{job="{job}"}})\n'
+                "  unless on () max(last_over_time("
+                f'obsckpt_monitor_shutdown_timestamp_seconds{{job="{job}"}}'
+                f"[{t.finished_quiet_for}])) > 0)\n"
+            ),
             "for": t.monitor_down_for,
             "labels": {"severity": "critical"},
             "annotations": {
@@ -208,8 +235,8 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     f"Prometheus has no healthy target for job {job}: the checkpoint "
                     "monitor actor is down, its /metrics endpoint is unreachable, or "
                     "its file_sd file was never written. Checkpoint state is unobserved. "
-                    "With no target at all, the job may also have finished: its monitor "
-                    "withdraws its target at a clean shutdown."
+                    "(A job that finished cleanly does not count: its monitor reported its "
+                    "shutdown before withdrawing its target.)"
                 ),
                 "runbook_url": runbook("ObsckptMonitorDown"),
             },
@@ -220,10 +247,8 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
             # scrape job. Guarded on a first sync, so a job without a rollout side
             # stays quiet.
             "expr": (
-                'obsckpt_model_version{role="trainer"}\n'
-                '- ignoring (role) obsckpt_model_version{role="rollout"}\n'
-                f"> {lag}\n"
-                'and ignoring (role) obsckpt_model_version{role="rollout"} > 0\n'
+                f"{trainer}\n- ignoring (role) {rollout}\n> {lag}\n"
+                f"and ignoring (role) {rollout} > 0\n"
             ),
             "for": t.weight_sync_for,
             "labels": {"severity": "warning"},

@@ -256,6 +256,24 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 ],
                 width=8,
             ),
+            PanelSpec(
+                "Clean monitor shutdowns",
+                "When each monitor of the last day shut down cleanly (the end of its job) and "
+                "withdrew its target; ObsckptMonitorDown does not count a scrape job left "
+                "without targets after one as a lost monitor.",
+                "dateTimeAsIso",
+                [
+                    (
+                        "max by (instance) (last_over_time("
+                        f"{m('obsckpt_monitor_shutdown_timestamp_seconds')}[1d]) > 0) * 1000",
+                        "{{instance}}",
+                    )
+                ],
+                viz="stat",
+                width=24,
+                height=4,
+                instant=True,
+            ),
         ],
     ),
     (

@@ -10,6 +10,7 @@ measurements with every notification, status(), /metrics and file_sd.
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import os
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 ACTOR_NAME = "checkpoint_monitor"
 FILE_SD_ENV = "OBSCKPT_FILE_SD_PATH"
+# The longest a clean shutdown waits for Prometheus's last scrape: above the shipped
+# 10 s scrape interval.
+_FINAL_SCRAPE_WAIT_S = 15.0
 
 
 def _was_restarted() -> bool:
@@ -68,7 +72,7 @@ def _label(value: object, default: str = "unknown") -> str:
     return default if value is None else str(value)
 
 
-def _storage_hint(exc: OSError, root: os.PathLike) -> str:
+def _storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
     """What to do about a commit that failed on the storage, by its cause."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         what = f"Free space (or inodes) on the filesystem of {root}"
@@ -89,7 +93,8 @@ class CheckpointMonitor:
     Create it with :meth:`get_actor`; the constructor runs inside the actor.
 
     Args:
-        save_strategy: a :class:`SaveStrategy` (or its name) governing admission.
+        save_strategy: a :class:`SaveStrategy`, its name or value, or another enum
+            naming one (e.g. Trinity-RFT's own), governing admission.
         default_local_dir: the checkpoint root holding the iteration files.
         default_hdfs_dir: must be None: uploading committed steps to remote storage is
             not supported (a ValueError says so rather than ignoring it).
@@ -108,13 +113,13 @@ class CheckpointMonitor:
 
     def __init__(
         self,
-        save_strategy: SaveStrategy | str = SaveStrategy.UNRESTRICTED,
-        default_local_dir: str | os.PathLike | None = None,
+        save_strategy: SaveStrategy | str | enum.Enum = SaveStrategy.UNRESTRICTED,
+        default_local_dir: str | os.PathLike[str] | None = None,
         default_hdfs_dir: str | None = None,
         *,
         metrics_port: int | None = 0,
         metrics_host: str = "0.0.0.0",
-        file_sd_path: str | os.PathLike | None = None,
+        file_sd_path: str | os.PathLike[str] | None = None,
         namespace: str | None = None,
         trace_exporter: str | None = None,
         registry: CollectorRegistry | None = None,
@@ -125,7 +130,7 @@ class CheckpointMonitor:
                 f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
             )
         self.lease_timeout_s = lease_timeout_s
-        self._reaper: asyncio.Task | None = None
+        self._reaper: asyncio.Task[None] | None = None
         if default_local_dir is None:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
         _refuse_hdfs(default_hdfs_dir)
@@ -147,12 +152,12 @@ class CheckpointMonitor:
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
         self._tickets = Tickets()
-        self._committer: asyncio.Task | None = None  # commits what is ready, one at a time
+        self._committer: asyncio.Task[None] | None = None  # commits what is ready, one at a time
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
         # When the last committed step became whole and how long its commit I/O took.
-        self._last_commit_detail: dict[str, dict] = {}
+        self._last_commit_detail: dict[str, dict[str, Any]] = {}
         self._setup_tracing(trace_exporter)
-        self._gauges_shown: tuple | None = None  # what _refresh_gauges last set
+        self._gauges_shown: tuple[Any, ...] | None = None  # what _refresh_gauges last set
         self._save_series: set[tuple[str, str | None]] = set()  # (slot, kind) with both series
         for kind, step in latest.items():
             if step is not None:
@@ -207,17 +212,17 @@ class CheckpointMonitor:
     def get_actor(
         cls,
         namespace: str | None = None,
-        save_strategy: SaveStrategy | str = SaveStrategy.UNRESTRICTED,
-        default_local_dir: str | os.PathLike | None = None,
+        save_strategy: SaveStrategy | str | enum.Enum = SaveStrategy.UNRESTRICTED,
+        default_local_dir: str | os.PathLike[str] | None = None,
         default_hdfs_dir: str | None = None,
         metrics_port: int | None = 0,
         metrics_host: str = "0.0.0.0",
         *,
-        file_sd_path: str | os.PathLike | None = None,
+        file_sd_path: str | os.PathLike[str] | None = None,
         trace_exporter: str | None = None,
         max_restarts: int = -1,
         lease_timeout_s: float | None = 120.0,
-    ):
+    ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
         Arguments other than ``namespace`` only matter when the actor is created.
@@ -225,6 +230,15 @@ class CheckpointMonitor:
         returned (as Trinity-RFT's workers ask for it); a ValueError says so when
         none runs. Ray restarts it if its process dies; it recovers the committed
         steps from disk.
+
+        Returns:
+            The actor's Ray handle: call its methods with ``.remote()``. Typed
+            ``Any``, as Ray's own handle types do not describe this class's methods.
+
+        Raises:
+            ValueError: no monitor runs and ``default_local_dir`` is None, one runs
+                in the namespace under another root, ``default_hdfs_dir`` is set,
+                or an argument is invalid.
         """
         import ray
 
@@ -256,7 +270,7 @@ class CheckpointMonitor:
         )
         if namespace:
             options["namespace"] = namespace
-        monitor = remote_cls.options(**options).remote(
+        monitor: Any = remote_cls.options(**options).remote(
             strategy,
             default_local_dir,
             default_hdfs_dir,
@@ -271,7 +285,7 @@ class CheckpointMonitor:
         # its root: this job's steps would then be committed (or never) under another
         # root, with nothing said. Waiting for the answer also surfaces a monitor that
         # failed to start here rather than at the first save.
-        running = ray.get(monitor.checkpoint_root.remote())
+        running: str = ray.get(monitor.checkpoint_root.remote())
         if os.path.realpath(running) != os.path.realpath(default_local_dir):
             where = f"namespace {namespace!r}" if namespace else "this job's namespace"
             raise ValueError(
@@ -298,7 +312,7 @@ class CheckpointMonitor:
         await self._after_change()
 
     async def monitor_step(
-        self, step: int, is_state_dict: bool = False, *, trace_context: dict | None = None
+        self, step: int, is_state_dict: bool = False, *, trace_context: dict[str, str] | None = None
     ) -> None:
         """Mark ``step`` as submitted; it commits once its saves are all finished.
 
@@ -331,12 +345,12 @@ class CheckpointMonitor:
         kind: str | None = None,
         rank: int | None = None,
         pid: int | None = None,
-        trace_context: dict | None = None,
+        trace_context: dict[str, str] | None = None,
         lease: bool = False,
         part: int | None = None,
         parts: int | None = None,
         unless_closed: bool = False,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Admit a save under the strategy; returns once it may run.
 
         Trinity's callers pass only ``node_id`` and ``job_id``; obsckpt's
@@ -433,7 +447,8 @@ class CheckpointMonitor:
         if ticket.lease:
             self._ensure_reaper()
         await self._after_change()
-        heartbeat = self.lease_timeout_s / 4 if ticket.lease else None
+        lease_s = self.lease_timeout_s if ticket.lease else None
+        heartbeat = lease_s / 4 if lease_s is not None else None
         return {
             "ticket": ticket.ticket,
             "admission_wait_s": wait,
@@ -447,9 +462,13 @@ class CheckpointMonitor:
             ticket.ticket, _label(ticket.node_id), _label(job_id), ticket.pid
         )
         admitted = asyncio.get_running_loop().create_future()
+
         # A wait cancelled before its handler has run is released by that handler;
         # the grant must not raise into the release that made it (another save's finish).
-        grant = lambda: admitted.done() or admitted.set_result(None)  # noqa: E731
+        def grant() -> None:
+            if not admitted.done():
+                admitted.set_result(None)
+
         if self.admission.request(ticket.ticket, key, grant):
             return
         try:
@@ -498,6 +517,8 @@ class CheckpointMonitor:
 
     def _fail_ticket(self, info: Ticket, error: str, *, started: bool) -> None:
         """Fail the save ``info`` names in the tracker: its step cannot be whole."""
+        if info.step is None:  # a Trinity caller's save names no step
+            return
         self.tracker.finish(
             info.step,
             info.kind or "checkpoint",
@@ -523,7 +544,7 @@ class CheckpointMonitor:
         duration_s: float | None = None,
         nbytes: int | None = None,
         join_wait_s: float | None = None,
-        files: list[dict] | None = None,
+        files: list[dict[str, Any]] | None = None,
         part: int | None = None,
         parts: int | None = None,
         admitted: bool = True,
@@ -610,7 +631,10 @@ class CheckpointMonitor:
 
     def _release(self, ticket: int | None, *, expired: bool = False) -> Ticket | None:
         """Close ``ticket`` (None: a Trinity caller's) and free its admission."""
-        info = self._tickets.expire(ticket) if expired else self._tickets.close(ticket)
+        if expired:
+            info = self._tickets.expire(ticket) if ticket is not None else None
+        else:
+            info = self._tickets.close(ticket)
         if info is None:
             return None
         self.admission.release(info.ticket)
@@ -618,7 +642,17 @@ class CheckpointMonitor:
             self.metrics.saves_in_flight.labels(_label(info.kind, "checkpoint")).dec()
         return info
 
-    def _observe_save(self, kind, slot, rank, ok, duration_s, nbytes, join_wait_s, info) -> None:
+    def _observe_save(
+        self,
+        kind: str,
+        slot: str | None,
+        rank: int | None,
+        ok: bool,
+        duration_s: float | None,
+        nbytes: int | None,
+        join_wait_s: float | None,
+        info: Ticket | None,
+    ) -> None:
         m = self.metrics
         slot_label = _label(slot)
         m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
@@ -810,7 +844,7 @@ class CheckpointMonitor:
         """The directory this monitor commits steps under (``default_local_dir``)."""
         return str(self.root)
 
-    async def status(self) -> dict:
+    async def status(self) -> dict[str, Any]:
         """Latest committed steps, pending, failed and abandoned steps, saves in flight."""
         t = self.tracker
         return {
@@ -868,7 +902,7 @@ class CheckpointMonitor:
             "span_export_failures": tracing.export_failures(),
         }
 
-    async def debug_spans(self) -> list[dict]:
+    async def debug_spans(self) -> list[dict[str, Any]]:
         """Spans this process recorded with the ``memory`` exporter (for tests)."""
         return tracing.finished_spans()
 
@@ -879,7 +913,10 @@ class CheckpointMonitor:
         endpoint: a monitor started since (a new job on the same file) keeps its entry.
         """
         address = self.server.address
-        self.server.close()
+        # Served in one more scrape (while a scraper polls), so that ObsckptMonitorDown
+        # tells this clean finish from a lost monitor once the target is withdrawn.
+        self.metrics.shutdown_timestamp.set(time.time())
+        await asyncio.to_thread(self.server.close, final_scrape_timeout_s=_FINAL_SCRAPE_WAIT_S)
         if not (self.file_sd_path and address):
             return
         try:

@@ -142,6 +142,39 @@ class TestUnitTestsDiscriminate:
         assert "an old failure stays quiet after failed scrapes" in result.stdout + result.stderr
 
 
+@pytest.mark.needs_promtool
+class TestMissedScrapesAndCleanShutdowns:
+    """A failed scrape does not reset an alert's ``for`` timer, and a finished job is
+    not a lost monitor: rules without either guard fail the promtool cases."""
+
+    def _failures(self, promtool, tmp_path: Path, rules: str) -> str:
+        (tmp_path / "rules.yml").write_text(rules)
+        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
+        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+        assert result.returncode != 0
+        return result.stdout + result.stderr
+
+    def test_gauges_read_without_the_window_fail_the_gap_cases(self, promtool, tmp_path):
+        rules = re.sub(r"last_over_time\((\w+(?:\{[^}]*\})?)\[2m\]\)", r"\1", rules_yaml())
+        assert "last_over_time" not in rules.replace("last_over_time(obsckpt_monitor_", "")
+        out = self._failures(promtool, tmp_path, rules)
+        for case in (
+            "commit stalled: a failed scrape does not reset the for timer",
+            "no recent commit: a failed scrape does not reset the for timer",
+            "weight sync lagging: a failed scrape does not reset the for timer",
+        ):
+            assert case in out
+
+    def test_absent_target_without_the_shutdown_guard_fails(self, promtool, tmp_path):
+        rules = rules_yaml()
+        start = rules.index("or (absent(")
+        end = rules.index("[7d])) > 0)", start) + len("[7d])) > 0)")
+        guarded = rules[start:end]
+        rules = rules.replace(guarded, 'or absent(up{job="obsckpt"})')
+        out = self._failures(promtool, tmp_path, rules)
+        assert "quiet once the monitor shut down cleanly" in out
+
+
 class TestRules:
     """Every alert of the contract exists, is annotated and links to its runbook section."""
 
@@ -190,8 +223,8 @@ class TestRules:
 
     def test_commit_stalled_is_guarded_against_the_zero_timestamp(self):
         expr = next(r["expr"] for r in alert_rules() if r["alert"] == "ObsckptCommitStalled")
-        assert "obsckpt_oldest_pending_step_start_timestamp_seconds > 0" in expr
-        assert "obsckpt_pending_steps > 0" in expr
+        assert "obsckpt_oldest_pending_step_start_timestamp_seconds[2m]) > 0" in expr
+        assert "obsckpt_pending_steps[2m]) > 0" in expr
 
     def test_monitor_down_covers_an_absent_target(self):
         expr = next(r["expr"] for r in alert_rules() if r["alert"] == "ObsckptMonitorDown")
@@ -207,6 +240,8 @@ class TestRules:
             {"no_commit_seconds": float("nan")},
             {"weight_sync_max_lag": True},
             {"failure_window": "0m"},
+            {"missed_scrape_window": "0s"},
+            {"finished_quiet_for": "0m"},
             {"monitor_job": None},
         ],
     )
@@ -216,7 +251,15 @@ class TestRules:
             AlertThresholds(**kwargs)
 
     @pytest.mark.parametrize(
-        "field", ["commit_stall_for", "no_commit_for", "failure_window", "monitor_down_for"]
+        "field",
+        [
+            "commit_stall_for",
+            "no_commit_for",
+            "failure_window",
+            "monitor_down_for",
+            "missed_scrape_window",
+            "finished_quiet_for",
+        ],
     )
     @pytest.mark.parametrize("value", ["90", "15 minutes", "1m30", "", 60])
     def test_durations_prometheus_would_refuse_name_the_field(self, field, value):

@@ -58,11 +58,13 @@ def wait_for(what: str, probe: Callable[[], object], timeout: float, interval: f
     last: object = None
     while time.monotonic() < deadline:
         try:
-            last = probe()
-        except OSError as exc:  # Prometheus not listening yet
+            result = probe()
+        except OSError as exc:  # Prometheus not listening yet: an error, not an answer
             last = exc
-        if last:
-            return last
+        else:
+            if result:
+                return result
+            last = result
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; last probe: {last!r}")
 

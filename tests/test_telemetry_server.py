@@ -88,3 +88,53 @@ class TestClose:
         with pytest.raises(urllib.error.URLError):
             fetch(address)
         server.close()  # a second close is harmless
+
+
+class TestFinalScrape:
+    """A closing endpoint that a scraper polls waits for its next scrape, so the values set
+    just before (a clean shutdown's timestamp) are stored; one read once closes at once."""
+
+    def test_a_polled_endpoint_serves_one_more_scrape(self, registry):
+        import threading
+        import time
+
+        from prometheus_client import Gauge
+
+        gauge = Gauge("obsckpt_test_final", "Set just before closing.", registry=registry)
+        server = serve_metrics(registry, "127.0.0.1", 0)
+        address = server.address
+        seen: list[str] = []
+        stop = threading.Event()
+
+        def poll() -> None:  # a scraper with a 0.3 s interval
+            while not stop.is_set():
+                try:
+                    seen.append(fetch(address))
+                except OSError:
+                    return
+                time.sleep(0.3)
+
+        scraper = threading.Thread(target=poll, daemon=True)
+        scraper.start()
+        try:
+            while len(seen) < 3:
+                time.sleep(0.05)
+            gauge.set(42)
+            t0 = time.monotonic()
+            server.close(final_scrape_timeout_s=15.0)
+            waited = time.monotonic() - t0
+        finally:
+            stop.set()
+            scraper.join(10)
+        assert "obsckpt_test_final 42.0" in seen[-1]
+        assert waited < 3.0  # the next scrape, not the whole timeout
+
+    def test_an_endpoint_read_once_closes_at_once(self, registry):
+        import time
+
+        server = serve_metrics(registry, "127.0.0.1", 0)
+        fetch(server.address)  # a one-off read, as the demo's summary makes
+        t0 = time.monotonic()
+        server.close(final_scrape_timeout_s=15.0)
+        assert time.monotonic() - t0 < 1.0
+        assert server.address is None

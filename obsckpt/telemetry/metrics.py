@@ -157,6 +157,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "abandoned_steps",
     ),
     MetricSpec(
+        "obsckpt_monitor_shutdown_timestamp_seconds",
+        "gauge",
+        (),
+        "Unix time the monitor was shut down cleanly (its shutdown() RPC, at the end of a "
+        "job); 0 while it runs. Served in one last scrape before the monitor withdraws its "
+        "target, so ObsckptMonitorDown tells a finished job from a lost monitor.",
+        "shutdown_timestamp",
+    ),
+    MetricSpec(
         "obsckpt_step_failures_total",
         "counter",
         ("kind",),
@@ -333,6 +342,7 @@ class Metrics:
     pending_steps: Gauge
     oldest_pending_start: Gauge
     abandoned_steps: Gauge
+    shutdown_timestamp: Gauge
     step_failures: Counter
     rank_last_save_duration: Gauge
     staging_bytes: Gauge

@@ -6,6 +6,9 @@ import errno
 import json
 import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,63 @@ def validate_port(port: object, what: str = "metrics_port") -> int | None:
     return port
 
 
+# After the last scrape's samples are generated: time for the response to reach Prometheus
+# before the socket closes under it.
+_FINAL_SCRAPE_GRACE_S = 0.5
+# Scrape times kept to tell a polling scraper (and its interval) from one-off reads.
+_POLL_SAMPLES = 4
+
+
+class _ScrapeCounter:
+    """The registry as the HTTP server sees it: counts the scrapes that completed.
+
+    A clean shutdown waits for one more scrape, so Prometheus stores the last
+    values (the shutdown timestamp among them) before the target goes away;
+    only while a scraper polls the endpoint (a one-off read, such as the
+    demo's summary, makes no wait).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._cond = threading.Condition()
+        self._started = 0
+        self._completed = 0  # the highest scrape number that finished generating
+        self._finished_at: list[float] = []  # monotonic times of the last few scrapes
+
+    def collect(self) -> Iterator:
+        with self._cond:
+            self._started += 1
+            number = self._started
+        yield from self._registry.collect()
+        with self._cond:
+            self._completed = max(self._completed, number)
+            self._finished_at = [*self._finished_at[-(_POLL_SAMPLES - 1) :], time.monotonic()]
+            self._cond.notify_all()
+
+    def restricted_registry(self, names):  # a scrape with ?name[]=... filters
+        return self._registry.restricted_registry(names)
+
+    def next_due(self, limit: float) -> float | None:
+        """How long to wait for the next scrape of a scraper polling the endpoint.
+
+        None when nothing polls it: fewer than two scrapes, or none within twice
+        the longest interval between the last few (plus a second). At most ``limit``.
+        """
+        with self._cond:
+            times = list(self._finished_at)
+        if len(times) < 2:
+            return None
+        interval = max(b - a for a, b in zip(times[:-1], times[1:], strict=True))
+        due = 2 * interval + 1.0 - (time.monotonic() - times[-1])
+        return min(limit, due) if due > 0 else None
+
+    def wait_for_next(self, timeout: float) -> bool:
+        """Wait for a scrape that starts from now on to finish; False after ``timeout``."""
+        with self._cond:
+            after = self._started
+            return self._cond.wait_for(lambda: self._completed > after, timeout)
+
+
 @dataclass(slots=True)
 class MetricsServer:
     """A running (or failed) /metrics endpoint. ``address`` is None when not serving."""
@@ -36,9 +96,31 @@ class MetricsServer:
     address: str | None = None
     error: str | None = None
     _server: object = field(default=None, repr=False)
+    _scrapes: _ScrapeCounter | None = field(default=None, repr=False)
 
-    def close(self) -> None:
-        """Stop serving; ``address`` is None from then on."""
+    def close(self, *, final_scrape_timeout_s: float = 0.0) -> None:
+        """Stop serving; ``address`` is None from then on.
+
+        Args:
+            final_scrape_timeout_s: while a scraper polls the endpoint, first
+                wait for its next scrape (up to twice its interval plus a second,
+                and at most this long), so that Prometheus stores the values set
+                just before (a clean shutdown's timestamp). An endpoint that no
+                scraper polls (never read, or read once) closes at once.
+        """
+        scrapes = self._scrapes
+        if self._server is not None and final_scrape_timeout_s > 0 and scrapes is not None:
+            due = scrapes.next_due(final_scrape_timeout_s)
+            if due is not None:
+                if scrapes.wait_for_next(due):
+                    time.sleep(_FINAL_SCRAPE_GRACE_S)
+                else:
+                    logger.warning(
+                        "obsckpt: no scrape of %s within %.1f s before shutdown; Prometheus may "
+                        "not see that the monitor shut down cleanly",
+                        self.address,
+                        due,
+                    )
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -74,10 +156,11 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     # "[::1]" is how URLs and Prometheus targets write an IPv6 literal; bind takes "::1".
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    scrapes = _ScrapeCounter(registry)
     try:
         # "" means every interface to socket.bind, but not to getaddrinfo, which
         # prometheus_client asks first.
-        server, _thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+        server, _thread = start_http_server(port, addr=host or "0.0.0.0", registry=scrapes)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             msg = (
@@ -90,7 +173,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
         logger.error("obsckpt: %s", msg)
         return MetricsServer(error=msg)
     actual_port = server.server_address[1]
-    return MetricsServer(address=host_port(advertised_host(host), actual_port), _server=server)
+    return MetricsServer(
+        address=host_port(advertised_host(host), actual_port), _server=server, _scrapes=scrapes
+    )
 
 
 def read_file_sd_targets(path: str | os.PathLike) -> list[str]:
