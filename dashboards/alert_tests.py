@@ -277,6 +277,27 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             ],
         },
         {
+            "name": "save failures: a new job whose first save failed before its first scrape "
+            "fires",
+            "interval": "1m",
+            "input_series": [
+                # Another job's monitor has been scraped all along; this one appears
+                # at window + 10 with its error already counted.
+                _series("up", _OTHER, f"1x{window_min + 40}"),
+                _series("up", _TARGET, f"_x{window_min + 10} 1x{window_min + 30}"),
+                _series(
+                    "obsckpt_saves_total",
+                    f'{ckpt_labels},slot="model",result="error"',
+                    f"_x{window_min + 10} 1x{window_min + 30}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(window_min + 5, "ObsckptSaveFailures"),
+                _check(window_min + 12, "ObsckptSaveFailures", failing(INSTANCE)),
+                _check(2 * window_min + 16, "ObsckptSaveFailures"),
+            ],
+        },
+        {
             "name": "save failures: an old failure stays quiet after failed scrapes",
             "interval": "1m",
             "input_series": [

@@ -189,15 +189,21 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
             # appeared within the window already counting (a slot's first save
             # failed), which increase() reads as 0. An old series missing a window ago
             # only because that scrape failed (or Prometheus was down) is not new: the
-            # target must have been scraped then.
+            # target must have been scraped then, or be new itself (no target a window
+            # ago, while Prometheus scraped others: a job whose first saves failed
+            # before its first scrape).
             "expr": (
                 f"sum by ({by}) ("
                 f"increase(obsckpt_step_failures_total[{t.failure_window}])) > 0\n"
                 f"or sum by ({by}) ("
                 f'increase(obsckpt_saves_total{{result="error"}}[{t.failure_window}])) > 0\n'
-                f'or sum by ({by}) (obsckpt_saves_total{{result="error"}} > 0\n'
-                f'  unless obsckpt_saves_total{{result="error"}} offset {t.failure_window}\n'
-                f"  and on (job, instance) (up offset {t.failure_window} == 1)) > 0\n"
+                f"or sum by ({by}) (\n"
+                f'  (obsckpt_saves_total{{result="error"}} > 0\n'
+                f'    unless obsckpt_saves_total{{result="error"}} offset {t.failure_window})\n'
+                f"  and on (job, instance) (\n"
+                f"    up offset {t.failure_window} == 1\n"
+                f"    or ((up unless on (job, instance) up offset {t.failure_window})\n"
+                f"      and on () (count(up offset {t.failure_window}) > 0)))) > 0\n"
             ),
             "for": "0m",
             "labels": {"severity": "warning"},

@@ -132,7 +132,11 @@ class TestUnitTestsDiscriminate:
     def test_failures_rule_that_trusts_a_missed_scrape_fails_the_tests(self, promtool, tmp_path):
         # Without the scrape guard, an error counter that was already counting reads
         # as new a window after one failed scrape, and the alert fires on an old failure.
-        guard = "\n  and on (job, instance) (up offset 15m == 1)"
+        guard = (
+            "\n  and on (job, instance) (\n    up offset 15m == 1\n"
+            "    or ((up unless on (job, instance) up offset 15m)\n"
+            "      and on () (count(up offset 15m) > 0)))"
+        )
         rules = rules_yaml(AlertThresholds())
         assert guard.replace("\n", "\n      ") in rules
         (tmp_path / "rules.yml").write_text(rules.replace(guard.replace("\n", "\n      "), ""))
@@ -140,6 +144,21 @@ class TestUnitTestsDiscriminate:
         result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
         assert result.returncode != 0
         assert "an old failure stays quiet after failed scrapes" in result.stdout + result.stderr
+
+    def test_failures_rule_without_new_targets_fails_the_tests(self, promtool, tmp_path):
+        # Only targets scraped a window ago: a job whose first save failed before its
+        # first scrape (its error series starts at 1) would never fire.
+        branch = (
+            "\n    or ((up unless on (job, instance) up offset 15m)\n"
+            "      and on () (count(up offset 15m) > 0))"
+        )
+        rules = rules_yaml(AlertThresholds())
+        assert branch.replace("\n", "\n      ") in rules
+        (tmp_path / "rules.yml").write_text(rules.replace(branch.replace("\n", "\n      "), ""))
+        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
+        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+        assert result.returncode != 0
+        assert "a new job whose first save failed" in result.stdout + result.stderr
 
 
 @pytest.mark.needs_promtool
