@@ -90,8 +90,20 @@ def _walk_files(sdir: Path) -> list[tuple[str, int, float]]:
     return files
 
 
-def describe_step(root: Path, step: int, latest: dict[str, int | None], now: float) -> dict:
-    """What is known of one step directory: committed or not (and why), size, age."""
+def describe_step(
+    root: Path,
+    step: int,
+    latest: dict[str, int | None],
+    now: float,
+    first_manifest: int | None = None,
+) -> dict:
+    """What is known of one step directory: committed or not (and why), size, age.
+
+    ``first_manifest`` is the oldest step of the root with a manifest (None:
+    none has one). A step without one below it, and below the latest commit,
+    was written before obsckpt committed here (verl's own checkpointing, say):
+    obsckpt cannot tell whether it is whole, so it is ``foreign``, not failed.
+    """
     sdir = disk.step_dir(root, step)
     files = _walk_files(sdir)
     temps = [f for f, _s, _m in files if disk.is_temp_name(os.path.basename(f))]
@@ -122,6 +134,18 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
         if not has_manifest:
             note = (note + "; " if note else "") + "no manifest (not written by obsckpt)"
         kind = "checkpoint" if full or step == ck else "state_dict"
+    elif (
+        not has_manifest
+        and newest is not None
+        and step < newest
+        and (first_manifest is None or step < first_manifest)
+    ):
+        state = "foreign"
+        kind = "checkpoint" if full else "-"
+        note = (
+            "no manifest: written before obsckpt committed in this root (by verl's own "
+            "checkpointing, say), or by a save that failed; whether it is whole cannot be told"
+        )
     else:
         state = "uncommitted"
         kind = "checkpoint" if full else "state_dict"
@@ -150,9 +174,16 @@ def describe_step(root: Path, step: int, latest: dict[str, int | None], now: flo
     }
 
 
+def first_manifest_step(root: Path, steps: list[int]) -> int | None:
+    """The oldest of ``steps`` whose directory holds a manifest (None: none does)."""
+    return next((s for s in steps if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()), None)
+
+
 def root_status(root: Path, latest: dict[str, int | None]) -> dict:
     now = time.time()
-    steps = [describe_step(root, s, latest, now) for s in disk.steps_on_disk(root)]
+    on_disk = disk.steps_on_disk(root)
+    first = first_manifest_step(root, on_disk)
+    steps = [describe_step(root, s, latest, now, first) for s in on_disk]
     problems = []
     on_disk = {s["step"] for s in steps}
     for kind, step in latest.items():
@@ -163,6 +194,7 @@ def root_status(root: Path, latest: dict[str, int | None]) -> dict:
         "latest": latest,
         "committed": [s["step"] for s in steps if s["state"] == "committed"],
         "uncommitted": [s["step"] for s in steps if s["state"] == "uncommitted"],
+        "foreign": [s["step"] for s in steps if s["state"] == "foreign"],
         "steps": steps,
         "problems": problems,
     }
@@ -313,6 +345,15 @@ def _verify_one(
         return dict(result, result="skipped")
     problems = disk.verify_step(sdir)
     if problems:
+        if (
+            not (sdir / disk.MANIFEST_NAME).exists()
+            and first_manifest_step(root, disk.steps_on_disk(root)) is None
+        ):
+            problems = [
+                f"{sdir / disk.MANIFEST_NAME}: missing manifest; no step of this root has one, "
+                "so it was not committed by obsckpt (verl's own checkpointing, say) and there is "
+                "nothing to check its files against. Steps obsckpt commits here can be verified"
+            ]
         return dict(result, result="failed", problems=list(problems))
     records = disk.read_manifest(sdir)
     return dict(result, files=len(records), bytes=sum(r.size for r in records))

@@ -240,6 +240,49 @@ class TestStatus:
         assert "problem: latest_checkpointed_iteration.txt names step 8" in text
 
 
+class TestRootsWrittenBeforeObsckpt:
+    """A root that verl's own checkpointing wrote (no manifests) is not reported as failed
+    saves: its older steps are ``foreign`` (whole or not cannot be told), and a step that
+    failed after obsckpt started committing there is still ``uncommitted``."""
+
+    @staticmethod
+    def verl_step(root: Path, step: int) -> None:
+        actor = disk.step_dir(root, step) / "actor"
+        actor.mkdir(parents=True)
+        for kind in ("model", "optim", "extra_state"):
+            (actor / f"{kind}_world_size_1_rank_0.pt").write_bytes(b"v" * 1000)
+
+    def test_a_root_verl_wrote(self, tmp_path):
+        root = tmp_path / "ckpt"
+        for step in (5, 10):
+            self.verl_step(root, step)
+        (root / "latest_checkpointed_iteration.txt").write_text("10")
+        code, out, err = run("status", str(root), "--json")
+        assert code == 0, err
+        st = json.loads(out)
+        assert (st["committed"], st["uncommitted"], st["foreign"]) == ([10], [], [5])
+        step5 = st["steps"][0]
+        assert step5["state"] == "foreign" and "before obsckpt committed" in step5["note"]
+        assert "no manifest (not written by obsckpt)" in st["steps"][1]["note"]
+        code, out, err = run("verify", str(root))
+        assert code == 1
+        assert "no step of this root has one, so it was not committed by obsckpt" in err
+
+    def test_steps_after_obsckpt_took_over(self, tmp_path):
+        root = tmp_path / "ckpt"
+        root.mkdir()
+        self.verl_step(root, 5)
+        make_step(root, 10)
+        self.verl_step(root, 12)  # an obsckpt save that failed: no manifest, never committed
+        make_step(root, 14)
+        code, out, err = run("status", str(root), "--json")
+        assert code == 0, err
+        st = json.loads(out)
+        assert (st["committed"], st["uncommitted"], st["foreign"]) == ([10, 14], [12], [5])
+        code, out, err = run("verify", str(root))
+        assert code == 0, err
+
+
 class TestErrors:
     """A directory that cannot be used gives one line on stderr and exit code 2, for both commands."""
 
