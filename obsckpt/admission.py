@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -23,7 +23,7 @@ class SaveStrategy(str, enum.Enum):
     UNRESTRICTED = "unrestricted"
 
     @classmethod
-    def _missing_(cls, value: object):
+    def _missing_(cls, value: object) -> SaveStrategy | None:
         if isinstance(value, str):
             for member in cls:
                 if member.value == value.lower() or member.name == value.upper():
@@ -52,7 +52,7 @@ class SaveStrategy(str, enum.Enum):
 class _Waiter:
     ticket: int
     key: Hashable
-    on_admit: object  # called with no arguments when admitted
+    on_admit: Callable[[], object]  # called with no arguments when admitted
 
 
 @dataclass(slots=True)
@@ -82,7 +82,7 @@ class Admission:
         # keys are equal and one stands for all (O(1) with 1,000 saves in flight).
         return not self.running or next(iter(self.running.values())) == key
 
-    def request(self, ticket: int, key: Hashable, on_admit) -> bool:
+    def request(self, ticket: int, key: Hashable, on_admit: Callable[[], object]) -> bool:
         """Admit now (True) or queue ``on_admit`` to be called on admission (False)."""
         if not self._queue and self._compatible(key):
             self.running[ticket] = key

@@ -90,6 +90,14 @@ class Tickets:
         """Whether any open ticket holds a lease."""
         return any(t.lease for t in self._open.values())
 
+    def watched(self, nodes: bool) -> bool:
+        """Whether any open ticket holds a lease, or (``nodes``) names the node it runs on."""
+        return any(t.lease or (nodes and t.node_id) for t in self._open.values())
+
+    def on_nodes(self, nodes: set[str]) -> list[Ticket]:
+        """Open, admitted tickets of saves that run on one of ``nodes``."""
+        return [t for t in self._open.values() if t.admitted is not None and t.node_id in nodes]
+
     def stale(self, now: float, timeout_s: float) -> list[Ticket]:
         """Admitted, leased tickets with no heartbeat for more than ``timeout_s``."""
         return [
@@ -106,6 +114,6 @@ class Tickets:
     def take_expired(self, number: object) -> bool:
         """Whether ``number``'s lease ran out (forgotten once asked)."""
         if number in self._expired:
-            self._expired.discard(number)  # type: ignore[arg-type]
+            self._expired.discard(number)
             return True
         return False

@@ -47,6 +47,7 @@ ALIGN = 4096
 # OBSCKPT_DIRECT_IO=0 writes through the page cache instead.
 _DIRECT_IO = os.environ.get("OBSCKPT_DIRECT_IO", "1") != "0"
 
+_save: Any
 try:  # torch's writer without its per-record CRC32 (see _torch_save)
     from torch.serialization import _get_storage_alignment, _save
 
@@ -118,7 +119,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency
     crc32_combine = _crc32_combine
 
 
-def _libc_fallocate():
+def _libc_fallocate() -> Any:
     try:
         fn = ctypes.CDLL(None, use_errno=True).fallocate
     except (OSError, AttributeError):  # pragma: no cover - not Linux
@@ -228,7 +229,8 @@ class _PipelinedSink:
 
     def _enqueue(self, buf: Any, nbytes: int, padded: int, offset: int, token: Any) -> None:
         if offset + padded > self._reserved:
-            self.reserve(max(offset + padded, self._reserved + _RESERVE_STEP))
+            # _reserved is finite here: nothing exceeds math.inf.
+            self.reserve(max(offset + padded, int(self._reserved) + _RESERVE_STEP))
         self._to_crc.put((self._seq, buf, nbytes, token))
         self._seq += 1
         self._to_disk.put((buf, padded, offset, token))
@@ -263,7 +265,7 @@ class _PipelinedSink:
             error.errno = getattr(self._error, "errno", None)
             raise error from self._error
 
-    def write(self, data) -> int:
+    def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
         if (
@@ -403,14 +405,14 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     # The tensors' bytes, each record's header and alignment, and the pickle.
     sink.reserve(sum(storages.values()) + len(storages) * 2 * ALIGN + (1 << 20))
     if _save is None:
-        torch.save(obj, sink)
+        torch.save(obj, sink)  # type: ignore[arg-type]
         return
     try:
         # Records start on a page boundary, so aligned tensors are written from their memory.
         alignment = max(ALIGN, _get_storage_alignment())
-        writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+        writer = torch._C.PyTorchFileWriter(sink, False, alignment)  # type: ignore[call-overload]
     except TypeError:  # pragma: no cover - a torch whose writer takes other arguments
-        torch.save(obj, sink)
+        torch.save(obj, sink)  # type: ignore[arg-type]
         return
     try:
         _save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
@@ -424,7 +426,7 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     writer.write_end_of_file()
 
 
-def write_torch_file(obj: Any, path: str | os.PathLike) -> FileRecord:
+def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
     """``torch.save`` to a temp file, fsync, rename into place, fsync the directory."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))

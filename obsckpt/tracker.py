@@ -85,7 +85,7 @@ class Progress:
     first_seen: float | None = None
     first_start: float | None = None
     resolved_at: float | None = None
-    carrier: dict | None = None
+    carrier: dict[str, str] | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
     # Files two saves reported differently (both wrote them): only the file on
     # disk tells which write is there, so the commit checksums it itself.
@@ -280,7 +280,9 @@ class CommitTracker:
             self._revive(step)
         return notes
 
-    def submit(self, step: int, kind: str, carrier: dict | None = None) -> list[tuple[int, str]]:
+    def submit(
+        self, step: int, kind: str, carrier: dict[str, str] | None = None
+    ) -> list[tuple[int, str]]:
         """``monitor_step``: the trainer has dispatched every save of this step.
 
         Returns the (step, kind) pairs that failed as a result. Submitting a step
@@ -332,7 +334,7 @@ class CommitTracker:
         self,
         step: int,
         kind: str,
-        carrier: dict | None = None,
+        carrier: dict[str, str] | None = None,
         *,
         slot: str | None = None,
         part: int | None = None,
@@ -434,7 +436,7 @@ class CommitTracker:
                 p.contested.add(rec.path)
             else:
                 p.files[rec.path] = rec
-        if parts is None:
+        if parts is None or part is None:  # validate_parts: both or neither
             p.finished += 1
         else:
             if group is None:  # a part whose start this tracker never saw

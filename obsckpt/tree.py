@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 
-def dtensor_type() -> type | None:
+def dtensor_type() -> type[Any] | None:
     """DTensor, if its module is loaded; a state dict with DTensors has loaded it.
 
     Importing ``torch.distributed.tensor`` here would pull in sympy, seconds
@@ -26,13 +26,14 @@ def dtensor_type() -> type | None:
 PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
-def sharded_tensor_type() -> type | None:
+def sharded_tensor_type() -> type[Any] | None:
     """FSDP1's ShardedTensor, if its module is loaded (a state dict holding one has loaded it)."""
     module = sys.modules.get("torch.distributed._shard.sharded_tensor")
     return getattr(module, "ShardedTensor", None)
 
 
 def local_tensor(obj: Any) -> Any:
+    """A DTensor's local shard; any other object as it is."""
     dtensor = dtensor_type()
     if dtensor is not None and isinstance(obj, dtensor):
         return obj.to_local()

@@ -8,7 +8,34 @@ nor the helpers, so obsckpt's core stays light.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from obsckpt.integrations.fsdp_checkpoint_manager import (
+        FSDPCheckpointManager as FSDPCheckpointManager,
+    )
+    from obsckpt.integrations.verl_fsdp import (
+        fsdp_save_state_dict as fsdp_save_state_dict,
+    )
+    from obsckpt.integrations.verl_fsdp import (
+        fsdp_sync_weight_nccl as fsdp_sync_weight_nccl,
+    )
+    from obsckpt.integrations.verl_fsdp import (
+        fsdp_upload_state_dict as fsdp_upload_state_dict,
+    )
+    from obsckpt.integrations.verl_install import install as install_verl
+    from obsckpt.integrations.verl_megatron import (
+        MegatronCheckpointManager as MegatronCheckpointManager,
+    )
+    from obsckpt.integrations.verl_megatron import (
+        megatron_save_state_dict as megatron_save_state_dict,
+    )
+    from obsckpt.integrations.verl_megatron import (
+        megatron_sync_weight_nccl as megatron_sync_weight_nccl,
+    )
+    from obsckpt.integrations.verl_megatron import (
+        megatron_upload_state_dict as megatron_upload_state_dict,
+    )
 
 _EXPORTS = {
     "fsdp_save_state_dict": "obsckpt.integrations.verl_fsdp",
@@ -22,7 +49,18 @@ _EXPORTS = {
     "install_verl": "obsckpt.integrations.verl_install",
 }
 
-__all__ = sorted(_EXPORTS)
+# A literal list, so that type checkers read it (they do not evaluate sorted(_EXPORTS)).
+__all__ = [
+    "FSDPCheckpointManager",
+    "MegatronCheckpointManager",
+    "fsdp_save_state_dict",
+    "fsdp_sync_weight_nccl",
+    "fsdp_upload_state_dict",
+    "install_verl",
+    "megatron_save_state_dict",
+    "megatron_sync_weight_nccl",
+    "megatron_upload_state_dict",
+]
 
 
 def _verl_missing(what: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:

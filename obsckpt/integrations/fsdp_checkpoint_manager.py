@@ -32,7 +32,8 @@ import logging
 import os
 import re
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -54,6 +55,7 @@ from obsckpt.integrations.verl_fsdp import (
 )
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MONITOR_ACTOR_NAME = "checkpoint_monitor"
 SYNCHRONIZER_ACTOR_NAME = "synchronizer"
@@ -182,8 +184,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
 
     def save_checkpoint(
         self,
-        local_path: str,
-        hdfs_path: str | None = None,
+        local_path: str | None,
+        hdfs_path: str | int | None = None,
         global_step: int = 0,
         max_ckpt_to_keep: int | None = None,
         *,
@@ -195,6 +197,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         Returns once every snapshot is taken; the monitor commits the step
         when every rank's files are durable and the trainer has submitted it
         (``register_and_monitor(step)``). Returns this rank's save counts.
+
+        Trinity-RFT's positional order, ``(local_path, global_step,
+        max_ckpt_to_keep, save_as_hf)``, is accepted too: an int where verl
+        passes ``hdfs_path`` is the step. ``local_path=None`` saves nothing.
         """
         if isinstance(hdfs_path, int) and not isinstance(hdfs_path, bool):
             # Trinity's positional order: (local_path, global_step, max_ckpt_to_keep,
@@ -257,7 +263,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         return counts
 
     def load_checkpoint(
-        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
+        self,
+        local_path: str | None,
+        hdfs_path: str | None = None,
+        del_local_after_load: bool = False,
     ) -> None:
         """Wait for this rank's saves in flight, then load as verl does.
 
@@ -266,7 +275,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 ranks (the message names both and what to do), or lacks a file.
         """
         self.coordinator.wait_all()
-        if local_path is not None and "://" not in local_path:  # verl copies remote ones
+        if local_path is None:  # verl loads nothing then
+            return
+        if "://" not in local_path:  # verl copies remote ones
             self._check_world_size(local_path)
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
@@ -352,7 +363,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             local_path, f"{prefix}_world_size_{self.world_size}_rank_{self.rank}.pt"
         )
 
-    def _sharded(self, fn):
+    def _sharded(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` under verl's sharded state-dict context (FSDP1; a no-op for FSDP2)."""
         from torch.distributed.fsdp import (
             ShardedOptimStateDictConfig,

@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from obsckpt import commit as disk
-from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster, WeightSyncTelemetry
+from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster
 from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.group import WeightSyncGroup
+from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 
 _log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def pretrained_generation_config(model: Any) -> Any:
     return _generation_configs[name]
 
 
-def lora_train_meta(model: Any) -> dict | None:
+def lora_train_meta(model: Any) -> dict[str, Any] | None:
     """A LoRA model's rank, alpha and task type, as verl records them, else None."""
     peft_config = getattr(model, "peft_config", None)
     if not peft_config:
@@ -258,7 +259,7 @@ def fsdp_save_state_dict(
     coordinator: Any,
     logger: logging.Logger | None = None,
     *,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> int:
     """Save every rank's model shard for checkpoint-based weight sync; call on every rank.
 
@@ -362,7 +363,7 @@ def upload_state_dict(
     *,
     rank: int,
     logger: logging.Logger | None = None,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> float | None:
     """Gather ``named_tensors`` and, on rank 0, publish them as version ``global_step``.
 
@@ -404,7 +405,7 @@ def fsdp_upload_state_dict(
     global_step: int,
     logger: logging.Logger | None = None,
     *,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> float | None:
     """Upload the full FSDP state dict to the Synchronizer (memory sync); call on every rank."""
     return upload_state_dict(
@@ -423,7 +424,9 @@ def fsdp_upload_state_dict(
 
 
 @contextmanager
-def full_params(module: torch.nn.Module) -> Iterator[tuple[list[TensorMeta], Iterator]]:
+def full_params(
+    module: torch.nn.Module,
+) -> Iterator[tuple[list[TensorMeta], Iterator[tuple[str, torch.Tensor]]]]:
     """Metadata and a lazy iterator of ``(name, full tensor)`` for FSDP1, FSDP2 or a plain module.
 
     Shapes come from the DTensors (no communication); each tensor is gathered
@@ -447,7 +450,7 @@ def full_params(module: torch.nn.Module) -> Iterator[tuple[list[TensorMeta], Ite
         state = module.state_dict()
     meta = [TensorMeta(clean_name(n), t.dtype, tuple(t.shape)) for n, t in state.items()]
 
-    def gen():
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for t, m in zip(state.values(), meta, strict=True):
             yield m.name, (t.full_tensor() if isinstance(t, DTensor) else t.detach())
 
@@ -470,7 +473,7 @@ def broadcast_named_tensors(
     *,
     rank: int,
     step: int | None = None,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
     metrics: Any = None,
     monitor: Any = None,
 ) -> BroadcastResult | None:
@@ -515,7 +518,7 @@ def fsdp_sync_weight_nccl(
     model_update_group: Any,
     *,
     step: int | None = None,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
     metrics: Any = None,
     monitor: Any = None,
 ) -> BroadcastResult | None:

@@ -133,7 +133,7 @@ def install() -> None:
     _wrap_ray_init(ray)
 
 
-def runtime_env(base: dict | None = None) -> dict:
+def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
     """``base`` (a Ray ``runtime_env``) with obsckpt's worker setup hook added.
 
     Raises:
@@ -174,7 +174,7 @@ def _wrap_ray_init(ray: Any) -> None:
         _ray_init_wrapped = True
 
 
-def _plain(node: Any) -> dict:
+def _plain(node: Any) -> dict[str, Any]:
     try:
         from omegaconf import OmegaConf
 
@@ -302,7 +302,7 @@ def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
         pending += sub.__subclasses__()
     previous = cls.__dict__.get("__init_subclass__")
 
-    def __init_subclass__(sub: type, **kwargs: Any) -> None:
+    def __init_subclass__(sub: type, /, **kwargs: Any) -> None:
         if previous is not None:
             previous.__get__(None, sub)(**kwargs)
         else:
@@ -318,7 +318,7 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
     # Looked up in module globals before builtins; a module's own ``open`` is left alone.
     if module is not None and getattr(module, "open", _diverting_open) is _diverting_open:
         try:
-            module.open = _diverting_open
+            setattr(module, "open", _diverting_open)  # noqa: B010 - a module's global
         except (AttributeError, TypeError):  # a module that takes no attributes
             logger.warning("obsckpt: cannot divert the iteration file write of %s", module)
     makers = {setup_name: _setup_wrapper, "_save_checkpoint": _save_wrapper, "fit": _fit_wrapper}
@@ -327,7 +327,7 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
         if orig is None or not callable(orig) or getattr(orig, "obsckpt", False):
             continue
         wrapper = make(orig)
-        wrapper.obsckpt = True  # type: ignore[attr-defined]
+        wrapper.obsckpt = True
         setattr(cls, name, wrapper)
 
 
@@ -415,7 +415,7 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     monitor = monitor_for(trainer)
     writes: list[str] = []
     callback = getattr(trainer, "checkpoint_callback", None)
-    deferred: list[tuple[tuple, dict]] = []
+    deferred: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     if callback is not None:
         trainer.checkpoint_callback = _DeferredCallback(deferred)
     token = _diverted.set(writes)
@@ -442,8 +442,9 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     trainer._obsckpt_last_submitted = step
     if deferred and not _is_noop_callback(callback):
         wait_for_commit(trainer)
-    for args, kwargs in deferred:
-        callback.on_save(*args, **kwargs)
+    if callback is not None:  # only then were calls deferred
+        for args, kwargs in deferred:
+            callback.on_save(*args, **kwargs)
     return result
 
 
@@ -455,7 +456,7 @@ def _written_step(writes: list[str]) -> int | None:
 class _DeferredCallback:
     """Stands in for a V1 trainer's ``checkpoint_callback`` while verl's save runs."""
 
-    def __init__(self, calls: list[tuple[tuple, dict]]) -> None:
+    def __init__(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         self._calls = calls
 
     def on_save(self, *args: Any, **kwargs: Any) -> None:

@@ -14,9 +14,9 @@ Nothing here imports verl or Megatron-core.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from obsckpt.integrations.verl_fsdp import (
     already_committed,
@@ -27,7 +27,10 @@ from obsckpt.integrations.verl_fsdp import (
     upload_state_dict,
 )
 from obsckpt.sync.broadcast import BroadcastResult
-from obsckpt.sync.buckets import TensorMeta
+from obsckpt.sync.buckets import TensorMeta, as_tensor_meta
+
+if TYPE_CHECKING:
+    import torch
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def megatron_save_state_dict(
     coordinator: Any,
     logger: logging.Logger | None = None,
     *,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> int:
     """Save the actor model for checkpoint-based weight sync, synchronously; call on every rank.
 
@@ -129,7 +132,7 @@ def megatron_upload_state_dict(
     global_step: int,
     logger: logging.Logger | None = None,
     *,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
 ) -> float | None:
     """Upload the model's full state dict to the Synchronizer (memory sync); call on every rank."""
     return upload_state_dict(
@@ -146,9 +149,9 @@ def megatron_sync_weight_nccl(
     engine: Any,
     model_update_group: Any,
     *,
-    meta: list[TensorMeta] | None = None,
+    meta: Iterable[TensorMeta | tuple[str, str | torch.dtype, Sequence[int]]] | None = None,
     step: int | None = None,
-    trace_context: dict | None = None,
+    trace_context: dict[str, str] | None = None,
     metrics: Any = None,
     monitor: Any = None,
 ) -> BroadcastResult | None:
@@ -157,15 +160,31 @@ def megatron_sync_weight_nccl(
     Every rank iterates ``get_per_tensor_param()`` (it gathers across model
     parallel ranks); rank 0 sends. Without ``meta`` rank 0 first collects the
     tensors to learn their shapes (the bucketed header precedes the data).
+
+    Args:
+        engine: verl's Megatron engine.
+        model_update_group: as for :func:`~obsckpt.integrations.fsdp_sync_weight_nccl`.
+        meta: ``(name, dtype, shape)`` of every tensor ``get_per_tensor_param()``
+            yields, in order, to stream them: :class:`~obsckpt.sync.TensorMeta`
+            entries, or tuples with the dtype named, as
+            ``Synchronizer.get_state_dict_meta()`` returns them.
+        step: the version sent (newer than the last one sent).
+        trace_context: W3C carrier of the step's trace.
+        metrics: a :class:`~obsckpt.telemetry.Metrics` to record into (rank 0).
+        monitor: the monitor actor handle, to record through its RPCs (rank 0).
+
+    Returns:
+        Rank 0's :class:`~obsckpt.sync.BroadcastResult`; None on other ranks.
     """
     rank = dist_rank(engine)
     named = per_tensor_params(engine)
-    if rank == 0 and meta is None:
+    listed = as_tensor_meta(meta) if meta is not None else None
+    if rank == 0 and listed is None:
         items = list(named)
-        meta = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
+        listed = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in items]
         named = iter(items)
     return broadcast_named_tensors(
-        meta or [],
+        listed or [],
         named,
         model_update_group,
         rank=rank,
@@ -216,6 +235,8 @@ class MegatronCheckpointManager:
 
     Raises:
         ValueError: verl's checkpoint config asks for ``async_save``.
+        RuntimeError: neither ``monitor`` nor ``coordinator`` is given and no
+            monitor runs in ``ray_namespace``.
     """
 
     # Attributes of this wrapper; every other one is verl's manager's.

@@ -29,13 +29,14 @@ stays in step and its weights stay those of the last step it accepted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import pickle
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,6 +61,7 @@ _HEADER_VERSION = 1
 _SEND_BUFFERS = 2
 _RECV_BUFFERS = 2
 _END = object()
+_T = TypeVar("_T")
 
 
 # ----------------------------------------------------------------------
@@ -125,12 +127,12 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
         self._pool: list[torch.Tensor] = []  # raw byte buffers, one bucket each
-        self._send_cache: tuple[tuple, bytes, list[Bucket] | None] | None = None
+        self._send_cache: tuple[tuple[Any, ...], bytes, list[Bucket] | None] | None = None
         self._where: list[int] | None = None  # for the cached plan
-        self._recv_cache: tuple | None = None
+        self._recv_cache: tuple[Any, ...] | None = None
         self._recv_bucket_bytes = self.bucket_bytes
         self._area: dict[int, torch.Tensor] = {}  # bucket index -> flat receive buffer
-        self._area_layout: tuple | None = None
+        self._area_layout: tuple[Any, ...] | None = None
         self._area_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.last_step: int | None = None
         self.last_seconds: float | None = None
@@ -143,6 +145,7 @@ class WeightBroadcaster:
 
     @property
     def is_sender(self) -> bool:
+        """Whether this member sends (its rank is ``src``)."""
         return self.group.rank == self.src
 
     # -- sender --------------------------------------------------------
@@ -176,9 +179,11 @@ class WeightBroadcaster:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if step is not None:
             check_newer_step(step, self.last_step, none_ok=True)
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items: Iterable[tuple[str, torch.Tensor]] = (
+            named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        )
         materialised = meta is None
-        if materialised:
+        if meta is None:
             items = list(items)
             meta = tensor_meta(items)
         else:
@@ -199,6 +204,7 @@ class WeightBroadcaster:
             if mode == "per_tensor":
                 count = self._send_per_tensor(items, meta, deadline)
             else:
+                assert plan is not None  # a bucketed header comes with its plan
                 # A materialised dict's metadata was computed from its own tensors.
                 count = self._send_bucketed(items, meta, plan, deadline, check=not materialised)
             seconds = time.perf_counter() - t0
@@ -208,7 +214,9 @@ class WeightBroadcaster:
         self.telemetry.broadcast(self.group.backend, seconds, nbytes, "broadcast")
         return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
 
-    def _send_header(self, meta, mode, step, deadline) -> list[Bucket] | None:
+    def _send_header(
+        self, meta: list[TensorMeta], mode: str, step: int | None, deadline: float
+    ) -> list[Bucket] | None:
         key = (mode, self.bucket_bytes, meta)
         cached = self._send_cache
         if cached is not None and cached[0] == key:
@@ -234,20 +242,32 @@ class WeightBroadcaster:
         self._broadcast_now(body, deadline, "header")
         return plan
 
-    def _send_per_tensor(self, items, meta, deadline) -> int:
+    def _send_per_tensor(
+        self,
+        items: Iterable[tuple[str, torch.Tensor]],
+        meta: list[TensorMeta],
+        deadline: float,
+    ) -> int:
         sent = 0
         for i, (name, t) in enumerate(items):
             self._check_item(i, name, t, meta)
             src = t.detach().to(self.group.device).contiguous()
             work = self._issue(src, deadline)
             self.group.wait(
-                work, deadline, lambda t, i=i: self._progress("tensor", i, len(meta), meta, t)
+                work, deadline, functools.partial(self._progress, "tensor", i, len(meta), meta)
             )
             sent += 1
         self._check_count(sent, meta)
         return sent
 
-    def _send_bucketed(self, items, meta, plan: list[Bucket], deadline, check: bool) -> int:
+    def _send_bucketed(
+        self,
+        items: Iterable[tuple[str, torch.Tensor]],
+        meta: list[TensorMeta],
+        plan: list[Bucket],
+        deadline: float,
+        check: bool,
+    ) -> int:
         """Bucketed send: each bucket goes once its last tensor has arrived.
 
         ``items`` may be a lazy stream; with ``check`` each tensor is checked
@@ -391,6 +411,7 @@ class WeightBroadcaster:
                         if mode == "per_tensor":
                             out = self._recv_per_tensor(meta, into, mismatched, deadline)
                         else:
+                            assert plan is not None  # a bucketed header comes with its plan
                             out = self._recv_bucketed(meta, plan, into, clone, mismatched, deadline)
                     self._writing = False
                     if step is not None:
@@ -417,9 +438,11 @@ class WeightBroadcaster:
                 )
         return out
 
-    def _recv_discard(self, mode, meta, plan, deadline) -> None:
+    def _recv_discard(
+        self, mode: str, meta: list[TensorMeta], plan: list[Bucket] | None, deadline: float
+    ) -> None:
         """Receive a whole broadcast into scratch memory (one collective at a time), keeping the weights."""
-        if mode == "per_tensor":
+        if plan is None:  # per_tensor
             units = [(m.dtype, m.numel) for m in meta]
         else:
             units = [(b.dtype, b.numel) for b in plan]
@@ -431,11 +454,11 @@ class WeightBroadcaster:
             self.group.wait(
                 self._issue(buf, deadline),
                 deadline,
-                lambda t, k=k: self._progress(unit, k, len(units), meta, t),
+                functools.partial(self._progress, unit, k, len(units), meta),
             )
 
     def _recv_header(
-        self, deadline
+        self, deadline: float
     ) -> tuple[str, list[TensorMeta], list[Bucket] | None, int | None]:
         device = self.group.device
         preamble = torch.empty(3, dtype=torch.int64, device=device)
@@ -475,7 +498,9 @@ class WeightBroadcaster:
         self._recv_bucket_bytes = bucket_bytes
         return mode, meta, plan, (None if step < 0 else step)
 
-    def _target(self, m: TensorMeta, into, mismatched) -> torch.Tensor | None:
+    def _target(
+        self, m: TensorMeta, into: Mapping[str, torch.Tensor] | None, mismatched: list[str]
+    ) -> torch.Tensor | None:
         if into is None or m.name not in into:
             return None
         dst = into[m.name]
@@ -484,15 +509,24 @@ class WeightBroadcaster:
             return None
         return dst
 
-    def _recv_per_tensor(self, meta, into, mismatched, deadline) -> dict[str, torch.Tensor]:
+    def _recv_per_tensor(
+        self,
+        meta: list[TensorMeta],
+        into: Mapping[str, torch.Tensor] | None,
+        mismatched: list[str],
+        deadline: float,
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for i, m in enumerate(meta):
             dst = self._target(m, into, mismatched)
             direct = dst is not None and _receivable(dst, m, self.group.device)
-            buf = dst if direct else torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
+            if dst is not None and direct:
+                buf = dst
+            else:
+                buf = torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
             work = self._issue(buf, deadline)
             self.group.wait(
-                work, deadline, lambda t, i=i: self._progress("tensor", i, len(meta), meta, t)
+                work, deadline, functools.partial(self._progress, "tensor", i, len(meta), meta)
             )
             if dst is not None and not direct:
                 dst.copy_(buf)
@@ -501,7 +535,13 @@ class WeightBroadcaster:
         return out
 
     def _recv_bucketed(
-        self, meta, plan, into, clone, mismatched, deadline
+        self,
+        meta: list[TensorMeta],
+        plan: list[Bucket],
+        into: Mapping[str, torch.Tensor] | None,
+        clone: bool,
+        mismatched: list[str],
+        deadline: float,
     ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor | None] = {m.name: None for m in meta}
         dests = [self._target(m, into, mismatched) for m in meta]
@@ -578,7 +618,7 @@ class WeightBroadcaster:
     # -- shared --------------------------------------------------------
 
     @contextlib.contextmanager
-    def _failing(self, role: str):
+    def _failing(self, role: str) -> Iterator[None]:
         """A broadcast that fails once its first collective was issued breaks the group.
 
         The peers are then somewhere inside the broadcast's sequence of
@@ -623,7 +663,7 @@ class WeightBroadcaster:
         self._count(exc)
         raise exc
 
-    def _issue(self, t: torch.Tensor, deadline: float):
+    def _issue(self, t: torch.Tensor, deadline: float) -> Any:
         """Start one collective of the current broadcast (from here on, a failure breaks the group)."""
         self._issued = True
         return self.group.broadcast_async(t, self.src, deadline)
@@ -665,7 +705,7 @@ class WeightBroadcaster:
         self._area_views = {}
 
 
-def _announced(items: Iterable, meta: list[TensorMeta]):
+def _announced(items: Iterable[_T], meta: list[TensorMeta]) -> Iterator[_T]:
     """``items``, checked to end with the last tensor the header announced.
 
     The check comes before that tensor is handed on, so a stream that yields
@@ -677,15 +717,16 @@ def _announced(items: Iterable, meta: list[TensorMeta]):
     if n == 0:
         _check_end(it, n)
     for i in range(n):
-        item = next(it, _END)
-        if item is _END:
+        try:
+            item = next(it)
+        except StopIteration:
             return  # fewer than announced: the sender's count check raises
         if i == n - 1:
             _check_end(it, n)
         yield item
 
 
-def _check_end(it, n: int) -> None:
+def _check_end(it: Iterator[Any], n: int) -> None:
     extra = next(it, _END)
     if extra is not _END:
         name = extra[0] if isinstance(extra, tuple) and extra else extra

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +47,37 @@ class TensorMeta(NamedTuple):
 def tensor_meta(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
     """Names, dtypes and shapes of ``(name, tensor)`` pairs, in order."""
     return [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in named_tensors]
+
+
+def as_tensor_meta(
+    entries: Iterable[TensorMeta | tuple[str, str | torch.dtype, Sequence[int]]],
+) -> list[TensorMeta]:
+    """:class:`TensorMeta` of each ``(name, dtype, shape)`` entry, in order.
+
+    A dtype may be a ``torch.dtype`` or its name (``"float32"``, ``"torch.float32"``),
+    as :meth:`~obsckpt.sync.Synchronizer.get_state_dict_meta` gives it.
+
+    Raises:
+        ValueError: an entry is not ``(name, dtype, shape)`` or names no torch dtype.
+    """
+    out: list[TensorMeta] = []
+    for entry in entries:
+        if isinstance(entry, TensorMeta):
+            out.append(entry)
+            continue
+        try:
+            name, dtype, shape = entry
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"tensor metadata must be (name, dtype, shape) entries, got {entry!r}"
+            ) from None
+        if isinstance(dtype, str):
+            found = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(found, torch.dtype):
+                raise ValueError(f"{name!r}: {dtype!r} names no torch dtype")
+            dtype = found
+        out.append(TensorMeta(name, dtype, tuple(int(d) for d in shape)))
+    return out
 
 
 def check_unique_names(meta: list[TensorMeta]) -> None:

@@ -17,13 +17,23 @@ Call :func:`setup_rank_device` first thing in a rank's actor::
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-_FROM_RAY = object()
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class _Default(enum.Enum):
+    FROM_RAY = enum.auto()  # setup_rank_device's default: ask Ray
+
+
+_FROM_RAY = _Default.FROM_RAY
 
 
 class DeviceSelectionError(RuntimeError):
@@ -44,15 +54,17 @@ class RankDevice:
 
     @property
     def is_cuda(self) -> bool:
+        """Whether the device is a GPU."""
         return self.device.type == "cuda"
 
-    def mesh(self, world_size: int):
+    def mesh(self, world_size: int) -> DeviceMesh:
         """A one-dimensional DeviceMesh over the default process group, on this device's type."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.device.type, (world_size,))
 
     def describe(self) -> str:
+        """The device for a log line: ``cpu``, or ``cuda:N (<GPU name>)``."""
         if not self.is_cuda:
             return "cpu"
         name = torch.cuda.get_device_name(self.device)
@@ -126,7 +138,7 @@ def choose_device(
     return torch.device("cuda", index)
 
 
-def setup_rank_device(gpu_ids: Sequence[str] | None | object = _FROM_RAY) -> RankDevice:
+def setup_rank_device(gpu_ids: Sequence[str] | None | _Default = _FROM_RAY) -> RankDevice:
     """Choose this rank's device and make it the current CUDA device (if it is one).
 
     Call it before any process group, DeviceMesh or FSDP wrap. ``gpu_ids``
@@ -135,11 +147,11 @@ def setup_rank_device(gpu_ids: Sequence[str] | None | object = _FROM_RAY) -> Ran
     ids = ray_gpu_ids() if gpu_ids is _FROM_RAY else gpu_ids
     count = torch.cuda.device_count() if ids or os.environ.get("LOCAL_RANK") else 0
     device = choose_device(
-        None if ids is None else list(ids),  # type: ignore[arg-type]
+        None if ids is None else list(ids),
         count,
         visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_rank=os.environ.get("LOCAL_RANK"),
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return RankDevice(device, tuple(ids or ()))  # type: ignore[arg-type]
+    return RankDevice(device, tuple(ids or ()))

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -65,7 +65,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, for the group's store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def default_backend() -> str:
@@ -235,7 +236,7 @@ class WeightSyncGroup:
             "with the same host, port and world_size, or create the group again on a fresh port"
         ) from cause
 
-    def _connect(self, deadline: float, where: str):
+    def _connect(self, deadline: float, where: str) -> Any:
         """Make the backend within what is left of the deadline; name the members that held it up.
 
         Gloo connects every pair inside its constructor, waiting for each
@@ -297,7 +298,7 @@ class WeightSyncGroup:
             )
         return ""
 
-    def _make_backend(self, deadline: float):
+    def _make_backend(self, deadline: float) -> Any:
         if self.backend == "gloo":
             remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
             pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, remaining)
@@ -361,9 +362,12 @@ class WeightSyncGroup:
         return self._broken
 
     def deadline(self, timeout_s: float | None = None) -> float:
+        """Monotonic time ``timeout_s`` seconds from now (default: the group's ``timeout_s``)."""
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int = 0, deadline: float | None = None):
+    def broadcast_async(
+        self, tensor: torch.Tensor, src: int = 0, deadline: float | None = None
+    ) -> Any:
         """Start broadcasting ``tensor`` from ``src``; returns the work handle.
 
         With ``deadline`` (monotonic seconds) the collective itself times out
@@ -389,7 +393,7 @@ class WeightSyncGroup:
             self._break(f"broadcast could not start: {exc}")
             raise BroadcastError(f"{self!r}: {exc}") from exc
 
-    def wait(self, work, deadline: float, progress: Callable[[bool], str]) -> None:
+    def wait(self, work: Any, deadline: float, progress: Callable[[bool], str]) -> None:
         """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure.
 
         ``progress(timed_out)`` describes the failure: a collective that ran
@@ -538,7 +542,7 @@ def _join_pending() -> None:
 
 
 @contextlib.contextmanager
-def _env(**values: str):
+def _env(**values: str) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -551,7 +555,7 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def _poll(work, deadline: float) -> bool:
+def _poll(work: Any, deadline: float) -> bool:
     """Poll ``work.is_completed()`` until ``deadline``; False when it did not complete."""
     pause = 20e-6
     while not work.is_completed():

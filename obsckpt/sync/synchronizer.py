@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from obsckpt.sync.shards import (
 )
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
+
+if TYPE_CHECKING:
+    from obsckpt.telemetry.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class Synchronizer:
 
     def __init__(
         self,
-        default_local_dir: str | os.PathLike | None = None,
+        default_local_dir: str | os.PathLike[str] | None = None,
         *,
         poll_interval_s: float = 1.0,
         namespace: str | None = None,
@@ -98,11 +101,11 @@ class Synchronizer:
         self._load_failures = 0
         self._last_error: str | None = None
         self._changed: asyncio.Condition | None = None
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._poll_lock: asyncio.Lock | None = None
         self._registry = registry
-        self._local_metrics = None
-        self._monitor = None
+        self._local_metrics: Metrics | None = None
+        self._monitor: Any = None  # the job's monitor actor, once found
         self._monitor_checked = 0.0
         if tracing.requested(trace_exporter):
             tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
@@ -111,14 +114,14 @@ class Synchronizer:
     def get_actor(
         cls,
         namespace: Any = None,
-        default_local_dir: str | os.PathLike | None = None,
+        default_local_dir: str | os.PathLike[str] | None = None,
         *,
         poll_interval_s: float = 1.0,
         trace_exporter: str | None = None,
         watch: bool = True,
         config: Any = None,
         **_ignored: Any,
-    ):
+    ) -> Any:
         """The job's synchronizer actor, named ``synchronizer`` (created if absent).
 
         Arguments other than ``namespace`` only matter when the actor is created.
@@ -127,6 +130,15 @@ class Synchronizer:
         ``get_actor(config=config)`` take the namespace from
         ``config.ray_namespace`` (an explicit ``namespace=`` wins). Other
         keywords are accepted and ignored.
+
+        Returns:
+            The actor's Ray handle: call its methods with ``.remote()``. Typed
+            ``Any``, as Ray's own handle types do not describe this class's methods.
+
+        Raises:
+            ValueError: a synchronizer already runs in the namespace watching
+                another root (or none) while ``default_local_dir`` is given.
+            TypeError: ``config.ray_namespace`` is not a string.
         """
         import ray
 
@@ -148,7 +160,7 @@ class Synchronizer:
         if default_local_dir is not None:
             # As the caller sees it, not against the actor's working directory.
             default_local_dir = os.path.abspath(os.fspath(default_local_dir))
-        actor = (
+        actor: Any = (
             ray.remote(cls)
             .options(**options)
             .remote(
@@ -161,7 +173,7 @@ class Synchronizer:
         if default_local_dir is not None:
             # get_if_exists hands back a synchronizer already running under the name,
             # whatever root it watches: the rollout would then never see this job's steps.
-            running = ray.get(actor.checkpoint_root.remote())
+            running: str | None = ray.get(actor.checkpoint_root.remote())
             if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
                 where = f"namespace {namespace!r}" if namespace else "this job's namespace"
                 watched = f"watches {running!r}" if running else "watches no checkpoint root"
@@ -330,7 +342,7 @@ class Synchronizer:
             return ""
         return generate_latest(self._local_metrics.registry).decode()
 
-    async def status(self) -> dict:
+    async def status(self) -> dict[str, Any]:
         """Version held and where it came from, checkpoint-sync progress and failures."""
         return {
             "version": self._version,
@@ -346,7 +358,7 @@ class Synchronizer:
             "telemetry": "monitor" if self._monitor is not None else "local",
         }
 
-    async def debug_spans(self) -> list[dict]:
+    async def debug_spans(self) -> list[dict[str, Any]]:
         """Spans this process recorded with the ``memory`` exporter (for tests)."""
         return tracing.finished_spans()
 
@@ -362,7 +374,9 @@ class Synchronizer:
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def _publish(self, state_dict, version: int, source: str) -> bool:
+    async def _publish(
+        self, state_dict: dict[str, torch.Tensor] | None, version: int, source: str
+    ) -> bool:
         """Hold ``version``; False (nothing changes) when a newer one got in first.
 
         Checked again here, under the lock: a checkpoint load or a memory
@@ -408,7 +422,7 @@ class Synchronizer:
             self._local_metrics = Metrics(self._registry or CollectorRegistry())
         return WeightSyncTelemetry(metrics=self._local_metrics)
 
-    def _find_monitor(self):
+    def _find_monitor(self) -> Any:
         if self._monitor is not None:
             return self._monitor
         now = time.monotonic()
@@ -447,6 +461,8 @@ class Synchronizer:
             await self._poll_locked()
 
     async def _poll_locked(self) -> None:
+        if self.root is None:
+            return
         try:
             step = disk.read_iteration(self.root, "state_dict")
         except IterationFileError as exc:
@@ -458,10 +474,10 @@ class Synchronizer:
             return
         if self._stale_upto is not None and step <= self._stale_upto:
             return
-        await self._load_step(step)
+        await self._load_step(self.root, step)
 
-    async def _load_step(self, step: int) -> None:
-        sdir = disk.step_dir(self.root, step)
+    async def _load_step(self, root: Path, step: int) -> None:
+        sdir = disk.step_dir(root, step)
         model_dir = sdir / MODEL_SUBDIR
         t0 = time.perf_counter()
         try:

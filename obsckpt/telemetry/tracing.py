@@ -13,14 +13,14 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -55,7 +55,7 @@ class SafeExporter(SpanExporter):
         self.inner = inner
         self.failures = 0
 
-    def export(self, spans) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             result = self.inner.export(spans)
             why = "it returned FAILURE"
@@ -98,11 +98,16 @@ def _otlp_exporter() -> SpanExporter | None:
     protocol = os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
     )
+    otlp_exporter: type[SpanExporter]
     try:
         if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as otlp_exporter,
+            )
         else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as otlp_exporter,
+            )
     except ImportError as exc:
         logger.warning(
             "obsckpt: OTEL_TRACES_EXPORTER asks for otlp but the exporter cannot be imported "
@@ -111,7 +116,7 @@ def _otlp_exporter() -> SpanExporter | None:
         )
         return None
     try:
-        return OTLPSpanExporter()
+        return otlp_exporter()
     except Exception as exc:  # noqa: BLE001 - a bad OTEL_* value must not stop the job
         logger.warning(
             "obsckpt: the OTLP span exporter cannot be built from the OTEL_EXPORTER_OTLP_* "
@@ -204,7 +209,7 @@ def setup_tracing(
         )
         return True
     with _lock:
-        processors = []
+        processors: list[SpanProcessor] = []
         for name in wanted:
             key = id(name) if isinstance(name, SpanExporter) else name
             if key in _installed:
@@ -414,13 +419,14 @@ def flush(timeout_s: float = 5.0) -> bool:
     return False
 
 
-def attach(carrier: Mapping[str, str] | None):
+def attach(carrier: Mapping[str, str] | None) -> object | None:
     """Make the carrier's context current; returns a token for :func:`detach`."""
     ctx = extract(carrier)
     return otel_context.attach(ctx) if ctx is not None else None
 
 
-def detach(token) -> None:
+def detach(token: Any) -> None:
+    """Restore the context :func:`attach` replaced (a None token: nothing was attached)."""
     if token is not None:
         otel_context.detach(token)
 
@@ -433,16 +439,18 @@ def finished_spans() -> list[dict[str, Any]]:
 
 
 def clear_finished_spans() -> None:
+    """Forget the spans the ``memory`` exporter recorded so far."""
     if _memory is not None:
         _memory.clear()
 
 
 def span_to_dict(s: ReadableSpan) -> dict[str, Any]:
+    """A finished span as a plain dict: name, ids (hex), parent, attributes, status, times."""
     ctx = s.get_span_context()
     return {
         "name": s.name,
-        "trace_id": format(ctx.trace_id, "032x"),
-        "span_id": format(ctx.span_id, "016x"),
+        "trace_id": format(ctx.trace_id, "032x") if ctx is not None else None,
+        "span_id": format(ctx.span_id, "016x") if ctx is not None else None,
         "parent_span_id": format(s.parent.span_id, "016x") if s.parent else None,
         "attributes": dict(s.attributes or {}),
         "status": s.status.status_code.name,

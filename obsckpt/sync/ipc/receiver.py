@@ -6,7 +6,7 @@ import operator
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -24,6 +24,8 @@ from obsckpt.sync.ipc.payload import (
 from obsckpt.telemetry import tracing
 
 _shape = operator.attrgetter("shape")
+# The tensors to copy into, the dict recv() returns, and the CUDA devices they are on.
+_Targets: TypeAlias = "tuple[list[torch.Tensor], dict[str, torch.Tensor], set[torch.device]]"
 
 
 class IpcWeightReceiver:
@@ -40,17 +42,17 @@ class IpcWeightReceiver:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._opened: dict[Any, torch.Tensor] = {}  # buckets layout, by handle
         self._storages: dict[int, torch.Tensor] = {}  # direct layout, by storage id
-        self._views: dict[tuple, torch.Tensor] = {}  # direct layout: views into them
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}  # direct layout: views into them
         self._area: dict[str, torch.Tensor] = {}
         # The layout held: its id and kind, its metadata (parsed), and the
         # sender's tensors it locates.
         self._held: tuple[Any, str] | None = None
-        self._wire: tuple = ()
+        self._wire: tuple[Any, ...] = ()
         self._meta: list[TensorMeta] = []
         self._sources: list[torch.Tensor] = []
         # Where the weights are copied to: the area's or into='s tensors, the
         # dict returned, the CUDA devices to synchronize, and what they came from.
-        self._targets: tuple[list[torch.Tensor], dict[str, torch.Tensor], set] | None = None
+        self._targets: _Targets | None = None
         self._targets_key: _IntoKey | None = None
         # recv(wait=False): an interprocess event recorded after each copy, on
         # its device, with the token that names it to the sender.
@@ -198,14 +200,15 @@ class IpcWeightReceiver:
                     f"the payload has {len(payload.handles)} buckets, its metadata plans "
                     f"{len(plan)}; sender and receiver disagree on the protocol"
                 )
-            sources = [None] * len(meta)
+            slots: list[torch.Tensor | None] = [None] * len(meta)
             keys = set()
             for bucket, handle in zip(plan, payload.handles, strict=True):
                 key, buf = self._open(handle, payload)
                 keys.add(key)
                 flat = buf[: bucket.nbytes].view(bucket.dtype)
                 for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                    sources[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
+                    slots[i] = flat[off : off + meta[i].numel].view(meta[i].shape)
+            sources = cast(list[torch.Tensor], slots)  # the plan places every tensor
             # Buffers of earlier layouts (or of a sender since restarted) are not named
             # again: unmap them (a deleted shared-memory file, or device memory, each).
             for stale in [k for k in self._opened if k not in keys]:
@@ -294,7 +297,8 @@ class IpcWeightReceiver:
             )
         args = list(args)
         args[6] = device.index  # the sender's index may name another device here
-        return rebuild(*args)
+        rebuilt: torch.Tensor = rebuild(*args)
+        return rebuilt
 
     def _open(self, handle: Any, payload: IpcPayload) -> tuple[Any, torch.Tensor]:
         """``(key, byte tensor)`` of one of the sender's buckets, opened once while named."""
@@ -316,9 +320,7 @@ class IpcWeightReceiver:
         self._opened[key] = buf
         return key, buf
 
-    def _targets_for(
-        self, into: Mapping[str, torch.Tensor] | None, clone: bool
-    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], set]:
+    def _targets_for(self, into: Mapping[str, torch.Tensor] | None, clone: bool) -> _Targets:
         """The tensors to copy into, the dict to return, and the CUDA devices they are on.
 
         Kept from sync to sync while the layout and ``into``'s tensors stay the
@@ -346,7 +348,7 @@ class IpcWeightReceiver:
         self._targets, self._targets_key = self._targets_of(dsts), key
         return self._targets
 
-    def _targets_of(self, dsts: list[torch.Tensor]) -> tuple[list, dict, set]:
+    def _targets_of(self, dsts: list[torch.Tensor]) -> _Targets:
         names = (m.name for m in self._meta)
         return dsts, dict(zip(names, dsts, strict=True)), streams.cuda_devices(dsts)
 

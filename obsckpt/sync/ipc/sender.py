@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -91,7 +91,12 @@ class _Fingerprint:
 
     def same_place(self, other: _Fingerprint | None) -> bool:
         """The same tensors at the same addresses, each dense: the same direct views."""
-        return self.same_meta(other) and self.ptrs == other.ptrs and all(self.dense)
+        return (
+            other is not None
+            and self.same_meta(other)
+            and self.ptrs == other.ptrs
+            and all(self.dense)
+        )
 
 
 @dataclass(slots=True)
@@ -156,7 +161,7 @@ class IpcWeightSender:
         self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
         default_shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.shm_dir = shm_dir or default_shm
-        self._plan_key: tuple | None = None
+        self._plan_key: tuple[Any, ...] | None = None
         self._plan: list[Bucket] = []
         self._buffers: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []  # per tensor, its place in a buffer
@@ -170,12 +175,12 @@ class IpcWeightSender:
         self._fp: _Fingerprint | None = None
         self._meta: list[TensorMeta] = []
         self._meta_gen = 0
-        self._wire: tuple = ()
+        self._wire: tuple[Any, ...] = ()
         self._sizes: list[int] = []
         self._nbytes = 0
         # What identifies the layout last described (kind, metadata, views or
         # buffers), its id, and the id the receiver acknowledged last.
-        self._layout_key: tuple | None = None
+        self._layout_key: tuple[Any, ...] | None = None
         self._token = uuid.uuid4().hex[:12]
         self._layout_n = 0
         self._acked_id: tuple[str, int] | None = None
@@ -295,7 +300,7 @@ class IpcWeightSender:
                     ) from None
             raise
 
-    def _prepare(self, tensors: list[torch.Tensor], fp: _Fingerprint) -> tuple[str, dict]:
+    def _prepare(self, tensors: list[torch.Tensor], fp: _Fingerprint) -> tuple[str, dict[str, Any]]:
         """Choose this sync's layout and make the tensors ready to be read: ``(layout, direct fields)``."""
         direct: dict[str, Any] = {}
         if self._reuse is not None and self.layout != "buckets" and fp.same_place(self._reuse[0]):
@@ -326,7 +331,7 @@ class IpcWeightSender:
     def _name_layout(self, layout: str, direct: dict[str, Any]) -> None:
         """A new layout id when what the receiver must be told has changed."""
         if layout == "buckets":
-            key: tuple = ("buckets", self._meta_gen, self._alloc_gen)
+            key: tuple[Any, ...] = ("buckets", self._meta_gen, self._alloc_gen)
         else:
             key = ("direct", self._meta_gen, direct["views"])
         if key != self._layout_key:
@@ -349,7 +354,7 @@ class IpcWeightSender:
         self, step: int, layout: str, direct: dict[str, Any], deadline: float
     ) -> IpcPayload:
         """This sync's payload: the layout described only where the receiver lacks it."""
-        common = dict(
+        common: dict[str, Any] = dict(
             version=PAYLOAD_VERSION,
             step=step,
             backend=self.backend,
@@ -367,7 +372,9 @@ class IpcWeightSender:
         handles = self._handles if layout == "buckets" else ()
         return IpcPayload(meta=self._wire, handles=handles, **direct, **common)
 
-    def _choose_layout(self, tensors: list[torch.Tensor]) -> tuple[str, list, list]:
+    def _choose_layout(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[str, list[torch.UntypedStorage], list[tuple[int, int]]]:
         """``direct`` while the tensors stay in the same storages from sync to sync.
 
         Returns the layout and, for ``direct``, the tensors' storages and their
@@ -402,8 +409,8 @@ class IpcWeightSender:
     def _share(
         self,
         tensors: list[torch.Tensor],
-        storages: list,
-        keys: list,
+        storages: list[torch.UntypedStorage],
+        keys: list[tuple[int, int]],
         fp: _Fingerprint,
     ) -> dict[str, Any]:
         """The direct layout's fields: handles of storages new to the receiver, views, live ids."""
@@ -411,7 +418,8 @@ class IpcWeightSender:
             self._free()
             self._plan_key = None
         self._reuse = None
-        held, shared = self._shared, {}
+        held = self._shared
+        shared: dict[tuple[int, int], _Shared] = {}
         new: list[tuple[int, Any]] = []
         views: list[tuple[int, int]] = []
         device = self.device
@@ -429,7 +437,7 @@ class IpcWeightSender:
                 self._next_sid += 1
                 new.append((entry.sid, self._share_storage(st)))
             shared[key] = entry
-            views.append((entry.sid, t.storage_offset() * t.element_size()))
+            views.append((entry.sid, int(t.storage_offset()) * t.element_size()))
         self._shared = shared
         live = tuple(sorted({e.sid for e in shared.values()}))
         fields = {"storages": tuple(new), "views": tuple(views), "live": live}
@@ -474,7 +482,8 @@ class IpcWeightSender:
             raise
 
     def _allocate_buckets(self, plan: list[Bucket]) -> None:
-        buffers, handles = [], []
+        buffers: list[torch.Tensor] = []
+        handles: list[tuple[Any, ...]] = []
         slots: list[torch.Tensor | None] = [None] * len(self._meta)
         for bucket in plan:
             size = max(bucket.nbytes, 1)
@@ -493,7 +502,7 @@ class IpcWeightSender:
                 m = self._meta[i]
                 slots[i] = flat[off : off + m.numel].view(m.shape)
         self._buffers = buffers
-        self._slots = slots
+        self._slots = cast(list[torch.Tensor], slots)  # the plan places every tensor
         self._handles = tuple(handles)
 
     def _shm_file(self, size: int) -> str:
@@ -549,7 +558,7 @@ class IpcWeightSender:
                 f"ipc weight sync ({self.backend}) failed on the rollout side: {exc}"
             ) from exc
 
-    def _wait_copied(self, ack: Mapping, deadline: float) -> None:
+    def _wait_copied(self, ack: Mapping[str, Any], deadline: float) -> None:
         """Return once the receiver's copy has finished (within ``deadline``, monotonic).
 
         An acknowledgement without ``event`` comes after the copy. One with the
@@ -683,7 +692,9 @@ def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _storages(tensors: list[torch.Tensor]) -> tuple[list, list[tuple[int, int]]]:
+def _storages(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.UntypedStorage], list[tuple[int, int]]]:
     """The tensors' storages and their keys."""
     storages = [t.untyped_storage() for t in tensors]
     return storages, list(map(_storage_key, storages))
