@@ -399,17 +399,18 @@ def flush(timeout_s: float = 5.0) -> bool:
     if flush_provider is None:
         return True
     done = threading.Event()
+    flushed = [False]  # the provider's own answer (older SDKs give up on time, saying False)
 
     def run() -> None:
         try:
-            flush_provider(int(timeout_s * 1000))
+            flushed[0] = flush_provider(int(timeout_s * 1000)) is not False
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks the job
             logger.warning("obsckpt: flushing spans failed: %s", exc)
         finally:
             done.set()
 
     threading.Thread(target=run, name="obsckpt-span-flush", daemon=True).start()
-    if done.wait(timeout_s):
+    if done.wait(timeout_s) and flushed[0]:
         return True
     logger.warning(
         "obsckpt: queued spans were not exported within %.1f s (is the collector "
