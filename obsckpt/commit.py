@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +31,9 @@ from typing import NoReturn
 from obsckpt.errors import CheckpointDirError, IterationFileError
 
 try:  # zlib-ng's CRC-32 (same polynomial and values as zlib's) is several times faster
-    from zlib_ng.zlib_ng import crc32
+    from zlib_ng.zlib_ng import crc32 as crc32
 except ImportError:  # pragma: no cover - zlib-ng is a dependency, but stay usable without it
-    from zlib import crc32
+    from zlib import crc32 as crc32
 
 ITERATION_FILES = {
     "checkpoint": "latest_checkpointed_iteration.txt",
@@ -399,7 +399,7 @@ _fsync_pool: ThreadPoolExecutor | None = None
 _fsync_pool_lock = threading.Lock()
 
 
-def fsync_many(targets: list[tuple[str | os.PathLike, bool]]) -> None:
+def fsync_many(targets: Sequence[tuple[str | os.PathLike[str], bool]]) -> None:
     """fsync files (False) and directories (True) concurrently.
 
     On a journaling filesystem concurrent fsyncs share one journal commit

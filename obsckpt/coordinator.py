@@ -102,7 +102,7 @@ class _Save:
     # What the save's own I/O raised (not an admission, report or timeout failure).
     fn_error: BaseException | None = None
 
-    def part_kwargs(self) -> dict[str, int]:
+    def part_kwargs(self) -> dict[str, int | None]:
         """``part``/``parts`` for the monitor's RPCs; nothing for an unsplit save."""
         return {} if self.parts is None else {"part": self.part, "parts": self.parts}
 
