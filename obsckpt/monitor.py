@@ -59,6 +59,26 @@ def _was_restarted() -> bool:
         return False
 
 
+def _in_actor() -> bool:
+    """True inside a Ray actor (a monitor made in-process never asks Ray about nodes)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - outside Ray there are no nodes to watch
+        return False
+
+
+def _dead_nodes() -> set[str]:
+    """Ids of the nodes Ray reports dead (empty when it cannot tell)."""
+    try:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+    except Exception:  # noqa: BLE001 - the next check may get through
+        return set()
+
+
 def _refuse_hdfs(default_hdfs_dir: object) -> None:
     if default_hdfs_dir is not None:
         raise ValueError(
@@ -152,6 +172,8 @@ class CheckpointMonitor:
         self._mark_abandoned_on_disk()
         self.admission = Admission(self.strategy)
         self._tickets = Tickets()
+        # Saves on a node Ray reports dead are lost, leased or not (a Trinity caller's is not).
+        self._watch_nodes = _in_actor()
         self._committer: asyncio.Task[None] | None = None  # commits what is ready, one at a time
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
         # When the last committed step became whole and how long its commit I/O took.
@@ -444,7 +466,7 @@ class CheckpointMonitor:
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
         wait = ticket.admitted - ticket.requested
         self.metrics.admission_wait.labels(self.strategy.value).observe(wait)
-        if ticket.lease:
+        if ticket.lease or (self._watch_nodes and ticket.node_id):
             self._ensure_reaper()
         await self._after_change()
         lease_s = self.lease_timeout_s if ticket.lease else None
@@ -492,23 +514,33 @@ class CheckpointMonitor:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
 
     async def _reap_expired(self) -> None:
-        """Fail saves whose coordinator stopped sending heartbeats (a killed rank)."""
-        assert self.lease_timeout_s is not None
-        interval = min(5.0, self.lease_timeout_s / 4)
-        while self._tickets.leased():
+        """Fail saves whose coordinator stopped sending heartbeats (a killed rank), or
+        whose node Ray reports dead."""
+        lease = self.lease_timeout_s
+        interval = 5.0 if lease is None else min(5.0, lease / 4)
+        while self._tickets.watched(self._watch_nodes):
             await asyncio.sleep(interval)
             now = time.time()
-            for info in self._tickets.stale(now, self.lease_timeout_s):
+            for info in self._tickets.stale(now, lease) if lease is not None else ():
                 await self._expire(info, now)
+            if self._watch_nodes:
+                gone = await asyncio.to_thread(_dead_nodes)
+                for info in self._tickets.on_nodes(gone):
+                    await self._expire(info, now, node_gone=True)
 
-    async def _expire(self, info: Ticket, now: float) -> None:
-        msg = (
-            f"save {info.slot!r} of rank {info.rank} (pid {info.pid}) sent no heartbeat for "
-            f"{now - info.last_seen:.0f} s (lease_timeout_s={self.lease_timeout_s}); its process "
-            "probably died. The step will not be committed"
-        )
+    async def _expire(self, info: Ticket, now: float, *, node_gone: bool = False) -> None:
+        who = f"save {info.slot!r} of rank {info.rank} (pid {info.pid} on node {info.node_id})"
+        if node_gone:
+            why = "runs on a node that Ray reports dead"
+        else:
+            why = (
+                f"sent no heartbeat for {now - info.last_seen:.0f} s (lease_timeout_s="
+                f"{self.lease_timeout_s}); its process probably died"
+            )
+        msg = f"{who} {why}. The step will not be committed"
+        if self._release(info.ticket, expired=True) is None:
+            return  # it ended while the check ran
         logger.error("obsckpt: %s", msg)
-        self._release(info.ticket, expired=True)
         kind = info.kind or "checkpoint"
         self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
         if info.step is not None:

@@ -17,22 +17,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OBSCKPT_EXIT_WAIT_S", "5")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster shared by every test that needs one."""
-    import ray
-
-    # Worker processes import test helper modules (tests/workers.py) by name.
+def worker_env() -> dict[str, str]:
+    """Environment for Ray workers: they import test helper modules (tests/workers.py) by name."""
     tests_dir = str(Path(__file__).resolve().parent)
     pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    return {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath}
+
+
+def start_session_ray() -> None:
+    """Start the session's local cluster (again, after a module that needed its own)."""
+    import ray
+
     if not ray.is_initialized():
         ray.init(
             address="local",
             num_cpus=32,
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0", "PYTHONPATH": pythonpath}},
+            runtime_env={"env_vars": worker_env()},
         )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by every test that needs one."""
+    import ray
+
+    start_session_ray()
     yield ray
     ray.shutdown()
 
