@@ -92,6 +92,20 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 # ----------------------------------------------------------------------
 
 
+def monitor_status(monitor, timeout: float = 60.0) -> dict:
+    """The monitor's status(), retried while Ray restarts it."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(monitor.status.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the actor is restarting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def assert_root_consistent(root: str | os.PathLike) -> dict[str, int | None]:
     """Every iteration file names a whole step: manifest verifies, every .pt loads.
 

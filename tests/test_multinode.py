@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import start_session_ray, worker_env
-from reliability_helpers import wait_for
+from reliability_helpers import monitor_status, wait_for
 
 from obsckpt import CheckpointMonitor, SaveStrategy
 from obsckpt.monitor import ACTOR_NAME
@@ -129,16 +129,7 @@ def rank(ns: str, index: int, node: str) -> Any:
 
 def status(monitor, timeout: float = 30.0) -> dict:
     """status(), retried while Ray restarts the monitor."""
-    import ray
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return ray.get(monitor.status.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - the actor is restarting
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return monitor_status(monitor, timeout)
 
 
 def running(monitor) -> list:

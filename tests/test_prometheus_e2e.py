@@ -93,6 +93,50 @@ class PrometheusServer:
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def start_prometheus(config_file: Path, workdir: Path) -> PrometheusServer:
+    """The real prometheus binary on ``config_file``, once it answers ready."""
+    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
+    if not Path(binary).exists():
+        pytest.fail("prometheus not found: install Debian's `prometheus` package")
+    port = free_port()
+    log = workdir / "prometheus.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    server = PrometheusServer(f"http://127.0.0.1:{port}", process, log)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            pytest.fail(f"prometheus exited with {process.returncode}:\n{server.log_tail()}")
+        with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as resp:
+            return resp.status == 200
+
+    try:
+        wait_for("prometheus to be ready", ready, timeout=20)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
 
 def prometheus_config(sd_file: Path, rules_file: Path) -> dict:
     """The project's config, rewritten for the test: 1 s intervals, the test's files."""
@@ -149,40 +193,11 @@ def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
     )
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(prometheus_config(sd_file, rules_file)))
-
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config_file}",
-                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--storage.tsdb.retention.time=1h",
-                "--log.level=warn",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    server = PrometheusServer(f"http://127.0.0.1:{port}", process, log)
+    server = start_prometheus(config_file, tmp_path)
     try:
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                pytest.fail(f"prometheus exited with {process.returncode}:\n{server.log_tail()}")
-            with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for("prometheus to be ready", ready, timeout=20)
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        server.stop()
 
 
 def checkpoint(coord, step: int, save_fn: Callable[[], object]) -> None:

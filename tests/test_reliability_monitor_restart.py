@@ -17,7 +17,14 @@ import uuid
 
 import pytest
 import torch
-from reliability_helpers import assert_root_consistent, report, scrape, trials, wait_for
+from reliability_helpers import (
+    assert_root_consistent,
+    monitor_status,
+    report,
+    scrape,
+    trials,
+    wait_for,
+)
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt import commit as disk
@@ -25,14 +32,7 @@ from obsckpt import commit as disk
 
 def _status(ray, monitor, timeout: float = 60.0) -> dict:
     """status(), retried while Ray restarts the actor."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return ray.get(monitor.status.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - the actor is restarting
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return monitor_status(monitor, timeout)
 
 
 def _restarted_status(ray, monitor) -> dict | None:

@@ -17,19 +17,16 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from test_prometheus_e2e import PrometheusServer, free_port, prometheus_config, wait_for
+from test_prometheus_e2e import PrometheusServer, prometheus_config, start_prometheus, wait_for
 
 from dashboards import AlertThresholds, build_dashboard
 from dashboards.alerts import duration_seconds
@@ -139,34 +136,9 @@ def start_drill(ray_cluster, namespace) -> Iterator[Callable[..., Drill]]:
         rules.write_text(rules_yaml(THRESHOLDS))
         config = tmp_path / "prometheus.yml"
         config.write_text(yaml.safe_dump(prometheus_config(sd_file, rules)))
-        binary = shutil.which("prometheus") or "/usr/bin/prometheus"
-        if not Path(binary).exists():
-            pytest.fail("prometheus not found: install Debian's `prometheus` package")
-        port = free_port()
-        log = tmp_path / "prometheus.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--log.level=warn",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        prom = PrometheusServer(f"http://127.0.0.1:{port}", process, log)
+        prom = start_prometheus(config, tmp_path)
         drill = Drill(ray_cluster, monitor, ckpt_dir, sd_file, prom)
         started.append(drill)
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                pytest.fail(f"prometheus exited with {process.returncode}:\n{prom.log_tail()}")
-            with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as resp:
-                return resp.status == 200
-
-        wait_for("prometheus to be ready", ready, timeout=20)
         wait_for(
             "the monitor to be scraped",
             lambda: prom.query(f'up{{job="{JOB}",instance="{drill.address}"}} == 1'),
@@ -176,12 +148,7 @@ def start_drill(ray_cluster, namespace) -> Iterator[Callable[..., Drill]]:
 
     yield start
     for drill in started:
-        drill.prom.process.terminate()
-        try:
-            drill.prom.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            drill.prom.process.kill()
-            drill.prom.process.wait(timeout=10)
+        drill.prom.stop()
         try:
             ray_cluster.kill(drill.monitor)
         except Exception:  # noqa: BLE001 - already gone in the monitor drills
