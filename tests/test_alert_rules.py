@@ -137,13 +137,8 @@ class TestUnitTestsDiscriminate:
             "    or ((up unless on (job, instance) up offset 15m)\n"
             "      and on () (count(up offset 15m) > 0)))"
         )
-        rules = rules_yaml(AlertThresholds())
-        assert guard.replace("\n", "\n      ") in rules
-        (tmp_path / "rules.yml").write_text(rules.replace(guard.replace("\n", "\n      "), ""))
-        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
-        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
-        assert result.returncode != 0
-        assert "an old failure stays quiet after failed scrapes" in result.stdout + result.stderr
+        out = _promtool_without(promtool, tmp_path, guard)
+        assert "an old failure stays quiet after failed scrapes" in out
 
     def test_failures_rule_without_new_targets_fails_the_tests(self, promtool, tmp_path):
         # Only targets scraped a window ago: a job whose first save failed before its
@@ -152,13 +147,20 @@ class TestUnitTestsDiscriminate:
             "\n    or ((up unless on (job, instance) up offset 15m)\n"
             "      and on () (count(up offset 15m) > 0))"
         )
-        rules = rules_yaml(AlertThresholds())
-        assert branch.replace("\n", "\n      ") in rules
-        (tmp_path / "rules.yml").write_text(rules.replace(branch.replace("\n", "\n      "), ""))
-        (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
-        result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
-        assert result.returncode != 0
-        assert "a new job whose first save failed" in result.stdout + result.stderr
+        out = _promtool_without(promtool, tmp_path, branch)
+        assert "a new job whose first save failed" in out
+
+
+def _promtool_without(promtool, tmp_path: Path, fragment: str) -> str:
+    """promtool's output for the shipped rules less ``fragment`` of an expression (it must fail)."""
+    indented = fragment.replace("\n", "\n      ")  # as the rules file indents the expression
+    rules = rules_yaml(AlertThresholds())
+    assert indented in rules
+    (tmp_path / "rules.yml").write_text(rules.replace(indented, ""))
+    (tmp_path / "tests.yml").write_text(to_yaml(alert_unit_tests(rules_file="rules.yml")))
+    result = run_promtool(promtool, "test", "rules", "tests.yml", cwd=tmp_path)
+    assert result.returncode != 0
+    return result.stdout + result.stderr
 
 
 @pytest.mark.needs_promtool
