@@ -458,6 +458,35 @@ class TestProgress:
         line = stream.getvalue().splitlines()[-1]
         assert line.startswith("[########................] step 5/7"), line
 
+    def test_a_duration_fills_the_bar_when_it_ends_the_run_first(self):
+        import time
+
+        from obsckpt.demo.progress import Progress
+
+        stream = io.StringIO()
+        p = Progress(40, stream=stream, interactive=False, interval=0.0)
+        p.set_range(0, 40)
+        p.set_duration(10.0, time.monotonic() - 5.0)  # half of --duration 10 gone
+        p.update(2, loss=1.0, committed=None, in_flight=0, pending=0, rollout_version=2)
+        line = stream.getvalue().splitlines()[-1]
+        assert line.startswith("[############............] step 2/40 (5/10s)"), line
+        p.set_duration(10.0, time.monotonic() - 30.0)  # over: the last step ran
+        p.update(3, loss=1.0, committed=None, in_flight=0, pending=0, rollout_version=3)
+        line = stream.getvalue().splitlines()[-1]
+        assert line.startswith("[########################] step 3/40 (10/10s)"), line
+
+    def test_duration_without_steps(self):
+        import time
+
+        from obsckpt.demo.progress import Progress
+
+        stream = io.StringIO()
+        p = Progress(None, stream=stream, interactive=False, interval=0.0)
+        p.set_duration(20.0, time.monotonic() - 5.0)
+        p.update(7, loss=1.0, committed=None, in_flight=0, pending=0, rollout_version=7)
+        line = stream.getvalue().splitlines()[-1]
+        assert line.startswith("[######..................] step 7 (5/20s)"), line
+
 
 def test_summary_shows_no_version_before_one_is_reported():
     """The model-version series are created at 0; a run that synced nothing shows '-'."""

@@ -622,6 +622,8 @@ def _train(cfg, root, resumed: int, job: _Job, *, retrained: int) -> None:
     result.first_step = resumed + 1
     committed_seen: int | None = None
     t_train = time.monotonic()
+    if cfg.duration is not None:
+        progress.set_duration(cfg.duration, t_train)
     while not stop.event.is_set():
         if last is not None and step >= last:
             break

@@ -47,11 +47,16 @@ class Progress:
         self._first_step: int | None = None
         self._first_at: float | None = None
         self._start = 0  # the step this run goes on from (the resumed step)
+        self._duration: tuple[float, float] | None = None  # (training start, --duration)
 
     def set_range(self, start: int, last: int | None) -> None:
         """Steps ``start + 1`` to ``last`` (None: until stopped); a resumed run starts above 0."""
         self._start = start
         self.total = last
+
+    def set_duration(self, seconds: float, started_at: float) -> None:
+        """Training stops after ``seconds`` from ``started_at`` (monotonic), or at its last step."""
+        self._duration = (started_at, seconds)
 
     def update(
         self,
@@ -92,14 +97,20 @@ class Progress:
         since = now - (self._first_at or now)
         done = step - (self._first_step or step)
         rate = done / since if since > 0 else 0.0
+        fracs = []
+        head = f"step {step}"
         if self.total:
             span = self.total - self._start
-            frac = min(1.0, (step - self._start) / span) if span > 0 else 1.0
-            filled = int(round(frac * _BAR))
-            bar = "[" + "#" * filled + "." * (_BAR - filled) + "]"
-            head = f"{bar} step {step}/{self.total}"
-        else:
-            head = f"step {step}"
+            fracs.append(min(1.0, (step - self._start) / span) if span > 0 else 1.0)
+            head = f"step {step}/{self.total}"
+        if self._duration is not None:
+            # Whichever ends the run first (--duration or the last step) fills the bar.
+            started, seconds = self._duration
+            fracs.append(min(1.0, max(0.0, now - started) / seconds))
+            head += f" ({min(now - started, seconds):.0f}/{seconds:.0f}s)"
+        if fracs:
+            filled = int(round(max(fracs) * _BAR))
+            head = "[" + "#" * filled + "." * (_BAR - filled) + "] " + head
         parts = [
             head,
             f"loss {loss:.3f}" if loss is not None else "loss -",
