@@ -86,10 +86,6 @@ class Tickets:
             if ticket is not None:
                 ticket.last_seen = now
 
-    def leased(self) -> bool:
-        """Whether any open ticket holds a lease."""
-        return any(t.lease for t in self._open.values())
-
     def watched(self, nodes: bool) -> bool:
         """Whether any open ticket holds a lease, or (``nodes``) names the node it runs on."""
         return any(t.lease or (nodes and t.node_id) for t in self._open.values())

@@ -73,12 +73,12 @@ class TestLeases:
         beating = _issue(tickets, step=1, admitted=0.0, lease=True, last_seen=0.0)
         tickets.renew([beating.ticket, 12345], now=95.0)
         assert tickets.stale(now=100.0, timeout_s=10.0) == [silent]
-        assert tickets.leased()
+        assert tickets.watched(nodes=False)  # a lease is open
 
     def test_an_expired_ticket_is_closed_and_its_finish_recognised_once(self):
         tickets = Tickets()
         number = _issue(tickets, step=1, admitted=0.0, lease=True).ticket
         assert tickets.expire(number).ticket == number
-        assert number not in [t.ticket for t in tickets] and not tickets.leased()
+        assert number not in [t.ticket for t in tickets] and not tickets.watched(nodes=False)
         assert tickets.take_expired(number)
         assert not tickets.take_expired(number)
