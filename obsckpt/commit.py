@@ -41,6 +41,9 @@ ITERATION_FILES = {
 }
 KINDS = tuple(ITERATION_FILES)
 MANIFEST_NAME = "manifest.json"
+# The manifest format this obsckpt writes and reads. A later format may mean its
+# entries differently, so a reader refuses it rather than guess.
+MANIFEST_FORMAT = 1
 # The step as writers format it: ASCII digits without a leading zero. Another spelling
 # (global_step_007, other scripts' digits) would name a directory that step_dir() never
 # builds, so readers would look for, and retention delete, the wrong one.
@@ -554,7 +557,7 @@ def _manifest_bytes(records: list[FileRecord]) -> bytes:
     Built line by line: ``json.dumps(..., indent=...)`` runs the pure-Python
     encoder, which took longer than the rest of a 1,024-file commit.
     """
-    head = json.dumps({"version": 1, "created": time.time()})[:-1]
+    head = json.dumps({"version": MANIFEST_FORMAT, "created": time.time()})[:-1]
     lines = ",\n  ".join(json.dumps(r.to_json()) for r in records)
     return f'{head}, "files": [\n  {lines}\n]}}\n'.encode()
 
@@ -565,7 +568,8 @@ def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
     Raises:
         FileNotFoundError: the step has no manifest.
         OSError: it cannot be read, or is not a regular file.
-        ValueError: it is not a manifest obsckpt writes: not JSON, another shape, an
+        ValueError: it is not a manifest obsckpt writes: not JSON, another shape, a
+            format other than :data:`MANIFEST_FORMAT` (a newer obsckpt wrote it), an
             entry that is not a file inside the step (named by its index), a file
             listed twice.
     """
@@ -579,6 +583,17 @@ def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
     files = data.get("files")
     if not isinstance(files, list):
         raise ValueError(f'no "files" list (it holds {files!r:.60})')
+    fmt = data.get("version", MANIFEST_FORMAT)
+    if fmt != MANIFEST_FORMAT or type(fmt) is not int:
+        if type(fmt) is int and fmt > MANIFEST_FORMAT:
+            raise ValueError(
+                f"manifest format {fmt}, written by a newer obsckpt; this one reads format "
+                f"{MANIFEST_FORMAT}. Upgrade obsckpt (pip install -U obsckpt) to read or "
+                "verify this step"
+            )
+        raise ValueError(
+            f'"version" is {fmt!r:.60}, not a manifest format (obsckpt writes {MANIFEST_FORMAT})'
+        )
     records = []
     seen = set()
     for i, obj in enumerate(files):

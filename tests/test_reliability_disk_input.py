@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -199,6 +200,44 @@ class TestManifestEntries:
         manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
         manifest["writer"] = "another tool"
         manifest["files"][0]["mtime"] = 1.0
+        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert disk.verify_step(sdir) == []
+
+    @pytest.mark.parametrize(
+        "version, named",
+        [
+            (2, "manifest format 2, written by a newer obsckpt; this one reads format 1"),
+            ("1", "\"version\" is '1', not a manifest format"),
+            (True, '"version" is True, not a manifest format'),
+            (None, '"version" is None, not a manifest format'),
+        ],
+    )
+    def test_another_format_is_refused_by_name(self, tmp_path, version, named):
+        """A later format may mean its entries differently: read as this one, a step
+        could verify OK against entries it does not understand."""
+        sdir = committed_step(tmp_path, 3)
+        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        assert manifest["version"] == disk.MANIFEST_FORMAT == 1
+        manifest["version"] = version
+        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(ValueError, match=re.escape(named)):
+            disk.read_manifest(sdir)
+        (problem,) = disk.verify_step(sdir)
+        assert named in problem, problem
+
+    def test_newer_format_tells_verify_to_upgrade(self, tmp_path, capsys):
+        sdir = committed_step(tmp_path, 3)
+        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest["version"] = 2
+        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert main(["verify", str(tmp_path)]) != 0
+        out = capsys.readouterr()
+        assert "Upgrade obsckpt" in out.out + out.err
+
+    def test_a_manifest_without_version_reads_as_this_format(self, tmp_path):
+        sdir = committed_step(tmp_path, 3)
+        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        del manifest["version"]
         (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
         assert disk.verify_step(sdir) == []
 
