@@ -44,6 +44,16 @@ FILE_SD_ENV = "OBSCKPT_FILE_SD_PATH"
 _FINAL_SCRAPE_WAIT_S = 15.0
 
 
+def wall_clock() -> float:
+    """Unix time, read only to show a time as a timestamp (status(), *_timestamp_seconds).
+
+    Durations, leases and ages are measured on the monitor's monotonic clock
+    (its tracker's): a step of the system clock (NTP, a VM resumed) moves this
+    one and would otherwise expire healthy leases or keep dead ones alive.
+    """
+    return time.time()
+
+
 def _was_restarted() -> bool:
     """True inside an actor that Ray restarted after its process died."""
     try:
@@ -175,7 +185,10 @@ class CheckpointMonitor:
         # Saves on a node Ray reports dead are lost, leased or not (a Trinity caller's is not).
         self._watch_nodes = _in_actor()
         self._committer: asyncio.Task[None] | None = None  # commits what is ready, one at a time
+        # When each kind last committed, and when its oldest pending step started:
+        # readings of the monotonic clock (_now), shown as Unix time by _unix.
         self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
+        self._oldest_pending: dict[str, float | None] = {k: None for k in KINDS}
         # When the last committed step became whole and how long its commit I/O took.
         self._last_commit_detail: dict[str, dict[str, Any]] = {}
         self._setup_tracing(trace_exporter)
@@ -192,8 +205,17 @@ class CheckpointMonitor:
                     when = os.stat(self.root / disk.ITERATION_FILES[kind]).st_mtime
                 except OSError:
                     continue
-                self.metrics.last_commit_timestamp.labels(kind).set(when)
-                self._last_commit[kind] = when
+                # How long ago, by the wall clock (a file from the future: just now).
+                self._last_commit[kind] = self._now() - max(0.0, wall_clock() - when)
+        for kind in KINDS:
+            # Worked out at each scrape: after a step of the wall clock, Prometheus's
+            # time() minus these is still how long ago they were.
+            self.metrics.last_commit_timestamp.labels(kind).set_function(
+                lambda k=kind: self._unix(self._last_commit[k]) or 0.0
+            )
+            self.metrics.oldest_pending_start.labels(kind).set_function(
+                lambda k=kind: self._unix(self._oldest_pending[k]) or 0.0
+            )
         self._refresh_gauges()
         self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
         self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
@@ -210,6 +232,18 @@ class CheckpointMonitor:
             latest,
             self.server.address or self.server.error or "off",
         )
+
+    def _now(self) -> float:
+        """The monitor's monotonic clock: its tracker's, so steps' times and its own compare."""
+        return self.tracker.clock()
+
+    def _unix(self, t: float | None) -> float | None:
+        """``t``, a reading of :meth:`_now`, as Unix time by the wall clock now (None stays).
+
+        Converted when shown, not stamped when it happened, so that a step of the
+        wall clock in between does not change how long ago it reads.
+        """
+        return None if t is None else wall_clock() - (self._now() - t)
 
     @staticmethod
     def _setup_tracing(trace_exporter: str | None) -> None:
@@ -449,7 +483,7 @@ class CheckpointMonitor:
             rank=rank,
             node_id=node_id,
             pid=pid,
-            requested=time.time(),
+            requested=self._now(),
             resave=resave,
             part=part,
             parts=parts,
@@ -462,7 +496,7 @@ class CheckpointMonitor:
                 self.metrics.saves.labels(_label(slot), kind or "checkpoint", result)
             self._save_series.add((slot, kind))
         await self._wait_admission(ticket, job_id)
-        ticket.admitted = ticket.last_seen = time.time()
+        ticket.admitted = ticket.last_seen = self._now()
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
         wait = ticket.admitted - ticket.requested
         self.metrics.admission_wait.labels(self.strategy.value).observe(wait)
@@ -507,7 +541,7 @@ class CheckpointMonitor:
 
     async def heartbeat(self, tickets: list[int]) -> None:
         """Saves with these tickets are still running (their process is alive)."""
-        self._tickets.renew(tickets, time.time())
+        self._tickets.renew(tickets, self._now())
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
@@ -520,7 +554,7 @@ class CheckpointMonitor:
         interval = 5.0 if lease is None else min(5.0, lease / 4)
         while self._tickets.watched(self._watch_nodes):
             await asyncio.sleep(interval)
-            now = time.time()
+            now = self._now()
             for info in self._tickets.stale(now, lease) if lease is not None else ():
                 await self._expire(info, now)
             if self._watch_nodes:
@@ -689,7 +723,7 @@ class CheckpointMonitor:
         slot_label = _label(slot)
         m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
         if duration_s is None and info is not None and info.admitted is not None:
-            duration_s = time.time() - info.admitted
+            duration_s = self._now() - info.admitted
         if duration_s is not None:
             m.save_duration.labels(slot_label, kind).observe(duration_s)
             if rank is not None:
@@ -733,7 +767,7 @@ class CheckpointMonitor:
 
     async def _commit(self, step: int, kind: str, p: Progress) -> None:
         """Commit ``step`` of ``kind``, which the tracker has just marked committing."""
-        whole_at = time.time()
+        whole_at = self._now()
         attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
         saves = p.finished
         if kind == "checkpoint":  # a full checkpoint includes its state-dict saves
@@ -764,7 +798,7 @@ class CheckpointMonitor:
             logger.error("obsckpt: %s", msg)
             self.tracker.end_commit(step, kind, ok=False, error=msg)
             return
-        now = time.time()
+        now = self._now()
         self.tracker.end_commit(step, kind, ok=True)
         # The step's first save start: a full checkpoint includes its state-dict saves.
         starts = [p.started_at]
@@ -775,7 +809,6 @@ class CheckpointMonitor:
         for k in kinds:
             if self.tracker.latest[k] == step:
                 self.metrics.latest_step.labels(k).set(step)
-                self.metrics.last_commit_timestamp.labels(k).set(now)
                 self._last_commit[k] = now
                 if started is not None:  # each iteration file this commit moved
                     self.metrics.commit_lag.labels(k).observe(max(0.0, now - started))
@@ -821,7 +854,7 @@ class CheckpointMonitor:
             return
         for kind, (pending, oldest) in zip(KINDS, shown[0], strict=True):
             self.metrics.pending_steps.labels(kind).set(pending)
-            self.metrics.oldest_pending_start.labels(kind).set(oldest or 0)
+            self._oldest_pending[kind] = oldest
         self.metrics.abandoned_steps.set(shown[1])
         self._gauges_shown = shown
 
@@ -883,13 +916,20 @@ class CheckpointMonitor:
             "root": str(self.root),
             "save_strategy": self.strategy.name,
             "latest": dict(t.latest),
-            "last_commit_time": dict(self._last_commit),
-            "last_commit": dict(self._last_commit_detail),
+            "last_commit_time": {k: self._unix(t) for k, t in self._last_commit.items()},
+            "last_commit": {
+                kind: {
+                    **detail,
+                    "whole_at": self._unix(detail["whole_at"]),
+                    "committed_at": self._unix(detail["committed_at"]),
+                }
+                for kind, detail in self._last_commit_detail.items()
+            },
             "pending": [
                 {
                     "step": step,
                     "kind": kind,
-                    "started": p.started_at,
+                    "started": self._unix(p.started_at),
                     "registered": p.registered,
                     "finished": p.finished,
                     "in_flight": p.in_flight,
@@ -909,7 +949,7 @@ class CheckpointMonitor:
                 for step, kind, p in t.pending()
             ],
             "failed": [
-                {"step": step, "kind": kind, "error": p.error, "at": p.resolved_at}
+                {"step": step, "kind": kind, "error": p.error, "at": self._unix(p.resolved_at)}
                 for step, kind, p in t.failed()
             ],
             "abandoned": [{"step": s, "reason": r} for s, r in sorted(t.abandoned.items())],
@@ -924,8 +964,8 @@ class CheckpointMonitor:
                     "rank": tk.rank,
                     "part": tk.part,
                     "parts": tk.parts,
-                    "requested": tk.requested,
-                    "admitted": tk.admitted,
+                    "requested": self._unix(tk.requested),
+                    "admitted": self._unix(tk.admitted),
                 }
                 for tk in self._tickets
             ],
@@ -947,7 +987,7 @@ class CheckpointMonitor:
         address = self.server.address
         # Served in one more scrape (while a scraper polls), so that ObsckptMonitorDown
         # tells this clean finish from a lost monitor once the target is withdrawn.
-        self.metrics.shutdown_timestamp.set(time.time())
+        self.metrics.shutdown_timestamp.set(wall_clock())
         await asyncio.to_thread(self.server.close, final_scrape_timeout_s=_FINAL_SCRAPE_WAIT_S)
         if not (self.file_sd_path and address):
             return

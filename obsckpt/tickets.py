@@ -24,6 +24,8 @@ class Ticket:
     rank: int | None
     node_id: str | None
     pid: int | None
+    # Times are readings of the monitor's monotonic clock: a lease compares them
+    # with each other, never with the wall clock, which NTP or a resumed VM may step.
     requested: float
     admitted: float | None = None
     lease: bool = False

@@ -82,6 +82,7 @@ class Progress:
     submitted: bool = False
     state: str = PENDING
     error: str | None = None
+    # Readings of the tracker's (monotonic) clock.
     first_seen: float | None = None
     first_start: float | None = None
     resolved_at: float | None = None
@@ -140,7 +141,9 @@ class CommitTracker:
 
     Args:
         latest: the committed step per kind found on disk (None for none).
-        clock: wall-clock source, for timestamps in status and metrics.
+        clock: a monotonic clock, for when steps start and resolve: ages and the
+            commit lag are differences of its readings, which a step of the system
+            clock leaves alone (the monitor shows them as Unix time).
         on_fail: called with ``(step, kind)`` each time a step of a kind becomes
             failed, whatever the path (a failed save, a failed commit, parts
             that disagree, a checkpoint whose state dict failed): the one
@@ -150,7 +153,7 @@ class CommitTracker:
     def __init__(
         self,
         latest: dict[str, int | None] | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         on_fail: Callable[[int, str], None] | None = None,
     ) -> None:
         self.latest: dict[str, int | None] = {k: None for k in KINDS}

@@ -468,7 +468,7 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
         side["now"] = "rollout"
         try:
             if late:  # the copy is queued after the deadline
-                payload = dataclasses.replace(payload, deadline=time.time() + 0.05)
+                payload = dataclasses.replace(payload, deadline=time.monotonic() + 0.05)
                 real = receiver._check_deadline
 
                 def check(p, what, *rest):
@@ -561,7 +561,7 @@ def test_copy_finished_late_leaves_weights_marked_unknown(tmp_path, monkeypatch)
     def late(p, **kw):
         monkeypatch.setattr(receiver_module, "copy_many", slow_copy)
         try:
-            return receiver.recv(dataclasses.replace(p, deadline=time.time() + 0.1), **kw)[0]
+            return receiver.recv(dataclasses.replace(p, deadline=time.monotonic() + 0.1), **kw)[0]
         finally:
             monkeypatch.setattr(receiver_module, "copy_many", real_copy)
 

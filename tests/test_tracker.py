@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -454,6 +456,16 @@ class TestViews:
         commit_ready(t)
         assert [s for s, _, _ in t.pending("checkpoint")] == [2]
         assert t.oldest_pending_start("state_dict") is None
+
+    def test_times_are_read_on_the_monotonic_clock(self):
+        """Ages and the commit lag are differences of these times: a step of the wall
+        clock (NTP, a resumed VM) must not reach them."""
+        before = time.monotonic()
+        t = CommitTracker()
+        t.start(1, "checkpoint")
+        t.lose(1, "the monitor restarted")
+        p = t.progress(1, "checkpoint")
+        assert before <= p.started_at <= p.resolved_at <= time.monotonic()
 
 
 # ---------------------------------------------------------------------------

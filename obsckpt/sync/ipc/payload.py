@@ -10,7 +10,7 @@ import torch
 from obsckpt.sync.group import BroadcastError
 
 METHOD = "ipc"
-PAYLOAD_VERSION = 4
+PAYLOAD_VERSION = 5
 
 
 class IpcLayoutUnknownError(BroadcastError):
@@ -36,7 +36,10 @@ class IpcPayload:
     bucket_bytes: int
     meta: tuple[tuple[str, str, tuple[int, ...]], ...]
     handles: tuple[Any, ...]  # buckets layout: one per bucket, in plan order
-    deadline: float  # wall-clock seconds; the sender may change its tensors after it
+    # time.monotonic() seconds; the sender may change its tensors after it. CLOCK_MONOTONIC
+    # is one clock for every process of a host (as both sides are), and no step of the
+    # system clock moves it.
+    deadline: float
     device_uuid: str | None = None
     trace_context: dict[str, str] | None = None
     layout: str = "buckets"  # or "direct"

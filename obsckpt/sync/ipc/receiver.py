@@ -227,7 +227,7 @@ class IpcWeightReceiver:
         or a copy into fresh tensors); else whether the copy went into
         ``into``'s tensors (True) or the receive area (False).
         """
-        late = time.time() - payload.deadline
+        late = time.monotonic() - payload.deadline
         if late <= 0:
             return
         head = (

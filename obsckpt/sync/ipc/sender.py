@@ -243,14 +243,13 @@ class IpcWeightSender:
             with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
                 sp.set_attribute("obsckpt.backend", self.backend)
                 t0 = time.perf_counter()
-                deadline_mono = time.monotonic() + self.timeout_s
                 # The receiver's deadline is the sender's: set before any work.
-                deadline_wall = time.time() + self.timeout_s
+                deadline = time.monotonic() + self.timeout_s
                 layout, direct = self._prepare(tensors, fp)
                 sp.set_attribute("obsckpt.ipc_layout", layout)
-                payload = self._payload(step, layout, direct, deadline_wall)
+                payload = self._payload(step, layout, direct, deadline)
                 try:
-                    ack = self._await(deliver(payload), deadline_mono)
+                    ack = self._await(deliver(payload), deadline)
                 except IpcLayoutUnknownError as exc:
                     if payload.described:
                         raise
@@ -259,14 +258,14 @@ class IpcWeightSender:
                     logger.info("obsckpt: %s; describing the layout again", exc)
                     sp.set_attribute("obsckpt.ipc_described_again", True)
                     direct = self._describe_again(layout, tensors, fp)
-                    payload = self._payload(step, layout, direct, deadline_wall)
-                    ack = self._await(deliver(payload), deadline_mono)
+                    payload = self._payload(step, layout, direct, deadline)
+                    ack = self._await(deliver(payload), deadline)
                 if not isinstance(ack, Mapping) or ack.get("step") != step:
                     raise BroadcastError(
                         f"the rollout side answered {ack!r} to the weights of step {step}; "
                         "it must return IpcWeightReceiver.recv's acknowledgement"
                     )
-                self._wait_copied(ack, deadline_mono)
+                self._wait_copied(ack, deadline)
                 seconds = time.perf_counter() - t0
         except BaseException as exc:
             # A receiver answering before its copy finishes may still be copying:
