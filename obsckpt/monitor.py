@@ -552,9 +552,16 @@ class CheckpointMonitor:
         whose node Ray reports dead."""
         lease = self.lease_timeout_s
         interval = 5.0 if lease is None else min(5.0, lease / 4)
+        checked = self._now()
         while self._tickets.watched(self._watch_nodes):
             await asyncio.sleep(interval)
             now = self._now()
+            if now - checked > 2 * interval:
+                # The monitor itself did not run (its process stopped, its loop held):
+                # heartbeats sent meanwhile still wait in its queue. Leases are judged
+                # from now on, not over a gap that no rank caused.
+                self._tickets.renew([t.ticket for t in self._tickets], now)
+            checked = now
             for info in self._tickets.stale(now, lease) if lease is not None else ():
                 await self._expire(info, now)
             if self._watch_nodes:

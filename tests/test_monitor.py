@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -478,6 +479,27 @@ class TestLeases:
         worker = SaveWorker.remote(namespace, 0)
         ray.get(worker.save.remote(str(root), 1, ["model"], sleep=3.0))
         submit(monitor, 1, ck=1)
+        assert ray.get(worker.wait.remote()) is None
+        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        assert ray.get(monitor.status.remote())["failed"] == []
+
+    def test_a_paused_monitor_does_not_blame_the_ranks(self, namespace, root):
+        """While the monitor's own process is stopped (a debugger, SIGSTOP, a long GC
+        pause) the heartbeats it misses wait in its queue: a lease is judged on the
+        time the monitor was running, so a healthy save is not failed when it resumes."""
+        monitor = make_monitor(namespace, root, lease_timeout_s=1.0)
+        pid = ray.get(monitor.__ray_call__.remote(lambda self: os.getpid()))
+        worker = SaveWorker.remote(namespace, 0)
+        ray.get(worker.save.remote(str(root), 1, ["model"], sleep=4.0))
+        submit(monitor, 1, ck=1)
+        wait_for(
+            lambda: ray.get(monitor.status.remote())["in_flight"] != [], what="admission of step 1"
+        )
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)  # over two leases without the monitor running
+        finally:
+            os.kill(pid, signal.SIGCONT)
         assert ray.get(worker.wait.remote()) is None
         wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
         assert ray.get(monitor.status.remote())["failed"] == []
