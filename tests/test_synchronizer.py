@@ -305,3 +305,44 @@ class TestResume:
         m = samples(text)
         assert m[("obsckpt_model_version", (("role", "rollout"),))] == 6
         assert m[("obsckpt_model_version", (("role", "trainer"),))] == 6
+
+
+class TestRetentionRace:
+    """Retention may delete the step a lagging Synchronizer is loading, once a newer one
+    is committed: that step is superseded, not a failed load."""
+
+    def test_a_step_removed_behind_a_newer_commit_is_skipped_quietly(self, tmp_path, caplog):
+        from prometheus_client import CollectorRegistry
+
+        from obsckpt.sync.synchronizer import Synchronizer as Actor
+
+        root = tmp_path / "ckpt"
+        write_step(root, 1, {0: state_dict(1)})
+        write_step(root, 2, {0: state_dict(2)})
+        sync = Actor(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
+
+        # The poll read step 1 from the iteration file; by the time it loads, step 2 is
+        # committed and retention (max_ckpt_to_keep=1) has deleted step 1.
+        disk.step_dir(root, 1).rename(tmp_path / "deleted")
+        with caplog.at_level("INFO", logger="obsckpt.sync.synchronizer"):
+            asyncio.run(sync._load_step(root, 1))
+        status = asyncio.run(sync.status())
+        assert status["load_failures"] == 0 and status["last_error"] is None, status
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert "superseded by step 2" in caplog.text
+        assert asyncio.run(sync.poll_once()) == 2
+
+    def test_a_damaged_step_that_is_still_there_is_a_failure(self, tmp_path):
+        from prometheus_client import CollectorRegistry
+
+        from obsckpt.sync.synchronizer import Synchronizer as Actor
+
+        root = tmp_path / "ckpt"
+        write_step(root, 1, {0: state_dict(1)})
+        write_step(root, 2, {0: state_dict(2)})
+        shard = disk.step_dir(root, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        shard.write_bytes(shard.read_bytes()[:-8])
+        sync = Actor(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
+        asyncio.run(sync._load_step(root, 1))
+        status = asyncio.run(sync.status())
+        assert status["load_failures"] == 1 and "step 1:" in status["last_error"], status

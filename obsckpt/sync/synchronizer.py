@@ -36,7 +36,9 @@ from obsckpt import commit as disk
 from obsckpt.errors import IterationFileError
 from obsckpt.sync.shards import (
     MODEL_SUBDIR,
+    StateDictLoadError,
     load_sharded_state_dict,
+    shard_files,
     state_dict_meta,
 )
 from obsckpt.sync.telemetry import WeightSyncTelemetry
@@ -492,6 +494,17 @@ class Synchronizer:
                 )
                 sp.set_attribute("obsckpt.bytes", nbytes)
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
+            newer = await asyncio.to_thread(_superseded_and_removed, root, step)
+            if newer is not None:
+                # Retention deleted it once a newer step committed: nothing is wrong.
+                logger.info(
+                    "obsckpt: synchronizer skips step %d: it was superseded by step %d and "
+                    "removed while it loaded; step %d is next",
+                    step,
+                    newer,
+                    newer,
+                )
+                return
             msg = f"step {step}: {exc}"
             self._failed_steps[step] = str(exc)
             if len(self._failed_steps) > _KEEP_FAILED:
@@ -512,3 +525,25 @@ class Synchronizer:
         self._telemetry().upload(seconds)
         if await self._publish(state_dict, step, "checkpoint"):
             self._loaded_step = step
+
+
+def _superseded_and_removed(root: Path, step: int) -> int | None:
+    """The newer committed state-dict step, when ``step``'s files are gone or going.
+
+    Retention deletes a whole step directory once a newer step is committed; a
+    Synchronizer that read the iteration file before that commit may be loading
+    the step it deletes. None when the iteration file still names ``step`` (or
+    cannot be read), or when the step is still whole on disk (a load error then
+    is the step's own).
+    """
+    try:
+        newer = disk.read_iteration(root, "state_dict")
+    except IterationFileError:
+        return None
+    if newer is None or newer <= step:
+        return None
+    try:
+        shard_files(disk.step_dir(root, step) / MODEL_SUBDIR)
+    except StateDictLoadError:
+        return newer  # the directory, or some of its shards, already deleted
+    return None
