@@ -123,10 +123,25 @@ def positive_seconds(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
+def scratch_dir(path: str | os.PathLike) -> str:
+    """A new, empty directory beside ``path`` to build it in: ``<path>.tmp.<pid>.<8 hex>``.
+
+    Named as a temp file of ``path``, so a commit's manifest and ``obsckpt
+    verify`` leave it and everything in it out: a step committed while files
+    are still being built in it (or after a crash left it) does not list them.
+    """
+    name = temp_name(path)
+    os.mkdir(name)
+    return name
+
+
 def walk_files(top: str) -> Iterator[tuple[str, list[str]]]:
-    """``(directory, file names)`` under ``top``, in sorted order, temp files left out."""
+    """``(directory, file names)`` under ``top``, in sorted order, temp files left out.
+
+    A directory named as a temp file (:func:`scratch_dir`) is left out whole.
+    """
     for dirpath, dirnames, filenames in os.walk(top):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not is_temp_name(d))
         yield dirpath, [name for name in sorted(filenames) if not is_temp_name(name)]
 
 

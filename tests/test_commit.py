@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +103,21 @@ class TestManifest:
         ]
         (sdir / "hf" / "chat_template.tmpl").unlink()
         assert disk.verify_step(sdir) == [f"{sdir / 'hf' / 'chat_template.tmpl'}: missing"]
+
+    def test_scratch_directories_are_left_out_whole(self, tmp_path):
+        """Files still being built aside (an HF export) when the step commits are not
+        listed: listed, they would be missing once moved into place."""
+        sdir = self.make_step(tmp_path)
+        scratch = Path(disk.scratch_dir(sdir / "huggingface"))
+        assert scratch.parent == sdir and disk.is_temp_name(scratch.name)
+        (scratch / "sub").mkdir()
+        (scratch / "config.json").write_text("{}")
+        (scratch / "sub" / "tokenizer.json").write_text("{}")
+        records = disk.finalize_step(sdir)
+        assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt"]
+        (scratch / "config.json").rename(sdir / "config.json")
+        shutil.rmtree(scratch)
+        assert disk.verify_step(sdir) == []
 
     def test_verify_names_unreadable_files_and_goes_on(self, tmp_path):
         sdir = self.make_step(tmp_path)

@@ -468,3 +468,213 @@ def test_fsdp1_manager_on_gpu(namespace, tmp_path):
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     ray.get(rank.zero_and_load.remote(path))
     assert same(saved, ray.get(rank.full.remote())) == []
+
+
+@pytest.fixture
+def one_rank():
+    """This process as the only rank of a gloo group; yields its CPU mesh for FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2(model, mesh, layers):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_params(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def started_monitor(namespace, root):
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(root), metrics_port=None
+    )
+    ray.get(monitor.status.remote())
+    return monitor
+
+
+async def synchronizer_status(root) -> dict:
+    """What a Synchronizer watching ``root`` makes of its latest state-dict step."""
+    from prometheus_client import CollectorRegistry
+
+    from obsckpt import Synchronizer
+
+    sync = Synchronizer(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
+    await sync.poll_once()
+    return await sync.status()
+
+
+class TestLoraOnly:
+    """verl 0.9's ``checkpoint.save_lora_only`` keeps the same keys verl's own manager keeps.
+
+    A LoRA model's checkpoint then holds its adapter weights only, verl's
+    loader reads it back (adapters restored, base weights as they are), and
+    the Synchronizer refuses such a step by name instead of publishing the
+    adapters as the whole model. verl 0.7 has no such setting: both managers
+    save the whole model there.
+    """
+
+    def test_adapter_weights_only(self, namespace, tmp_path, one_rank):
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import (
+            FSDPCheckpointManager as VerlManager,
+        )
+        from workers import TINY_LLAMA
+
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        lora_only = hasattr(VerlManager, "should_save_lora_only")
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(base, lora)
+        fsdp2(model, one_rank, base.model.layers)
+        config = {"save_contents": ["model"], "load_contents": ["model"], "save_lora_only": True}
+        shard = "model_world_size_1_rank_0.pt"
+        VerlManager(model=model, checkpoint_config=config).save_checkpoint(
+            str(tmp_path / "verl"), global_step=1
+        )
+        expected = torch.load(tmp_path / "verl" / shard, weights_only=False)
+
+        root = tmp_path / "ckpt"
+        monitor = started_monitor(namespace, root)
+        manager = FSDPCheckpointManager(
+            model=model, checkpoint_config=config, ray_namespace=namespace
+        )
+        path = root / "global_step_1" / "actor"
+        assert manager.save_checkpoint(str(path), global_step=1) == {
+            "state_dict": 1,
+            "checkpoint": 0,
+        }
+        manager.wait_on_save_thread(timeout=60)
+        commit(monitor, 1)
+        saved = torch.load(path / shard, weights_only=False)
+        assert sorted(saved) == sorted(expected)
+        # q and v projections, A and B, 2 layers; or all the model's entries
+        assert len(model.state_dict()) == 29 and len(saved) == (8 if lora_only else 29)
+        assert all("lora_" in name for name in saved) is lora_only
+        for name, value in saved.items():
+            assert torch.equal(value.to_local(), expected[name].to_local()), name
+
+        saved_params = full_params(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        manager.load_checkpoint(str(path))  # verl's loader: strict=False for adapter-only files
+        loaded = full_params(model)
+        for name, value in saved_params.items():
+            restored = lora_only is False or "lora_" in name
+            assert torch.equal(loaded[name], value if restored else value + 1.0), name
+
+        status = asyncio.run(synchronizer_status(root))
+        if lora_only:
+            assert status["version"] is None
+            error = status["failed_steps"][1]
+            assert "only LoRA adapter weights (8 tensors" in error, error
+            assert "save_lora_only" in error and "upload_state_dict" in error, error
+        else:
+            assert status["version"] == 1 and status["failed_steps"] == {}
+
+    def test_no_adapter_weights_is_refused_before_registering(self, namespace, tmp_path, one_rank):
+        """A model with a peft_config but no adapter weights raises as verl raises, and no
+        save is left registered with the monitor (the step would wait for it forever)."""
+        from peft import LoraConfig
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import (
+            FSDPCheckpointManager as VerlManager,
+        )
+        from workers import TINY_LLAMA
+
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        if not hasattr(VerlManager, "should_save_lora_only"):
+            pytest.skip("this verl has no checkpoint.save_lora_only")
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        model.peft_config = {"default": LoraConfig(r=4)}
+        fsdp2(model, one_rank, model.model.layers)
+        monitor = started_monitor(namespace, tmp_path / "ckpt")
+        manager = FSDPCheckpointManager(
+            model=model,
+            checkpoint_config={"save_contents": ["model"], "save_lora_only": True},
+            ray_namespace=namespace,
+        )
+        path = tmp_path / "ckpt" / "global_step_1" / "actor"
+        with pytest.raises(ValueError, match=r"save_lora_only=True .* none of its 21 state-dict"):
+            manager.save_checkpoint(str(path), global_step=1)
+        status = ray.get(monitor.status.remote())
+        assert status["pending"] == [] and status["failed"] == []
+
+
+class TestHFExportKeepsCommittedFiles:
+    """An HF export never changes a file of ``huggingface/`` that the step's manifest lists.
+
+    A job resumed from an older step retrains a step whose state dict an
+    earlier run committed, export included, but whose checkpoint it never
+    committed: the export files of that step stay as committed (they match
+    its committed model files), and once the checkpoint is committed a re-save
+    writes nothing at all.
+    """
+
+    def test_resaved_step(self, namespace, tmp_path, one_rank):
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+        from workers import TINY_LLAMA
+
+        from obsckpt import commit as disk
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        fsdp2(model, one_rank, model.model.layers)
+        root = tmp_path / "ckpt"
+        monitor = started_monitor(namespace, root)
+        config = {"save_contents": ["model", "hf_model"], "load_contents": ["model"]}
+
+        def save() -> dict:
+            manager = FSDPCheckpointManager(
+                model=model, checkpoint_config=config, ray_namespace=namespace
+            )
+            counts = manager.save_checkpoint(str(path), global_step=1)
+            manager.wait_on_save_thread(timeout=60)
+            return counts
+
+        path = root / "global_step_1" / "actor"
+        saved = full_params(model)
+        assert save() == {"state_dict": 1, "checkpoint": 1}
+        asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(1, is_state_dict=True))
+        step_dir = disk.step_dir(root, 1)
+        hf_dir = path / "huggingface"
+        committed = {p: p.read_bytes() for p in sorted(hf_dir.iterdir())}
+        assert hf_dir / "model.safetensors" in committed and disk.verify_step(step_dir) == []
+
+        with torch.no_grad():  # the retrained step's weights differ from the committed ones
+            for p in model.parameters():
+                p.add_(1.0)
+        assert save() == {"state_dict": 0, "checkpoint": 1}
+        assert disk.verify_step(step_dir) == []
+        assert {p: p.read_bytes() for p in sorted(hf_dir.iterdir())} == committed
+        commit(monitor, 1)
+        assert disk.verify_step(step_dir) == []
+        exported = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+        for name, value in exported.named_parameters():
+            assert torch.equal(value, saved[name]), name
+
+        assert save() == {"state_dict": 0, "checkpoint": 0}
+        assert {p: p.read_bytes() for p in sorted(hf_dir.iterdir())} == committed
+        assert disk.verify_step(step_dir) == []

@@ -480,3 +480,92 @@ class TestTrainerSubclasses:
         finally:
             trainer.actor_rollout_wg.release.set()
             kill_named(monitor, "checkpoint_monitor")
+
+
+class SkipCommittedSaves:
+    """A worker group whose ranks save as the managers do: nothing for a committed step.
+
+    One rank in this process, saving its model file in the background through
+    a real coordinator, registered with the monitor first.
+    """
+
+    def __init__(self, monitor) -> None:
+        from obsckpt import CheckpointCoordinator
+
+        self.monitor = monitor
+        self.coordinator = CheckpointCoordinator(monitor)
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        import logging
+
+        from obsckpt.integrations.verl_fsdp import already_committed
+
+        log = logging.getLogger(__name__)
+        if already_committed(self.coordinator, global_step, log, is_state_dict=False):
+            return
+        ray.get(self.monitor.register_thread_count.remote(global_step, checkpoint_thread_count=1))
+        os.makedirs(local_path, exist_ok=True)
+        path = os.path.join(local_path, "model_world_size_1_rank_0.pt")
+        self.coordinator.save_async(
+            "model", lambda: torch.save({"step": global_step}, path), global_step, paths=[path]
+        )
+        self.coordinator.wait_all(60)
+
+
+class Unpicklable:
+    """Part of a dataloader state that fails once torch.save has started writing the file."""
+
+    def __reduce__(self):
+        raise RuntimeError("the trainer died while writing data.pt")
+
+
+class TestDataFile:
+    """The trainer's ``data.pt`` never changes in a committed step and is never torn.
+
+    verl's ``_save_checkpoint`` writes it with ``torch.save`` into the step
+    directory itself. A job resumed from an older step (``resume_from_path``)
+    retrains steps whose checkpoints are committed: their ``data.pt`` stays
+    the committed one (the step still verifies against its manifest). A
+    write that fails halfway leaves no file behind.
+    """
+
+    @pytest.mark.parametrize("kind", ["v1", "legacy"])
+    def test_retrained_committed_step(self, kind, ray_cluster, tmp_path, monkeypatch):
+        from obsckpt import commit as disk
+
+        verl_install.patch()
+        Trainer, _ = trainer_class(kind, monkeypatch)
+        root = tmp_path / "ckpt"
+        first = make_trainer(root, None, None, v1=kind == "v1")
+        monitor = verl_install.monitor_for(first)
+        try:
+
+            def save(step: int, position: int, dataloader=None):
+                trainer = make_trainer(root, SkipCommittedSaves(monitor), None, v1=kind == "v1")
+                trainer._obsckpt_monitor = monitor  # one job's monitor
+                trainer.use_critic = False
+                trainer.global_steps = step
+                trainer.train_dataloader = dataloader or DataLoader()
+                trainer.train_dataloader.position = position
+                Trainer._save_checkpoint(trainer)
+                return verl_install.wait_for_commit(trainer, timeout=60)
+
+            assert save(1, 1) == 1 and save(2, 2) == 2
+            step_dir = disk.step_dir(root, 2)
+            data = step_dir / "data.pt"
+            committed = data.read_bytes()
+            assert disk.verify_step(step_dir) == []
+
+            # The resumed job's dataloader is elsewhere when it saves step 2 again.
+            assert save(2, 7) == 2
+            assert data.read_bytes() == committed and torch.load(data) == {"position": 2}
+            assert disk.verify_step(step_dir) == []
+            assert iteration(root) == "2"
+
+            broken = DataLoader()
+            broken.state_dict = lambda: {"position": 3, "sampler": Unpicklable()}
+            with pytest.raises(RuntimeError, match="died while writing data.pt"):
+                save(3, 3, broken)
+            assert sorted(os.listdir(root / "global_step_3")) == ["actor"]
+        finally:
+            kill_named(monitor, "checkpoint_monitor")

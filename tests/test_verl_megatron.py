@@ -415,3 +415,84 @@ class TestMegatronCheckpointManager:
         assert disk.verify_step(root / "global_step_5") == []
         assert counts == {"state_dict": 0, "checkpoint": 0}
         assert len(manager.base.calls) == 1
+
+
+# What verl's Megatron manager writes under a role's directory, by verl release: the model's
+# distributed checkpoint (Megatron's torch_dist files) and, on rank 0, its transformer config.
+DIST_CKPT_LAYOUTS = {
+    "verl-0.7": ("dist_ckpt", ["transformer_config.json"]),
+    "verl-0.9": (
+        os.path.join("model", "dist_ckpt"),
+        ["transformer_config.json", "ckpt_contents.json"],
+    ),
+}
+
+
+class DistCheckpointManager(VerlLikeMegatronManager):
+    """Saves as verl's Megatron manager lays its files out (``layout``: a verl release)."""
+
+    def __init__(self, *, layout: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.layout = layout
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.calls.append(list(self.checkpoint_save_contents))
+        subdir, rank0_files = DIST_CKPT_LAYOUTS[self.layout]
+        dist_dir = os.path.join(local_path, subdir)
+        os.makedirs(dist_dir, exist_ok=True)
+        rank = self.engine.rank
+        torch.save(self.engine.module.state_dict(), os.path.join(dist_dir, f"__{rank}_0.distcp"))
+        if rank == 0:
+            torch.save({}, os.path.join(dist_dir, "common.pt"))
+            for name in ["metadata.json", *rank0_files]:
+                target = dist_dir if name == "metadata.json" else local_path
+                with open(os.path.join(target, name), "w") as f:
+                    f.write('{"sharded_backend": "torch_dist"}')
+
+
+class TestCheckpointSyncOfMegatronSteps:
+    """The Synchronizer refuses a step Megatron wrote by name, saying to use memory sync.
+
+    Checkpoint sync reads FSDP shards (``model_world_size_<W>_rank_<R>.pt``);
+    a step holding Megatron's distributed checkpoint is reported as such, with
+    what to do, not as a step that merely lacks those files.
+    """
+
+    def test_synchronizer_names_the_layout(self, monitor, tmp_path):
+        from obsckpt.integrations import MegatronCheckpointManager
+
+        engine = FakeMcoreEngine()
+        engine.checkpoint_mananager = MegatronCheckpointManager(
+            engine=engine, base_class=DistCheckpointManager, monitor=monitor, layout="verl-0.9"
+        )
+        root = tmp_path / "ckpt"
+        coord = CheckpointCoordinator(monitor, rank=0)
+        assert megatron_save_state_dict(engine, str(root / "global_step_3" / "actor"), 3, coord)
+        asyncio.run(coord.register_and_monitor(3, is_state_dict=True, state_dict_thread_count=1))
+        assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "3"
+
+        async def synchronizer_status() -> dict:
+            sync = Synchronizer(
+                str(root), namespace="no-monitor-here", registry=CollectorRegistry()
+            )
+            await sync.poll_once()
+            return await sync.status()
+
+        status = asyncio.run(synchronizer_status())
+        assert status["version"] is None
+        error = status["failed_steps"][3]
+        assert f"holds a Megatron checkpoint ({os.path.join('model', 'dist_ckpt')})" in error
+        assert "cannot read Megatron's distributed-checkpoint layout" in error
+        assert "megatron_upload_state_dict" in error and "set_model_state_dict" in error
+
+    @pytest.mark.parametrize("layout", sorted(DIST_CKPT_LAYOUTS))
+    def test_either_layout_is_named(self, layout, tmp_path):
+        from obsckpt.sync.shards import MegatronLayoutError, load_sharded_state_dict
+
+        engine = FakeMcoreEngine()
+        DistCheckpointManager(engine=engine, layout=layout).save_checkpoint(str(tmp_path))
+        with pytest.raises(MegatronLayoutError, match=rf"\({DIST_CKPT_LAYOUTS[layout][0]}\)"):
+            load_sharded_state_dict(tmp_path)
+        # The directory of the distributed checkpoint itself, too.
+        with pytest.raises(MegatronLayoutError, match=r"\(__0_0\.distcp\)"):
+            load_sharded_state_dict(tmp_path / DIST_CKPT_LAYOUTS[layout][0])

@@ -20,7 +20,10 @@ additions: ``save_state_dict`` / ``upload_state_dict`` for weight sync and
   ``latest_state_dict_iteration.txt``): ``save_state_dict`` skips such a
   step and ``save_checkpoint`` saves only its optimizer and extra state;
 * a step whose checkpoint the monitor has committed is not saved again (a
-  job resumed from an older step retrains it);
+  job resumed from an older step retrains it), and an HF export never
+  replaces a file of ``huggingface/`` that the step's manifest lists;
+* verl 0.9's ``checkpoint.save_lora_only`` applies to checkpoints, not to
+  ``save_state_dict`` (whose files the Synchronizer serves as the model);
 * a checkpoint saved by another number of ranks is refused by name on load.
 
 Importing this module imports verl (seconds): import it lazily.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,17 +46,21 @@ from verl.utils.checkpoint.fsdp_checkpoint_manager import (
     FSDPCheckpointManager as VerlFSDPCheckpointManager,
 )
 
+from obsckpt import commit as disk
 from obsckpt.coordinator import CheckpointCoordinator
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
+    HF_SUBDIR,
     MODEL_SLOT,
     already_committed,
     find_processing_class,
+    move_durably,
     pretrained_generation_config,
     save_hf_metadata,
     unwrap,
     upload_state_dict,
 )
+from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -161,8 +169,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         torch.distributed.barrier()
         if already_committed(self.coordinator, global_step, logger):
             return 0
+        # The whole model, also with checkpoint.save_lora_only: these files are what the
+        # Synchronizer hands the rollout side.
+        state_dict = self._model_state_dict(lora_only=False)
         self._register(global_step, state_dict=1, checkpoint=0)
-        self._save_model(local_path, global_step)
+        self._save_model(local_path, global_step, state_dict)
         return 1
 
     def _announce(self, global_step: int) -> None:
@@ -240,6 +251,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             "state_dict": int(save_model),
             "checkpoint": int(save_optimizer) + int(save_extra) + int(save_hf),
         }
+        # Taken before the registration: a save_lora_only model without adapter weights
+        # raises here, leaving no registered save that would never finish.
+        model_state = self._model_state_dict(lora_only=self.saves_lora_only) if save_model else {}
         self._register(
             global_step, state_dict=counts["state_dict"], checkpoint=counts["checkpoint"]
         )
@@ -247,7 +261,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if save_model:
-                self._save_model(local_path, global_step)
+                self._save_model(local_path, global_step, model_state)
             if save_optimizer:
                 self._save_optimizer(local_path, global_step)
             if save_extra:
@@ -381,9 +395,41 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         ):
             return fn()
 
-    def _save_model(self, local_path: str, global_step: int) -> None:
+    @property
+    def saves_lora_only(self) -> bool:
+        """Whether checkpoints hold only the LoRA adapter weights of the model.
+
+        verl 0.9's ``checkpoint.save_lora_only`` on a model with a ``peft_config``;
+        verl 0.7 has no such setting and always saves the whole model.
+        """
+        asked = getattr(self, "should_save_lora_only", False)
+        return bool(asked) and hasattr(unwrap(self.model), "peft_config")
+
+    def _model_state_dict(self, *, lora_only: bool) -> dict[str, Any]:
+        """This rank's model shard in verl's format; only its adapter weights with ``lora_only``.
+
+        Raises:
+            ValueError: ``lora_only`` and no entry is a LoRA/adapter weight (as verl raises).
+        """
         # verl's format (FSDP1: ShardedTensor, FSDP2: DTensor), so verl's loader reads it.
         state_dict = self._sharded(self.model.state_dict)
+        if not lora_only:
+            return state_dict
+        adapters = {name: value for name, value in state_dict.items() if is_adapter_key(name)}
+        if not adapters:
+            raise ValueError(
+                "checkpoint.save_lora_only=True and the model has a peft_config, but none of "
+                f"its {len(state_dict)} state-dict entries is a LoRA/adapter weight (a name "
+                "holding 'lora_' or '.adapter_'), so there is nothing to save. Set "
+                "checkpoint.save_lora_only=false to save the whole model, or check that the "
+                "LoRA target modules match the model's layers"
+            )
+        logger.info(
+            "obsckpt: LoRA-only save: %d of %d model entries", len(adapters), len(state_dict)
+        )
+        return adapters
+
+    def _save_model(self, local_path: str, global_step: int, state_dict: dict[str, Any]) -> None:
         # unless_committed: the monitor decides again when it admits the write, so a
         # commit that lands after the check above still leaves the committed files alone.
         self.coordinator.save_state_dict_async(
@@ -431,7 +477,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         model = unwrap(self.model)
         config = model.config
         model_cls = hf_model_class(config, model)  # fails here, not in the background
-        hf_dir = os.path.join(local_path, "huggingface")
+        hf_dir = os.path.join(local_path, HF_SUBDIR)
         processing_class = self.processing_class or find_processing_class(self)
         trust_remote_code = getattr(self, "trust_remote_code", False)
         generation_config = pretrained_generation_config(model)
@@ -454,14 +500,44 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 pass
             else:
                 drop_tied_target_keys(state_dict, empty, config)
-            empty.save_pretrained(hf_dir, state_dict=state_dict)
-            if processing_class is not None:
-                processing_class.save_pretrained(hf_dir)
+            # Written aside, then each file renamed into place: a crash never leaves a torn
+            # file in huggingface/, and a file the step's manifest lists (committed with
+            # the step's state dict by an earlier run) is kept as committed.
+            # Named as a temp file: a commit meanwhile does not list what is in it.
+            scratch = disk.scratch_dir(hf_dir)
+            try:
+                empty.save_pretrained(scratch, state_dict=state_dict)
+                if processing_class is not None:
+                    processing_class.save_pretrained(scratch)
+                move_durably(scratch, hf_dir, keep=_committed_files(hf_dir))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
 
         # Fsynced and checksummed by this process (the monitor may run on another node).
         self.coordinator.save_async(
             "hf_model", save, global_step, paths=[hf_dir], unless_committed=True
         )
+
+
+def _committed_files(directory: str) -> set[str]:
+    """Paths, relative to ``directory``, of the files under it that its step's manifest lists.
+
+    ``directory`` lies inside a ``global_step_<N>`` directory; empty when it
+    does not, or the step has no manifest (nothing of it is committed).
+    """
+    directory = os.path.abspath(directory)
+    sdir = os.path.dirname(directory)
+    while disk.step_of_dir_name(os.path.basename(sdir)) is None:
+        parent = os.path.dirname(sdir)
+        if parent == sdir:
+            return set()
+        sdir = parent
+    try:
+        records = disk.read_manifest(sdir)
+    except FileNotFoundError:
+        return set()
+    prefix = os.path.relpath(directory, sdir) + os.sep
+    return {r.path[len(prefix) :] for r in records if r.path.startswith(prefix)}
 
 
 def hf_model_class(config: Any, model: Any = None) -> Any:

@@ -27,9 +27,8 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -156,7 +155,8 @@ def save_hf_metadata(
     model = unwrap(module)
     config = getattr(model, "config", None)
     has_config = config is not None and hasattr(config, "save_pretrained")
-    scratch = tempfile.mkdtemp(prefix=".obsckpt-metadata-", dir=local_path)
+    # Named as a temp file: a commit of the step meanwhile does not list what is in it.
+    scratch = disk.scratch_dir(os.path.join(local_path, "metadata"))
     try:
         if has_config:
             _write_hf_dir(model, config, os.path.join(scratch, HF_SUBDIR), processing_class)
@@ -166,7 +166,7 @@ def save_hf_metadata(
         if lora is not None:
             with open(os.path.join(scratch, LORA_META_FILE), "w", encoding="utf-8") as f:
                 json.dump(lora, f, indent=4)
-        _move_durably(scratch, local_path)
+        move_durably(scratch, local_path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return os.path.join(local_path, HF_SUBDIR) if has_config else None
@@ -191,13 +191,20 @@ def _write_hf_dir(model: Any, config: Any, hf_dir: str, processing_class: Any) -
         custom_object_save(base, hf_dir, config=config)
 
 
-def _move_durably(scratch: str, dest: str) -> None:
-    """Fsync every file under ``scratch``, rename it to the same place under ``dest``."""
+def move_durably(scratch: str, dest: str, *, keep: Collection[str] = ()) -> None:
+    """Fsync every file under ``scratch``, rename it to the same place under ``dest``.
+
+    A file whose path relative to ``dest`` is in ``keep`` is left as it is in
+    ``dest`` (a committed file) and not moved.
+    """
     touched = set()
     for dirpath, _dirnames, filenames in os.walk(scratch):
-        target_dir = os.path.join(dest, os.path.relpath(dirpath, scratch))
+        rel_dir = os.path.relpath(dirpath, scratch)
+        target_dir = os.path.join(dest, rel_dir)
         os.makedirs(target_dir, exist_ok=True)
         for name in filenames:
+            if os.path.normpath(os.path.join(rel_dir, name)) in keep:
+                continue
             disk.fsync_file(os.path.join(dirpath, name))
             os.replace(os.path.join(dirpath, name), os.path.join(target_dir, name))
             touched.add(target_dir)

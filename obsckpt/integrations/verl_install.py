@@ -21,7 +21,9 @@ Two trainers are covered: verl 0.9's default, the V1 ``PPOTrainer``
   ``trainer.default_local_dir``), so every worker's manager finds it;
   ``_save_checkpoint`` runs verl's own code with its write of the iteration
   file diverted (the monitor writes it, atomically, when every rank's files
-  are durable), fsyncs what the trainer wrote itself (``data.pt``, the V1
+  are durable) and its ``torch.save`` of ``data.pt`` (the dataloader state)
+  written atomically, and not at all into a step whose checkpoint is
+  committed; it fsyncs what the trainer wrote itself (``data.pt``, the V1
   asynchronous modes' ``transfer_queue/``) and submits the step; a V1
   ``checkpoint_callback`` hears of the save only once it is committed; ``fit``
   waits, before returning, until the last submitted step is committed (verl
@@ -55,6 +57,7 @@ from obsckpt import commit as disk
 logger = logging.getLogger(__name__)
 
 HOOK = "obsckpt.integrations.verl_install.worker_setup"
+DATA_FILE = "data.pt"  # verl's dataloader state, in global_step_<N>/
 COMMIT_TIMEOUT_ENV = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
@@ -103,6 +106,9 @@ _ray_init_wrapped = False
 _diverted: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "obsckpt_verl_diverted", default=None
 )
+# The trainer whose _save_checkpoint runs: its torch.save of data.pt goes through
+# _save_data_file.
+_saving: contextvars.ContextVar[Any] = contextvars.ContextVar("obsckpt_verl_saving", default=None)
 
 
 # ----------------------------------------------------------------------
@@ -294,6 +300,7 @@ def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
     only at commit, and ``fit`` returns only once the last step is committed.
     """
     cls = getattr(module, class_name)
+    _wrap_torch_save()
     _wrap_trainer_class(cls, setup_name)
     pending = list(cls.__subclasses__())
     while pending:
@@ -329,6 +336,88 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
         wrapper = make(orig)
         wrapper.obsckpt = True
         setattr(cls, name, wrapper)
+
+
+def _wrap_torch_save() -> None:
+    """Route the trainer's ``torch.save`` of ``data.pt`` through :func:`_save_data_file`.
+
+    verl's trainers write ``data.pt`` with ``torch.save(state, path)``, which
+    writes in place: a job resumed from an older step would rewrite a committed
+    step's file (it would no longer match the step's manifest), and a crash
+    would leave it torn. Every other call, and every call outside a trainer's
+    ``_save_checkpoint``, is ``torch.save`` itself.
+    """
+    import torch
+
+    original = torch.save
+    if getattr(original, "obsckpt", False):
+        return
+
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = _saving.get()
+        if trainer is not None and _is_data_file(trainer, f):
+            return _save_data_file(trainer, obj, os.fspath(f), original, *args, **kwargs)
+        return original(obj, f, *args, **kwargs)
+
+    save.obsckpt = True  # type: ignore[attr-defined]
+    torch.save = save
+
+
+def _is_data_file(trainer: Any, f: Any) -> bool:
+    """Whether ``f`` is ``<trainer.default_local_dir>/global_step_<N>/data.pt``."""
+    if not isinstance(f, str | os.PathLike):
+        return False
+    path = os.path.abspath(os.fspath(f))
+    step_dir = os.path.dirname(path)
+    return (
+        os.path.basename(path) == DATA_FILE
+        and disk.step_of_dir_name(os.path.basename(step_dir)) is not None
+        and os.path.dirname(step_dir) == checkpoint_root(trainer)
+    )
+
+
+def _save_data_file(
+    trainer: Any, obj: Any, path: str, save: Any, *args: Any, **kwargs: Any
+) -> None:
+    """Write the trainer's ``data.pt`` atomically, unless its step already holds a committed one.
+
+    A step whose checkpoint the monitor has committed (or a later one) keeps
+    its files, as the workers' managers keep theirs: a job resumed from an
+    older step retrains it. So does a step whose manifest lists ``data.pt``
+    (committed with the step's state dict).
+    """
+    import ray
+
+    step_dir = os.path.dirname(path)
+    step = disk.step_of_dir_name(os.path.basename(step_dir))
+    latest = ray.get(monitor_for(trainer).latest_steps.remote()).get("checkpoint")
+    if (latest is not None and step is not None and step <= latest) or _listed(step_dir):
+        logger.info(
+            "obsckpt: %s not written again: step %s is committed (latest committed "
+            "checkpoint: %s) and a rewrite would change a file its manifest vouches for",
+            path,
+            step,
+            latest,
+        )
+        return
+    buffer = io.BytesIO()
+    save(obj, buffer, *args, **kwargs)
+    disk.atomic_write(path, buffer.getvalue())
+
+
+def _listed(step_dir: str) -> bool:
+    """Whether the step's manifest lists ``data.pt``."""
+    try:
+        return any(r.path == DATA_FILE for r in disk.read_manifest(step_dir))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"{os.path.join(step_dir, disk.MANIFEST_NAME)} cannot be read ({exc}), so whether "
+            f"the step's {DATA_FILE} is committed is unknown; check the step with "
+            "`obsckpt verify`, and move the step directory aside if it is damaged"
+        ) from exc
 
 
 def _setup_wrapper(orig: Any) -> Any:
@@ -419,9 +508,11 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     if callback is not None:
         trainer.checkpoint_callback = _DeferredCallback(deferred)
     token = _diverted.set(writes)
+    saving = _saving.set(trainer)
     try:
         result = save()
     finally:
+        _saving.reset(saving)
         _diverted.reset(token)
         if callback is not None:
             trainer.checkpoint_callback = callback

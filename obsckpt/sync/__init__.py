@@ -12,12 +12,19 @@ from obsckpt.sync.ipc import (
     IpcWeightReceiver,
     IpcWeightSender,
 )
-from obsckpt.sync.shards import StateDictLoadError, load_sharded_state_dict, merge_shards
+from obsckpt.sync.shards import (
+    AdapterOnlyError,
+    MegatronLayoutError,
+    StateDictLoadError,
+    load_sharded_state_dict,
+    merge_shards,
+)
 from obsckpt.sync.synchronizer import Synchronizer
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "AdapterOnlyError",
     "BroadcastError",
     "BroadcastResult",
     "BroadcastTimeoutError",
@@ -25,6 +32,7 @@ __all__ = [
     "IpcPayload",
     "IpcWeightReceiver",
     "IpcWeightSender",
+    "MegatronLayoutError",
     "RankDevice",
     "StateDictLoadError",
     "Synchronizer",

@@ -2,7 +2,11 @@
 
 A state-dict save writes one file per rank,
 ``global_step_<N>/actor/model_world_size_<W>_rank_<R>.pt``; the step's
-manifest holds each file's size and CRC32, checked as it is read.
+manifest holds each file's size and CRC32, checked as it is read. Two kinds
+of step are refused by name rather than published as a model: one whose
+files hold only LoRA adapter weights (verl's ``checkpoint.save_lora_only``),
+and one written by Megatron, whose distributed-checkpoint layout this reader
+does not read.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import io
 import os
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,52 @@ _SHARD_RE = re.compile(r"^model_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
 _NAMED_RANKS = 8
+# What verl's Megatron checkpoint manager writes in a role's directory: its
+# distributed checkpoint (``dist_ckpt/`` in verl 0.7, ``model/dist_ckpt/`` in
+# verl 0.9) and, on rank 0, the model's transformer config and (verl 0.9) a
+# list of the contents saved.
+_MEGATRON_MARKERS = (
+    "dist_ckpt",
+    os.path.join("model", "dist_ckpt"),
+    "transformer_config.json",
+    "ckpt_contents.json",
+)
+_MEGATRON_FILE_SUFFIX = ".distcp"  # a torch_dist shard of Megatron's distributed checkpoint
 
 
 class StateDictLoadError(ValueError):
     """A committed step's model shards cannot be read or merged."""
+
+
+class MegatronLayoutError(StateDictLoadError):
+    """A step's model directory holds Megatron's distributed checkpoint, not FSDP shards."""
+
+
+class AdapterOnlyError(StateDictLoadError):
+    """A step's model shards hold only LoRA adapter weights, not a whole model."""
+
+
+def is_adapter_key(name: object) -> bool:
+    """Whether ``name`` is a LoRA/adapter weight, by verl's test (``is_lora_only_state_dict``)."""
+    return isinstance(name, str) and ("lora_" in name or ".adapter_" in name)
+
+
+def is_adapter_only(names: Iterable[object]) -> bool:
+    """Whether ``names`` (a state dict's keys) are all LoRA/adapter weights; False when empty."""
+    seen = False
+    for name in names:
+        if not is_adapter_key(name):
+            return False
+        seen = True
+    return seen
+
+
+def _megatron_marker(model_dir: Path, names: list[str]) -> str | None:
+    """What in ``model_dir`` shows that Megatron wrote it, else None."""
+    for marker in _MEGATRON_MARKERS:
+        if os.path.exists(model_dir / marker):
+            return marker
+    return next((n for n in sorted(names) if n.endswith(_MEGATRON_FILE_SUFFIX)), None)
 
 
 def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
@@ -58,6 +104,17 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
         if m:
             found.setdefault(int(m.group(1)), {})[int(m.group(2))] = model_dir / name
     if not found:
+        marker = _megatron_marker(model_dir, names)
+        if marker is not None:
+            raise MegatronLayoutError(
+                f"{model_dir} holds a Megatron checkpoint ({marker}), not FSDP model shards "
+                "(model_world_size_<W>_rank_<R>.pt): checkpoint sync cannot read Megatron's "
+                "distributed-checkpoint layout. Sync a Megatron trainer's weights from memory "
+                "(megatron_upload_state_dict, or upload_state_dict, which call "
+                "Synchronizer.set_model_state_dict) or by broadcast (megatron_sync_weight_nccl), "
+                "and create the Synchronizer without default_local_dir so that it does not "
+                "watch the checkpoints"
+            )
         raise StateDictLoadError(f"{model_dir} holds no model_world_size_<W>_rank_<R>.pt files")
     if len(found) > 1:
         raise StateDictLoadError(
@@ -196,6 +253,17 @@ def load_sharded_state_dict(
         obj = _torch_load(data, path)
         if not isinstance(obj, Mapping):
             raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
+        if rank == 0 and is_adapter_only(obj):
+            # verl's checkpoint.save_lora_only: the base weights are not in the step, so
+            # publishing these would hand the rollout side a model without them.
+            raise AdapterOnlyError(
+                f"{path} holds only LoRA adapter weights ({len(obj)} tensors, e.g. "
+                f"{next(iter(obj))!r}): the step was saved with checkpoint.save_lora_only="
+                "True and is not a whole model, so it is not published. For checkpoint sync "
+                "keep whole-model files (save_state_dict / fsdp_save_state_dict always write "
+                "them; or set checkpoint.save_lora_only=false), or sync a LoRA run's weights "
+                "from memory (upload_state_dict) or by broadcast"
+            )
         shards[rank] = obj
     return merge_shards(shards)
 

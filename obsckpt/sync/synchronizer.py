@@ -36,6 +36,7 @@ from obsckpt import commit as disk
 from obsckpt.errors import IterationFileError
 from obsckpt.sync.shards import (
     MODEL_SUBDIR,
+    MegatronLayoutError,
     StateDictLoadError,
     load_sharded_state_dict,
     shard_files,
@@ -544,6 +545,8 @@ def _superseded_and_removed(root: Path, step: int) -> int | None:
         return None
     try:
         shard_files(disk.step_dir(root, step) / MODEL_SUBDIR)
+    except MegatronLayoutError:
+        return None  # whole, and never readable here: its own error says what to do
     except StateDictLoadError:
         return newer  # the directory, or some of its shards, already deleted
     return None
