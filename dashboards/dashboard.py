@@ -329,6 +329,22 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                         "{{slot}}",
                     )
                 ],
+                width=6,
+            ),
+            PanelSpec(
+                "Saves past the slot limit",
+                'Saves recorded under slot="_other": their slot was not among the first '
+                "max_slot_labels slots of its monitor (slot names that carry a step or a "
+                "time do this). The monitor's log names the first such slot.",
+                "none",
+                [
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_slot_label_overflows_total')}[{RATE}]))",
+                        "{{instance}}",
+                    )
+                ],
+                width=6,
             ),
         ],
     ),

@@ -13,9 +13,11 @@ import asyncio
 import enum
 import errno
 import logging
+import operator
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -25,7 +27,19 @@ from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import PartsMismatchError
 from obsckpt.telemetry import tracing
-from obsckpt.telemetry.metrics import RESULTS, Metrics
+from obsckpt.telemetry.metrics import (
+    DEFAULT_MAX_SLOT_LABELS,
+    OVERFLOW_SLOT,
+    RESULTS,
+    Metrics,
+    RankSeries,
+    SlotLabels,
+    check_bytes,
+    check_role,
+    check_seconds,
+    check_sync_labels,
+    validate_max_slot_labels,
+)
 from obsckpt.telemetry.server import (
     read_file_sd_targets,
     serve_metrics,
@@ -102,6 +116,22 @@ def _label(value: object, default: str = "unknown") -> str:
     return default if value is None else str(value)
 
 
+def _checked_rank(rank: object) -> int | None:
+    """``rank`` as an int (None stays None): its label must be one of a bounded set."""
+    if rank is None:
+        return None
+    try:
+        value = operator.index(rank) if not isinstance(rank, bool) else -1
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"rank must be a non-negative integer (the reporting process's rank) or None, "
+            f"got {rank!r}"
+        )
+    return value
+
+
 def _storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
     """What to do about a commit that failed on the storage, by its cause."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -139,6 +169,9 @@ class CheckpointMonitor:
         lease_timeout_s: a save whose coordinator sends no heartbeat for this long
             (its process died) is failed and its admission released; None never
             expires a save.
+        max_slot_labels: distinct slot names kept as the ``slot`` label of the
+            metrics; saves of later new slots are recorded as ``slot="_other"``
+            (logged once, counted in ``obsckpt_slot_label_overflows_total``).
     """
 
     def __init__(
@@ -154,7 +187,9 @@ class CheckpointMonitor:
         trace_exporter: str | None = None,
         registry: CollectorRegistry | None = None,
         lease_timeout_s: float | None = 120.0,
+        max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
     ) -> None:
+        validate_max_slot_labels(max_slot_labels)
         if lease_timeout_s is not None and not disk.positive_seconds(lease_timeout_s):
             raise ValueError(
                 f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
@@ -171,6 +206,13 @@ class CheckpointMonitor:
         self.namespace = namespace
         latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
         self.metrics = Metrics(registry)
+        # Bounds on the label values callers send: slot names, and ranks that are gone.
+        self._slot_labels = SlotLabels(max_slot_labels, self.metrics.slot_label_overflows)
+        self._rank_series = RankSeries(
+            self.metrics.rank_last_save_duration,
+            self.metrics.staging_bytes,
+            self.metrics.staging_pinned_bytes,
+        )
         # Every step that fails, on whatever path, is counted here once.
         self.tracker = CommitTracker(
             latest, on_fail=lambda _step, kind: self.metrics.step_failures.labels(kind).inc()
@@ -193,7 +235,11 @@ class CheckpointMonitor:
         self._last_commit_detail: dict[str, dict[str, Any]] = {}
         self._setup_tracing(trace_exporter)
         self._gauges_shown: tuple[Any, ...] | None = None  # what _refresh_gauges last set
-        self._save_series: set[tuple[str, str | None]] = set()  # (slot, kind) with both series
+        # (slot label, kind) with both results' series.
+        self._save_series: set[tuple[str, str | None]] = set()
+        # Rank -> pid of the process that last reported as it: the one whose death
+        # makes the rank's series stale (a replacement may already have taken over).
+        self._rank_pids: dict[int, int | None] = {}
         for kind, step in latest.items():
             if step is not None:
                 self.metrics.latest_step.labels(kind).set(step)
@@ -278,6 +324,7 @@ class CheckpointMonitor:
         trace_exporter: str | None = None,
         max_restarts: int = -1,
         lease_timeout_s: float | None = 120.0,
+        max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
     ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -310,6 +357,7 @@ class CheckpointMonitor:
                 ) from None
         strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
+        validate_max_slot_labels(max_slot_labels)
         _refuse_hdfs(default_hdfs_dir)
         # As the caller sees it: a relative root would otherwise be resolved against the
         # actor's working directory, which on another node is not the caller's.
@@ -336,6 +384,7 @@ class CheckpointMonitor:
             namespace=namespace,
             trace_exporter=trace_exporter,
             lease_timeout_s=lease_timeout_s,
+            max_slot_labels=max_slot_labels,
         )
         # get_if_exists hands back a monitor already running under the name, whatever
         # its root: this job's steps would then be committed (or never) under another
@@ -418,7 +467,9 @@ class CheckpointMonitor:
         ``part`` and ``parts`` (with ``step``) make this save part ``part`` of a
         save of ``slot`` made of ``parts`` parts, e.g. one per rank: each part
         is admitted, leased and reported on its own, and the step counts the
-        save as finished once every part has finished ok.
+        save as finished once every part has finished ok. A part that is its
+        rank's (``part == rank``) also tells the slot's world size: the metric
+        series of the slot's ranks at or above ``parts`` are removed.
 
         With ``unless_closed=True`` a save of a step already closed for its kind
         (committed, being committed, or below the committed step) is not
@@ -433,6 +484,7 @@ class CheckpointMonitor:
         if kind is not None and kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         validate_parts(part, parts)
+        rank = _checked_rank(rank)
         if parts is not None and step is None:
             raise ValueError(
                 f"part={part!r}, parts={parts!r} given without step: a save made of parts "
@@ -489,12 +541,21 @@ class CheckpointMonitor:
             parts=parts,
             lease=bool(lease) and self.lease_timeout_s is not None,
         )
-        if slot is not None and (slot, kind) not in self._save_series:
+        slot_label = self._slot_labels.label(slot)
+        if parts is not None and part == rank and slot_label != OVERFLOW_SLOT:
+            # One part per rank: the world of this slot has ``parts`` ranks now.
+            self._remove_rank_series(
+                lambda r, s: s == slot_label and r.isdigit() and int(r) >= parts,
+                f"a save of slot {slot!r} is now made of {parts} parts, one per rank",
+            )
+        if rank is not None and pid is not None:
+            self._rank_pids[rank] = pid
+        if slot is not None and (slot_label, kind) not in self._save_series:
             # Both results' series exist from the slot's first save, so a first
             # failure is an increase from 0 that rate() and increase() can see.
             for result in RESULTS:
-                self.metrics.saves.labels(_label(slot), kind or "checkpoint", result)
-            self._save_series.add((slot, kind))
+                self.metrics.saves.labels(slot_label, kind or "checkpoint", result)
+            self._save_series.add((slot_label, kind))
         await self._wait_admission(ticket, job_id)
         ticket.admitted = ticket.last_seen = self._now()
         self.metrics.saves_in_flight.labels(_label(kind, "checkpoint")).inc()
@@ -583,7 +644,14 @@ class CheckpointMonitor:
             return  # it ended while the check ran
         logger.error("obsckpt: %s", msg)
         kind = info.kind or "checkpoint"
-        self.metrics.saves.labels(_label(info.slot), kind, "error").inc()
+        self.metrics.saves.labels(self._slot_labels.label(info.slot), kind, "error").inc()
+        if info.rank is not None and self._rank_pids.get(info.rank, info.pid) == info.pid:
+            # Its process is gone, and no other has reported as this rank since.
+            self._rank_pids.pop(info.rank, None)
+            rank = str(info.rank)
+            self._remove_rank_series(
+                lambda r, _s: r == rank, f"rank {info.rank}'s process is gone ({why})"
+            )
         if info.step is not None:
             self._fail_ticket(info, msg, started=False)
         await self._after_change()
@@ -632,6 +700,12 @@ class CheckpointMonitor:
         """
         validate_step(step)
         validate_parts(part, parts)
+        rank = _checked_rank(rank)
+        # Checked before anything changes: a measurement that failed halfway would
+        # leave the save released but never counted, and its step pending for ever.
+        check_seconds("duration_s", duration_s)
+        check_seconds("join_wait_s", join_wait_s)
+        check_bytes("nbytes", nbytes)
         kind = disk.kind_of(is_state_dict)
         if not admitted and ok:
             raise ValueError(
@@ -727,14 +801,14 @@ class CheckpointMonitor:
         info: Ticket | None,
     ) -> None:
         m = self.metrics
-        slot_label = _label(slot)
+        slot_label = self._slot_labels.label(slot, count=True)
         m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
         if duration_s is None and info is not None and info.admitted is not None:
             duration_s = self._now() - info.admitted
         if duration_s is not None:
             m.save_duration.labels(slot_label, kind).observe(duration_s)
             if rank is not None:
-                m.rank_last_save_duration.labels(str(rank), slot_label).set(duration_s)
+                self._rank_series.set(m.rank_last_save_duration, str(rank), slot_label, duration_s)
         if ok and nbytes:
             m.save_bytes.labels(slot_label, kind).inc(nbytes)
         if join_wait_s is not None:
@@ -851,6 +925,16 @@ class CheckpointMonitor:
                 steps["state_dict"] = step
         disk.finalize_step(sdir, files, iterations=steps, timings=phases)
 
+    def _remove_rank_series(self, gone: Callable[[str, str], bool], why: str) -> None:
+        """Remove the per-rank series of ranks that are gone (``gone(rank, slot)``)."""
+        removed = self._rank_series.remove(gone)
+        if removed:
+            logger.info(
+                "obsckpt: removed the per-rank metric series of %s: %s",
+                ", ".join(f"rank {r} slot {s!r}" for r, s in removed),
+                why,
+            )
+
     def _refresh_gauges(self) -> None:
         """Set the pending/abandoned gauges, if they changed (called after every RPC)."""
         shown = (
@@ -872,10 +956,14 @@ class CheckpointMonitor:
     async def record_broadcast(
         self, backend: str, seconds: float, nbytes: int, method: str = "broadcast"
     ) -> None:
+        check_sync_labels(backend, method)
+        check_seconds("seconds", seconds)
+        check_bytes("nbytes", nbytes)
         self.metrics.broadcast_duration.labels(backend, method).observe(seconds)
         self.metrics.broadcast_bytes.labels(backend, method).inc(nbytes)
 
     async def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
+        check_sync_labels(backend, method, reason)
         self.metrics.broadcast_failures.labels(backend, method, reason).inc()
 
     async def record_staging(
@@ -886,18 +974,32 @@ class CheckpointMonitor:
         nbytes: int,
         pinned_bytes: int,
         cold: bool = False,
+        pid: int | None = None,
     ) -> None:
-        """A worker's staging for ``slot`` changed (allocated, resized or released)."""
-        rank_label, slot_label = _label(rank), _label(slot)
-        self.metrics.staging_bytes.labels(rank_label, slot_label).set(nbytes)
-        self.metrics.staging_pinned_bytes.labels(rank_label, slot_label).set(pinned_bytes)
+        """A worker's staging for ``slot`` changed (allocated, resized or released).
+
+        ``pid``, the worker's process id, is the process whose death (a lease that
+        expires, a node that dies) removes ``rank``'s series, as the pid passed to
+        :meth:`notify_started` is.
+        """
+        rank = _checked_rank(rank)
+        check_bytes("nbytes", nbytes)
+        check_bytes("pinned_bytes", pinned_bytes)
+        if rank is not None and pid is not None:
+            self._rank_pids[rank] = pid
+        m = self.metrics
+        rank_label, slot_label = _label(rank), self._slot_labels.label(slot, count=True)
+        self._rank_series.set(m.staging_bytes, rank_label, slot_label, nbytes)
+        self._rank_series.set(m.staging_pinned_bytes, rank_label, slot_label, pinned_bytes)
         if cold:
-            self.metrics.staging_cold_saves.labels(slot_label).inc()
+            m.staging_cold_saves.labels(slot_label).inc()
 
     async def record_upload(self, seconds: float) -> None:
+        check_seconds("seconds", seconds)
         self.metrics.upload_duration.observe(seconds)
 
     async def record_model_version(self, role: str, version: int) -> None:
+        check_role(role)
         self.metrics.model_version.labels(role).set(version)
 
     # ------------------------------------------------------------------

@@ -172,6 +172,7 @@ class MonitorLink:
                 nbytes=staging.bytes_allocated,
                 pinned_bytes=staging.pinned_bytes,
                 cold=cold,
+                pid=os.getpid(),
             )
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
             logger.warning("obsckpt: reporting staging bytes of slot %r failed: %s", slot, exc)

@@ -25,7 +25,12 @@ DESIGN_METRICS = {
     "obsckpt_broadcast_bytes_total": ("counter", ("backend", "method")),
     "obsckpt_state_dict_upload_duration_seconds": ("histogram", ()),
     "obsckpt_model_version": ("gauge", ("role",)),
+    "obsckpt_slot_label_overflows_total": ("counter", ()),
 }
+# Labels whose values are fixed in metrics.py, and the two that callers fill in,
+# which the monitor bounds (slot: max_slot_labels; rank: the world size).
+BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "role"}
+CALLER_LABELS = {"slot", "rank"}
 
 
 def test_docs_page_is_current():
@@ -43,6 +48,12 @@ def test_histograms_carry_no_rank_or_step_label():
     for m in METRICS:
         if m.type == "histogram":
             assert "rank" not in m.labels and "step" not in m.labels, m.name
+
+
+def test_every_label_is_bounded():
+    for m in METRICS:
+        unbounded = set(m.labels) - BOUNDED_LABELS - CALLER_LABELS
+        assert not unbounded, f"{m.name}: label(s) {unbounded} have no bound"
 
 
 def test_every_contract_span_is_defined():

@@ -7,9 +7,16 @@ reference page ``docs/metrics.md`` from the definitions below (``make metrics-do
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+logger = logging.getLogger(__name__)
 
 # The *_created series double every counter and histogram and no dashboard uses them.
 disable_created_metrics()
@@ -23,7 +30,14 @@ FAILURE_REASONS = ("timeout", "error")
 ROLES = ("trainer", "rollout")
 STRATEGIES = ("single_thread", "single_process", "single_node", "unrestricted")
 
-# Milliseconds to half an hour: snapshot copies take ms, multi-GB shard writes minutes.
+# Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
+DEFAULT_MAX_SLOT_LABELS = 32
+# Not a valid slot name (those start with a letter or digit), so it never collides with one.
+OVERFLOW_SLOT = "_other"
+
+# Milliseconds to two hours: snapshot copies take ms; a shard of a 70B model's
+# checkpoint on network storage takes minutes, and a save admitted one node at a
+# time, or the commit lag of a whole step, waits for many of those.
 DURATION_BUCKETS = (
     0.001,
     0.0025,
@@ -45,6 +59,8 @@ DURATION_BUCKETS = (
     600.0,
     1200.0,
     1800.0,
+    3600.0,
+    7200.0,
 )
 
 
@@ -178,7 +194,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "obsckpt_rank_last_save_duration_seconds",
         "gauge",
         ("rank", "slot"),
-        "Duration of each rank's last save per slot (find the slowest ranks).",
+        "Duration of each rank's last save per slot (find the slowest ranks). A rank's "
+        "series go when its process is known gone (a save's lease expired or its node "
+        "died, and no other process reported as that rank since) and, for one slot, when "
+        "a save of it made of one part per rank names a smaller world (parts).",
         "rank_last_save_duration",
     ),
     MetricSpec(
@@ -186,7 +205,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         ("rank", "slot"),
         "Host memory held by a slot's staging buffers in each worker process "
-        "(one arena per slot and rank; 0 after close), sent by the workers when it changes.",
+        "(one arena per slot and rank; 0 after close), sent by the workers when it changes. "
+        "A rank's series go as obsckpt_rank_last_save_duration_seconds's do.",
         "staging_bytes",
     ),
     MetricSpec(
@@ -203,6 +223,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "Saves that allocated their slot's staging on the caller's path (no prepare() "
         "for these shapes): their stall includes the allocation and page faults.",
         "staging_cold_saves",
+    ),
+    MetricSpec(
+        "obsckpt_slot_label_overflows_total",
+        "counter",
+        (),
+        f'Finished saves and staging reports recorded under slot="{OVERFLOW_SLOT}": their '
+        "slot was not among the first max_slot_labels distinct slots the monitor saw (slot "
+        "names that carry a step or a time do this). The first such slot is logged by name.",
+        "slot_label_overflows",
     ),
     MetricSpec(
         "obsckpt_broadcast_duration_seconds",
@@ -294,6 +323,162 @@ _KNOWN_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+def validate_max_slot_labels(value: object) -> int:
+    """``value`` if it is a positive int, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            "max_slot_labels must be a positive int (the distinct slot names kept as "
+            f'metric labels; later new slots are recorded as slot="{OVERFLOW_SLOT}"), '
+            f"got {value!r}"
+        )
+    return value
+
+
+def check_sync_labels(backend: object, method: object, reason: object = None) -> None:
+    """Refuse weight-sync label values outside the known ones: each would be a new series.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``method``'s, or ``reason`` is not known.
+    """
+    if method not in SYNC_METHODS or backend not in SYNC_METHODS[method]:
+        known = "; ".join(
+            f"{m!r} with {', '.join(map(repr, bs))}" for m, bs in SYNC_METHODS.items()
+        )
+        raise ValueError(
+            f"weight-sync method {method!r} with backend {backend!r} is not one obsckpt "
+            f"records; pass one of: {known}"
+        )
+    if reason is not None and reason not in FAILURE_REASONS:
+        raise ValueError(
+            f"weight-sync failure reason {reason!r} is not one of {FAILURE_REASONS}; pass "
+            "'timeout' for a sync that stalled past its timeout, else 'error'"
+        )
+
+
+def check_seconds(name: str, value: object) -> None:
+    """Refuse a duration that is not finite, non-negative seconds (None passes).
+
+    A negative one would make a histogram's ``_sum`` go backwards (read as a
+    reset by rate()), a NaN would make it NaN for the rest of the monitor's life.
+    """
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{name} must be finite, non-negative seconds or None, got {value!r}; "
+            "pass the measured duration (e.g. from time.monotonic()) or None"
+        )
+
+
+def check_bytes(name: str, value: object) -> None:
+    """Refuse a byte count that is not a non-negative integer (None passes)."""
+    if value is None:
+        return
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ValueError(
+            f"{name} must be a non-negative integer number of bytes or None, got {value!r}"
+        )
+
+
+def check_role(role: object) -> None:
+    """Refuse a ``role`` label value other than ``trainer`` or ``rollout``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+class SlotLabels:
+    """The ``slot`` label value of each slot name, bounded.
+
+    A slot keeps its own name while it is among the first ``max_labels``
+    distinct slots; any later new one is recorded as ``"_other"``, so a slot
+    name that carries the step adds no series per step. The first slot folded
+    so is logged by name, with what to do.
+
+    Args:
+        max_labels: distinct slot names kept (``max_slot_labels``).
+        overflows: the counter of folded reports (``obsckpt_slot_label_overflows_total``).
+    """
+
+    def __init__(self, max_labels: int, overflows: Counter) -> None:
+        self.max_labels = validate_max_slot_labels(max_labels)
+        self._overflows = overflows
+        self._kept: set[str] = set()
+        self._logged = False
+
+    def label(self, slot: str | None, *, count: bool = False) -> str:
+        """The label value for ``slot`` (None: a caller that names none, ``"unknown"``).
+
+        Args:
+            count: count a fold in ``obsckpt_slot_label_overflows_total`` (once per
+                finished save or staging report, not per lookup).
+        """
+        if slot is None:
+            return "unknown"
+        name = str(slot)
+        if name in self._kept:
+            return name
+        if len(self._kept) < self.max_labels:
+            self._kept.add(name)
+            return name
+        if not self._logged:
+            self._logged = True
+            logger.warning(
+                "obsckpt: slot %r is a new slot past the %d distinct slots this monitor keeps "
+                "as metric labels (max_slot_labels); its measurements, and those of every later "
+                'new slot, are recorded under slot="%s" and counted in '
+                "obsckpt_slot_label_overflows_total. Name slots by what they hold "
+                '("model", "optimizer"), not with a step or a time in them; a job that '
+                "really has more slots can raise max_slot_labels in "
+                "CheckpointMonitor.get_actor",
+                name,
+                self.max_labels,
+                OVERFLOW_SLOT,
+            )
+        if count:
+            self._overflows.inc()
+        return OVERFLOW_SLOT
+
+
+class RankSeries:
+    """The (rank, slot) series of the per-rank gauges, so those of ranks that are gone
+    can be removed.
+
+    Only gauges are removed: a counter that vanished and came back would read
+    as a reset.
+
+    Args:
+        gauges: the gauges labelled (rank, slot).
+    """
+
+    def __init__(self, *gauges: Gauge) -> None:
+        self._gauges = gauges
+        self._pairs: set[tuple[str, str]] = set()
+
+    def set(self, gauge: Gauge, rank: str, slot: str, value: float) -> None:
+        """Set ``gauge``'s series of ``rank`` and ``slot`` to ``value``."""
+        gauge.labels(rank, slot).set(value)
+        self._pairs.add((rank, slot))
+
+    def remove(self, gone: Callable[[str, str], bool]) -> list[tuple[str, str]]:
+        """Remove every series whose (rank, slot) ``gone`` holds for; returns those pairs."""
+        removed = sorted(pair for pair in self._pairs if gone(*pair))
+        for pair in removed:
+            for gauge in self._gauges:
+                with contextlib.suppress(KeyError):  # a gauge this pair never set
+                    gauge.remove(*pair)
+            self._pairs.discard(pair)
+        return removed
+
+
 class Metrics:
     """The metric objects of one registry; the monitor owns one of these.
 
@@ -348,6 +533,7 @@ class Metrics:
     staging_bytes: Gauge
     staging_pinned_bytes: Gauge
     staging_cold_saves: Counter
+    slot_label_overflows: Counter
     broadcast_duration: Histogram
     broadcast_bytes: Counter
     broadcast_failures: Counter
@@ -393,6 +579,11 @@ def reference_markdown() -> str:
         + ".",
         "Series whose labels take only these values exist at zero from the first scrape;",
         "`slot` and `rank` series appear with the first save that reports them.",
+        "`slot` is the caller's slot name: a monitor keeps the first `max_slot_labels`",
+        f"(default {DEFAULT_MAX_SLOT_LABELS}) distinct ones and records later new slots as "
+        f"`{OVERFLOW_SLOT}`.",
+        "`rank` is a non-negative integer, bounded by the world size; a rank's series are",
+        "removed once it is known gone (see `obsckpt_rank_last_save_duration_seconds`).",
         "",
         "## Spans",
         "",
