@@ -10,7 +10,8 @@ Exit codes: 0 success; 1 a check failed (``verify``), ``status`` reported a
 problem (an iteration file naming a step that is not on disk), or the demo
 failed; 2 bad usage, a directory that is missing, is not a checkpoint root, or
 holds an unreadable iteration file, or (``demo``) the ``demo`` extra is not
-installed; 130 the demo was interrupted (SIGINT).
+installed; 128 + the signal's number when a signal stopped the demo (130
+SIGINT, 143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import logging
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +41,15 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+# The environment variable that tells `obsckpt demo`'s driver process it is one,
+# holding the id of the `obsckpt demo` process that started it (run_demo_detached).
+DEMO_DRIVER_ENV = "OBSCKPT_DEMO_DRIVER"
+# The signals `obsckpt demo` passes on to its driver.
+DEMO_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After SIGTERM or SIGHUP, how long the driver has to stop before it is killed
+# (it takes a few seconds: a step, at most 10 s of saves in flight, the shutdown).
+DEMO_KILL_AFTER_S = 30
 
 
 class CliError(Exception):
@@ -432,6 +444,191 @@ def cmd_demo(args, out: TextIO, err: TextIO) -> int:
     return result.exit_code
 
 
+def run_demo_detached(args, err: TextIO) -> int:
+    """Run `obsckpt demo` in a driver process of its own session; returns its exit code.
+
+    A terminal, ``timeout``, ``kill -- -PGID`` or a CI runner signals the whole
+    process group, and the local Ray cluster a driver starts (GCS, raylet) is in
+    the driver's group: such a signal used to stop the cluster under the driver.
+    Here it reaches this process alone, which passes SIGINT, SIGTERM and SIGHUP on
+    to the driver; the driver then stops the cluster in order. Should the driver
+    not end within DEMO_KILL_AFTER_S of SIGTERM or SIGHUP, its process group is
+    killed (a commit is atomic: that loses saves in flight, never a committed step).
+    """
+    t_start = time.monotonic()
+    first: list[int] = []  # the first stop signal
+    driver: subprocess.Popen | None = None
+
+    def pass_on(signum, _frame) -> None:
+        if not first:
+            first.append(signum)
+            if signum != signal.SIGINT:  # a second Ctrl-C, not a timer, stops a Ctrl-C'd run
+                signal.alarm(DEMO_KILL_AFTER_S)
+        if driver is not None:
+            try:
+                driver.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def overdue(_signum, _frame) -> None:
+        if driver is not None:
+            try:
+                os.killpg(driver.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGALRM, overdue)
+    for sig in DEMO_STOP_SIGNALS:
+        signal.signal(sig, pass_on)
+    code = -first[0] if first else None  # stopped before the driver started: none starts
+    if code is None:
+        driver = subprocess.Popen(
+            # This command again, as it was started (`obsckpt ...`, `python -m obsckpt ...`).
+            [sys.executable, *sys.orig_argv[1:]],
+            env=dict(os.environ, **{DEMO_DRIVER_ENV: str(os.getpid())}),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if first:  # came while it was being started
+            driver.send_signal(first[0])
+        code = driver.wait()
+        signal.alarm(0)
+        _end_session(driver.pid)
+    if code >= 0:
+        return code
+    # The driver wrote no last line: killed before it took the signals, by SIGKILL,
+    # or here when overdue.
+    stopped_by = first[0] if first else -code
+    if first and code == -signal.SIGKILL and stopped_by != signal.SIGKILL:
+        err.write(
+            f"obsckpt demo: the job did not stop within {DEMO_KILL_AFTER_S} s of "
+            f"{_signal_name(stopped_by)}; killed it\n"
+        )
+    how = (
+        "interrupted"
+        if stopped_by == signal.SIGINT
+        else f"terminated by {_signal_name(stopped_by)}"
+    )
+    err.write(
+        f"demo {how}: committed checkpoint {_opt(_committed(args.ckpt_dir))}, "
+        f"{time.monotonic() - t_start:.1f} s\n"
+    )
+    return 128 + stopped_by
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _end_session(sid: int) -> None:
+    """Kill whatever is left in the driver's session once the driver has exited.
+
+    Its Ray processes are in it (the driver leads it; Ray's workers lead process
+    groups of their own in it). The driver shuts them down, but a raylet stopped
+    while it was starting may leave its agents behind, and a driver killed
+    outright leaves workers until they notice their raylet is gone. Returns once
+    they are gone (at most a few seconds).
+    """
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except OSError:
+        pass
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = _session_members(sid)
+        if not left or time.monotonic() > deadline:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (Linux: read from /proc; elsewhere none)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    members = []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] not in ("Z", "X"):
+            members.append(int(name))
+    return members
+
+
+def _committed(ckpt_dir: str) -> int | None:
+    """The step the checkpoint iteration file in ``ckpt_dir`` names (None: none readable)."""
+    try:
+        return disk.read_iteration(Path(ckpt_dir).expanduser(), "checkpoint")
+    except (IterationFileError, OSError):
+        return None
+
+
+def _become_driver(supervisor: str) -> None:
+    """Set up the demo's driver process, started by run_demo_detached.
+
+    Until the demo takes the stop signals (run_demo, after its imports), each
+    ends the process, and the `obsckpt demo` process writes the last line. If
+    that process is killed outright (SIGKILL, out of memory) it cannot pass a
+    signal on: the driver then gets SIGTERM, and shuts its Ray cluster down.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    # Checked after prctl: a parent that dies from here on sends SIGTERM.
+    if str(os.getppid()) != supervisor:
+        raise CliError(
+            f"{DEMO_DRIVER_ENV}={supervisor!r} is set, but this process was not started by "
+            f"the `obsckpt demo` process it names; unset {DEMO_DRIVER_ENV} (obsckpt demo "
+            "sets it for its own driver process only)"
+        )
+
+
+class _Lossy:
+    """A text stream whose output is dropped once it cannot be written (EIO, EPIPE)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self._stream.write(text)
+            except OSError:
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except OSError:
+                self.gone = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def finish_line(result) -> str:
     """The demo's last line: how it ended, which steps it trained, what is committed."""
     if result.last_step >= result.first_step:
@@ -656,6 +853,11 @@ def main(
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed its usage message
         return int(exc.code or 0)
+    if argv is None and args.command == "demo":
+        # A closed terminal (SIGHUP) or log reader must not turn an orderly stop into
+        # an error: what the demo prints from then on is dropped.
+        out = sys.stdout = _Lossy(out)
+        err = sys.stderr = _Lossy(err)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -665,6 +867,12 @@ def main(
             return cmd_status(args, out)
         if args.command == "verify":
             return cmd_verify(args, out, err)
+        if argv is None:  # the `obsckpt demo` command itself, not a call from Python
+            supervisor = os.environ.pop(DEMO_DRIVER_ENV, None)
+            if supervisor is None and os.name == "posix":
+                return run_demo_detached(args, err)
+            if supervisor is not None:
+                _become_driver(supervisor)
         return cmd_demo(args, out, err)
     except CliError as exc:
         err.write(f"obsckpt {args.command}: error: {exc}\n")

@@ -293,27 +293,6 @@ class TestPlan:
             resolve_plan(DemoConfig(device="cuda"), gpus=0)
 
 
-@pytest.mark.slow
-def test_ipc_sync_on_cpu(ray_cluster, tmp_path):
-    """The colocated (ipc) sync through the demo: shared-memory buckets on CPU, every version."""
-    out, err = io.StringIO(), io.StringIO()
-    cfg = DemoConfig(
-        steps=2,
-        save_every=2,
-        world_size=1,
-        sync_method="ipc",
-        device="cpu",
-        ckpt_dir=str(tmp_path / "ckpt"),
-        metrics_host="127.0.0.1",
-    )
-    result = run_demo(cfg, out=out, err=err, handle_signals=False)
-    assert result.exit_code == 0, err.getvalue()
-    assert result.rollout_versions == [1, 2]
-    assert result.device == "cpu" and result.sync_method == "ipc"
-    assert "weight sync ipc (shared memory)" in err.getvalue()
-    assert "ipc sync (shm)" in [r.what for r in result.summary["rows"]]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the demo's GPU plan needs CUDA")
 def test_demo_on_gpu(ray_cluster, tmp_path):

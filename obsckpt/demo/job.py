@@ -15,9 +15,11 @@ FSDP2 trainer ranks and a rollout actor, and runs the training loop:
   through the coordinator, registered and submitted inside
   ``tracing.checkpoint_span`` so each step is one trace.
 
-A first SIGINT or SIGTERM stops the loop after the current step; saves in
-flight then finish and commit (or, if they fail, are left uncommitted: an
-iteration file never names a partial step). A second SIGINT stops at once.
+SIGINT, SIGTERM and SIGHUP stop the run (see :class:`_Stop`): during the
+start-up at once; during training after the current step, the saves in flight
+then finish and commit (or, if they fail or take too long, are left
+uncommitted: an iteration file never names a partial step). A second SIGINT
+stops at once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +50,12 @@ DEFAULT_CKPT_DIR = os.path.join("obsckpt-demo", "ckpt")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# The signals that stop a run; it then exits 128 + the signal's number, as a shell
+# reports a process a signal ended (130 SIGINT, 143 SIGTERM, 129 SIGHUP).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After SIGTERM or SIGHUP, how long saves in flight may take to finish and commit.
+# Whoever sends them (a job runner, a closing terminal) does not wait long.
+STOP_GRACE_S = 10.0
 # Seeds of the synthetic batches are combined with the step into a 64-bit torch seed.
 MAX_SEED = 2**32 - 1
 
@@ -132,35 +141,121 @@ class DemoResult:
     root: str = ""
 
 
+def stop_reason(signum: int) -> str:
+    """How the last line names a run a signal stopped: ``interrupted`` (Ctrl-C), else by name."""
+    if signum == signal.SIGINT:
+        return "interrupted"
+    return f"terminated by {signal.Signals(signum).name}"
+
+
+class StartupStopped(KeyboardInterrupt):
+    """A stop signal came before the first step: the start-up is abandoned.
+
+    A KeyboardInterrupt, as Ray cuts short a ``ray.get`` for that one alone (and
+    raises a plain KeyboardInterrupt in its place: _Stop records the signal).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class _Stop:
-    """Signal-driven stop request; a second SIGINT raises KeyboardInterrupt."""
+    """What SIGINT, SIGTERM and SIGHUP do to the run, by phase.
+
+    * ``start-up``: nothing is in flight yet, so the start-up is abandoned at once
+      (:class:`StartupStopped`), except inside :meth:`held`, which finishes first
+      (removing an earlier run's steps is not cut short);
+    * ``training``: the loop stops after its current step, and the saves in flight
+      finish and commit;
+    * ``finishing`` (draining, the summary, shutting down): the run ends as it was
+      going to, with the signal's exit status.
+
+    A second SIGINT raises KeyboardInterrupt in any phase (stop at once); a second
+    SIGTERM or SIGHUP changes nothing.
+    """
 
     def __init__(self, notify) -> None:
         self.event = threading.Event()
         self.signum: int | None = None
+        self.at: float | None = None  # monotonic time of the first signal
+        self.phase = "start-up"
         self._notify = notify
         self._previous: dict[int, Any] = {}
+        self._held = False
 
     def install(self) -> None:
+        """Take the stop signals (in the main thread only: Python runs handlers there)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        for sig in STOP_SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def reinstall(self) -> None:
+        """Take the signals back if they were taken (ray.init puts in a SIGTERM handler)."""
+        if self._previous:
+            self.install()
+
+    def record(self, signum: int) -> bool:
+        """Note the first stop signal; False when one came before."""
+        if self.signum is not None:
+            return False
+        self.signum = signum
+        self.at = time.monotonic()
+        self.event.set()
+        return True
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def exit_code(self) -> int:
+        assert self.signum is not None
+        return 128 + self.signum
+
+    def check(self) -> None:
+        """Raise StartupStopped if a signal came during the start-up."""
+        if self.signum is not None and self.phase == "start-up":
+            raise StartupStopped(self.signum)
+
+    @contextmanager
+    def held(self):
+        """A start-up section a signal does not interrupt; it takes effect after it."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+        self.check()
+
+    def grace_deadline(self, deadline: float) -> float:
+        """``deadline``, or sooner once SIGTERM or SIGHUP asked the run to end."""
+        if self.signum in (signal.SIGTERM, signal.SIGHUP):
+            return min(deadline, self.at + STOP_GRACE_S)
+        return deadline
+
     def _handle(self, signum, _frame) -> None:
-        if self.event.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.event.set()
-        self._notify(
-            f"received {signal.Signals(signum).name}: stopping after this step; saves in flight "
-            "will finish and commit (Ctrl-C again to stop at once, leaving them uncommitted)"
-        )
+        if not self.record(signum):
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        if self.phase == "start-up":
+            if not self._held:
+                raise StartupStopped(signum)
+        elif self.phase == "training":
+            name = signal.Signals(signum).name
+            if signum == signal.SIGINT:
+                self._notify(
+                    f"received {name}: stopping after this step; saves in flight will finish "
+                    "and commit (Ctrl-C again to stop at once, leaving them uncommitted)"
+                )
+            else:
+                self._notify(
+                    f"received {name}: stopping after this step; saves in flight get "
+                    f"{STOP_GRACE_S:.0f} s to finish and commit"
+                )
 
 
 # ----------------------------------------------------------------------
@@ -175,12 +270,14 @@ def _otel_env(cfg: DemoConfig) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
-def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
-    """Initialise Ray unless the caller already did; returns True when this call did."""
+def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> None:
+    """Start a local Ray cluster (or join ``cfg.address``).
+
+    Raises:
+        StartupStopped: SIGTERM came while Ray started (ray.init takes it then).
+    """
     import ray
 
-    if ray.is_initialized():
-        return False
     kwargs: dict[str, Any] = dict(
         namespace=namespace,
         log_to_driver=cfg.verbose,
@@ -192,20 +289,50 @@ def _start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> bool:
     if cfg.address:
         kwargs["address"] = cfg.address
     else:
+        # "local": a cluster of its own, never one that `ray start` (or RAY_ADDRESS)
+        # left on this machine, which num_cpus cannot be given to anyway.
+        kwargs["address"] = "local"
         kwargs["num_cpus"] = max(os.cpu_count() or 1, cfg.world_size + 1)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # A terminal's Ctrl-C reaches the whole foreground process group, which
     # includes the GCS and raylet this call starts; they inherit an ignored
-    # SIGINT, so the cluster outlives the first Ctrl-C while saves drain.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    # SIGINT, so the cluster outlives the first Ctrl-C while saves drain. A
+    # driver in a session of its own (as `obsckpt demo` runs it) needs no shield,
+    # and keeps a Ctrl-C passed on to it while Ray starts.
+    shield = threading.current_thread() is threading.main_thread() and not _own_session()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if shield else None
     try:
         ray.init(**kwargs)
+    except BaseException as exc:
+        # ray.init's own SIGTERM handler exits the interpreter (sys.exit(15)); raised
+        # within a call into Ray's C++ core it comes as the context of another error.
+        if any(
+            isinstance(e, SystemExit) and e.code == signal.SIGTERM for e in (exc, exc.__context__)
+        ):
+            raise StartupStopped(signal.SIGTERM) from None
+        raise
     finally:
-        if main_thread:
+        if shield:
             signal.signal(signal.SIGINT, previous)
-    return True
+
+
+def _own_session() -> bool:
+    """Whether this process leads a session without a terminal.
+
+    No terminal's signals reach such a session, so none reach the Ray processes
+    it starts either: only a signal sent to the process itself.
+    """
+    if not hasattr(os, "getsid"):
+        return False
+    try:
+        if os.getsid(0) != os.getpid():
+            return False
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return True
+    os.close(fd)
+    return False
 
 
 def resolve_plan(cfg: DemoConfig, gpus: int | None = None) -> DemoConfig:
@@ -272,21 +399,43 @@ def run_demo(
     """Run the demo job; returns what it did. The summary table goes to ``out``.
 
     Works with a Ray that is already initialised (the caller's cluster and
-    namespace are used; nothing is shut down at the end).
+    namespace are used; nothing is shut down at the end). With
+    ``handle_signals``, SIGINT, SIGTERM and SIGHUP stop the run (module docstring)
+    and set its exit code to 128 + the signal's number.
 
     Raises:
         DemoError: the checkpoint root or the cluster cannot be used.
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    t_start = time.monotonic()
+    progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
+    stop = _Stop(progress.note)
+    if handle_signals:
+        stop.install()
+    result = DemoResult()
+    try:
+        return _run(cfg, out, progress, stop, result)
+    except StartupStopped as exc:
+        result.stop_reason = stop_reason(exc.signum)
+        result.exit_code = 128 + exc.signum
+        return result
+    finally:
+        stop.restore()
+        if stop.signum is not None:
+            # Not the monitor's word: what the iteration files name once it is gone (a
+            # commit it had under way when the run stopped may have landed since).
+            root = Path(result.root or cfg.ckpt_dir).expanduser()
+            result.committed = committed_on_disk(root)
+        result.elapsed_s = time.monotonic() - t_start
+
+
+def _run(cfg: DemoConfig, out: TextIO, progress: Progress, stop: _Stop, result) -> DemoResult:
     cfg = resolve_plan(cfg)
     cfg = _check_endpoints(cfg)
-    progress = Progress(cfg.steps or None, stream=err, enabled=cfg.progress)
-    result = DemoResult()
-    t_start = time.monotonic()
     # Every check, before Ray starts and before anything in the root is removed: a
     # run that cannot start (a bad --address, say) must not have wiped the last one.
-    prepare_root(cfg, progress.note, dry_run=True)
+    result.root = str(prepare_root(cfg, progress.note, dry_run=True)[0])
     env = _otel_env(cfg)
 
     import ray
@@ -295,16 +444,24 @@ def run_demo(
     from obsckpt.telemetry import tracing
 
     namespace = cfg.namespace or f"obsckpt-demo-{uuid.uuid4().hex[:8]}"
-    owns_ray = _start_ray(cfg, namespace, env)
-    traced = tracing.requested()  # _otel_env put --otlp-endpoint into os.environ
-    if traced:
-        tracing.setup_tracing("obsckpt-demo")
-    stop = _Stop(progress.note)
+    owns_ray = not ray.is_initialized()
     actors: list[Any] = []
     monitor = None
     loop = asyncio.new_event_loop()
     try:
-        root, resumed, state_dict_step = prepare_root(cfg, progress.note)
+        if owns_ray:
+            try:
+                _start_ray(cfg, namespace, env)
+            except StartupStopped as exc:
+                stop.record(exc.signum)
+                raise
+            stop.reinstall()
+        stop.check()
+        traced = tracing.requested()  # _otel_env put --otlp-endpoint into os.environ
+        if traced:
+            tracing.setup_tracing("obsckpt-demo")
+        with stop.held():  # starting over removes the earlier run's steps
+            root, resumed, state_dict_step = prepare_root(cfg, progress.note)
         result.root = str(root)
         result.resumed_from = resumed or None
         # Step numbers go on from the resumed step: the bar spans this run's steps.
@@ -334,12 +491,11 @@ def run_demo(
         if traced:
             where = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_TRACES_EXPORTER")
             progress.note(f"traces: {where}")
-        if handle_signals:
-            stop.install()  # after ray.init, which installs handlers of its own
 
         device = cfg.device
-        trainers, rollout, synchronizer, info = _start_actors(cfg, namespace, device, env, root)
-        actors += [*trainers, rollout] + ([synchronizer] if synchronizer is not None else [])
+        trainers, rollout, synchronizer, info = _start_actors(
+            cfg, namespace, device, env, root, actors
+        )
         result.device = info["device"]
         result.sync_method = cfg.sync_method
         progress.note(plan_line(cfg, info))
@@ -387,32 +543,31 @@ def run_demo(
             stop=stop,
             result=result,
         )
+        stop.phase = "training"
         _train(cfg, root, resumed, job, retrained=retrained)
+        stop.phase = "finishing"
         progress.close()
-        _drain(cfg, trainers, monitor, progress, result)
-        if stop.signum is not None:
-            result.stop_reason = "interrupted" if stop.signum == signal.SIGINT else "terminated"
-            if stop.signum == signal.SIGINT:
-                result.exit_code = EXIT_INTERRUPTED
+        _drain(cfg, trainers, monitor, progress, result, stop)
     except KeyboardInterrupt:
+        if stop.phase == "start-up" and stop.signum is not None:
+            raise StartupStopped(stop.signum) from None
         progress.close()
         progress.note("stopped at once: saves still in flight are left uncommitted")
         result.stop_reason = "aborted"
         result.exit_code = EXIT_INTERRUPTED
     finally:
-        stop.restore()
+        stop.phase = "finishing"
         loop.close()
+        started = result.last_step >= result.first_step
         if monitor is not None and result.stop_reason != "aborted":
-            if result.last_step >= result.first_step:
+            if started:
                 _report(monitor, result, out, progress)
-            else:
+            elif stop.signum is None:
                 progress.note("no summary: no training step ran")
-        _shutdown(actors, monitor, owns_ray)
-        if result.stop_reason == "aborted" and result.root:
-            # Not the monitor's word: what the iteration files name once it is gone (a
-            # commit it had under way when the run was aborted may have landed since).
-            result.committed = committed_on_disk(Path(result.root))
-        result.elapsed_s = time.monotonic() - t_start
+        _shutdown(actors, monitor, owns_ray, patient=stop.signum is None)
+        if stop.signum is not None and result.stop_reason != "aborted":
+            result.stop_reason = stop_reason(stop.signum)
+            result.exit_code = 128 + stop.signum
     return result
 
 
@@ -527,7 +682,11 @@ def _sync_name(cfg: DemoConfig, info: dict) -> str:
     return cfg.sync_method
 
 
-def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, str], root: Path):
+def _start_actors(
+    cfg: DemoConfig, namespace: str, device: str, env: dict[str, str], root: Path, actors: list
+):
+    """Start the job's actors, each added to ``actors`` as it is created (so a start-up
+    cut short shuts down the ones it has)."""
     import ray
 
     from obsckpt.demo.workers import Rollout, TrainerRank
@@ -554,6 +713,7 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
         )
         for r in range(cfg.world_size)
     ]
+    actors += trainers
     master = ray.get(trainers[0].node_address.remote())
     port = ray.get(trainers[0].free_port.remote())
     infos = ray.get([t.setup.remote(master, port) for t in trainers])
@@ -563,6 +723,7 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
         .options(**rollout_opts)
         .remote(namespace=namespace, device=device if rollout_gpu else "cpu")
     )
+    actors.append(rollout)
     synchronizer = None
     backend = infos[0]["backend"]
     if cfg.sync_method == "broadcast":
@@ -584,6 +745,7 @@ def _start_actors(cfg: DemoConfig, namespace: str, device: str, env: dict[str, s
             poll_interval_s=0.1,
             watch=False,  # run_demo starts it, after resume_from when resuming
         )
+        actors.append(synchronizer)
     return trainers, rollout, synchronizer, infos[0]
 
 
@@ -721,8 +883,13 @@ def check_rollout_weights(version: int, step: int, got: str | None, want: str | 
         )
 
 
-def _drain(cfg, trainers, monitor, progress, result) -> None:
-    """Let saves in flight finish and their steps commit (bounded by commit_timeout)."""
+def _drain(cfg, trainers, monitor, progress, result, stop: _Stop) -> None:
+    """Let saves in flight finish and their steps commit.
+
+    Bounded by ``commit_timeout``, and by STOP_GRACE_S from a SIGTERM or SIGHUP
+    (one that comes while it waits too): what is not committed by then is left
+    uncommitted.
+    """
     import ray
 
     status = ray.get(monitor.status.remote())
@@ -731,21 +898,40 @@ def _drain(cfg, trainers, monitor, progress, result) -> None:
             f"waiting for {len(status['in_flight'])} saves in flight and "
             f"{len(status['pending'])} pending steps to commit"
         )
-    errors = ray.get([t.wait_saves.remote(cfg.commit_timeout) for t in trainers])
-    result.save_errors = [e for e in errors if e]
     deadline = time.monotonic() + cfg.commit_timeout
+    waits = [t.wait_saves.remote(cfg.commit_timeout) for t in trainers]
+    # Polled rather than waited on at once, so that a signal shortens the wait.
+    abandoned = False
     while True:
+        done, _ = ray.wait(waits, num_returns=len(waits), timeout=0.1)
+        if len(done) == len(waits):
+            result.save_errors = [e for e in ray.get(waits) if e]
+            break
+        if time.monotonic() > stop.grace_deadline(math.inf):
+            progress.note(
+                f"saves still running {STOP_GRACE_S:.0f} s after "
+                f"{signal.Signals(stop.signum).name}: left uncommitted"
+            )
+            abandoned = True
+            break
+    while not abandoned:
         status = ray.get(monitor.status.remote())
         open_steps = [p for p in status["pending"] if p["submitted"]]
         if not open_steps and not status["in_flight"]:
             break
-        if time.monotonic() > deadline:
+        if time.monotonic() > stop.grace_deadline(deadline):
+            waited = (
+                f"{STOP_GRACE_S:.0f} s after {signal.Signals(stop.signum).name}"
+                if time.monotonic() < deadline
+                else f"{cfg.commit_timeout:.0f} s"
+            )
             progress.note(
-                f"gave up waiting for commits after {cfg.commit_timeout:.0f} s: "
+                f"gave up waiting for commits after {waited}: "
                 f"{[p['step'] for p in open_steps]} still pending (left uncommitted)"
             )
             break
         time.sleep(0.05)
+    status = ray.get(monitor.status.remote())
     result.committed = dict(status["latest"])
     for e in result.save_errors:
         progress.note(f"save failed: {e}")
@@ -769,9 +955,15 @@ def _report(monitor, result: DemoResult, out: TextIO, progress: Progress) -> Non
         progress.note(f"no summary: {type(exc).__name__}: {exc}")
 
 
-def _shutdown(actors: list[Any], monitor, owns_ray: bool) -> None:
+def _shutdown(actors: list[Any], monitor, owns_ray: bool, *, patient: bool = True) -> None:
+    """Close the actors, then stop the cluster this run started.
+
+    Not ``patient`` (a signal stopped the run): a few seconds for the actors to
+    close, so that the whole stop stays within what a job runner waits.
+    """
     import ray
 
+    wait_s = 15.0 if patient else 3.0
     closes = []
     for a in actors:
         if a is not None and hasattr(a, "close"):
@@ -781,7 +973,7 @@ def _shutdown(actors: list[Any], monitor, owns_ray: bool) -> None:
                 pass
     if closes:
         try:
-            ray.wait(closes, num_returns=len(closes), timeout=15)
+            ray.wait(closes, num_returns=len(closes), timeout=wait_s)
         except Exception:  # noqa: BLE001
             pass
     for a in [*actors, monitor]:
@@ -789,9 +981,15 @@ def _shutdown(actors: list[Any], monitor, owns_ray: bool) -> None:
             continue
         try:
             if a is monitor:
-                ray.get(monitor.shutdown.remote(), timeout=10)
+                ray.get(monitor.shutdown.remote(), timeout=wait_s)
             ray.kill(a)
         except Exception:  # noqa: BLE001 - already gone
             pass
     if owns_ray:
-        ray.shutdown()
+        import inspect
+
+        if "wait_for_processes" in inspect.signature(ray.shutdown).parameters:
+            # Returns once the cluster's processes are gone: none outlives the run.
+            ray.shutdown(wait_for_processes=True)
+        else:
+            ray.shutdown()

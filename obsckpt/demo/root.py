@@ -156,14 +156,17 @@ def _check_whole(root: Path, step: int) -> None:
 
 
 def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> None:
-    for step in steps:
-        shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+    # Iteration files first, made durable: a crash partway never leaves one naming a
+    # step directory that is already gone.
     if iteration_files:
         for name in disk.ITERATION_FILES.values():
             try:
                 os.unlink(root / name)
             except FileNotFoundError:
                 pass
+        disk.fsync_dir(root)
+    for step in steps:
+        shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
 
 
 def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
