@@ -102,6 +102,11 @@ def _walk_files(sdir: Path) -> list[tuple[str, int, float]]:
     return files
 
 
+def _is_temp_path(rel: str) -> bool:
+    """Whether a step's file ``rel`` is a temp file, or lies in a scratch directory."""
+    return any(disk.is_temp_name(part) for part in rel.split(os.sep))
+
+
 def describe_step(
     root: Path,
     step: int,
@@ -118,12 +123,8 @@ def describe_step(
     """
     sdir = disk.step_dir(root, step)
     files = _walk_files(sdir)
-    temps = [f for f, _s, _m in files if disk.is_temp_name(os.path.basename(f))]
-    data = [
-        f
-        for f in files
-        if not disk.is_temp_name(os.path.basename(f[0])) and f[0] != disk.MANIFEST_NAME
-    ]
+    temps = [f for f, _s, _m in files if _is_temp_path(f)]
+    data = [f for f in files if not _is_temp_path(f[0]) and f[0] != disk.MANIFEST_NAME]
     nbytes = sum(s for _f, s, _m in files)
     mtime = max((m for _f, _s, m in files), default=sdir.stat().st_mtime)
     has_manifest = (sdir / disk.MANIFEST_NAME).is_file()

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -595,3 +596,19 @@ class TestDemoPlanLine:
         assert one.endswith("weight sync broadcast over gloo, full checkpoint every step")
         two = plan_line(DemoConfig(world_size=2, sync_method="memory", save_every=3), info)
         assert two.startswith("obsckpt demo: 2 FSDP2 ranks (gloo, cpu)")
+
+
+def test_files_of_a_scratch_directory_count_as_temp_files(tmp_path):
+    """An HF export built aside (huggingface.tmp.<pid>.<hex>/) when a job died is
+    partly written, not files of the step."""
+    from obsckpt.cli import describe_step
+
+    actor = disk.step_dir(tmp_path, 3) / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model_world_size_1_rank_0.pt").write_bytes(b"m" * 10)
+    scratch = Path(disk.scratch_dir(disk.step_dir(tmp_path, 3) / "huggingface"))
+    (scratch / "config.json").write_text("{}")
+    (scratch / "model.safetensors").write_bytes(b"s" * 5)
+    info = describe_step(tmp_path, 3, {"checkpoint": None, "state_dict": None}, time.time())
+    assert info["temp_files"] == 2, info
+    assert "partly written" in info["note"], info
