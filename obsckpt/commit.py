@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import operator
 import os
 import re
 import stat
@@ -115,6 +116,20 @@ class FileRecord:
 
 def kind_of(is_state_dict: bool) -> str:
     return "state_dict" if is_state_dict else "checkpoint"
+
+
+def non_negative_int(value: object) -> int | None:
+    """``value`` as an int if it is a non-negative integer (numpy's too), else None.
+
+    bool is refused: ``True`` is not a rank, a step or a byte count.
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 0 else None
 
 
 def positive_seconds(value: object) -> bool:

@@ -20,7 +20,6 @@ expected saves of a step and submits it for commit.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
@@ -68,11 +67,8 @@ def _checked_rpc_timeout(value: object) -> float:
 
 
 def _checked_rank(value: object) -> int:
-    try:  # an int, or an integer type that says it is one (numpy's)
-        rank = operator.index(value) if not isinstance(value, bool) else -1
-    except TypeError:
-        rank = -1
-    if rank < 0:
+    rank = disk.non_negative_int(value)  # an int, or one numpy's integer types say is one
+    if rank is None:
         raise ValueError(
             f"rank must be a non-negative integer (this process's rank) or None to take "
             f"it from RANK or torch.distributed, got {value!r}"

@@ -13,7 +13,6 @@ import asyncio
 import enum
 import errno
 import logging
-import operator
 import os
 import time
 import warnings
@@ -120,11 +119,8 @@ def _checked_rank(rank: object) -> int | None:
     """``rank`` as an int (None stays None): its label must be one of a bounded set."""
     if rank is None:
         return None
-    try:
-        value = operator.index(rank) if not isinstance(rank, bool) else -1
-    except TypeError:
-        value = -1
-    if value < 0:
+    value = disk.non_negative_int(rank)
+    if value is None:
         raise ValueError(
             f"rank must be a non-negative integer (the reporting process's rank) or None, "
             f"got {rank!r}"

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from obsckpt.commit import non_negative_int
 
 logger = logging.getLogger(__name__)
 
@@ -379,11 +380,7 @@ def check_bytes(name: str, value: object) -> None:
     """Refuse a byte count that is not a non-negative integer (None passes)."""
     if value is None:
         return
-    try:
-        count = operator.index(value) if not isinstance(value, bool) else -1
-    except TypeError:
-        count = -1
-    if count < 0:
+    if non_negative_int(value) is None:
         raise ValueError(
             f"{name} must be a non-negative integer number of bytes or None, got {value!r}"
         )
