@@ -180,6 +180,8 @@ class CheckpointCoordinator:
         self._errors: list[SaveError] = []
         self._lock = threading.Lock()
         self._staging: dict[str, Any] = {}  # slot -> staging.StagingBuffers
+        self._staged_at: dict[str, int] = {}  # slot -> step of its last save's snapshot
+        self._took_over = False  # whether a slot took over another's staging (logged once)
         self._preparing: dict[str, Future] = {}  # slot -> prepare() running in the background
         self.logger = logger
 
@@ -373,7 +375,7 @@ class CheckpointCoordinator:
         self._require_monitor()
         try:
             join_wait = self._join(name, trace_context)
-            staging = self._staging_for(name)
+            staging = self._staging_for(name, state=state_dict, step=global_step)
             allocations = staging.allocations
             copier = None
             if overlap:
@@ -489,7 +491,12 @@ class CheckpointCoordinator:
             staging.release()
             self._record_staging(name, staging)
 
-    def _staging_for(self, name: str, *, wait_prepare: bool = True) -> Any:
+    def _staging_for(
+        self, name: str, *, wait_prepare: bool = True, state: Any = None, step: int | None = None
+    ) -> Any:
+        """Slot ``name``'s staging. A save (``state`` of ``step``) of a slot that has none
+        takes over the staging of an idle slot of the same layout last saved at an
+        earlier step (see :meth:`_take_over`)."""
         from obsckpt.staging import StagingBuffers
 
         if wait_prepare:
@@ -503,9 +510,58 @@ class CheckpointCoordinator:
                 )
         with self._lock:
             staging = self._staging.get(name)
-            if staging is None:
-                staging = self._staging[name] = StagingBuffers()
+            if step is not None:
+                self._staged_at[name] = step
+        if staging is None:
+            staging = StagingBuffers()
+            if state is not None and step is not None:
+                staging = self._take_over(name, staging, staging.layout_of(state), step)
+            with self._lock:
+                staging = self._staging.setdefault(name, staging)
         return staging
+
+    def _take_over(self, name: str, fresh: Any, layout: Any, step: int) -> Any:
+        """The staging of an idle slot that fits ``layout``, moved to ``name``; else ``fresh``.
+
+        Slot names that change every step (``model_<N>``) would otherwise keep one
+        arena the size of the state per step until :meth:`close`. Only a slot
+        whose last save is finished and was a snapshot of an earlier step is
+        taken over: a slot prepared and not saved yet, or one saved in this
+        step, keeps its staging.
+        """
+        with self._lock:
+            for old, staging in self._staging.items():
+                if self._staged_at.get(old, step) >= step or self._slot_busy(old):
+                    continue
+                if staging.fits(layout):
+                    del self._staging[old]
+                    self._staged_at.pop(old, None)
+                    self._staging[name] = staging
+                    break
+            else:
+                return fresh
+            first = not self._took_over
+            self._took_over = True
+        (self.logger.warning if first else self.logger.debug)(
+            "obsckpt: slot %r takes over the staging of slot %r (%.1f MiB, same shapes, idle "
+            "since an earlier step) instead of allocating its own. Slot names that change "
+            "every step would otherwise hold one staging arena per step; name slots by what "
+            'they hold ("model", "optimizer")',
+            name,
+            old,
+            staging.bytes_allocated / (1 << 20),
+        )
+        self._link.record_staging(old, fresh)  # the old slot holds nothing now
+        self._record_staging(name, staging)
+        return staging
+
+    def _slot_busy(self, name: str) -> bool:
+        """Whether slot ``name`` has a save or a prepare() running (caller holds the lock)."""
+        preparing = self._preparing.get(name)
+        if preparing is not None and not preparing.done():
+            return True
+        save = self._saves.get(name)
+        return save is not None and not save.done.is_set()
 
     def _cold_save(self, name: str, step: int, staging: Any) -> None:
         self.logger.info(

@@ -226,6 +226,20 @@ class StagingBuffers:
         tensor_leaves(obj, found)
         return self._ensure([t for _, t in found], populate=True)
 
+    def layout_of(self, obj: Any) -> tuple[list[tuple], bool]:
+        """What decides whether these buffers can stage ``obj``: its tensors' shapes
+        and dtypes, and whether they need pinning (see :meth:`fits`)."""
+        found: list[tuple[str, torch.Tensor]] = []
+        tensor_leaves(obj, found)
+        tensors = [t for _, t in found]
+        pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
+        return [_signature(t) for t in tensors], pin
+
+    def fits(self, layout: tuple[list[tuple], bool]) -> bool:
+        """Whether a state of ``layout`` (:meth:`layout_of`) is staged without allocating."""
+        signatures, pin = layout
+        return self._arena is not None and signatures == self._signatures and self._pinned >= pin
+
     def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
         self._settle_copy()
         signatures = [_signature(t) for t in tensors]

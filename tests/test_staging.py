@@ -404,6 +404,42 @@ class TestCoordinatorStaging:
         assert get("obsckpt_staging_cold_saves_total", slot="model") == 1
         assert get("obsckpt_staging_bytes", rank="0", slot="model") == coord.staging_bytes()[0]
 
+    def test_slot_names_that_change_every_step_keep_one_arena(self, coordinator, tmp_path, caplog):
+        """A slot named after its step (``model_<N>``) would keep one arena, the size of
+        the state, per step until close(): host memory growing without bound. A new slot
+        takes over the arena of an idle slot of the same shapes saved at an earlier step."""
+        coord, monitor = coordinator
+        sd = _state()
+        per_arena = None
+        with caplog.at_level(logging.INFO, logger="obsckpt.coordinator"):
+            for step in range(1, 6):
+                coord.save_state_dict_async(f"model_{step}", sd, _path(tmp_path, step), step)
+                coord.wait_all(timeout=60)
+                held = coord.staging_bytes()[0]
+                per_arena = per_arena or held
+                assert held == per_arena, (
+                    f"step {step}: {held} bytes held, one arena is {per_arena}"
+                )
+        assert caplog.text.count("allocated its staging") == 1
+        assert caplog.text.count("takes over the staging of slot") == 1  # logged once
+        for step in range(1, 6):
+            assert torch.equal(torch.load(_path(tmp_path, step))["big"], sd["big"])
+        get = _staging_samples(monitor)
+        assert get("obsckpt_staging_bytes", rank="0", slot="model_4") == 0
+        assert get("obsckpt_staging_bytes", rank="0", slot="model_5") == per_arena
+
+    def test_slots_saved_in_one_step_keep_their_own_arenas(self, coordinator, tmp_path):
+        coord, _ = coordinator
+        sd = _state()
+        for step in (1, 2):
+            coord.save_state_dict_async("model", sd, _path(tmp_path, step), step)
+            coord.wait_all(timeout=60)
+            coord.save_state_dict_async("ema", sd, _path(tmp_path, step).with_name("ema.pt"), step)
+            coord.wait_all(timeout=60)
+        one = coord.staging_bytes("model")[0]
+        assert one > 0 and coord.staging_bytes("ema")[0] == one
+        assert coord.staging_bytes()[0] == 2 * one
+
     def test_overlapped_save_writes_the_values_of_the_call(self, coordinator, tmp_path):
         coord, _ = coordinator
         sd = _state()
