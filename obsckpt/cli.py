@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from obsckpt import commit as disk
+from obsckpt import rootlock
 from obsckpt.errors import IterationFileError
 
 # The marker file the demo writes into its checkpoint root (obsckpt.demo.root.MARKER).
@@ -208,6 +209,8 @@ def root_status(root: Path, latest: dict[str, int | None]) -> dict:
         "committed": [s["step"] for s in steps if s["state"] == "committed"],
         "uncommitted": [s["step"] for s in steps if s["state"] == "uncommitted"],
         "foreign": [s["step"] for s in steps if s["state"] == "foreign"],
+        # The monitor committing into this root now (its lock's details), or None.
+        "monitor": rootlock.locked_by(root),
         "steps": steps,
         "problems": problems,
     }
@@ -237,6 +240,12 @@ def format_status(st: dict) -> str:
         f"root: {st['root']}",
         f"latest checkpoint: {_opt(latest['checkpoint'])}    "
         f"latest state dict: {_opt(latest['state_dict'])}",
+        "monitor: "
+        + (
+            "none holds this root (no job is committing into it)"
+            if st["monitor"] is None
+            else f"running ({rootlock.describe_holder(st['monitor'])})"
+        ),
     ]
     if st["steps"]:
         header = ("step", "state", "kind", "files", "size", "age", "")

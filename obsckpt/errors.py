@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 
 class CheckpointDirError(OSError):
     """The checkpoint root is missing, not a directory, or not writable."""
+
+
+class RootInUseError(CheckpointDirError):
+    """Another job's monitor holds the checkpoint root; ``holder`` says who ({} if unknown)."""
+
+    def __init__(self, message: str, *, holder: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (partial(type(self), holder=self.holder), self.args, dict(vars(self)))
 
 
 class IterationFileError(ValueError):
@@ -37,6 +51,12 @@ class SaveError(RuntimeError):
         super().__init__(message)
         self.slot = slot
         self.step = step
+
+    # Ray (an actor's error reaching ray.get) and multiprocessing pickle exceptions;
+    # the default rebuilds one by calling its class with ``args`` alone, which
+    # fails for keyword-only state and leaves the caller an unpickling error.
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (partial(type(self), slot=self.slot, step=self.step), self.args, dict(vars(self)))
 
 
 class SaveTimeoutError(SaveError, TimeoutError):

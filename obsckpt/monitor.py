@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from obsckpt import commit as disk
+from obsckpt import rootlock
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import PartsMismatchError
@@ -40,10 +41,10 @@ from obsckpt.telemetry.metrics import (
     validate_max_slot_labels,
 )
 from obsckpt.telemetry.server import (
-    read_file_sd_targets,
+    publish_file_sd,
     serve_metrics,
     validate_port,
-    write_file_sd,
+    withdraw_file_sd,
 )
 from obsckpt.tickets import Ticket, Tickets
 from obsckpt.tracker import CommitTracker, Progress, validate_parts
@@ -198,82 +199,110 @@ class CheckpointMonitor:
         self.strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
         self.root = disk.ensure_root(default_local_dir)
-        self.default_hdfs_dir = default_hdfs_dir
-        self.namespace = namespace
-        latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
-        self.metrics = Metrics(registry)
-        # Bounds on the label values callers send: slot names, and ranks that are gone.
-        self._slot_labels = SlotLabels(max_slot_labels, self.metrics.slot_label_overflows)
-        self._rank_series = RankSeries(
-            self.metrics.rank_last_save_duration,
-            self.metrics.staging_bytes,
-            self.metrics.staging_pinned_bytes,
-        )
-        # Every step that fails, on whatever path, is counted here once.
-        self.tracker = CommitTracker(
-            latest, on_fail=lambda _step, kind: self.metrics.step_failures.labels(kind).inc()
-        )
-        self.tracker.restarted = _was_restarted()
-        # Whether this process sees the step directories the workers write: then a
-        # step directory missing at commit was removed, not written on another node.
-        self._sees_step_dirs = bool(disk.steps_on_disk(self.root))
-        self._mark_abandoned_on_disk()
-        self.admission = Admission(self.strategy)
-        self._tickets = Tickets()
-        # Saves on a node Ray reports dead are lost, leased or not (a Trinity caller's is not).
-        self._watch_nodes = _in_actor()
-        self._committer: asyncio.Task[None] | None = None  # commits what is ready, one at a time
-        # When each kind last committed, and when its oldest pending step started:
-        # readings of the monotonic clock (_now), shown as Unix time by _unix.
-        self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
-        self._oldest_pending: dict[str, float | None] = {k: None for k in KINDS}
-        # When the last committed step became whole and how long its commit I/O took.
-        self._last_commit_detail: dict[str, dict[str, Any]] = {}
-        self._setup_tracing(trace_exporter)
-        self._gauges_shown: tuple[Any, ...] | None = None  # what _refresh_gauges last set
-        # (slot label, kind) with both results' series.
-        self._save_series: set[tuple[str, str | None]] = set()
-        # Rank -> pid of the process that last reported as it: the one whose death
-        # makes the rank's series stale (a replacement may already have taken over).
-        self._rank_pids: dict[int, int | None] = {}
-        for kind, step in latest.items():
-            if step is not None:
-                self.metrics.latest_step.labels(kind).set(step)
-                if not self.tracker.restarted:
-                    continue  # a new job (perhaps resumed): its first commit is to come
-                # Ray restarted this monitor within the job: its last commit is the
-                # iteration file's, or a stalled job would go unnoticed until the next.
-                try:
-                    when = os.stat(self.root / disk.ITERATION_FILES[kind]).st_mtime
-                except OSError:
-                    continue
-                # How long ago, by the wall clock (a file from the future: just now).
-                self._last_commit[kind] = self._now() - max(0.0, wall_clock() - when)
-        for kind in KINDS:
-            # Worked out at each scrape: after a step of the wall clock, Prometheus's
-            # time() minus these is still how long ago they were.
-            self.metrics.last_commit_timestamp.labels(kind).set_function(
-                lambda k=kind: self._unix(self._last_commit[k]) or 0.0
-            )
-            self.metrics.oldest_pending_start.labels(kind).set_function(
-                lambda k=kind: self._unix(self._oldest_pending[k]) or 0.0
-            )
-        self._refresh_gauges()
-        self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
-        self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
-        self._file_sd_labels = {"obsckpt_namespace": namespace} if namespace else {}
-        if self.file_sd_path:
-            try:
-                write_file_sd(self.file_sd_path, self.server.address, self._file_sd_labels)
-            except OSError as exc:
-                logger.error("obsckpt: cannot write file_sd %s: %s", self.file_sd_path, exc)
-        logger.info(
-            "obsckpt monitor: root=%s strategy=%s latest=%s metrics=%s",
+        restarted = _was_restarted()
+        # Taken before reading the root: what this monitor sees of it is then no
+        # other monitor's work in progress (a monitor Ray restarted waits for the
+        # lock of the process it replaces; see rootlock).
+        self._root_lock = rootlock.acquire(
             self.root,
-            self.strategy.name,
-            latest,
-            self.server.address or self.server.error or "off",
+            namespace=namespace,
+            wait_s=rootlock.RESTART_WAIT_S if restarted else rootlock.START_WAIT_S,
         )
+        try:
+            self.default_hdfs_dir = default_hdfs_dir
+            self.namespace = namespace
+            latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
+            self.metrics = Metrics(registry)
+            # Bounds on the label values callers send: slot names, and ranks that are gone.
+            self._slot_labels = SlotLabels(max_slot_labels, self.metrics.slot_label_overflows)
+            self._rank_series = RankSeries(
+                self.metrics.rank_last_save_duration,
+                self.metrics.staging_bytes,
+                self.metrics.staging_pinned_bytes,
+            )
+            # Every step that fails, on whatever path, is counted here once.
+            self.tracker = CommitTracker(
+                latest, on_fail=lambda _step, kind: self.metrics.step_failures.labels(kind).inc()
+            )
+            self.tracker.restarted = restarted
+            # Whether this process sees the step directories the workers write: then a
+            # step directory missing at commit was removed, not written on another node.
+            self._sees_step_dirs = bool(disk.steps_on_disk(self.root))
+            self._mark_abandoned_on_disk()
+            self.admission = Admission(self.strategy)
+            self._tickets = Tickets()
+            # Saves on a node Ray reports dead are lost, leased or not (a Trinity caller's is not).
+            self._watch_nodes = _in_actor()
+            self._committer: asyncio.Task[None] | None = (
+                None  # commits what is ready, one at a time
+            )
+            # When each kind last committed, and when its oldest pending step started:
+            # readings of the monotonic clock (_now), shown as Unix time by _unix.
+            self._last_commit: dict[str, float | None] = {k: None for k in KINDS}
+            self._oldest_pending: dict[str, float | None] = {k: None for k in KINDS}
+            # When the last committed step became whole and how long its commit I/O took.
+            self._last_commit_detail: dict[str, dict[str, Any]] = {}
+            self._setup_tracing(trace_exporter)
+            self._gauges_shown: tuple[Any, ...] | None = None  # what _refresh_gauges last set
+            # (slot label, kind) with both results' series.
+            self._save_series: set[tuple[str, str | None]] = set()
+            # Rank -> pid of the process that last reported as it: the one whose death
+            # makes the rank's series stale (a replacement may already have taken over).
+            self._rank_pids: dict[int, int | None] = {}
+            for kind, step in latest.items():
+                if step is not None:
+                    self.metrics.latest_step.labels(kind).set(step)
+                    if not self.tracker.restarted:
+                        continue  # a new job (perhaps resumed): its first commit is to come
+                    # Ray restarted this monitor within the job: its last commit is the
+                    # iteration file's, or a stalled job would go unnoticed until the next.
+                    try:
+                        when = os.stat(self.root / disk.ITERATION_FILES[kind]).st_mtime
+                    except OSError:
+                        continue
+                    # How long ago, by the wall clock (a file from the future: just now).
+                    self._last_commit[kind] = self._now() - max(0.0, wall_clock() - when)
+            for kind in KINDS:
+                # Worked out at each scrape: after a step of the wall clock, Prometheus's
+                # time() minus these is still how long ago they were.
+                self.metrics.last_commit_timestamp.labels(kind).set_function(
+                    lambda k=kind: self._unix(self._last_commit[k]) or 0.0
+                )
+                self.metrics.oldest_pending_start.labels(kind).set_function(
+                    lambda k=kind: self._unix(self._oldest_pending[k]) or 0.0
+                )
+            self._refresh_gauges()
+            self.server = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
+            self.file_sd_path = file_sd_path or os.environ.get(FILE_SD_ENV) or None
+            self._file_sd_labels = {"obsckpt_namespace": namespace} if namespace else {}
+            if self.file_sd_path:
+                try:
+                    gone = publish_file_sd(
+                        self.file_sd_path,
+                        self.server.address,
+                        self._file_sd_labels,
+                        root=str(self.root),
+                    )
+                except OSError as exc:
+                    logger.error("obsckpt: cannot write file_sd %s: %s", self.file_sd_path, exc)
+                else:
+                    if gone:
+                        logger.warning(
+                            "obsckpt: removed %s from file_sd %s: nothing listens there "
+                            "(monitors that ended without withdrawing their targets)",
+                            ", ".join(gone),
+                            self.file_sd_path,
+                        )
+            logger.info(
+                "obsckpt monitor: root=%s strategy=%s latest=%s metrics=%s",
+                self.root,
+                self.strategy.name,
+                latest,
+                self.server.address or self.server.error or "off",
+            )
+        except BaseException:
+            self._root_lock.release()
+            raise
 
     def _now(self) -> float:
         """The monitor's monotonic clock: its tracker's, so steps' times and its own compare."""
@@ -338,6 +367,8 @@ class CheckpointMonitor:
             ValueError: no monitor runs and ``default_local_dir`` is None, one runs
                 in the namespace under another root, ``default_hdfs_dir`` is set,
                 or an argument is invalid.
+            RootInUseError: another job's monitor holds ``default_local_dir`` (an
+                ``OSError``; it names the holder's host, pid and namespace).
         """
         import ray
 
@@ -360,6 +391,12 @@ class CheckpointMonitor:
         default_local_dir = os.path.abspath(os.fspath(default_local_dir))
         # Checked here too, so a bad root fails in the caller, not in a dead actor.
         disk.ensure_root(default_local_dir)
+        try:
+            ray.get_actor(ACTOR_NAME, namespace=namespace or None)
+        except ValueError:
+            # None runs in this namespace: a monitor holding the root is another job's
+            # (or one this job just killed, whose process is ending).
+            rootlock.check_free(default_local_dir, wait_s=rootlock.START_WAIT_S)
         remote_cls = ray.remote(cls)
         options: dict[str, Any] = dict(
             name=ACTOR_NAME,
@@ -386,7 +423,13 @@ class CheckpointMonitor:
         # its root: this job's steps would then be committed (or never) under another
         # root, with nothing said. Waiting for the answer also surfaces a monitor that
         # failed to start here rather than at the first save.
-        running: str = ray.get(monitor.checkpoint_root.remote())
+        try:
+            running: str = ray.get(monitor.checkpoint_root.remote())
+        except ray.exceptions.RayActorError:
+            # Its constructor failed; the likeliest cause, another job's monitor that
+            # took the root since the check above, gets its own error.
+            rootlock.check_free(default_local_dir)
+            raise
         if os.path.realpath(running) != os.path.realpath(default_local_dir):
             where = f"namespace {namespace!r}" if namespace else "this job's namespace"
             raise ValueError(
@@ -1084,12 +1127,17 @@ class CheckpointMonitor:
         return tracing.finished_spans()
 
     async def shutdown(self) -> None:
-        """Stop serving /metrics and withdraw the file_sd target (end the actor with ray.kill).
+        """Stop serving /metrics, withdraw the file_sd target and unlock the root.
 
-        The file_sd file is emptied only while it still names this monitor's
-        endpoint: a monitor started since (a new job on the same file) keeps its entry.
+        End the actor with ray.kill afterwards.
+
+        Only this monitor's entry leaves the file_sd file: other jobs' monitors,
+        and one started since on this root, keep theirs.
         """
         address = self.server.address
+        # Once the job is done another job may use the root (ray.kill, or the
+        # process's end, would drop the lock too).
+        self._root_lock.release()
         # Served in one more scrape (while a scraper polls), so that ObsckptMonitorDown
         # tells this clean finish from a lost monitor once the target is withdrawn.
         self.metrics.shutdown_timestamp.set(wall_clock())
@@ -1097,8 +1145,6 @@ class CheckpointMonitor:
         if not (self.file_sd_path and address):
             return
         try:
-            named = read_file_sd_targets(self.file_sd_path)
-            if named == [address]:
-                write_file_sd(self.file_sd_path, None, self._file_sd_labels)
+            withdraw_file_sd(self.file_sd_path, address)
         except (OSError, ValueError) as exc:
             logger.error("obsckpt: cannot withdraw file_sd %s: %s", self.file_sd_path, exc)

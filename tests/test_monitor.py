@@ -599,7 +599,21 @@ class TestMetrics:
         monitor = make_monitor(namespace, root, file_sd_path=str(sd_path))
         address = ray.get(monitor.metrics_address.remote())
         targets = json.loads(sd_path.read_text())
-        assert targets == [{"targets": [address], "labels": {"obsckpt_namespace": namespace}}]
+        labels = {"obsckpt_namespace": namespace, "__meta_obsckpt_root": str(root)}
+        assert targets == [{"targets": [address], "labels": labels}]
+
+    def test_two_jobs_sharing_a_file_sd_file_are_both_targets(self, namespace, root, tmp_path):
+        # OBSCKPT_FILE_SD_PATH set for a whole cluster: each job's monitor keeps its entry.
+        sd_path = tmp_path / "sd" / "obsckpt.json"
+        first = make_monitor(namespace, root, file_sd_path=str(sd_path))
+        second = make_monitor(f"{namespace}-b", tmp_path / "b", file_sd_path=str(sd_path))
+        addresses = [ray.get(m.metrics_address.remote()) for m in (first, second)]
+        groups = json.loads(sd_path.read_text())
+        assert [g["targets"] for g in groups] == [[a] for a in addresses]
+        assert groups[1]["labels"]["obsckpt_namespace"] == f"{namespace}-b"
+        ray.get(first.shutdown.remote())
+        assert [g["targets"] for g in json.loads(sd_path.read_text())] == [addresses[1:]]
+        ray.kill(second)
 
     def test_shutdown_withdraws_its_file_sd_target(self, namespace, root, tmp_path):
         # A closed endpoint left in file_sd stays a target, and another process may

@@ -22,6 +22,7 @@ from obsckpt import (
     IterationFileError,
     NotificationError,
     PartsMismatchError,
+    rootlock,
 )
 from obsckpt import commit as disk
 
@@ -37,9 +38,11 @@ def _monitor(root, **kwargs) -> CheckpointMonitor:
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under root and its bytes."""
+    """Every file under root and its bytes (not the lock file each monitor writes its pid to)."""
     return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != rootlock.LOCK_NAME
     }
 
 
@@ -329,7 +332,8 @@ class TestBadIterationFile:
     )
     @pytest.mark.parametrize("kind", disk.KINDS)
     def test_bad_content(self, committed, content, kind):
-        root, _, _ = committed
+        root, monitor, _ = committed
+        asyncio.run(monitor.shutdown())  # the job that committed has ended
         path = root / disk.ITERATION_FILES[kind]
         path.write_bytes(content)
         before = _snapshot(root)

@@ -101,6 +101,10 @@ class SaveWorker:
             return f"{type(exc).__name__}: {exc}"
         return None
 
+    def wait_raising(self, timeout: float = 60.0) -> None:
+        """wait_all(), its error left to reach the caller through Ray."""
+        self.coord.wait_all(timeout=timeout)
+
     def get_intervals(self):
         return list(self.intervals)
 

@@ -159,6 +159,9 @@ class StartupStopped(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum,), dict(vars(self)))
+
 
 class _Stop:
     """What SIGINT, SIGTERM and SIGHUP do to the run, by phase.

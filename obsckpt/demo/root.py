@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from obsckpt import commit as disk
+from obsckpt import rootlock
 from obsckpt.demo.model import ModelSpec
-from obsckpt.errors import CheckpointDirError, IterationFileError
+from obsckpt.errors import CheckpointDirError, IterationFileError, RootInUseError
 
 if TYPE_CHECKING:
     from obsckpt.demo.job import DemoConfig
@@ -48,9 +49,20 @@ def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, 
     """
     root = Path(cfg.ckpt_dir).expanduser().resolve()
     _ensure_root(root)
+    # Before anything is removed: a running job's steps are not this demo's to clear
+    # (an earlier demo's monitor that is still ending gets a few seconds).
+    try:
+        rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
+    except RootInUseError as exc:
+        raise DemoError(
+            f"--ckpt-dir {root} is in use by a running obsckpt monitor "
+            f"({rootlock.describe_holder(exc.holder)}); wait for that job to end or pass "
+            "--ckpt-dir with another directory"
+        ) from None
     marker = root / MARKER
     if not marker.is_file():
-        entries = sorted(os.listdir(root))
+        # A lock file left by a monitor that has ended holds nothing of a job's.
+        entries = sorted(e for e in os.listdir(root) if e != rootlock.LOCK_NAME)
         if entries:
             raise DemoError(_foreign_root_message(root, entries))
     try:

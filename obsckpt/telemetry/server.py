@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -178,24 +181,130 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     )
 
 
+# The target label that says which checkpoint root an entry's monitor commits into:
+# a __meta_ label, so Prometheus can relabel on it but drops it from the series.
+ROOT_LABEL = "__meta_obsckpt_root"
+_PROBE_TIMEOUT_S = 0.5
+
+
+def _read_groups(path: Path) -> list[dict]:
+    try:
+        groups = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"{path} is not a file_sd target list (a JSON list of objects)")
+    return groups
+
+
 def read_file_sd_targets(path: str | os.PathLike) -> list[str]:
     """The targets a file_sd file names (empty for a missing file).
 
     Raises:
         ValueError: the file is not a file_sd target list.
     """
+    return [t for g in _read_groups(Path(path)) for t in g.get("targets", [])]
+
+
+def _is_local(host: str) -> bool:
+    """True when ``host`` is an address of this machine (a socket can bind to it)."""
     try:
-        groups = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return []
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise ValueError(f"{path} is not a file_sd target list (a JSON list of objects)")
-    return [t for g in groups for t in g.get("targets", [])]
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(sockaddr)
+    except (OSError, IndexError):
+        return False
+    return True
 
 
-def write_file_sd(path: str | os.PathLike, address: str | None, labels: dict[str, str]) -> None:
-    """Atomically write a Prometheus file_sd target list naming ``address`` (empty if None)."""
-    targets = [{"targets": [address], "labels": labels}] if address else []
-    path = Path(path)
+def _refused(address: object) -> bool:
+    """True when ``address`` is on this machine and nothing listens on its port.
+
+    That monitor's process has ended (its port is closed). Other machines'
+    addresses are never taken for gone: a firewall that rejects connections
+    looks the same from here as a closed port.
+    """
+    if not isinstance(address, str) or ":" not in address:
+        return False
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not _is_local(host):
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=_PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds ``<path>.lock``: jobs sharing one file_sd file update it one at a time."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, (json.dumps(targets, indent=2) + "\n").encode())
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_groups(path: Path, groups: list[dict]) -> None:
+    atomic_write(path, (json.dumps(groups, indent=2) + "\n").encode())
+
+
+def publish_file_sd(
+    path: str | os.PathLike, address: str | None, labels: dict[str, str], *, root: str
+) -> list[str]:
+    """Name ``address`` in the file_sd file ``path``, beside other jobs' monitors.
+
+    Several jobs may share one file (``OBSCKPT_FILE_SD_PATH`` set for a whole
+    cluster): each monitor's entry is its own group, tagged with its checkpoint
+    root. This replaces the entry of an earlier monitor of ``root`` (one that Ray
+    restarted, or the last job on that root) and entries at an address of this
+    machine where nothing listens (a monitor whose process has ended), and keeps
+    every other. A file
+    that is not a target list is replaced, with an error logged. ``address``
+    None only removes ``root``'s entry.
+
+    Returns:
+        The addresses removed as gone (not those of ``root``'s earlier monitor).
+    """
+    path = Path(path)
+    with _locked(path):
+        try:
+            groups = _read_groups(path)
+        except (ValueError, UnicodeDecodeError) as exc:
+            logger.error("obsckpt: replacing %s, which is not a file_sd target list: %s", path, exc)
+            groups = []
+        kept, gone = [], []
+        for group in groups:
+            targets = group.get("targets")
+            tags = group.get("labels")
+            if isinstance(tags, dict) and tags.get(ROOT_LABEL) == root:
+                continue
+            if isinstance(targets, list) and address in targets:
+                continue  # the port was another monitor's, which has ended
+            if isinstance(targets, list) and targets and all(_refused(t) for t in targets):
+                gone.extend(targets)
+                continue
+            kept.append(group)
+        if address:
+            kept.append({"targets": [address], "labels": {**labels, ROOT_LABEL: root}})
+        _write_groups(path, kept)
+    return gone
+
+
+def withdraw_file_sd(path: str | os.PathLike, address: str) -> bool:
+    """Remove ``address``'s entry from the file_sd file; False if it names it no more."""
+    path = Path(path)
+    with _locked(path):
+        groups = _read_groups(path)
+        kept = [g for g in groups if address not in (g.get("targets") or [])]
+        if len(kept) == len(groups):
+            return False
+        _write_groups(path, kept)
+    return True

@@ -1,0 +1,208 @@
+"""One committer per checkpoint root: the monitor's lock on ``<root>/.obsckpt-monitor.lock``.
+
+Two jobs pointed at one root (a relaunch while the old job still runs, two
+experiments with the same ``default_local_dir``) would each write the iteration
+files, and each one's monitor would take the other's half-written steps for
+abandoned ones and its retention would delete them. The monitor therefore holds
+an exclusive ``flock`` on a file in the root for as long as its process lives;
+a second monitor refuses the root, naming the holder.
+
+The kernel drops the lock when the holding process ends, however it ends, so a
+crashed monitor never leaves the root locked. On NFS, Linux carries ``flock``
+as a whole-file POSIX lock to the server, which frees a lost client's locks
+when its lease runs out (90 s by default): a monitor that Ray restarts on
+another node waits that long for it (:data:`RESTART_WAIT_S`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from obsckpt.errors import CheckpointDirError, RootInUseError
+
+LOCK_NAME = ".obsckpt-monitor.lock"
+# How long a new monitor waits for a holder to go: ray.kill returns before the
+# killed monitor's process has ended, so a job that kills its monitor and starts
+# another would otherwise race its own lock.
+START_WAIT_S = 5.0
+# How long a monitor that Ray restarted waits for its predecessor's lock: an NFS
+# server keeps a lost client's locks until its lease ends (90 s by default).
+RESTART_WAIT_S = 120.0
+_POLL_S = 0.25
+_MAX_INFO_BYTES = 4096
+
+
+class RootLock:
+    """The held lock; :meth:`release` gives it up (so does the process's end)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Unlock and close; the file stays (removing it would race a new holder's open)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the open file drops its flock
+
+
+def lock_path(root: str | os.PathLike[str]) -> Path:
+    return Path(root) / LOCK_NAME
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise CheckpointDirError(
+            f"cannot open the monitor's lock file {str(path)!r} ({exc.strerror or exc}); "
+            "the checkpoint root must let this process create and write files"
+        ) from exc
+
+
+def _try_lock(fd: int, path: Path) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise CheckpointDirError(
+            f"cannot lock {str(path)!r} ({exc.strerror or exc}); the checkpoint root's "
+            "filesystem must support flock (on NFS: mount without 'nolock')"
+        ) from exc
+    return True
+
+
+def read_holder(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the lock file says of its last holder ({} when missing or unreadable)."""
+    try:
+        fd = os.open(lock_path(root), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        data = os.read(fd, _MAX_INFO_BYTES)
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    try:
+        info = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def describe_holder(info: dict[str, Any]) -> str:
+    """``info`` in a few words: host, pid, namespace, since when."""
+    parts = []
+    if isinstance(info.get("host"), str):
+        parts.append(f"host {info['host']}")
+    if isinstance(info.get("pid"), int):
+        parts.append(f"pid {info['pid']}")
+    if isinstance(info.get("namespace"), str):
+        parts.append(f"Ray namespace {info['namespace']!r}")
+    since = info.get("since")
+    if isinstance(since, int | float) and not isinstance(since, bool):
+        try:
+            parts.append("since " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(since)))
+        except (OverflowError, OSError, ValueError):
+            pass
+    return ", ".join(parts) if parts else "a holder that left no details"
+
+
+def _in_use(root: Path, info: dict[str, Any], waited: float) -> RootInUseError:
+    after = f" after waiting {waited:.0f} s" if waited >= 1 else ""
+    return RootInUseError(
+        f"checkpoint root {str(root)!r} is in use by another obsckpt monitor "
+        f"({describe_holder(info)}){after}. Two jobs committing into one root would "
+        "overwrite each other's iteration files and delete each other's steps. Give "
+        "this job a default_local_dir of its own, or stop the other job first (its "
+        f"lock, {LOCK_NAME}, is released when its monitor's process ends)",
+        holder=info,
+    )
+
+
+def acquire(
+    root: str | os.PathLike[str], *, namespace: str | None = None, wait_s: float = 0.0
+) -> RootLock:
+    """Lock ``root`` for this process's monitor, waiting up to ``wait_s`` for a holder to go.
+
+    Raises:
+        RootInUseError: another process (or another monitor in this one) holds it.
+        CheckpointDirError: the lock file cannot be created or locked.
+    """
+    root = Path(root)
+    path = lock_path(root)
+    fd = _open(path)
+    start = time.monotonic()
+    try:
+        while not _try_lock(fd, path):
+            waited = time.monotonic() - start
+            if waited >= wait_s:
+                raise _in_use(root, read_holder(root), waited)
+            time.sleep(min(_POLL_S, max(0.0, wait_s - waited)))
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "namespace": namespace,
+            "since": time.time(),
+        }
+        data = json.dumps(info).encode()
+        # Who holds it, for the error a second monitor gives; not needed for the lock.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RootLock(path, fd)
+
+
+def locked_by(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Who holds ``root``'s lock now (their details, perhaps {}), or None if no one does.
+
+    Tries the lock and lets it go at once, so it never keeps a monitor out.
+    """
+    path = lock_path(root)
+    fd = None
+    # Read-write where possible: over NFS an exclusive lock needs a writable descriptor.
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            break
+        except OSError:
+            continue
+    if fd is None:
+        return None  # no lock file (or one this process cannot open): no monitor to name
+    try:
+        if _try_lock(fd, path):
+            return None
+    except CheckpointDirError:
+        return None
+    finally:
+        os.close(fd)  # also drops the lock this probe may have taken
+    return read_holder(root)
+
+
+def check_free(root: str | os.PathLike[str], *, wait_s: float = 0.0) -> None:
+    """Raise :class:`RootInUseError` if a monitor holds ``root`` for ``wait_s`` more seconds.
+
+    For a caller about to start a monitor or to clear a root: it fails there
+    rather than in a remote actor or after removing another job's files.
+    """
+    start = time.monotonic()
+    while (info := locked_by(root)) is not None:
+        waited = time.monotonic() - start
+        if waited >= wait_s:
+            raise _in_use(Path(root), info, waited)
+        time.sleep(min(_POLL_S, max(0.0, wait_s - waited)))
