@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from obsckpt.errors import CheckpointDirError, RootInUseError
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".obsckpt-monitor.lock"
 # How long a new monitor waits for a holder to go: ray.kill returns before the
@@ -42,9 +45,9 @@ _MAX_INFO_BYTES = 4096
 class RootLock:
     """The held lock; :meth:`release` gives it up (so does the process's end)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
-        self._fd: int | None = fd
+        self._fd = fd  # None: not held (released, or a filesystem without locks)
 
     @property
     def held(self) -> bool:
@@ -71,16 +74,17 @@ def _open(path: Path) -> int:
         ) from exc
 
 
+class _NoLocks(OSError):
+    """The filesystem does not lock files (some FUSE mounts, NFS mounted with nolock)."""
+
+
 def _try_lock(fd: int, path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
-        raise CheckpointDirError(
-            f"cannot lock {str(path)!r} ({exc.strerror or exc}); the checkpoint root's "
-            "filesystem must support flock (on NFS: mount without 'nolock')"
-        ) from exc
+        raise _NoLocks(exc.errno, exc.strerror) from exc
     return True
 
 
@@ -138,16 +142,19 @@ def acquire(
 ) -> RootLock:
     """Lock ``root`` for this process's monitor, waiting up to ``wait_s`` for a holder to go.
 
+    On a filesystem that cannot lock (some FUSE mounts, NFS mounted with
+    ``nolock``) a warning is logged and the returned lock is not held.
+
     Raises:
         RootInUseError: another process (or another monitor in this one) holds it.
-        CheckpointDirError: the lock file cannot be created or locked.
+        CheckpointDirError: the lock file cannot be created.
     """
     root = Path(root)
     path = lock_path(root)
     fd = _open(path)
     start = time.monotonic()
     try:
-        while not _try_lock(fd, path):
+        while not _try_lock_or_warn(fd, path):
             waited = time.monotonic() - start
             if waited >= wait_s:
                 raise _in_use(root, read_holder(root), waited)
@@ -162,10 +169,31 @@ def acquire(
         # Who holds it, for the error a second monitor gives; not needed for the lock.
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
+    except _Unlocked:
+        os.close(fd)
+        return RootLock(path, None)
     except BaseException:
         os.close(fd)
         raise
     return RootLock(path, fd)
+
+
+class _Unlocked(Exception):
+    """The root's filesystem cannot lock: the monitor goes on without the lock."""
+
+
+def _try_lock_or_warn(fd: int, path: Path) -> bool:
+    try:
+        return _try_lock(fd, path)
+    except _NoLocks as exc:
+        logger.warning(
+            "obsckpt: cannot lock %s (%s): this filesystem does not support flock, so a "
+            "second job on this checkpoint root would not be refused. Give every job a "
+            "default_local_dir of its own",
+            path,
+            exc.strerror or exc,
+        )
+        raise _Unlocked from exc
 
 
 def locked_by(root: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -187,7 +215,7 @@ def locked_by(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         if _try_lock(fd, path):
             return None
-    except CheckpointDirError:
+    except _NoLocks:
         return None
     finally:
         os.close(fd)  # also drops the lock this probe may have taken

@@ -7,6 +7,7 @@ session's Ray); the lock is the kernel's flock, so a killed holder frees it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -137,6 +138,20 @@ class TestOneMonitorPerRoot:
         assert rootlock.locked_by(tmp_path) is None
         (tmp_path / disk.ITERATION_FILES["checkpoint"]).unlink()
         asyncio.run(monitor(tmp_path).shutdown())
+
+    def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(
+        self, tmp_path, monkeypatch, caplog
+    ):
+        # Some FUSE mounts and NFS mounted with nolock answer flock with ENOLCK.
+        def no_locks(fd, op):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        monkeypatch.setattr(rootlock.fcntl, "flock", no_locks)
+        m = monitor(tmp_path)
+        assert not m._root_lock.held
+        assert "does not support flock" in caplog.text and str(tmp_path) in caplog.text
+        assert rootlock.locked_by(tmp_path) is None
+        asyncio.run(m.shutdown())
 
     def test_details_that_cannot_be_read_still_refuse(self, tmp_path, quick):
         holder = start_holder(tmp_path)
