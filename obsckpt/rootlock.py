@@ -78,6 +78,10 @@ class _NoLocks(OSError):
     """The filesystem does not lock files (some FUSE mounts, NFS mounted with nolock)."""
 
 
+def _fd_is_read_only(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+
+
 def _try_lock(fd: int, path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -152,9 +156,20 @@ def acquire(
     root = Path(root)
     path = lock_path(root)
     fd = _open(path)
+    # Held through a read-only descriptor where the filesystem allows: a file open
+    # for writing keeps an administrator from remounting the root read-only. NFS
+    # carries flock as a POSIX write lock, which needs the read-write one.
+    held = _open_read_only(path)
     start = time.monotonic()
     try:
-        while not _try_lock_or_warn(fd, path):
+        while True:
+            try:
+                if _try_lock_or_warn(held, path):
+                    break
+            except _NoLocks:  # EBADF: this filesystem locks only descriptors open for writing
+                os.close(held)
+                held = fd
+                continue
             waited = time.monotonic() - start
             if waited >= wait_s:
                 raise _in_use(root, read_holder(root), waited)
@@ -170,12 +185,23 @@ def acquire(
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
     except _Unlocked:
-        os.close(fd)
+        _close(held, fd)
         return RootLock(path, None)
     except BaseException:
-        os.close(fd)
+        _close(held, fd)
         raise
-    return RootLock(path, fd)
+    if held != fd:
+        os.close(fd)  # another open file than the locked one: its flock stays
+    return RootLock(path, held)
+
+
+def _open_read_only(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _close(*fds: int) -> None:
+    for fd in set(fds):
+        os.close(fd)
 
 
 class _Unlocked(Exception):
@@ -183,9 +209,12 @@ class _Unlocked(Exception):
 
 
 def _try_lock_or_warn(fd: int, path: Path) -> bool:
+    """Whether ``fd`` got the lock; _NoLocks for EBADF (a read-only descriptor on NFS)."""
     try:
         return _try_lock(fd, path)
     except _NoLocks as exc:
+        if exc.errno == errno.EBADF and _fd_is_read_only(fd):
+            raise
         logger.warning(
             "obsckpt: cannot lock %s (%s): this filesystem does not support flock, so a "
             "second job on this checkpoint root would not be refused. Give every job a "
