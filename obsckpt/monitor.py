@@ -233,9 +233,8 @@ class CheckpointMonitor:
             self._tickets = Tickets()
             # Saves on a node Ray reports dead are lost, leased or not (a Trinity caller's is not).
             self._watch_nodes = _in_actor()
-            self._committer: asyncio.Task[None] | None = (
-                None  # commits what is ready, one at a time
-            )
+            # Commits what is ready, one at a time.
+            self._committer: asyncio.Task[None] | None = None
             # When each kind last committed, and when its oldest pending step started:
             # readings of the monotonic clock (_now), shown as Unix time by _unix.
             self._last_commit: dict[str, float | None] = {k: None for k in KINDS}

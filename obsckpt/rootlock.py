@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,20 +76,28 @@ def _open(path: Path) -> int:
 
 
 class _NoLocks(OSError):
-    """The filesystem does not lock files (some FUSE mounts, NFS mounted with nolock)."""
+    """flock failed for another reason than a holder (a filesystem without locks, EBADF)."""
 
 
-def _fd_is_read_only(fd: int) -> bool:
-    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-
-
-def _try_lock(fd: int, path: Path) -> bool:
+def _try_lock(fd: int) -> bool:
+    """Whether ``fd`` took the lock (False: another open file holds it)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
         raise _NoLocks(exc.errno, exc.strerror) from exc
+    return True
+
+
+def _poll(done: Callable[[], bool], wait_s: float) -> bool:
+    """Call ``done`` every _POLL_S until it is true (True) or ``wait_s`` has passed (False)."""
+    deadline = time.monotonic() + wait_s
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_POLL_S, left))
     return True
 
 
@@ -157,35 +166,38 @@ def acquire(
     path = lock_path(root)
     fd = _open(path)
     # Held through a read-only descriptor where the filesystem allows: a file open
-    # for writing keeps an administrator from remounting the root read-only. NFS
-    # carries flock as a POSIX write lock, which needs the read-write one.
-    held = _open_read_only(path)
-    start = time.monotonic()
+    # for writing keeps an administrator from remounting the root read-only.
+    held = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        while True:
-            try:
-                if _try_lock_or_warn(held, path):
-                    break
-            except _NoLocks:  # EBADF: this filesystem locks only descriptors open for writing
-                os.close(held)
-                held = fd
-                continue
-            waited = time.monotonic() - start
-            if waited >= wait_s:
-                raise _in_use(root, read_holder(root), waited)
-            time.sleep(min(_POLL_S, max(0.0, wait_s - waited)))
+        try:
+            got = _try_lock(held)
+        except _NoLocks as exc:
+            if exc.errno != errno.EBADF:
+                raise
+            # NFS carries flock as a POSIX write lock, which needs the read-write one.
+            os.close(held)
+            held = fd
+            got = _try_lock(held)
+        if not (got or _poll(lambda: _try_lock(held), wait_s)):
+            raise _in_use(root, read_holder(root), wait_s)
         info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "namespace": namespace,
             "since": time.time(),
         }
-        data = json.dumps(info).encode()
         # Who holds it, for the error a second monitor gives; not needed for the lock.
         os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-    except _Unlocked:
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+    except _NoLocks as exc:
         _close(held, fd)
+        logger.warning(
+            "obsckpt: cannot lock %s (%s): this filesystem does not support flock, so a "
+            "second job on this checkpoint root would not be refused. Give every job a "
+            "default_local_dir of its own",
+            path,
+            exc.strerror or exc,
+        )
         return RootLock(path, None)
     except BaseException:
         _close(held, fd)
@@ -195,34 +207,9 @@ def acquire(
     return RootLock(path, held)
 
 
-def _open_read_only(path: Path) -> int:
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-
-
 def _close(*fds: int) -> None:
     for fd in set(fds):
         os.close(fd)
-
-
-class _Unlocked(Exception):
-    """The root's filesystem cannot lock: the monitor goes on without the lock."""
-
-
-def _try_lock_or_warn(fd: int, path: Path) -> bool:
-    """Whether ``fd`` got the lock; _NoLocks for EBADF (a read-only descriptor on NFS)."""
-    try:
-        return _try_lock(fd, path)
-    except _NoLocks as exc:
-        if exc.errno == errno.EBADF and _fd_is_read_only(fd):
-            raise
-        logger.warning(
-            "obsckpt: cannot lock %s (%s): this filesystem does not support flock, so a "
-            "second job on this checkpoint root would not be refused. Give every job a "
-            "default_local_dir of its own",
-            path,
-            exc.strerror or exc,
-        )
-        raise _Unlocked from exc
 
 
 def locked_by(root: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -242,7 +229,7 @@ def locked_by(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     if fd is None:
         return None  # no lock file (or one this process cannot open): no monitor to name
     try:
-        if _try_lock(fd, path):
+        if _try_lock(fd):
             return None
     except _NoLocks:
         return None
@@ -257,9 +244,5 @@ def check_free(root: str | os.PathLike[str], *, wait_s: float = 0.0) -> None:
     For a caller about to start a monitor or to clear a root: it fails there
     rather than in a remote actor or after removing another job's files.
     """
-    start = time.monotonic()
-    while (info := locked_by(root)) is not None:
-        waited = time.monotonic() - start
-        if waited >= wait_s:
-            raise _in_use(Path(root), info, waited)
-        time.sleep(min(_POLL_S, max(0.0, wait_s - waited)))
+    if not _poll(lambda: locked_by(root) is None, wait_s):
+        raise _in_use(Path(root), read_holder(root), wait_s)

@@ -143,6 +143,12 @@ def advertised_host(host: str) -> str:
         return "127.0.0.1"
 
 
+def _bare_host(host: str) -> str:
+    """``host`` without the brackets URLs and Prometheus targets put around an IPv6 literal
+    ("[::1]"); sockets take it bare ("::1")."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 literal in brackets as URLs and Prometheus targets need."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -156,9 +162,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> M
     """
     if port is None:
         return MetricsServer()
-    # "[::1]" is how URLs and Prometheus targets write an IPv6 literal; bind takes "::1".
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+    host = _bare_host(host)
     scrapes = _ScrapeCounter(registry)
     try:
         # "" means every interface to socket.bind, but not to getaddrinfo, which
@@ -228,7 +232,7 @@ def _refused(address: object) -> bool:
     if not isinstance(address, str) or ":" not in address:
         return False
     host, _, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    host = _bare_host(host)
     if not _is_local(host):
         return False
     try:
@@ -266,9 +270,8 @@ def publish_file_sd(
     root. This replaces the entry of an earlier monitor of ``root`` (one that Ray
     restarted, or the last job on that root) and entries at an address of this
     machine where nothing listens (a monitor whose process has ended), and keeps
-    every other. A file
-    that is not a target list is replaced, with an error logged. ``address``
-    None only removes ``root``'s entry.
+    every other. A file that is not a target list is replaced, with an error
+    logged. ``address`` None only removes ``root``'s entry.
 
     Returns:
         The addresses removed as gone (not those of ``root``'s earlier monitor).
@@ -277,7 +280,7 @@ def publish_file_sd(
     with _locked(path):
         try:
             groups = _read_groups(path)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # not JSON (or not UTF-8), or not a list of groups
             logger.error("obsckpt: replacing %s, which is not a file_sd target list: %s", path, exc)
             groups = []
         kept, gone = [], []
