@@ -61,6 +61,36 @@ def _thread_faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
+class _KeptStager:
+    """A ``DefaultStager`` that ``async_save`` cannot close between saves.
+
+    Some torch releases (2.11) close the ``async_stager`` they were given
+    once the save is staged, which empties its ``StateDictStager`` and makes
+    the next save fail (``KeyError: <class 'type'>``). Keeping it across
+    saves is the point of this setting, so ``close`` is deferred to
+    :meth:`release`; whether torch tried is recorded.
+    """
+
+    def __init__(self, stager: Any) -> None:
+        self._stager = stager
+        self.close_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stager, name)
+
+    def stage(self, state_dict: Any) -> Any:
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        self._stager.synchronize_staging()
+
+    def close(self) -> None:
+        self.close_calls += 1
+
+    def release(self) -> None:
+        self._stager.close()
+
+
 class _Dcp:
     """One DCP setting: a writer per save into its own directory; the stager is the
     writer itself, or a ``DefaultStager`` kept across saves (``kept_stager``)."""
@@ -77,12 +107,14 @@ class _Dcp:
         if kept_stager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=torch.cuda.is_available(),
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
+            self.stager = _KeptStager(
+                DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=torch.cuda.is_available(),
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=False,
+                    )
                 )
             )
         self.stalls: list[float] = []
@@ -130,7 +162,7 @@ class _Dcp:
 
     def close(self) -> None:
         if self.stager is not None:
-            self.stager.close()
+            self.stager.release()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -144,6 +176,8 @@ class _Dcp:
             "thread_count": self.threads,
             "cached_pinned_staging": self.cached,
             "kept_default_stager": self.stager is not None,
+            # How often async_save tried to close the stager it was given (see _KeptStager).
+            **({"async_save_close_calls": self.stager.close_calls} if self.stager else {}),
         }
 
 

@@ -72,9 +72,15 @@ class Trainer:
         except (BroadcastError, ValueError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "elapsed": time.monotonic() - t0}
 
-    def sync_in_place(self, rollout, step: int, seed: int) -> dict:
-        """Update one model in place (as an optimizer step does), then send it."""
+    def sync_in_place(self, rollout, step: int, seed: int, dense: bool = False) -> dict:
+        """Update one model in place (as an optimizer step does), then send it.
+
+        ``dense``: without the model's one non-contiguous tensor, which the
+        sender copies afresh at each sync (a new storage, so a new layout).
+        """
         fresh = model(seed, self.device)
+        if dense:
+            del fresh["t"]
         if not hasattr(self, "kept"):
             self.kept = fresh
         with torch.no_grad():
@@ -130,6 +136,9 @@ class Rollout:
 
     def state(self) -> tuple[int | None, dict[str, torch.Tensor], list[str]]:
         return self.receiver.last_step, {k: v.cpu() for k, v in self.weights.items()}, self.errors
+
+    def replays_a_graph(self) -> bool:
+        return self.receiver._graph is not None
 
     def spans(self) -> list[tuple[str, str, dict]]:
         from obsckpt.telemetry import tracing
@@ -256,6 +265,46 @@ def test_ipc_layouts_on_cuda(ray_cluster):
         assert seen[:3] == [("direct", tensors), ("direct", 1), ("direct", 1)], seen
         assert seen[5][0] == "buckets", seen
         assert seen[6:] == [("direct", tensors), ("direct", 1)], seen
+    finally:
+        ray.get(trainer.close.remote())
+        for a in (trainer, rollout):
+            ray.kill(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and IPC need a GPU")
+def test_ipc_copies_replayed_as_a_cuda_graph(ray_cluster):
+    """The rollout's copies captured as a CUDA graph from the second sync on (direct and
+    buckets layouts), answering before the copy finishes: every version arrives whole,
+    and a layout change drops the graph before a new one is captured."""
+    opts = dict(num_cpus=0, num_gpus=0.5, max_concurrency=2)
+    trainer = ray.remote(Trainer).options(**opts).remote("cuda:0")
+    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0", False)
+    try:
+        plan = [("kept", s) for s in range(1, 6)] + [("new", s) for s in range(6, 10)]
+        plan += [("kept", s) for s in range(10, 14)]
+        seen = []
+        for what, step in plan:
+            if what == "kept":
+                r = ray.get(trainer.sync_in_place.remote(rollout, step, step, dense=True))
+                layout = r["layout"]
+            else:  # new tensors, the non-contiguous one too (a layout of its own)
+                r = ray.get(trainer.sync.remote(rollout, step, step))
+                assert r.get("ok"), r
+                layout = "new"
+            last, weights, errors = ray.get(rollout.state.remote())
+            want = model(step)
+            del want["t"]  # the rollout's weights are the first sync's: no "t"
+            assert last == step and errors == [], (step, errors)
+            assert differ(want, weights) == [], step
+            seen.append((layout, ray.get(rollout.replays_a_graph.remote())))
+        # Kept in place: direct throughout. The first sync fills fresh tensors, the
+        # second copies into them, the third captures those very copies.
+        assert seen[:5] == [("direct", False)] * 2 + [("direct", True)] * 3, seen
+        # New tensors (the sender's buckets): captured from the second such sync on.
+        assert seen[5:9] == [("new", False)] + [("new", True)] * 3, seen
+        # Back in place: buckets once, then direct; a graph once the layout repeats.
+        assert seen[9:] == [("buckets", False), ("direct", False)] + [("direct", True)] * 2, seen
     finally:
         ray.get(trainer.close.remote())
         for a in (trainer, rollout):
@@ -539,6 +588,91 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
     # An answer naming an event this sender was never handed is a protocol error.
     with pytest.raises(BroadcastError, match="never handed"):
         sender._wait_copied({"step": 9, "event": ("someone-else", None)}, time.monotonic() + 1)
+    sender.close()
+    receiver.close()
+
+
+class _Graph:
+    """Stands in for a captured CUDA graph of copies: replay() copies each pair."""
+
+    def __init__(self, dsts, srcs) -> None:
+        self.dsts, self.srcs, self.replays = dsts, srcs, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for d, s in zip(self.dsts, self.srcs, strict=True):
+            d.copy_(s)
+
+
+def test_receiver_replays_its_copies_as_a_graph(tmp_path, monkeypatch, caplog):
+    """The second sync in a row between the same targets and sources captures the copies
+    as a CUDA graph, which later syncs replay; other targets (clone=True, a new into=, a
+    new layout) drop it, tensors that are not dense twins never go in one, and a capture
+    that fails leaves the receiver copying one by one. The weights are right throughout.
+
+    CUDA graphs need a GPU (test_ipc_layouts_on_cuda and the ipc benchmark run them);
+    here a stand-in graph replays the copies on CPU and the rest is the real receiver.
+    """
+    from obsckpt.sync.ipc import streams as ipc_streams
+
+    captured: list[_Graph] = []
+
+    def capture(device, dsts, srcs):
+        if fail["now"]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(_Graph(dsts, srcs))
+        return captured[-1]
+
+    fail = {"now": False}
+    monkeypatch.setattr(ipc_streams, "graphs_on", lambda device: True)
+    monkeypatch.setattr(ipc_streams, "capture_copies", capture)
+    monkeypatch.setattr(ipc_streams, "cuda_devices", lambda ts: {torch.device("cpu")})
+    monkeypatch.setattr(ipc_streams, "current_stream", lambda device: _Stream())
+    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
+    receiver = IpcWeightReceiver(device="cpu")
+    state = {"n": 0}
+
+    def sync(step, extra=None, **kw):
+        sent = {**model(step), **(extra or {})}
+        got = {}
+
+        def deliver(p):
+            ack, got["w"] = receiver.recv(p, **kw)
+            return ack
+
+        sender.send(sent, deliver, step=step)
+        assert differ(sent, got["w"]) == []
+        state["n"] = step
+        return len(captured), sum(g.replays for g in captured)
+
+    assert sync(1) == (0, 0)  # first time: copied one by one
+    assert sync(2) == (1, 1)  # the same lists again: captured, replayed
+    assert sync(3) == (1, 2) and sync(4) == (1, 3)
+    assert sync(5, clone=True) == (1, 3) and receiver._graph is None  # fresh tensors
+    assert sync(6) == (1, 3)  # the area again, but not twice in a row yet
+    assert sync(7) == (2, 4)
+    dense = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in model(0).items()}
+    assert sync(8, into=dense) == (2, 4) and sync(9, into=dense) == (3, 5)
+    assert differ(model(9), dense) == []
+    # Targets that are not dense twins of the sources (a transposed tensor) never are.
+    mixed = {k: torch.zeros_like(v) for k, v in model(0).items()}
+    assert not mixed["t"].is_contiguous()
+    assert sync(10, into=mixed) == (3, 5) and sync(11, into=mixed) == (3, 5)
+    assert differ(model(11), mixed) == []
+    # A new layout (a tensor more) drops the graph and its lists: the new ones go in one.
+    more = {"extra": torch.arange(5.0)}
+    assert sync(12, extra=more) == (3, 5) and receiver._graph is None
+    assert sync(13, extra=more) == (4, 6) and sync(14, extra=more) == (4, 7)
+    # A capture that fails: copied one by one from then on, said once.
+    receiver = IpcWeightReceiver(device="cpu")
+    fail["now"] = True
+    with caplog.at_level("INFO", logger="obsckpt.sync.ipc.receiver"):
+        assert sync(15) == (4, 7) and sync(16) == (4, 7) and sync(17) == (4, 7)
+    assert receiver._graphs is False
+    assert [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()] == [
+        "obsckpt: the ipc receiver copies tensor by tensor: capturing its copies as a CUDA "
+        "graph failed (RuntimeError: operation not permitted when stream is capturing)"
+    ]
     sender.close()
     receiver.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
 import uuid
@@ -22,6 +23,8 @@ from obsckpt.sync.ipc.payload import (
     device_uuid,
 )
 from obsckpt.telemetry import tracing
+
+logger = logging.getLogger(__name__)
 
 _shape = operator.attrgetter("shape")
 # The tensors to copy into, the dict recv() returns, and the CUDA devices they are on.
@@ -54,6 +57,12 @@ class IpcWeightReceiver:
         # dict returned, the CUDA devices to synchronize, and what they came from.
         self._targets: _Targets | None = None
         self._targets_key: _IntoKey | None = None
+        # The copies as one CUDA graph, once a second sync copies between the very
+        # same targets and sources: (targets, sources, graph). False: capture failed
+        # here once, copy_many from then on.
+        self._graph: tuple[list[torch.Tensor], list[torch.Tensor], Any] | None = None
+        self._last_pair: tuple[int, int] | None = None
+        self._graphs = True
         # recv(wait=False): an interprocess event recorded after each copy, on
         # its device, with the token that names it to the sender.
         self._done: tuple[torch.device, Any, str] | None = None
@@ -138,7 +147,7 @@ class IpcWeightReceiver:
             queued = False
             try:
                 with torch.no_grad():
-                    copy_many(dsts, self._sources)
+                    self._copy(dsts, self._sources, devices, stable=not clone)
                 if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
                     (device,) = devices
                     event, token = self._done_event(device)
@@ -169,6 +178,51 @@ class IpcWeightReceiver:
             self.last_seconds = time.perf_counter() - t0
         return ack, dict(out)
 
+    def _copy(
+        self,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        devices: set[torch.device],
+        *,
+        stable: bool,
+    ) -> None:
+        """``copy_many(dsts, srcs)``, queued on the current stream.
+
+        On one CUDA device, the second sync in a row between the very same
+        target and source lists (``stable``: the receive area or the same
+        ``into=`` tensors, the same layout) captures the copies as a CUDA
+        graph, which the later syncs replay: one launch instead of one per
+        tensor, and the copies run back to back. The graph keeps those lists,
+        and so their tensors; it is dropped when a sync copies between others
+        and when the layout changes.
+        """
+        graph = self._graph
+        if graph is not None:
+            if graph[0] is dsts and graph[1] is srcs:
+                graph[2].replay()
+                return
+            self._graph = None
+        pair = (id(dsts), id(srcs))
+        if stable and self._graphs and pair == self._last_pair and len(devices) == 1:
+            (device,) = devices
+            if streams.graphs_on(device) and _plain_copies(dsts, srcs, device):
+                try:
+                    captured = streams.capture_copies(device, dsts, srcs)
+                except Exception as exc:  # noqa: BLE001 - the copies still run, one by one
+                    self._graphs = False
+                    logger.info(
+                        "obsckpt: the ipc receiver copies tensor by tensor: capturing its "
+                        "copies as a CUDA graph failed (%s: %s)",
+                        type(exc).__name__,
+                        exc,
+                    )
+                else:
+                    self._graph = (dsts, srcs, captured)
+                    captured.replay()
+                    return
+        self._last_pair = pair if stable else None
+        copy_many(dsts, srcs)
+
     def _done_event(self, device: torch.device) -> tuple[Any, str]:
         """The interprocess event recorded after each copy on ``device``, and its token."""
         if self._done is None or self._done[0] != device:
@@ -179,6 +233,7 @@ class IpcWeightReceiver:
         """Parse a described layout and locate the sender's tensors (kept for later payloads)."""
         self._held = None
         self._targets = None  # new sources: the targets are listed again
+        self._graph = self._last_pair = None  # nor may a graph keep the old ones open
         if payload.meta != self._wire:  # parsed once per layout of the model
             self._meta = [TensorMeta.from_wire(m) for m in payload.meta]
             self._wire = payload.meta
@@ -376,7 +431,21 @@ class IpcWeightReceiver:
         self._held = None
         self._sources = []
         self._targets = self._targets_key = None
+        self._graph = self._last_pair = None
         self._done = None
+
+
+def _plain_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device: torch.device) -> bool:
+    """Each pair a byte-for-byte copy between dense tensors on ``device`` (a memcpy each)."""
+    return all(
+        d.dtype == s.dtype
+        and d.shape == s.shape
+        and d.device == device
+        and s.device == device
+        and d.is_contiguous()
+        and s.is_contiguous()
+        for d, s in zip(dsts, srcs, strict=True)
+    )
 
 
 class _IntoKey(NamedTuple):
