@@ -8,8 +8,15 @@ value is copy time / sync time (1.0: the sync costs one copy), for a state
 that stays in place between syncs, as a model updated in place by its
 optimizer is: the ``direct`` layout, one copy from the trainer's tensors
 into the receiver's. A sync is timed until the sender returns, which is
-when the receiver's copy has finished. The value's receiver answers once its
-copy is queued (``recv(wait=False)``) and the sender waits for the
+when the receiver's copy has finished. The copy and the syncs take turns,
+so each starts right after the other process's GPU work and pays once the
+GPU's switch between the two processes' contexts, which an RL loop pays
+anyway when it passes from training to generation; the copy right after
+the trainer's own work, without that switch, is in the details
+(``d2d_own_s``, and the value's sync against it, the harshest reading). The
+receiver replays its copies as a CUDA graph from the second sync into the
+same tensors on (the first timed sync comes later). The value's receiver
+answers once its copy is queued (``recv(wait=False)``) and the sender waits for the
 receiver's event; the details give the same sync with the receiver answering
 after its copy (``recv``'s default) beside it, and split that one's time
 into the receiver's part (its copy alone), the transport's round trip (a
@@ -17,7 +24,7 @@ ping through the same pipe) and the sender's own, and time the same bytes
 copied outside the protocol, batched and per tensor: in the receiver, from
 the sender's tensors and between its own; in the sender, from its tensors
 into the receiver's. They also give one batched copy
-(``torch._foreach_copy_``, which the receiver uses), the ratio for four
+(``torch._foreach_copy_``, the receiver's copy before its graph), the ratio for four
 times the tensors and bytes, and the ``buckets`` layout, used when the
 tensors are new at each sync (gathered from shards): packed into the
 sender's buckets, then copied out, two copies.
@@ -167,7 +174,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     reps = max(9, sizes.save_reps)  # a sync takes milliseconds: enough for a steady median
 
     def in_place(state: dict) -> dict:
-        """Syncs of a state kept in place, each beside a D2D copy of it, interleaved.
+        """Syncs of a state kept in place, taking turns with a D2D copy of it.
 
         Two kinds of sync: the receiver answers once its copy is queued (the
         sender waits for the copy through the receiver's event), or after its
@@ -188,24 +195,32 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         cuda_seconds(_batched, theirs, srcs)  # first touch from this process, untimed
         out = {
             k: []
-            for k in "sync waits d2d batched ping copies pushed layouts receiver queued copy "
-            "waits_receiver waits_copy after_bare".split()
+            for k in "sync waits d2d d2d_own batched ping copies pushed layouts receiver "
+            "queued copy waits_receiver waits_copy after_bare".split()
         }
-        for _ in range(reps):  # the value: the reference copy and both kinds of sync
+        # The value: the reference copy and both kinds of sync, taking turns so that
+        # each starts right after the other process's GPU work (the copy after the
+        # rollout's, a sync after the trainer's). Two processes on one GPU run in two
+        # contexts, and the GPU switches between them: each timed operation here pays
+        # that switch once, as an RL loop does when it passes from training to
+        # generation (d2d_own: the same copy right after the trainer's own work).
+        for _ in range(reps):
             out["d2d"].append(cuda_seconds(_per_tensor, dsts, srcs))
             out["sync"].append(sync(state))
             out["layouts"].append(sender.last_layout)
             out["receiver"].append(answers[-1]["receiver_s"])
             out["copy"].append(answers[-1]["copy_s"])
             out["queued"].append(answers[-1].get("event", (None, 1))[1] is None)
+            out["d2d"].append(cuda_seconds(_per_tensor, dsts, srcs))
             out["waits"].append(sync(state, wait=True))
             out["waits_receiver"].append(answers[-1]["receiver_s"])
             out["waits_copy"].append(answers[-1]["copy_s"])
-            out["batched"].append(cuda_seconds(_batched, dsts, srcs))
         # The diagnostics in a loop of their own: the bare copies go through torch's
         # own CUDA IPC, which the protocol does not use, and a sync right after them
-        # is timed apart (after_bare) rather than in the value.
+        # is timed apart (after_bare).
         for _ in range(reps):
+            out["d2d_own"].append(cuda_seconds(_per_tensor, dsts, srcs))
+            out["batched"].append(cuda_seconds(_batched, dsts, srcs))
             out["ping"].append(ping())
             out["copies"].append(receiver_copies())
             out["pushed"].append(_bare("into_receiver", theirs, srcs))  # the sender's
@@ -243,7 +258,8 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
     log(
         f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}, the rollout answering "
         f"once its copy is queued) vs D2D copy {c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) "
-        f"for {nbytes / 1e9:.2f} GB; answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
+        f"for {nbytes / 1e9:.2f} GB (right after the trainer's own work "
+        f"{median(main['d2d_own']) * 1e3:.2f} ms); answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
         f"in the receiver {wr * 1e3:.2f} ms (its copy {median(main['waits_copy']) * 1e3:.2f} "
         f"ms; bare, from the sender's tensors {bare['sender_batched'] * 1e3:.2f} ms, between "
         f"its own {bare['own_batched'] * 1e3:.2f} ms, the sender's into the receiver's "
@@ -270,6 +286,10 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "answered_before_copy": f"{sum(main['queued'])} of {len(main['queued'])}",
             "d2d_s": round(c, 6),
             "d2d_GBps": round(nbytes / c / 1e9, 3),
+            # The copy right after the trainer's own GPU work (no context switch),
+            # and the value's sync against it: the harshest reading.
+            "d2d_own_s": round(median(main["d2d_own"]), 6),
+            "d2d_own_over_sync": round(median(main["d2d_own"]) / s, 3),
             "sync_samples_s": rounded(main["sync"]),
             "d2d_samples_s": rounded(main["d2d"]),
             "d2d_batched_s": round(median(main["batched"]), 6),

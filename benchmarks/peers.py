@@ -61,36 +61,6 @@ def _thread_faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
-class _KeptStager:
-    """A ``DefaultStager`` that ``async_save`` cannot close between saves.
-
-    Some torch releases (2.11) close the ``async_stager`` they were given
-    once the save is staged, which empties its ``StateDictStager`` and makes
-    the next save fail (``KeyError: <class 'type'>``). Keeping it across
-    saves is the point of this setting, so ``close`` is deferred to
-    :meth:`release`; whether torch tried is recorded.
-    """
-
-    def __init__(self, stager: Any) -> None:
-        self._stager = stager
-        self.close_calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stager, name)
-
-    def stage(self, state_dict: Any) -> Any:
-        return self._stager.stage(state_dict)
-
-    def synchronize_staging(self) -> None:
-        self._stager.synchronize_staging()
-
-    def close(self) -> None:
-        self.close_calls += 1
-
-    def release(self) -> None:
-        self._stager.close()
-
-
 class _Dcp:
     """One DCP setting: a writer per save into its own directory; the stager is the
     writer itself, or a ``DefaultStager`` kept across saves (``kept_stager``)."""
@@ -107,14 +77,12 @@ class _Dcp:
         if kept_stager:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = _KeptStager(
-                DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=torch.cuda.is_available(),
-                        use_shared_memory=False,
-                        use_async_staging=False,
-                        use_non_blocking_copy=False,
-                    )
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
                 )
             )
         self.stalls: list[float] = []
@@ -162,7 +130,7 @@ class _Dcp:
 
     def close(self) -> None:
         if self.stager is not None:
-            self.stager.release()
+            self.stager.close()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -176,8 +144,6 @@ class _Dcp:
             "thread_count": self.threads,
             "cached_pinned_staging": self.cached,
             "kept_default_stager": self.stager is not None,
-            # How often async_save tried to close the stager it was given (see _KeptStager).
-            **({"async_save_close_calls": self.stager.close_calls} if self.stager else {}),
         }
 
 
@@ -214,6 +180,7 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
         dcps.append(
             _Dcp("dcp_cached_pinned_writer", os.path.join(root, "dcp-cached"), _WRITERS, True)
         )
+    all_dcps = list(dcps)
 
     def ckpt(step: int) -> str:
         return os.path.join(root, "obsckpt", f"global_step_{step}", "model.pt")
@@ -233,12 +200,25 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
         shutil.rmtree(os.path.dirname(ckpt(rep - 1)), ignore_errors=True)
         return f"obsckpt stall {stalls[-1] * 1e3:.1f} ms, durable {durables[-1]:.3f} s"
 
+    failed: dict[str, str] = {}  # DCP settings this torch could not run, with why
+
+    def dcp_save(d: _Dcp, rep: int, keep: bool = True) -> str | None:
+        """One save of a DCP setting; a setting that fails is dropped from the run."""
+        try:
+            s, w = d.save(state, rep, keep)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure, reported beside the rest
+            failed[d.name] = f"failed on torch {torch.__version__}: {type(exc).__name__}: {exc}"
+            dcps.remove(d)
+            log(f"  peers: {d.name} {failed[d.name]}; measured without it")
+            return None
+        return f"{d.name} stall {s * 1e3:.1f} ms, durable {w:.3f} s"
+
     try:
         # Warm-up: one save per method (obsckpt's allocates its staging here too).
         coord.save_state_dict_async("model", state, ckpt(0), 0)
         coord.wait_all()
-        for d in dcps:
-            d.save(state, 0, keep=False)
+        for d in list(dcps):
+            dcp_save(d, 0, keep=False)
         reps = max(2, sizes.save_reps)
         for rep in range(1, reps + 1):
             parts = []
@@ -248,9 +228,8 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
             for d in order:
                 if d is None:
                     parts.append(obsckpt_save(rep))
-                else:
-                    s, w = d.save(state, rep)
-                    parts.append(f"{d.name} stall {s * 1e3:.1f} ms, durable {w:.3f} s")
+                elif (part := dcp_save(d, rep)) is not None:
+                    parts.append(part)
             line = f"  peers rep {rep}/{reps}: " + "; ".join(parts)
             if rep <= sizes.sync_save_reps:
                 path = os.path.join(root, "torch-save.pt")
@@ -259,7 +238,7 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
                 line += f"; torch.save+fsync {syncs[-1]:.3f} s"
             log(line)
     finally:
-        for d in dcps:
+        for d in all_dcps:
             d.close()
         coord.close(timeout=600)
         if created:
@@ -285,7 +264,10 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
         },
         "torch_save_fsync": {"durable_s": round(median(syncs), 6), "samples_s": rounded(syncs)},
         **{d.name: d.summary() for d in dcps},
+        **failed,
     }
+    if not dcps:
+        raise RuntimeError(f"no DCP setting ran on torch {torch.__version__}: {failed}")
     for d in dcps:
         # Same repetition, adjacent in time: less exposed to the machine's drift
         # than a ratio of medians.
