@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,8 +133,17 @@ class TestSmokeRun:
         _, doc = smoke_run
         r = doc["results"]["peer_dcp_stall_ratio"]
         kept = r["dcp_kept_stager"]
-        assert kept["kept_default_stager"] is True and kept["stall_s"] > 0
-        for method in (r["obsckpt"], r["dcp_default_stager"], kept):
+        if isinstance(kept, str):
+            # Some torch releases cannot run this DCP setting on a CUDA state (torch
+            # 2.11: KeyError in its StateDictStager): reported, and compared without it.
+            assert r["device"] != "cpu", kept
+            assert kept.startswith(f"failed on torch {torch.__version__}: ")
+            assert r["compared_with"] != "dcp_kept_stager"
+            methods = (r["obsckpt"], r["dcp_default_stager"])
+        else:
+            assert kept["kept_default_stager"] is True and kept["stall_s"] > 0
+            methods = (r["obsckpt"], r["dcp_default_stager"], kept)
+        for method in methods:
             faults = method["stall_page_faults_samples"]
             assert len(faults) == r["reps"] and all(f >= 0 for f in faults)
         assert r["compared_with"] in r

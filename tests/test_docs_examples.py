@@ -99,6 +99,10 @@ class TestWeightSyncExamples:
         from obsckpt.sync import free_port
 
         code = example(doc := "docs/weight_sync.md", "WeightBroadcaster(group")
+        # The two members are threads of this process holding CPU models: on a machine
+        # with CUDA the documented default (NCCL) would put both on one GPU, which NCCL
+        # refuses. The lines run on gloo here; test_broadcast covers NCCL across GPUs.
+        code = fill(code, "backend=None,", 'backend="gloo",')
         port = free_port()
         models = [torch.nn.Linear(3, 2) for _ in range(2)]
         with torch.no_grad():

@@ -268,6 +268,7 @@ class TestBucketsResolveLongDurations:
     quantiles inside their own bucket, not the top finite bucket's bound: promtool
     evaluates histogram_quantile on the bucket series scraped from a real monitor."""
 
+    @pytest.mark.needs_promtool
     def test_quantiles_of_long_durations(self, namespace, tmp_path):
         promtool = shutil.which("promtool") or "/usr/bin/promtool"
         if not Path(promtool).exists():
