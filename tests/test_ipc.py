@@ -597,8 +597,10 @@ class _Graph:
 
     def __init__(self, dsts, srcs) -> None:
         self.dsts, self.srcs, self.replays = dsts, srcs, 0
+        self.addresses = [d.data_ptr() for d in dsts]  # what a real graph would write to
 
     def replay(self) -> None:
+        assert [d.data_ptr() for d in self.dsts] == self.addresses, "written to stale memory"
         self.replays += 1
         for d, s in zip(self.dsts, self.srcs, strict=True):
             d.copy_(s)
@@ -654,20 +656,27 @@ def test_receiver_replays_its_copies_as_a_graph(tmp_path, monkeypatch, caplog):
     dense = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in model(0).items()}
     assert sync(8, into=dense) == (2, 4) and sync(9, into=dense) == (3, 5)
     assert differ(model(9), dense) == []
+    # A target given other memory (param.data = ...): never written through the old
+    # address; copied one by one, then captured again with the new one.
+    old = dense["embed"].data
+    dense["embed"].data = torch.zeros_like(old)
+    assert sync(10, into=dense) == (3, 5) and receiver._graph is None
+    assert differ(model(10), dense) == [] and differ({"e": model(9)["embed"]}, {"e": old}) == []
+    assert sync(11, into=dense) == (4, 6) and differ(model(11), dense) == []
     # Targets that are not dense twins of the sources (a transposed tensor) never are.
     mixed = {k: torch.zeros_like(v) for k, v in model(0).items()}
     assert not mixed["t"].is_contiguous()
-    assert sync(10, into=mixed) == (3, 5) and sync(11, into=mixed) == (3, 5)
-    assert differ(model(11), mixed) == []
+    assert sync(12, into=mixed) == (4, 6) and sync(13, into=mixed) == (4, 6)
+    assert differ(model(13), mixed) == []
     # A new layout (a tensor more) drops the graph and its lists: the new ones go in one.
     more = {"extra": torch.arange(5.0)}
-    assert sync(12, extra=more) == (3, 5) and receiver._graph is None
-    assert sync(13, extra=more) == (4, 6) and sync(14, extra=more) == (4, 7)
+    assert sync(14, extra=more) == (4, 6) and receiver._graph is None
+    assert sync(15, extra=more) == (5, 7) and sync(16, extra=more) == (5, 8)
     # A capture that fails: copied one by one from then on, said once.
     receiver = IpcWeightReceiver(device="cpu")
     fail["now"] = True
     with caplog.at_level("INFO", logger="obsckpt.sync.ipc.receiver"):
-        assert sync(15) == (4, 7) and sync(16) == (4, 7) and sync(17) == (4, 7)
+        assert sync(17) == (5, 8) and sync(18) == (5, 8) and sync(19) == (5, 8)
     assert receiver._graphs is False
     assert [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()] == [
         "obsckpt: the ipc receiver copies tensor by tensor: capturing its copies as a CUDA "

@@ -27,6 +27,7 @@ from obsckpt.telemetry import tracing
 logger = logging.getLogger(__name__)
 
 _shape = operator.attrgetter("shape")
+_data_ptr = torch.Tensor.data_ptr
 # The tensors to copy into, the dict recv() returns, and the CUDA devices they are on.
 _Targets: TypeAlias = "tuple[list[torch.Tensor], dict[str, torch.Tensor], set[torch.device]]"
 
@@ -58,9 +59,9 @@ class IpcWeightReceiver:
         self._targets: _Targets | None = None
         self._targets_key: _IntoKey | None = None
         # The copies as one CUDA graph, once a second sync copies between the very
-        # same targets and sources: (targets, sources, graph). False: capture failed
-        # here once, copy_many from then on.
-        self._graph: tuple[list[torch.Tensor], list[torch.Tensor], Any] | None = None
+        # same targets and sources: (targets, sources, the targets' addresses, graph).
+        # _graphs False: capture failed here once, copy_many from then on.
+        self._graph: tuple[list[torch.Tensor], list[torch.Tensor], list[int], Any] | None = None
         self._last_pair: tuple[int, int] | None = None
         self._graphs = True
         # recv(wait=False): an interprocess event recorded after each copy, on
@@ -193,15 +194,18 @@ class IpcWeightReceiver:
         ``into=`` tensors, the same layout) captures the copies as a CUDA
         graph, which the later syncs replay: one launch instead of one per
         tensor, and the copies run back to back. The graph keeps those lists,
-        and so their tensors; it is dropped when a sync copies between others
-        and when the layout changes.
+        and so their tensors; it is dropped when a sync copies between others,
+        when a target no longer holds the memory it was captured with, and
+        when the layout changes.
         """
         graph = self._graph
         if graph is not None:
-            if graph[0] is dsts and graph[1] is srcs:
-                graph[2].replay()
+            # The very same lists, and each target still over the memory captured (a
+            # caller may have given a tensor other memory: param.data = ..., set_()).
+            if graph[0] is dsts and graph[1] is srcs and list(map(_data_ptr, dsts)) == graph[2]:
+                graph[3].replay()
                 return
-            self._graph = None
+            self._graph = self._last_pair = None  # copied one by one, captured again next
         pair = (id(dsts), id(srcs))
         if stable and self._graphs and pair == self._last_pair and len(devices) == 1:
             (device,) = devices
@@ -217,7 +221,7 @@ class IpcWeightReceiver:
                         exc,
                     )
                 else:
-                    self._graph = (dsts, srcs, captured)
+                    self._graph = (dsts, srcs, list(map(_data_ptr, dsts)), captured)
                     captured.replay()
                     return
         self._last_pair = pair if stable else None
