@@ -250,6 +250,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         sender.close()
     nbytes = main["nbytes"]
     s, w, c = median(main["sync"]), median(main["waits"]), median(main["d2d"])
+    own = median(main["d2d_own"])  # the copy right after the trainer's own work
     f, p = median(fresh_syncs), median(main["ping"])
     r, wr = median(main["receiver"]), median(main["waits_receiver"])
     ls, lc = median(larger["sync"]), median(larger["d2d"])
@@ -259,7 +260,7 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
         f"  ipc sync {s * 1e3:.2f} ms ({'/'.join(sorted(set(layouts)))}, the rollout answering "
         f"once its copy is queued) vs D2D copy {c * 1e3:.2f} ms ({nbytes / c / 1e9:.1f} GB/s) "
         f"for {nbytes / 1e9:.2f} GB (right after the trainer's own work "
-        f"{median(main['d2d_own']) * 1e3:.2f} ms); answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
+        f"{own * 1e3:.2f} ms); answering after its copy {w * 1e3:.2f} ms ({c / w:.3f}): "
         f"in the receiver {wr * 1e3:.2f} ms (its copy {median(main['waits_copy']) * 1e3:.2f} "
         f"ms; bare, from the sender's tensors {bare['sender_batched'] * 1e3:.2f} ms, between "
         f"its own {bare['own_batched'] * 1e3:.2f} ms, the sender's into the receiver's "
@@ -288,8 +289,8 @@ def run_gpu_ipc_sync(sizes: Sizes, log) -> Result:
             "d2d_GBps": round(nbytes / c / 1e9, 3),
             # The copy right after the trainer's own GPU work (no context switch),
             # and the value's sync against it: the harshest reading.
-            "d2d_own_s": round(median(main["d2d_own"]), 6),
-            "d2d_own_over_sync": round(median(main["d2d_own"]) / s, 3),
+            "d2d_own_s": round(own, 6),
+            "d2d_own_over_sync": round(own / s, 3),
             "sync_samples_s": rounded(main["sync"]),
             "d2d_samples_s": rounded(main["d2d"]),
             "d2d_batched_s": round(median(main["batched"]), 6),
