@@ -6,16 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from obsckpt.admission import SaveStrategy
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
-from obsckpt.errors import (
-    CheckpointDirError,
-    IterationFileError,
-    NotificationError,
-    PartsMismatchError,
-    RootInUseError,
-    SaveError,
-    SaveTimeoutError,
-    TensorMutatedError,
-)
+from obsckpt.errors import *  # noqa: F403 - every exception is part of the public API
+from obsckpt.errors import __all__ as _errors
 from obsckpt.monitor import CheckpointMonitor
 
 if TYPE_CHECKING:
@@ -25,18 +17,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointCoordinator",
-    "CheckpointDirError",
     "CheckpointMonitor",
-    "IterationFileError",
-    "NotificationError",
-    "PartsMismatchError",
-    "RootInUseError",
-    "SaveError",
     "SaveStrategy",
-    "SaveTimeoutError",
     "StagedSave",
     "Synchronizer",
-    "TensorMutatedError",
+    *_errors,
 ]
 
 

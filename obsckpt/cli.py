@@ -31,7 +31,7 @@ from typing import TextIO
 
 from obsckpt import commit as disk
 from obsckpt import rootlock
-from obsckpt.errors import IterationFileError
+from obsckpt.errors import CliError, IterationFileError
 
 # The marker file the demo writes into its checkpoint root (obsckpt.demo.root.MARKER).
 DEMO_MARKER = "obsckpt-demo.json"
@@ -51,10 +51,6 @@ DEMO_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After SIGTERM or SIGHUP, how long the driver has to stop before it is killed
 # (it takes a few seconds: a step, at most 10 s of saves in flight, the shutdown).
 DEMO_KILL_AFTER_S = 30
-
-
-class CliError(Exception):
-    """A problem reported as one line on stderr with exit code 2."""
 
 
 # ----------------------------------------------------------------------
@@ -409,7 +405,8 @@ def cmd_demo(args, out: TextIO, err: TextIO) -> int:
             f"the demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
             "not installed; install the demo extra: pip install 'obsckpt[demo]'"
         )
-    from obsckpt.demo import DemoConfig, DemoError, run_demo
+    from obsckpt.demo import DemoConfig, run_demo
+    from obsckpt.errors import DemoError
 
     try:
         cfg = DemoConfig(

@@ -1,12 +1,49 @@
-"""Domain exceptions; each refines the builtin a caller would already catch."""
+"""Every exception obsckpt raises, under one root a user can catch.
+
+Each class also subclasses the builtin it refines, so code that already catches
+``OSError``, ``ValueError``, ``RuntimeError`` or ``TimeoutError`` keeps working.
+Classes with keyword-only state define ``__reduce__``: Ray (an actor's error
+reaching ``ray.get``) and multiprocessing pickle exceptions, and the default
+rebuilds one from ``args`` alone, which fails for keyword-only state.
+"""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any
 
+__all__ = [
+    "AdapterOnlyError",
+    "BroadcastError",
+    "BroadcastTimeoutError",
+    "CheckpointDirError",
+    "CliError",
+    "DemoError",
+    "DeviceSelectionError",
+    "IpcLayoutUnknownError",
+    "IterationFileError",
+    "MegatronLayoutError",
+    "NotificationError",
+    "ObsckptError",
+    "PartsMismatchError",
+    "RayShutDownError",
+    "RootInUseError",
+    "SaveError",
+    "SaveTimeoutError",
+    "StateDictLoadError",
+    "TensorMutatedError",
+    "WeightMismatchError",
+]
 
-class CheckpointDirError(OSError):
+
+class ObsckptError(Exception):
+    """The root of every exception obsckpt defines."""
+
+
+# --- the checkpoint root and what is on disk -------------------------------
+
+
+class CheckpointDirError(ObsckptError, OSError):
     """The checkpoint root is missing, not a directory, or not writable."""
 
 
@@ -21,16 +58,15 @@ class RootInUseError(CheckpointDirError):
         return (partial(type(self), holder=self.holder), self.args, dict(vars(self)))
 
 
-class IterationFileError(ValueError):
+class IterationFileError(ObsckptError, ValueError):
     """An iteration file exists but does not hold a step number."""
 
 
-class NotificationError(ValueError):
+# --- saves and the monitor ---------------------------------------------------
+
+
+class NotificationError(ObsckptError, ValueError):
     """A notification does not match what the monitor knows (e.g. more finishes than registrations)."""
-
-
-class TensorMutatedError(RuntimeError):
-    """A tensor being staged was changed in place before its copy had finished."""
 
 
 class PartsMismatchError(NotificationError):
@@ -44,7 +80,11 @@ class PartsMismatchError(NotificationError):
         self.failed = list(failed or ())
 
 
-class SaveError(RuntimeError):
+class TensorMutatedError(ObsckptError, RuntimeError):
+    """A tensor being staged was changed in place before its copy had finished."""
+
+
+class SaveError(ObsckptError, RuntimeError):
     """A background save failed; carries its slot and step."""
 
     def __init__(self, message: str, *, slot: str, step: int) -> None:
@@ -52,12 +92,62 @@ class SaveError(RuntimeError):
         self.slot = slot
         self.step = step
 
-    # Ray (an actor's error reaching ray.get) and multiprocessing pickle exceptions;
-    # the default rebuilds one by calling its class with ``args`` alone, which
-    # fails for keyword-only state and leaves the caller an unpickling error.
     def __reduce__(self) -> tuple[Any, ...]:
         return (partial(type(self), slot=self.slot, step=self.step), self.args, dict(vars(self)))
 
 
 class SaveTimeoutError(SaveError, TimeoutError):
     """A save, a join or a wait did not finish within its timeout."""
+
+
+class RayShutDownError(ObsckptError, RuntimeError):
+    """Ray is not initialized in this process, so the monitor cannot be reached."""
+
+
+# --- weight sync -------------------------------------------------------------
+
+
+class BroadcastError(ObsckptError, RuntimeError):
+    """A weight broadcast failed, or its group can no longer be used."""
+
+
+class BroadcastTimeoutError(BroadcastError, TimeoutError):
+    """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
+
+
+class IpcLayoutUnknownError(BroadcastError):
+    """A payload names a layout its receiver does not hold (a restarted rollout, say).
+
+    The sender then describes the layout again, within the same sync.
+    """
+
+
+class DeviceSelectionError(ObsckptError, RuntimeError):
+    """The GPU a rank was given cannot be used by this process."""
+
+
+class StateDictLoadError(ObsckptError, ValueError):
+    """A committed step's model shards cannot be read or merged."""
+
+
+class MegatronLayoutError(StateDictLoadError):
+    """A step's model directory holds Megatron's distributed checkpoint, not FSDP shards."""
+
+
+class AdapterOnlyError(StateDictLoadError):
+    """A step's model shards hold only LoRA adapter weights, not a whole model."""
+
+
+# --- the command line and the demo --------------------------------------------
+
+
+class CliError(ObsckptError):
+    """A problem the ``obsckpt`` command reports as one line on stderr with exit code 2."""
+
+
+class DemoError(ObsckptError, RuntimeError):
+    """The demo cannot start or continue; the message says why and what to do."""
+
+
+class WeightMismatchError(ObsckptError, RuntimeError):
+    """The rollout's weights are not the trainer's: the run failed (exit 1, not a usage error)."""

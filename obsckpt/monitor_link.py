@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from obsckpt.errors import RayShutDownError
+
 if TYPE_CHECKING:
     from obsckpt.coordinator import _Save
 
@@ -33,10 +35,6 @@ def ray_identity() -> tuple[str, str]:
     except Exception:  # noqa: BLE001 - identity is informational
         pass
     return "local", "local"
-
-
-class RayShutDownError(RuntimeError):
-    """Ray is not initialized in this process, so the monitor cannot be reached."""
 
 
 def _connected_ray() -> Any:

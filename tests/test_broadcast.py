@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from obsckpt.errors import BroadcastError, BroadcastTimeoutError
 from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.buckets import TensorMeta, plan_buckets, tensor_meta
-from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError, WeightSyncGroup, free_port
+from obsckpt.sync.group import WeightSyncGroup, free_port
 
 SMALL_BUCKET = 4 << 10  # forces many buckets and a few lone tensors
 MARGIN_S = 2.0  # what a deadline may be overrun by on a loaded machine

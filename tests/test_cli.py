@@ -510,7 +510,8 @@ class TestDemoRefusesBeforeStarting:
     def test_bracketed_ipv6_metrics_host_is_an_address(self):
         import socket
 
-        from obsckpt.demo.job import DemoError, check_metrics_endpoint
+        from obsckpt.demo.job import check_metrics_endpoint
+        from obsckpt.errors import DemoError
 
         check_metrics_endpoint("[::1]", 0)  # as the metrics server takes it
         with socket.socket(socket.AF_INET6) as busy:

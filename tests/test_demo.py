@@ -13,8 +13,9 @@ from obsckpt import commit as disk
 from obsckpt.cli import main
 from obsckpt.demo import DemoConfig, run_demo
 from obsckpt.demo.job import resolve_plan
-from obsckpt.demo.root import MARKER, DemoError, prepare_root
+from obsckpt.demo.root import MARKER, prepare_root
 from obsckpt.demo.summary import Histogram, Scrape
+from obsckpt.errors import DemoError
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import pytest
 import ray
 import torch
 
-from obsckpt.sync.device import DeviceSelectionError, choose_device, setup_rank_device
+from obsckpt.errors import DeviceSelectionError
+from obsckpt.sync.device import choose_device, setup_rank_device
 
 
 class TestChoice:

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError
+from obsckpt.errors import BroadcastError, BroadcastTimeoutError
 from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
 
 

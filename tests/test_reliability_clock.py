@@ -279,7 +279,7 @@ class TestIpcDeadline:
     def test_a_step_back_does_not_let_a_late_sync_through(self, tmp_path, monkeypatch):
         import torch
 
-        from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError
+        from obsckpt.errors import BroadcastError, BroadcastTimeoutError
         from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
         from obsckpt.sync.ipc import receiver as receiver_module
 

@@ -21,9 +21,9 @@ import torch
 
 from obsckpt import commit as disk
 from obsckpt.cli import main
-from obsckpt.errors import IterationFileError
+from obsckpt.errors import IterationFileError, StateDictLoadError
 from obsckpt.integrations.retention import removable, step_of
-from obsckpt.sync.shards import StateDictLoadError, load_sharded_state_dict, shard_files
+from obsckpt.sync.shards import load_sharded_state_dict, shard_files
 
 SHARD = "actor/model_world_size_1_rank_0.pt"
 

@@ -214,7 +214,8 @@ class TestTools:
 
     def test_demo_refuses_a_root_in_use_and_removes_nothing(self, tmp_path, quick):
         from obsckpt.demo.job import DemoConfig
-        from obsckpt.demo.root import MARKER, DemoError, prepare_root
+        from obsckpt.demo.root import MARKER, prepare_root
+        from obsckpt.errors import DemoError
 
         root = tmp_path / "demo"
         root.mkdir()

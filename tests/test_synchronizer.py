@@ -13,7 +13,8 @@ from workers import kill_named
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt import commit as disk
-from obsckpt.sync.shards import StateDictLoadError, load_sharded_state_dict, merge_shards
+from obsckpt.errors import StateDictLoadError
+from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
 from obsckpt.torchfile import write_torch_file
 
 

@@ -487,7 +487,8 @@ class TestCheckpointSyncOfMegatronSteps:
 
     @pytest.mark.parametrize("layout", sorted(DIST_CKPT_LAYOUTS))
     def test_either_layout_is_named(self, layout, tmp_path):
-        from obsckpt.sync.shards import MegatronLayoutError, load_sharded_state_dict
+        from obsckpt.errors import MegatronLayoutError
+        from obsckpt.sync.shards import load_sharded_state_dict
 
         engine = FakeMcoreEngine()
         DistCheckpointManager(engine=engine, layout=layout).save_checkpoint(str(tmp_path))

@@ -12,6 +12,6 @@ See ``docs/demo.md``. The job's pieces:
 from __future__ import annotations
 
 from obsckpt.demo.job import DemoConfig, DemoResult, run_demo
-from obsckpt.demo.root import DemoError
+from obsckpt.errors import DemoError
 
 __all__ = ["DemoConfig", "DemoError", "DemoResult", "run_demo"]

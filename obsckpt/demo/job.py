@@ -41,8 +41,9 @@ from typing import Any, TextIO
 
 from obsckpt.demo.model import ModelSpec
 from obsckpt.demo.progress import Progress
-from obsckpt.demo.root import DemoError, prepare_root, rotate_state_dicts
+from obsckpt.demo.root import prepare_root, rotate_state_dicts
 from obsckpt.demo.summary import Scrape, format_table, summarize
+from obsckpt.errors import DemoError, WeightMismatchError
 
 SYNC_METHODS = ("broadcast", "checkpoint", "ipc", "memory")
 DEVICES = ("auto", "cpu", "cuda")
@@ -871,10 +872,6 @@ def _sync(cfg, step, trainers, rollout, synchronizer) -> int:
     fingerprints = ray.get([t.fingerprint.remote() for t in trainers])
     check_rollout_weights(version, step, fp, fingerprints[0])
     return version
-
-
-class WeightMismatchError(RuntimeError):
-    """The rollout's weights are not the trainer's: the run failed (exit 1, not a usage error)."""
 
 
 def check_rollout_weights(version: int, step: int, got: str | None, want: str | None) -> None:

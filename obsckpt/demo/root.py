@@ -18,16 +18,12 @@ from typing import TYPE_CHECKING
 from obsckpt import commit as disk
 from obsckpt import rootlock
 from obsckpt.demo.model import ModelSpec
-from obsckpt.errors import CheckpointDirError, IterationFileError, RootInUseError
+from obsckpt.errors import CheckpointDirError, DemoError, IterationFileError, RootInUseError
 
 if TYPE_CHECKING:
     from obsckpt.demo.job import DemoConfig
 
 MARKER = "obsckpt-demo.json"
-
-
-class DemoError(RuntimeError):
-    """The demo cannot start or continue; the message says why and what to do."""
 
 
 def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, int, int | None]:

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
+from obsckpt.errors import (
+    AdapterOnlyError,
+    BroadcastError,
+    BroadcastTimeoutError,
+    IpcLayoutUnknownError,
+    MegatronLayoutError,
+    StateDictLoadError,
+)
 from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.device import RankDevice, setup_rank_device
-from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError, WeightSyncGroup, free_port
-from obsckpt.sync.ipc import (
-    IpcLayoutUnknownError,
-    IpcPayload,
-    IpcWeightReceiver,
-    IpcWeightSender,
-)
-from obsckpt.sync.shards import (
-    AdapterOnlyError,
-    MegatronLayoutError,
-    StateDictLoadError,
-    load_sharded_state_dict,
-    merge_shards,
-)
+from obsckpt.sync.group import WeightSyncGroup, free_port
+from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
+from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
 from obsckpt.sync.synchronizer import Synchronizer
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from obsckpt.errors import BroadcastError
 from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -48,7 +49,7 @@ from obsckpt.sync.buckets import (
     plan_buckets,
     tensor_meta,
 )
-from obsckpt.sync.group import BroadcastError, WeightSyncGroup, check_newer_step
+from obsckpt.sync.group import WeightSyncGroup, check_newer_step
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from obsckpt.errors import DeviceSelectionError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -34,10 +36,6 @@ class _Default(enum.Enum):
 
 
 _FROM_RAY = _Default.FROM_RAY
-
-
-class DeviceSelectionError(RuntimeError):
-    """The GPU a rank was given cannot be used by this process."""
 
 
 @dataclass(frozen=True, slots=True)

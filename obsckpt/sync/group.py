@@ -28,19 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from obsckpt.errors import BroadcastError, BroadcastTimeoutError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
 # How long close(), and the interpreter's exit, wait for a gloo abort still running.
 ABORT_JOIN_S = 10.0
-
-
-class BroadcastError(RuntimeError):
-    """A weight broadcast failed, or its group can no longer be used."""
-
-
-class BroadcastTimeoutError(BroadcastError, TimeoutError):
-    """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
 
 
 def check_newer_step(step: object, last_step: int | None, *, none_ok: bool = False) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from obsckpt import commit as disk
 from obsckpt.commit import crc32
+from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
 
 MODEL_SUBDIR = "actor"
 # Numbers as writers format them (ASCII, no leading zero): another spelling of a rank
@@ -44,18 +45,6 @@ _MEGATRON_MARKERS = (
     "ckpt_contents.json",
 )
 _MEGATRON_FILE_SUFFIX = ".distcp"  # a torch_dist shard of Megatron's distributed checkpoint
-
-
-class StateDictLoadError(ValueError):
-    """A committed step's model shards cannot be read or merged."""
-
-
-class MegatronLayoutError(StateDictLoadError):
-    """A step's model directory holds Megatron's distributed checkpoint, not FSDP shards."""
-
-
-class AdapterOnlyError(StateDictLoadError):
-    """A step's model shards hold only LoRA adapter weights, not a whole model."""
 
 
 def is_adapter_key(name: object) -> bool:

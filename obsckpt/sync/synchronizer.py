@@ -33,15 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from obsckpt import commit as disk
-from obsckpt.errors import IterationFileError
-from obsckpt.sync.shards import (
-    MODEL_SUBDIR,
-    MegatronLayoutError,
-    StateDictLoadError,
-    load_sharded_state_dict,
-    shard_files,
-    state_dict_meta,
-)
+from obsckpt.errors import IterationFileError, MegatronLayoutError, StateDictLoadError
+from obsckpt.sync.shards import MODEL_SUBDIR, load_sharded_state_dict, shard_files, state_dict_meta
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 

@@ -61,7 +61,8 @@ Modules: :mod:`~obsckpt.sync.ipc.payload` (what travels),
 both sides use).
 """
 
-from obsckpt.sync.ipc.payload import METHOD, IpcLayoutUnknownError, IpcPayload
+from obsckpt.errors import IpcLayoutUnknownError
+from obsckpt.sync.ipc.payload import METHOD, IpcPayload
 from obsckpt.sync.ipc.receiver import IpcWeightReceiver
 from obsckpt.sync.ipc.sender import IpcWeightSender
 

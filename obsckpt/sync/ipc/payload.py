@@ -7,17 +7,8 @@ from typing import Any
 
 import torch
 
-from obsckpt.sync.group import BroadcastError
-
 METHOD = "ipc"
 PAYLOAD_VERSION = 5
-
-
-class IpcLayoutUnknownError(BroadcastError):
-    """A payload names a layout its receiver does not hold (a restarted rollout, say).
-
-    The sender then describes the layout again, within the same sync.
-    """
 
 
 @dataclass(frozen=True, slots=True)

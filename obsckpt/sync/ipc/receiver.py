@@ -11,17 +11,10 @@ from typing import Any, NamedTuple, TypeAlias, cast
 
 import torch
 
+from obsckpt.errors import BroadcastError, BroadcastTimeoutError, IpcLayoutUnknownError
 from obsckpt.sync.buckets import TensorMeta, plan_buckets
-from obsckpt.sync.group import BroadcastError, BroadcastTimeoutError
 from obsckpt.sync.ipc import streams
-from obsckpt.sync.ipc.payload import (
-    METHOD,
-    PAYLOAD_VERSION,
-    IpcLayoutUnknownError,
-    IpcPayload,
-    copy_many,
-    device_uuid,
-)
+from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, copy_many, device_uuid
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 
+from obsckpt.errors import BroadcastError, BroadcastTimeoutError, IpcLayoutUnknownError
 from obsckpt.sync.broadcast import BroadcastResult
 from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -26,21 +27,9 @@ from obsckpt.sync.buckets import (
     plan_buckets,
     tensor_meta,
 )
-from obsckpt.sync.group import (
-    DEFAULT_TIMEOUT_S,
-    BroadcastError,
-    BroadcastTimeoutError,
-    check_newer_step,
-)
+from obsckpt.sync.group import DEFAULT_TIMEOUT_S, check_newer_step
 from obsckpt.sync.ipc import streams
-from obsckpt.sync.ipc.payload import (
-    METHOD,
-    PAYLOAD_VERSION,
-    IpcLayoutUnknownError,
-    IpcPayload,
-    copy_many,
-    device_uuid,
-)
+from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, copy_many, device_uuid
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 
