@@ -246,7 +246,7 @@ def _run_steps(
     """
     import ray
 
-    from obsckpt import commit as disk
+    from obsckpt import reader
 
     out: dict[str, list[float]] = {
         "end_to_end": [],
@@ -269,7 +269,7 @@ def _run_steps(
             [monitor.status.remote(), monitor.last_finish_received.remote(step)]
         )
         detail = status["last_commit"].get("checkpoint") or {}
-        named = disk.read_iteration(root, "checkpoint")
+        named = reader.read_iteration(root, "checkpoint")
         if named != step or detail.get("step") != step or received is None:
             raise RuntimeError(
                 f"step {step} was not committed after all {expected} saves finished "

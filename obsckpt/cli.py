@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from obsckpt import commit as disk
-from obsckpt import rootlock
+from obsckpt import commit, layout, reader, rootlock, validators
 from obsckpt.errors import CliError, IterationFileError
 
 # The marker file the demo writes into its checkpoint root (obsckpt.demo.root.MARKER).
@@ -68,20 +67,20 @@ def open_root(path: str) -> tuple[Path, dict[str, int | None]]:
     if not os.access(root, os.R_OK | os.X_OK):
         raise CliError(f"{path}: permission denied")
     latest: dict[str, int | None] = {}
-    for kind in disk.KINDS:
+    for kind in layout.KINDS:
         try:
-            latest[kind] = disk.read_iteration(root, kind)
+            latest[kind] = reader.read_iteration(root, kind)
         except IterationFileError as exc:
             raise CliError(str(exc)) from None
     if (
         all(v is None for v in latest.values())
-        and not disk.steps_on_disk(root)
+        and not reader.steps_on_disk(root)
         # The demo's root before its first save: a root all the same (it says to run status).
         and not (root / DEMO_MARKER).is_file()
     ):
         raise CliError(
-            f"{path}: not a checkpoint root (no {disk.ITERATION_FILES['checkpoint']}, "
-            f"no {disk.ITERATION_FILES['state_dict']} and no global_step_<N> directories)"
+            f"{path}: not a checkpoint root (no {layout.ITERATION_FILES['checkpoint']}, "
+            f"no {layout.ITERATION_FILES['state_dict']} and no global_step_<N> directories)"
         )
     return root, latest
 
@@ -101,7 +100,7 @@ def _walk_files(sdir: Path) -> list[tuple[str, int, float]]:
 
 def _is_temp_path(rel: str) -> bool:
     """Whether a step's file ``rel`` is a temp file, or lies in a scratch directory."""
-    return any(disk.is_temp_name(part) for part in rel.split(os.sep))
+    return any(layout.is_temp_name(part) for part in rel.split(os.sep))
 
 
 def describe_step(
@@ -118,15 +117,15 @@ def describe_step(
     was written before obsckpt committed here (verl's own checkpointing, say):
     obsckpt cannot tell whether it is whole, so it is ``foreign``, not failed.
     """
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     files = _walk_files(sdir)
     temps = [f for f, _s, _m in files if _is_temp_path(f)]
-    data = [f for f in files if not _is_temp_path(f[0]) and f[0] != disk.MANIFEST_NAME]
+    data = [f for f in files if not _is_temp_path(f[0]) and f[0] != layout.MANIFEST_NAME]
     nbytes = sum(s for _f, s, _m in files)
     mtime = max((m for _f, _s, m in files), default=sdir.stat().st_mtime)
-    has_manifest = (sdir / disk.MANIFEST_NAME).is_file()
+    has_manifest = (sdir / layout.MANIFEST_NAME).is_file()
     names = {os.path.basename(f) for f, _s, _m in data}
-    full = any(n.startswith(("optim_", "extra_state_")) for n in names)
+    full = any(n.startswith(layout.FULL_CHECKPOINT_PREFIXES) for n in names)
     ck, sd = latest.get("checkpoint"), latest.get("state_dict")
     newest = max((s for s in (ck, sd) if s is not None), default=None)
     note = ""
@@ -186,19 +185,23 @@ def describe_step(
 
 def first_manifest_step(root: Path, steps: list[int]) -> int | None:
     """The oldest of ``steps`` whose directory holds a manifest (None: none does)."""
-    return next((s for s in steps if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file()), None)
+    return next(
+        (s for s in steps if (layout.step_dir(root, s) / layout.MANIFEST_NAME).is_file()), None
+    )
 
 
 def root_status(root: Path, latest: dict[str, int | None]) -> dict:
     now = time.time()
-    on_disk = disk.steps_on_disk(root)
+    on_disk = reader.steps_on_disk(root)
     first = first_manifest_step(root, on_disk)
     steps = [describe_step(root, s, latest, now, first) for s in on_disk]
     problems = []
     on_disk = {s["step"] for s in steps}
     for kind, step in latest.items():
         if step is not None and step not in on_disk:
-            problems.append(f"{disk.ITERATION_FILES[kind]} names step {step}, which is not on disk")
+            problems.append(
+                f"{layout.ITERATION_FILES[kind]} names step {step}, which is not on disk"
+            )
     return {
         "root": str(root.resolve()),
         "latest": latest,
@@ -297,18 +300,18 @@ def cmd_verify(args, out: TextIO, err: TextIO) -> int:
     named: dict[int, list[str]] = {}
     for kind, step in latest.items():
         if step is not None:
-            named.setdefault(step, []).append(disk.ITERATION_FILES[kind])
-    missing = {s: files for s, files in named.items() if not disk.step_dir(root, s).is_dir()}
+            named.setdefault(step, []).append(layout.ITERATION_FILES[kind])
+    missing = {s: files for s, files in named.items() if not layout.step_dir(root, s).is_dir()}
     if args.all:
         steps = [
             s
-            for s in disk.steps_on_disk(root)
-            if (disk.step_dir(root, s) / disk.MANIFEST_NAME).is_file() or s in named
+            for s in reader.steps_on_disk(root)
+            if (layout.step_dir(root, s) / layout.MANIFEST_NAME).is_file() or s in named
         ]
         if not steps and not missing:
             raise CliError(f"{args.dir}: no step with a manifest to verify")
     elif args.step is not None:
-        if args.step not in missing and not disk.step_dir(root, args.step).is_dir():
+        if args.step not in missing and not layout.step_dir(root, args.step).is_dir():
             raise CliError(f"{args.dir}: step {args.step} is not on disk (global_step_{args.step})")
         steps = [args.step]
     else:
@@ -351,7 +354,7 @@ def _verify_one(
     root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]], all_: bool
 ) -> dict:
     """One step checked against its manifest: ok, failed (with its problems) or skipped."""
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     result = {"step": step, "result": "ok", "on_disk": True, "files": 0, "bytes": 0, "problems": []}
     if step in missing:
         files = missing[step]
@@ -361,19 +364,19 @@ def _verify_one(
     if all_ and describe_step(root, step, latest, time.time())["state"] == "removed":
         # As status shows it: retention removed its files and left the manifest.
         return dict(result, result="skipped")
-    problems = disk.verify_step(sdir)
+    problems = reader.verify_step(sdir)
     if problems:
         if (
-            not (sdir / disk.MANIFEST_NAME).exists()
-            and first_manifest_step(root, disk.steps_on_disk(root)) is None
+            not (sdir / layout.MANIFEST_NAME).exists()
+            and first_manifest_step(root, reader.steps_on_disk(root)) is None
         ):
             problems = [
-                f"{sdir / disk.MANIFEST_NAME}: missing manifest; no step of this root has one, "
+                f"{sdir / layout.MANIFEST_NAME}: missing manifest; no step of this root has one, "
                 "so it was not committed by obsckpt (verl's own checkpointing, say) and there is "
                 "nothing to check its files against. Steps obsckpt commits here can be verified"
             ]
         return dict(result, result="failed", problems=list(problems))
-    records = disk.read_manifest(sdir)
+    records = reader.read_manifest(sdir)
     return dict(result, files=len(records), bytes=sum(r.size for r in records))
 
 
@@ -581,7 +584,7 @@ def _session_members(sid: int) -> list[int]:
 def _committed(ckpt_dir: str) -> int | None:
     """The step the checkpoint iteration file in ``ckpt_dir`` names (None: none readable)."""
     try:
-        return disk.read_iteration(Path(ckpt_dir).expanduser(), "checkpoint")
+        return reader.read_iteration(Path(ckpt_dir).expanduser(), "checkpoint")
     except (IterationFileError, OSError):
         return None
 
@@ -674,7 +677,7 @@ def write_result_json(result, path: Path) -> None:
     data = asdict(result)
     if data.get("summary"):
         data["summary"]["rows"] = [asdict(r) for r in result.summary["rows"]]
-    disk.atomic_write(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+    commit.atomic_write(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
 
 
 def _port(text: str) -> int:
@@ -720,7 +723,7 @@ def _step(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a step number, got {text!r}") from None
-    if not 0 <= value <= disk.MAX_STEP:
+    if not 0 <= value <= validators.MAX_STEP:
         raise argparse.ArgumentTypeError(
             f"must be a step number from 0 to 2**63 - 1 (a global_step_<N> directory), got {value}"
         )

@@ -32,13 +32,14 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
-from obsckpt import commit as disk
-from obsckpt.commit import FileRecord, validate_slot, validate_step
+from obsckpt import commit, layout, reader, validators
 from obsckpt.errors import SaveError, SaveTimeoutError
+from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import MonitorLink
 from obsckpt.save_threads import THREADS
 from obsckpt.telemetry import tracing
 from obsckpt.tracker import validate_parts
+from obsckpt.validators import validate_slot, validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _default_rank() -> int | None:
 
 
 def _checked_rpc_timeout(value: object) -> float:
-    if not disk.positive_seconds(value) or value == float("inf"):
+    if not validators.positive_seconds(value) or value == float("inf"):
         raise ValueError(
             f"rpc_timeout must be a positive, finite number of seconds, got {value!r} "
             "(the default is 300)"
@@ -67,7 +68,7 @@ def _checked_rpc_timeout(value: object) -> float:
 
 
 def _checked_rank(value: object) -> int:
-    rank = disk.non_negative_int(value)  # an int, or one numpy's integer types say is one
+    rank = validators.non_negative_int(value)  # an int, or one numpy's integer types say is one
     if rank is None:
         raise ValueError(
             f"rank must be a non-negative integer (this process's rank) or None to take "
@@ -166,7 +167,7 @@ class CheckpointCoordinator:
         save_timeout: float | None = None,
         rpc_timeout: float = 300.0,
     ) -> None:
-        if save_timeout is not None and not disk.positive_seconds(save_timeout):
+        if save_timeout is not None and not validators.positive_seconds(save_timeout):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
         self._monitor = checkpoint_monitor
         # The link holds the rank and rpc_timeout it reports with (properties below).
@@ -303,7 +304,7 @@ class CheckpointCoordinator:
         save = _Save(
             name,
             global_step,
-            disk.kind_of(is_state_dict),
+            layout.kind_of(is_state_dict),
             part=part,
             parts=parts,
             unless_committed=unless_committed,
@@ -621,7 +622,7 @@ class CheckpointCoordinator:
 
     def committed_step(self, is_state_dict: bool = False) -> int | None:
         """The latest step of this kind the monitor has committed (None for none)."""
-        return self._link.latest_steps().get(disk.kind_of(is_state_dict))
+        return self._link.latest_steps().get(layout.kind_of(is_state_dict))
 
     # ------------------------------------------------------------------
     # Trainer side
@@ -707,7 +708,7 @@ class CheckpointCoordinator:
         Its step may have registered it already: the step fails now, instead of
         waiting for a save that will never come.
         """
-        save = _Save(name, step, disk.kind_of(is_state_dict), part=part, parts=parts)
+        save = _Save(name, step, layout.kind_of(is_state_dict), part=part, parts=parts)
         self._link.failed(save, None, exc, None, admitted=False)
 
     def _submit(
@@ -733,7 +734,7 @@ class CheckpointCoordinator:
         save = _Save(
             name,
             step,
-            disk.kind_of(is_state_dict),
+            layout.kind_of(is_state_dict),
             part=part,
             parts=parts,
             unless_committed=unless_committed,
@@ -950,7 +951,7 @@ def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list
     dirs: set[str] = set()
     for path in map(os.path.abspath, paths):
         if os.path.isdir(path):
-            for dirpath, names in disk.walk_files(path):
+            for dirpath, names in reader.walk_files(path):
                 files += [os.path.join(dirpath, n) for n in names]
                 dirs.add(dirpath)
         elif os.path.isfile(path):
@@ -963,18 +964,18 @@ def _run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list
         dirs.add(os.path.dirname(path))
     files = list(dict.fromkeys(files))  # a file named and inside a named directory: once
     # Concurrent fsyncs share journal commits; the checksums then read the page cache.
-    disk.fsync_many([(f, False) for f in files] + [(d, True) for d in sorted(dirs)])
+    commit.fsync_many([(f, False) for f in files] + [(d, True) for d in sorted(dirs)])
     records = []
     for path in files:
-        size, crc = disk.file_crc32(path)
+        size, crc = reader.file_crc32(path)
         records.append(FileRecord(path=path, size=size, crc32=crc))
     return records
 
 
 def _relative(rec: FileRecord, step: int) -> dict:
     """A record whose path is relative to its ``global_step_<step>`` directory, if inside one."""
-    marker = f"{os.sep}global_step_{step}{os.sep}"
+    located = layout.step_of_path(rec.path)
     path = rec.path
-    if marker in path:
-        path = path.split(marker, 1)[1]
+    if located is not None and located[1] == step:
+        path = os.path.relpath(os.path.abspath(rec.path), layout.step_dir(*located))
     return FileRecord(path=path, size=rec.size, crc32=rec.crc32).to_json()

@@ -21,11 +21,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from obsckpt import commit as disk
-from obsckpt import rootlock
+from obsckpt import commit, layout, reader, rootlock, validators
 from obsckpt.admission import Admission, SaveStrategy
-from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import PartsMismatchError
+from obsckpt.layout import KINDS, FileRecord
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import (
     DEFAULT_MAX_SLOT_LABELS,
@@ -48,6 +47,7 @@ from obsckpt.telemetry.server import (
 )
 from obsckpt.tickets import Ticket, Tickets
 from obsckpt.tracker import CommitTracker, Progress, validate_parts
+from obsckpt.validators import validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def _checked_rank(rank: object) -> int | None:
     """``rank`` as an int (None stays None): its label must be one of a bounded set."""
     if rank is None:
         return None
-    value = disk.non_negative_int(rank)
+    value = validators.non_negative_int(rank)
     if value is None:
         raise ValueError(
             f"rank must be a non-negative integer (the reporting process's rank) or None, "
@@ -187,7 +187,7 @@ class CheckpointMonitor:
         max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
     ) -> None:
         validate_max_slot_labels(max_slot_labels)
-        if lease_timeout_s is not None and not disk.positive_seconds(lease_timeout_s):
+        if lease_timeout_s is not None and not validators.positive_seconds(lease_timeout_s):
             raise ValueError(
                 f"lease_timeout_s must be positive seconds or None, got {lease_timeout_s!r}"
             )
@@ -198,7 +198,7 @@ class CheckpointMonitor:
         _refuse_hdfs(default_hdfs_dir)
         self.strategy = SaveStrategy.parse(save_strategy)
         validate_port(metrics_port)
-        self.root = disk.ensure_root(default_local_dir)
+        self.root = commit.ensure_root(default_local_dir)
         restarted = _was_restarted()
         # Taken before reading the root: what this monitor sees of it is then no
         # other monitor's work in progress (a monitor Ray restarted waits for the
@@ -211,7 +211,7 @@ class CheckpointMonitor:
         try:
             self.default_hdfs_dir = default_hdfs_dir
             self.namespace = namespace
-            latest = {k: disk.read_iteration(self.root, k) for k in KINDS}
+            latest = {k: reader.read_iteration(self.root, k) for k in KINDS}
             self.metrics = Metrics(registry)
             # Bounds on the label values callers send: slot names, and ranks that are gone.
             self._slot_labels = SlotLabels(max_slot_labels, self.metrics.slot_label_overflows)
@@ -227,7 +227,7 @@ class CheckpointMonitor:
             self.tracker.restarted = restarted
             # Whether this process sees the step directories the workers write: then a
             # step directory missing at commit was removed, not written on another node.
-            self._sees_step_dirs = bool(disk.steps_on_disk(self.root))
+            self._sees_step_dirs = bool(reader.steps_on_disk(self.root))
             self._mark_abandoned_on_disk()
             self.admission = Admission(self.strategy)
             self._tickets = Tickets()
@@ -256,7 +256,7 @@ class CheckpointMonitor:
                     # Ray restarted this monitor within the job: its last commit is the
                     # iteration file's, or a stalled job would go unnoticed until the next.
                     try:
-                        when = os.stat(self.root / disk.ITERATION_FILES[kind]).st_mtime
+                        when = os.stat(self.root / layout.ITERATION_FILES[kind]).st_mtime
                     except OSError:
                         continue
                     # How long ago, by the wall clock (a file from the future: just now).
@@ -324,7 +324,7 @@ class CheckpointMonitor:
         latest = self.tracker.latest["checkpoint"]
         latest_sd = self.tracker.latest["state_dict"]
         floor = max((s for s in (latest, latest_sd) if s is not None), default=-1)
-        for step in disk.steps_on_disk(self.root):
+        for step in reader.steps_on_disk(self.root):
             if step > floor:
                 self.tracker.mark_abandoned(
                     step, "on disk but never committed (found when the monitor started)"
@@ -389,7 +389,7 @@ class CheckpointMonitor:
         # actor's working directory, which on another node is not the caller's.
         default_local_dir = os.path.abspath(os.fspath(default_local_dir))
         # Checked here too, so a bad root fails in the caller, not in a dead actor.
-        disk.ensure_root(default_local_dir)
+        commit.ensure_root(default_local_dir)
         try:
             ray.get_actor(ACTOR_NAME, namespace=namespace or None)
         except ValueError:
@@ -462,7 +462,7 @@ class CheckpointMonitor:
         Submitting a step that is already committed, or older than the committed
         one, changes nothing (logged).
         """
-        kind = disk.kind_of(is_state_dict)
+        kind = layout.kind_of(is_state_dict)
         validate_step(step)
         latest = self.tracker.latest[kind]
         if latest is not None and step < latest:
@@ -744,7 +744,7 @@ class CheckpointMonitor:
         check_seconds("duration_s", duration_s)
         check_seconds("join_wait_s", join_wait_s)
         check_bytes("nbytes", nbytes)
-        kind = disk.kind_of(is_state_dict)
+        kind = layout.kind_of(is_state_dict)
         if not admitted and ok:
             raise ValueError(
                 f"admitted=False reports a save that failed before admission, so ok must "
@@ -891,7 +891,7 @@ class CheckpointMonitor:
         saves = p.finished
         if kind == "checkpoint":  # a full checkpoint includes its state-dict saves
             saves += self.tracker.progress(step, "state_dict").finished
-        if saves == 0 and not disk.step_dir(self.root, step).is_dir():
+        if saves == 0 and not layout.step_dir(self.root, step).is_dir():
             # An iteration file must never name a step that is not on disk.
             msg = (
                 f"step {step} ({kind}) was submitted with no saves and has no directory: "
@@ -910,7 +910,7 @@ class CheckpointMonitor:
             if isinstance(exc, OSError):
                 latest = self.tracker.latest[kind]
                 msg += (
-                    f"; it is not committed and {disk.ITERATION_FILES[kind]} still names "
+                    f"; it is not committed and {layout.ITERATION_FILES[kind]} still names "
                     f"{'no step' if latest is None else f'step {latest}'}. "
                     + _storage_hint(exc, self.root)
                 )
@@ -944,7 +944,7 @@ class CheckpointMonitor:
     def _write_commit(
         self, step: int, kind: str, files: dict[str, FileRecord], phases: dict[str, float]
     ) -> None:
-        sdir = disk.step_dir(self.root, step)
+        sdir = layout.step_dir(self.root, step)
         if sdir.is_dir():
             self._sees_step_dirs = True
         elif files and self._sees_step_dirs:
@@ -958,10 +958,10 @@ class CheckpointMonitor:
         steps = {kind: step}
         if kind == "checkpoint":
             # A full checkpoint also commits its state dict.
-            current = disk.read_iteration(self.root, "state_dict")
+            current = reader.read_iteration(self.root, "state_dict")
             if current is None or current < step:
                 steps["state_dict"] = step
-        disk.finalize_step(sdir, files, iterations=steps, timings=phases)
+        commit.finalize_step(sdir, files, iterations=steps, timings=phases)
 
     def _remove_rank_series(self, gone: Callable[[str, str], bool], why: str) -> None:
         """Remove the per-rank series of ranks that are gone (``gone(rank, slot)``)."""

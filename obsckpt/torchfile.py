@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt.commit import FileRecord, crc32, fsync_dir, raise_named, temp_name
+from obsckpt.commit import fsync_dir, raise_named
+from obsckpt.layout import FileRecord, temp_name
+from obsckpt.reader import crc32
 from obsckpt.tree import cpu_storages
 
 # The writer's chunks, for the bytes that cannot be written from where they lie

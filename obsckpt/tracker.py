@@ -34,8 +34,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from obsckpt.commit import KINDS, FileRecord, validate_step
 from obsckpt.errors import NotificationError, PartsMismatchError
+from obsckpt.layout import KINDS, FileRecord
+from obsckpt.validators import validate_parts, validate_step
 
 PENDING = "pending"
 COMMITTING = "committing"
@@ -114,22 +115,6 @@ class Progress:
     @property
     def started_at(self) -> float | None:
         return self.first_start if self.first_start is not None else self.first_seen
-
-
-def validate_parts(part: object, parts: object) -> None:
-    """Check a part index and part count (both None for a save that is not split)."""
-    if part is None and parts is None:
-        return
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(
-            f"parts must be a positive integer (how many parts, e.g. ranks, make up the save), "
-            f"got {parts!r}"
-        )
-    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < parts:
-        raise ValueError(
-            f"part must be an integer in [0, parts={parts}) (this part's index, e.g. the rank), "
-            f"got {part!r}"
-        )
 
 
 def _kind(is_state_dict: bool) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from obsckpt import commit as disk
+from obsckpt import layout, reader
 
 TRIALS_ENV = "OBSCKPT_RELIABILITY_TRIALS"
 REPORT_ENV = "OBSCKPT_RELIABILITY_REPORT"
@@ -113,18 +113,18 @@ def assert_root_consistent(root: str | os.PathLike) -> dict[str, int | None]:
     """
     root = Path(root)
     latest = {}
-    for kind in disk.KINDS:
-        step = disk.read_iteration(root, kind)
+    for kind in layout.KINDS:
+        step = reader.read_iteration(root, kind)
         latest[kind] = step
         if step is None:
             continue
-        sdir = disk.step_dir(root, step)
+        sdir = layout.step_dir(root, step)
         assert sdir.is_dir(), (
-            f"{disk.ITERATION_FILES[kind]} names step {step} but {sdir} is missing"
+            f"{layout.ITERATION_FILES[kind]} names step {step} but {sdir} is missing"
         )
-        problems = disk.verify_step(sdir)
+        problems = reader.verify_step(sdir)
         assert not problems, f"step {step} named by {kind} does not verify: {problems}"
-        for rec in disk.read_manifest(sdir):
+        for rec in reader.read_manifest(sdir):
             if rec.path.endswith(".pt"):
                 torch.load(sdir / rec.path, weights_only=True)
     leftovers = [
@@ -143,7 +143,7 @@ def rank_state(step: int, rank: int, numel: int) -> dict[str, torch.Tensor]:
 
 
 def rank_path(root: str | os.PathLike, step: int, rank: int, world: int) -> Path:
-    return disk.step_dir(root, step) / "actor" / f"model_world_size_{world}_rank_{rank}.pt"
+    return layout.step_dir(root, step) / "actor" / f"model_world_size_{world}_rank_{rank}.pt"
 
 
 # ----------------------------------------------------------------------
@@ -207,7 +207,7 @@ class RankWorker:
 
     def resume(self) -> int | None:
         """Load this rank's file from the newest committed step; returns that step."""
-        step = disk.read_iteration(self.root, "checkpoint")
+        step = reader.read_iteration(self.root, "checkpoint")
         if step is None:
             return None
         state = torch.load(rank_path(self.root, step, self.rank, self.world), weights_only=True)

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, commit, layout, reader
 from obsckpt.cli import main
 
 
@@ -29,7 +28,7 @@ def run(*argv: str) -> tuple[int, str, str]:
 
 def make_step(root: Path, step: int, *, commit: bool = True) -> Path:
     """A step with verl's file names, finalized and committed as the monitor would."""
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     actor = sdir / "actor"
     actor.mkdir(parents=True)
     for rank in range(2):
@@ -39,9 +38,9 @@ def make_step(root: Path, step: int, *, commit: bool = True) -> Path:
     (actor / "huggingface").mkdir()
     (actor / "huggingface" / "config.json").write_text('{"model_type": "qwen2"}\n')
     if commit:
-        disk.finalize_step(sdir)
-        disk.write_iteration(root, "checkpoint", step)
-        disk.write_iteration(root, "state_dict", step)
+        commit.finalize_step(sdir)
+        commit.write_iteration(root, "checkpoint", step)
+        commit.write_iteration(root, "state_dict", step)
     return sdir
 
 
@@ -64,7 +63,7 @@ class TestVerify:
         assert err == ""
 
     def test_truncated_missing_and_flipped_files_are_named(self, root):
-        actor = disk.step_dir(root, 4) / "actor"
+        actor = layout.step_dir(root, 4) / "actor"
         truncated = actor / "model_world_size_2_rank_0.pt"
         truncated.write_bytes(truncated.read_bytes()[:1000])
         missing = actor / "optim_world_size_2_rank_1.pt"
@@ -87,7 +86,7 @@ class TestVerify:
         assert run("verify", str(root), "--step", "2")[0] == 0
 
     def test_all_checks_every_step_with_a_manifest(self, root):
-        (disk.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        (layout.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
         code, out, err = run("verify", str(root), "--all")
         assert code == 1
         assert "step 2: FAILED" in out and "step 4: OK" in out
@@ -97,20 +96,20 @@ class TestVerify:
         "mode", [["--all"], [], ["--step", "2"]], ids=["all", "latest", "step"]
     )
     def test_a_step_an_iteration_file_names_must_be_on_disk(self, root, mode):
-        shutil.rmtree(disk.step_dir(root, 4))
+        shutil.rmtree(layout.step_dir(root, 4))
         code, out, err = run("verify", str(root), *mode)
         assert code == 1
         assert "step 4: FAILED, not on disk" in out
         assert (
-            f"step 4: {disk.step_dir(root, 4)} is missing, but latest_checkpointed_iteration.txt "
+            f"step 4: {layout.step_dir(root, 4)} is missing, but latest_checkpointed_iteration.txt "
             "and latest_state_dict_iteration.txt name it"
         ) in err
         if mode != []:
             assert "step 2: OK" in out
 
     def test_json_gives_each_step_and_its_problems(self, root):
-        (disk.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
-        disk.write_iteration(root, "state_dict", 6)
+        (layout.step_dir(root, 2) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        commit.write_iteration(root, "state_dict", 6)
         code, out, err = run("verify", str(root), "--all", "--json")
         assert code == 1 and err == ""
         report = json.loads(out)
@@ -121,12 +120,12 @@ class TestVerify:
         assert "model_world_size_2_rank_1.pt: missing" in by_step[2]["problems"][0]
         assert by_step[4]["result"] == "ok" and by_step[4]["files"] == 7
         assert by_step[4]["bytes"] == sum(
-            r.size for r in disk.read_manifest(disk.step_dir(root, 4))
+            r.size for r in reader.read_manifest(layout.step_dir(root, 4))
         )
         assert by_step[6]["result"] == "failed" and by_step[6]["on_disk"] is False
 
     def test_a_step_only_the_state_dict_file_names_must_be_on_disk(self, root):
-        disk.write_iteration(root, "state_dict", 6)
+        commit.write_iteration(root, "state_dict", 6)
         code, out, err = run("verify", str(root))
         assert code == 1
         assert "step 4: OK" in out and "step 6: FAILED, not on disk" in out
@@ -134,7 +133,7 @@ class TestVerify:
 
     def test_all_skips_steps_removed_by_retention(self, root):
         """A step holding only its manifest is `removed` in status and skipped by verify --all."""
-        shutil.rmtree(disk.step_dir(root, 2) / "actor")
+        shutil.rmtree(layout.step_dir(root, 2) / "actor")
         st = json.loads(run("status", str(root), "--json")[1])
         assert st["steps"][0]["state"] == "removed"
         code, out, err = run("verify", str(root), "--all")
@@ -207,7 +206,7 @@ class TestStatus:
         asyncio.run(coord.register_and_monitor(2, checkpoint_thread_count=1))
         assert started.wait(30)
         for _ in range(100):
-            if disk.read_iteration(root, "checkpoint") == 1:
+            if reader.read_iteration(root, "checkpoint") == 1:
                 break
             threading.Event().wait(0.1)
         ray.kill(monitor)  # the job dies with step 2's save in flight
@@ -230,7 +229,7 @@ class TestStatus:
 
     def test_iteration_file_naming_a_missing_step_is_a_problem(self, root):
         """status exits 1 when it reports a problem (0 for a healthy root, above)."""
-        disk.write_iteration(root, "checkpoint", 8)
+        commit.write_iteration(root, "checkpoint", 8)
         code, out, _ = run("status", str(root), "--json")
         assert code == 1
         assert json.loads(out)["problems"] == [
@@ -248,7 +247,7 @@ class TestRootsWrittenBeforeObsckpt:
 
     @staticmethod
     def verl_step(root: Path, step: int) -> None:
-        actor = disk.step_dir(root, step) / "actor"
+        actor = layout.step_dir(root, step) / "actor"
         actor.mkdir(parents=True)
         for kind in ("model", "optim", "extra_state"):
             (actor / f"{kind}_world_size_1_rank_0.pt").write_bytes(b"v" * 1000)
@@ -604,10 +603,10 @@ def test_files_of_a_scratch_directory_count_as_temp_files(tmp_path):
     partly written, not files of the step."""
     from obsckpt.cli import describe_step
 
-    actor = disk.step_dir(tmp_path, 3) / "actor"
+    actor = layout.step_dir(tmp_path, 3) / "actor"
     actor.mkdir(parents=True)
     (actor / "model_world_size_1_rank_0.pt").write_bytes(b"m" * 10)
-    scratch = Path(disk.scratch_dir(disk.step_dir(tmp_path, 3) / "huggingface"))
+    scratch = Path(commit.scratch_dir(layout.step_dir(tmp_path, 3) / "huggingface"))
     (scratch / "config.json").write_text("{}")
     (scratch / "model.safetensors").write_bytes(b"s" * 5)
     info = describe_step(tmp_path, 3, {"checkpoint": None, "state_dict": None}, time.time())

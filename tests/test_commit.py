@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader, validators
 from obsckpt.errors import CheckpointDirError, IterationFileError
 
 
@@ -19,26 +19,26 @@ class TestIterationFile:
     """Iteration files hold one integer, are replaced atomically and never go backwards."""
 
     def test_round_trip_and_no_temp_left(self, tmp_path):
-        assert disk.read_iteration(tmp_path, "checkpoint") is None
-        disk.write_iteration(tmp_path, "checkpoint", 12)
+        assert reader.read_iteration(tmp_path, "checkpoint") is None
+        commit.write_iteration(tmp_path, "checkpoint", 12)
         assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "12\n"
-        assert disk.read_iteration(tmp_path, "checkpoint") == 12
+        assert reader.read_iteration(tmp_path, "checkpoint") == 12
         assert sorted(os.listdir(tmp_path)) == ["latest_checkpointed_iteration.txt"]
 
     def test_never_backwards(self, tmp_path):
-        disk.write_iteration(tmp_path, "state_dict", 9)
+        commit.write_iteration(tmp_path, "state_dict", 9)
         with pytest.raises(ValueError, match="names step 9; refusing to move it back to 7"):
-            disk.write_iteration(tmp_path, "state_dict", 7)
-        assert disk.read_iteration(tmp_path, "state_dict") == 9
+            commit.write_iteration(tmp_path, "state_dict", 7)
+        assert reader.read_iteration(tmp_path, "state_dict") == 9
 
     @pytest.mark.parametrize("content", ["abc", "-3", "", "1.5", "7 8", "1" * 80, "٣"])
     def test_garbage_is_a_clear_error_naming_the_file(self, tmp_path, content):
         (tmp_path / "latest_checkpointed_iteration.txt").write_text(content)
         with pytest.raises(IterationFileError, match="latest_checkpointed_iteration.txt"):
-            disk.read_iteration(tmp_path, "checkpoint")
+            reader.read_iteration(tmp_path, "checkpoint")
 
     def test_verl_style_reader_can_parse_it(self, tmp_path):
-        disk.write_iteration(tmp_path, "checkpoint", 3)
+        commit.write_iteration(tmp_path, "checkpoint", 3)
         # verl reads the file with int(f.read()).
         assert int((tmp_path / "latest_checkpointed_iteration.txt").read_text()) == 3
 
@@ -50,30 +50,30 @@ class TestRoot:
         f = tmp_path / "file"
         f.write_text("x")
         with pytest.raises(CheckpointDirError, match="is a file"):
-            disk.ensure_root(f)
+            commit.ensure_root(f)
 
     def test_unwritable_root(self, tmp_path):
         # /proc refuses new files for every user, root included.
         with pytest.raises(CheckpointDirError, match="not writable"):
-            disk.ensure_root("/proc/obsckpt-test")
+            commit.ensure_root("/proc/obsckpt-test")
 
 
 class TestNames:
     @pytest.mark.parametrize("bad", ["", "../x", "a/b", ".", "..", "-x", "a b", "x" * 200, 3, None])
     def test_unsafe_slot_names_are_refused(self, bad):
         with pytest.raises(ValueError, match="slot name"):
-            disk.validate_slot(bad)
+            validators.validate_slot(bad)
 
     @pytest.mark.parametrize("good", ["model", "optim.0", "extra_state", "hf-model"])
     def test_safe_slot_names(self, good):
-        assert disk.validate_slot(good) == good
+        assert validators.validate_slot(good) == good
 
 
 class TestManifest:
     """A step's manifest records every file; verification finds missing, truncated and flipped bytes."""
 
     def make_step(self, root):
-        sdir = disk.step_dir(root, 4)
+        sdir = layout.step_dir(root, 4)
         (sdir / "actor").mkdir(parents=True)
         (sdir / "actor" / "model.pt").write_bytes(os.urandom(5000))
         (sdir / "actor" / "optim.pt").write_bytes(os.urandom(300))
@@ -82,11 +82,11 @@ class TestManifest:
 
     def test_finalize_writes_manifest_skipping_temp_files(self, tmp_path):
         sdir = self.make_step(tmp_path)
-        records = disk.finalize_step(sdir)
+        records = commit.finalize_step(sdir)
         assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt"]
         manifest = json.loads((sdir / "manifest.json").read_text())
         assert [f["path"] for f in manifest["files"]] == ["actor/model.pt", "actor/optim.pt"]
-        assert disk.verify_step(sdir) == []
+        assert reader.verify_step(sdir) == []
 
     def test_only_temp_suffixes_are_left_out(self, tmp_path):
         """A name holding ".tmp" elsewhere is a file of the step, recorded and verified."""
@@ -94,7 +94,7 @@ class TestManifest:
         (sdir / "hf").mkdir()
         for name in ("chat_template.tmpl", "data.tmp.json", "w.safetensors.tmp", "x.tmp.9.ab12"):
             (sdir / "hf" / name).write_bytes(b"t")
-        records = disk.finalize_step(sdir)
+        records = commit.finalize_step(sdir)
         assert [r.path for r in records] == [
             "actor/model.pt",
             "actor/optim.pt",
@@ -102,36 +102,36 @@ class TestManifest:
             "hf/data.tmp.json",
         ]
         (sdir / "hf" / "chat_template.tmpl").unlink()
-        assert disk.verify_step(sdir) == [f"{sdir / 'hf' / 'chat_template.tmpl'}: missing"]
+        assert reader.verify_step(sdir) == [f"{sdir / 'hf' / 'chat_template.tmpl'}: missing"]
 
     def test_scratch_directories_are_left_out_whole(self, tmp_path):
         """Files still being built aside (an HF export) when the step commits are not
         listed: listed, they would be missing once moved into place."""
         sdir = self.make_step(tmp_path)
-        scratch = Path(disk.scratch_dir(sdir / "huggingface"))
-        assert scratch.parent == sdir and disk.is_temp_name(scratch.name)
+        scratch = Path(commit.scratch_dir(sdir / "huggingface"))
+        assert scratch.parent == sdir and layout.is_temp_name(scratch.name)
         (scratch / "sub").mkdir()
         (scratch / "config.json").write_text("{}")
         (scratch / "sub" / "tokenizer.json").write_text("{}")
-        records = disk.finalize_step(sdir)
+        records = commit.finalize_step(sdir)
         assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt"]
         (scratch / "config.json").rename(sdir / "config.json")
         shutil.rmtree(scratch)
-        assert disk.verify_step(sdir) == []
+        assert reader.verify_step(sdir) == []
 
     def test_verify_names_unreadable_files_and_goes_on(self, tmp_path):
         sdir = self.make_step(tmp_path)
-        disk.finalize_step(sdir)
+        commit.finalize_step(sdir)
         model = sdir / "actor" / "model.pt"
         model.unlink()
         model.symlink_to("/proc/self/mem")  # a regular file whose read fails with EIO
         (sdir / "actor" / "optim.pt").write_bytes(b"z" * 300)
-        problems = disk.verify_step(sdir)
+        problems = reader.verify_step(sdir)
         assert problems[0].startswith(f"{model}: unreadable (") and len(problems) == 2
         assert problems[1].startswith(f"{sdir / 'actor' / 'optim.pt'}: corrupted")
         (sdir / "manifest.json").unlink()
         (sdir / "manifest.json").mkdir()
-        assert disk.verify_step(sdir) == [
+        assert reader.verify_step(sdir) == [
             f"{sdir / 'manifest.json'}: unreadable manifest (Is a directory)"
         ]
 
@@ -139,40 +139,40 @@ class TestManifest:
         sdir = self.make_step(tmp_path)
         (sdir / "top.bin").write_bytes(b"abc")
         timings: dict[str, float] = {}
-        records = disk.finalize_step(sdir, iterations={"checkpoint": 7}, timings=timings)
+        records = commit.finalize_step(sdir, iterations={"checkpoint": 7}, timings=timings)
         assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt", "top.bin"]
         lines = (sdir / "manifest.json").read_text().splitlines()
         assert sum('"path"' in line for line in lines) == 3  # one record per line
-        assert disk.read_manifest(sdir) == records
+        assert reader.read_manifest(sdir) == records
         assert set(timings) == {"scan", "round1", "round2", "publish"}
         assert all(v >= 0 for v in timings.values())
-        assert disk.read_iteration(tmp_path, "checkpoint") == 7
+        assert reader.read_iteration(tmp_path, "checkpoint") == 7
 
     def test_reported_records_are_trusted_when_size_matches(self, tmp_path):
         sdir = self.make_step(tmp_path)
-        fake = disk.FileRecord("actor/model.pt", 5000, 0xDEADBEEF)
-        records = {r.path: r for r in disk.finalize_step(sdir, {"actor/model.pt": fake})}
+        fake = layout.FileRecord("actor/model.pt", 5000, 0xDEADBEEF)
+        records = {r.path: r for r in commit.finalize_step(sdir, {"actor/model.pt": fake})}
         assert records["actor/model.pt"].crc32 == 0xDEADBEEF
 
     def test_verify_catches_truncation_missing_and_flipped_bytes(self, tmp_path):
         sdir = self.make_step(tmp_path)
-        disk.finalize_step(sdir)
+        commit.finalize_step(sdir)
         model = sdir / "actor" / "model.pt"
         data = bytearray(model.read_bytes())
         data[100] ^= 0xFF
         model.write_bytes(bytes(data))
         (sdir / "actor" / "optim.pt").unlink()
-        problems = disk.verify_step(sdir)
+        problems = reader.verify_step(sdir)
         assert any("model.pt: corrupted" in p for p in problems)
         assert any("optim.pt: missing" in p for p in problems)
         model.write_bytes(bytes(data[:10]))
-        assert any("model.pt: truncated" in p for p in disk.verify_step(sdir))
+        assert any("model.pt: truncated" in p for p in reader.verify_step(sdir))
 
     def test_steps_on_disk(self, tmp_path):
         for name in ("global_step_3", "global_step_10", "global_step_x", "other"):
             (tmp_path / name).mkdir()
         (tmp_path / "global_step_5").write_text("a file, not a step")
-        assert disk.steps_on_disk(tmp_path) == [3, 10]
+        assert reader.steps_on_disk(tmp_path) == [3, 10]
 
 
 class TestFsyncAtShutdown:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from obsckpt import commit as disk
+from obsckpt import reader
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -218,7 +218,7 @@ class TestComposeJobRuns:
             deadline = time.monotonic() + 420
             committed, metrics = None, None
             while time.monotonic() < deadline and proc.poll() is None:
-                committed = disk.read_iteration(ckpt, "checkpoint")
+                committed = reader.read_iteration(ckpt, "checkpoint")
                 metrics = scrape(port)
                 if committed is not None and metrics and 'kind="checkpoint"' in metrics:
                     break

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 from obsckpt.cli import main
 from obsckpt.demo import DemoConfig, run_demo
 from obsckpt.demo.job import resolve_plan
@@ -36,10 +36,10 @@ class TestDemoRun:
         assert result.checkpoint_steps == [2, 4]
         assert result.committed == {"checkpoint": 4, "state_dict": 4}
         assert result.rollout_versions == [1, 2, 3, 4]
-        assert disk.read_iteration(root, "checkpoint") == 4
-        sdir = disk.step_dir(root, 4)
-        assert disk.verify_step(sdir) == []
-        names = {r.path for r in disk.read_manifest(sdir)}
+        assert reader.read_iteration(root, "checkpoint") == 4
+        sdir = layout.step_dir(root, 4)
+        assert reader.verify_step(sdir) == []
+        names = {r.path for r in reader.read_manifest(sdir)}
         for rank in range(2):
             for kind in ("model", "optim", "extra_state"):
                 assert f"actor/{kind}_world_size_2_rank_{rank}.pt" in names
@@ -69,14 +69,14 @@ class TestDemoRun:
 
 def demo_step(root: Path, step: int, *, full: bool = True, commit: bool = True) -> Path:
     """A step as the demo (2 ranks) writes it: model shards, and optimizer state when full."""
-    actor = disk.step_dir(root, step) / "actor"
+    actor = layout.step_dir(root, step) / "actor"
     actor.mkdir(parents=True)
     kinds = ("model", "optim", "extra_state") if full else ("model",)
     for rank in range(2):
         for kind in kinds:
             (actor / f"{kind}_world_size_2_rank_{rank}.pt").write_bytes(b"w" * (100 + step))
     if commit:
-        disk.finalize_step(actor.parent)
+        commit.finalize_step(actor.parent)
     return actor.parent
 
 
@@ -91,8 +91,8 @@ def demo_root(tmp_path: Path) -> Path:
     demo_step(root, 5, full=False)
     demo_step(root, 6, full=False)
     demo_step(root, 8, full=False, commit=False)
-    disk.write_iteration(root, "checkpoint", 4)
-    disk.write_iteration(root, "state_dict", 6)
+    commit.write_iteration(root, "checkpoint", 4)
+    commit.write_iteration(root, "state_dict", 6)
     return root
 
 
@@ -159,22 +159,22 @@ class TestResumeKeepsCommittedSteps:
             DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), said.append
         )
         assert (resumed, state_dict) == (4, 6)
-        assert disk.steps_on_disk(root) == [2, 4, 5, 6]
-        assert disk.read_iteration(root, "checkpoint") == 4
-        assert disk.read_iteration(root, "state_dict") == 6
+        assert reader.steps_on_disk(root) == [2, 4, 5, 6]
+        assert reader.read_iteration(root, "checkpoint") == 4
+        assert reader.read_iteration(root, "state_dict") == 6
         for step in (2, 4, 5, 6):
-            assert disk.verify_step(disk.step_dir(root, step)) == []
+            assert reader.verify_step(layout.step_dir(root, step)) == []
         assert any("uncommitted steps [8]" in s for s in said), said
 
     def test_no_checkpoint_but_a_state_dict(self, tmp_path):
         root = demo_root(tmp_path)
-        (root / disk.ITERATION_FILES["checkpoint"]).unlink()
+        (root / layout.ITERATION_FILES["checkpoint"]).unlink()
         got, resumed, state_dict = prepare_root(
             DemoConfig(ckpt_dir=str(root), resume=True, world_size=2), lambda _: None
         )
         assert (resumed, state_dict) == (0, 6)
-        assert disk.steps_on_disk(root) == [2, 4, 5, 6]
-        assert disk.read_iteration(root, "state_dict") == 6
+        assert reader.steps_on_disk(root) == [2, 4, 5, 6]
+        assert reader.read_iteration(root, "state_dict") == 6
 
     def test_without_resume_the_demo_starts_over(self, tmp_path):
         root = demo_root(tmp_path)
@@ -204,13 +204,13 @@ class TestCkptDirErrors:
 def _stop_between_full_checkpoints(root: Path, step: int, checkpoint: int) -> None:
     """Make ``step`` a committed state dict newer than the committed checkpoint ``checkpoint``,
     as a checkpoint-sync run stopped after ``step`` leaves it (the iteration file goes back)."""
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     for f in (sdir / "actor").iterdir():
         if f.name.startswith(("optim_", "extra_state_")):
             f.unlink()
-    (sdir / disk.MANIFEST_NAME).unlink()
-    disk.finalize_step(sdir)
-    disk.atomic_write(root / disk.ITERATION_FILES["checkpoint"], f"{checkpoint}\n".encode())
+    (sdir / layout.MANIFEST_NAME).unlink()
+    commit.finalize_step(sdir)
+    commit.atomic_write(root / layout.ITERATION_FILES["checkpoint"], f"{checkpoint}\n".encode())
 
 
 @pytest.mark.slow
@@ -258,7 +258,7 @@ class TestResumeWithCheckpointSync:
         assert result.rollout_versions == [4, 5]
         assert result.committed == {"checkpoint": 5, "state_dict": 5}
         # The earlier run's full checkpoint 2 is kept (--keep 3); state dict 4 was rotated.
-        assert disk.steps_on_disk(root) == [2, 3, 5]
+        assert reader.steps_on_disk(root) == [2, 3, 5]
         code_out = io.StringIO()
         assert main(["verify", str(root), "--all"], out=code_out, err=io.StringIO()) == 0
         assert code_out.getvalue().count(": OK") == 3
@@ -379,8 +379,8 @@ def test_duration_memory_sync_and_result_json(ray_cluster, tmp_path, monkeypatch
     assert (data["first_step"], data["last_step"]) == (1, 1)
     assert data["checkpoint_steps"] == [1] and data["rollout_versions"] == [1]
     assert data["committed"] == {"checkpoint": 1, "state_dict": 1}
-    assert disk.read_iteration(root, "checkpoint") == 1
-    assert disk.verify_step(disk.step_dir(root, 1)) == []
+    assert reader.read_iteration(root, "checkpoint") == 1
+    assert reader.verify_step(layout.step_dir(root, 1)) == []
     # The JSON's summary is the table that was printed, row by row.
     summary = data["summary"]
     assert summary["model_version"] == {"trainer": 1, "rollout": 1}
@@ -411,7 +411,7 @@ class TestRootChecks:
     def test_resume_from_a_damaged_step_is_refused(self, tmp_path):
         """Loading it would fail in a trainer rank with a remote traceback, or load bad state."""
         root = demo_root(tmp_path)
-        shard = disk.step_dir(root, 4) / "actor" / "optim_world_size_2_rank_1.pt"
+        shard = layout.step_dir(root, 4) / "actor" / "optim_world_size_2_rank_1.pt"
         shard.write_bytes(b"x" * 3)
         before = tree(root)
         with pytest.raises(DemoError) as info:
@@ -516,7 +516,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     reader.start()
     try:
         deadline = time.monotonic() + 240
-        while disk.read_iteration(root, "checkpoint") is None:
+        while reader.read_iteration(root, "checkpoint") is None:
             assert proc.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "no commit within 240 s"
             time.sleep(0.2)
@@ -533,10 +533,10 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 130, err
-    committed = disk.read_iteration(root, "checkpoint")
+    committed = reader.read_iteration(root, "checkpoint")
     last = err.strip().splitlines()[-1]
     assert last.startswith("demo aborted: step"), err
     assert f", committed checkpoint {committed}, " in last, err
     assert "stopped at once: saves still in flight are left uncommitted" in err
     assert "Traceback" not in err
-    assert disk.verify_step(disk.step_dir(root, committed)) == []
+    assert reader.verify_step(layout.step_dir(root, committed)) == []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 from obsckpt.cli import main
 
 pytestmark = pytest.mark.skipif(
@@ -112,8 +112,8 @@ class Demo:
         self._readers = [
             threading.Thread(target=read, args=stream, daemon=True) for stream in streams
         ]
-        for reader in self._readers:
-            reader.start()
+        for thread in self._readers:
+            thread.start()
 
     @staticmethod
     def _read(stream, into: list[str]) -> None:
@@ -150,8 +150,8 @@ class Demo:
         sent = time.monotonic()
         if how == "hang-up":
             terminal, self.terminal = self.terminal, None
-            for reader in self._readers:
-                reader.join(5)
+            for thread in self._readers:
+                thread.join(5)
             os.close(terminal)  # the kernel sends SIGHUP to the terminal's session
         else:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -162,8 +162,8 @@ class Demo:
             self.proc.wait()
             pytest.fail(f"still running 120 s after {how}:\n{self.err}")
         took = time.monotonic() - sent
-        for reader in self._readers:
-            reader.join(5)  # the last lines
+        for thread in self._readers:
+            thread.join(5)  # the last lines
         return code, took, sessions
 
     def kill(self) -> None:
@@ -178,14 +178,14 @@ class Demo:
 def earlier_run(tmp_path: Path) -> Path:
     """The root of an earlier 2-rank demo run: its marker and committed checkpoint 2."""
     root = tmp_path / "ckpt"
-    actor = disk.step_dir(root, 2) / "actor"
+    actor = layout.step_dir(root, 2) / "actor"
     actor.mkdir(parents=True)
     (root / "obsckpt-demo.json").write_text("{}\n")
     for rank in range(2):
         for kind in ("model", "optim", "extra_state"):
             (actor / f"{kind}_world_size_2_rank_{rank}.pt").write_bytes(b"w" * (300 + rank))
-    disk.finalize_step(actor.parent)
-    disk.write_iteration(root, "checkpoint", 2)
+    commit.finalize_step(actor.parent)
+    commit.write_iteration(root, "checkpoint", 2)
     return root
 
 
@@ -203,7 +203,7 @@ def assert_last_line(demo: Demo, sig: int, root: Path) -> str:
     err = demo.err
     assert "Traceback" not in err + demo.out, err
     last = err.strip().splitlines()[-1]
-    committed = disk.read_iteration(root, "checkpoint")
+    committed = reader.read_iteration(root, "checkpoint")
     assert last.startswith(f"demo terminated by {signal.Signals(sig).name}: "), err
     assert f"committed checkpoint {committed if committed is not None else 'none'}, " in last
     return last
@@ -231,7 +231,7 @@ def test_stop_while_ray_starts(tmp_path, how):
     if how != "hang-up":
         last = assert_last_line(demo, sig, root)
         assert "no step trained, committed checkpoint 2, " in last
-    assert disk.read_iteration(root, "checkpoint") == 2
+    assert reader.read_iteration(root, "checkpoint") == 2
 
 
 @pytest.mark.slow
@@ -248,7 +248,7 @@ def test_sigterm_to_the_group_while_saves_are_in_flight(tmp_path):
         *("--result-json", str(result)),
     )
     try:
-        demo.wait_for(lambda: disk.read_iteration(root, "checkpoint") is not None, "commit")
+        demo.wait_for(lambda: reader.read_iteration(root, "checkpoint") is not None, "commit")
         code, took, sessions = demo.stop("SIGTERM to the group")
     finally:
         demo.kill()
@@ -264,7 +264,7 @@ def test_sigterm_to_the_group_while_saves_are_in_flight(tmp_path):
     assert (data["device"], data["sync_method"]) == ("cpu", "ipc")
     assert data["rollout_versions"] == list(range(1, steps + 1))
     # The step under way when SIGTERM came was saved and committed.
-    assert disk.read_iteration(root, "checkpoint") == steps
+    assert reader.read_iteration(root, "checkpoint") == steps
     assert last.startswith(
         f"demo terminated by SIGTERM: step{'s 1-' if steps > 1 else ' '}{steps},"
     )

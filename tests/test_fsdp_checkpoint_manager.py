@@ -177,7 +177,7 @@ class TestCommittedFilesStay:
     """
 
     def test_resave_behind_the_state_dict_iteration_file(self, namespace, tmp_path):
-        from obsckpt import commit as disk
+        from obsckpt import layout, reader
 
         root = tmp_path / "ckpt"
         monitor, both = start_job(namespace, root)
@@ -187,10 +187,10 @@ class TestCommittedFilesStay:
         # Each rank's manager registered its own save.
         asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(1, is_state_dict=True))
         assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "1"
-        step_dir = disk.step_dir(root, 1)
+        step_dir = layout.step_dir(root, 1)
         model_files = sorted((step_dir / "actor").glob("model_world_size_2_rank_*.pt"))
         committed = {p.name: p.read_bytes() for p in model_files}
-        assert len(committed) == 2 and disk.verify_step(step_dir) == []
+        assert len(committed) == 2 and reader.verify_step(step_dir) == []
 
         # The restarted job: new managers, weights that differ from the committed ones.
         both("restart_manager")
@@ -205,7 +205,7 @@ class TestCommittedFilesStay:
         commit(monitor, 1)
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
         assert {p.name: p.read_bytes() for p in model_files} == committed
-        assert disk.verify_step(step_dir) == []
+        assert reader.verify_step(step_dir) == []
         assert (step_dir / "actor" / "optim_world_size_2_rank_1.pt").is_file()
 
     def test_first_sync_saves_nothing_and_announces_the_step(self, namespace, tmp_path):
@@ -230,21 +230,21 @@ class TestCommittedFilesStay:
         """A job resumed from an older step (``resume_from_path``) retrains steps whose
         checkpoints are committed: their optimizer and extra state stay the committed ones,
         so such a step never holds one run's model with another run's optimizer."""
-        from obsckpt import commit as disk
+        from obsckpt import layout, reader
 
         root = tmp_path / "ckpt"
         monitor, both = start_job(namespace, root)
         both("train", 1)
         both("save", str(root), 1, None)
         commit(monitor, 1)
-        step_dir = disk.step_dir(root, 1)
+        step_dir = layout.step_dir(root, 1)
         committed = {p: p.read_bytes() for p in sorted((step_dir / "actor").glob("*.pt"))}
-        assert len(committed) == 6 and disk.verify_step(step_dir) == []
+        assert len(committed) == 6 and reader.verify_step(step_dir) == []
 
         both("restart_manager")
         both("train", 5)  # the rerun's weights, optimizer and RNG differ from the first run's
         counts = both("save", str(root), 1, None)
-        assert disk.verify_step(step_dir) == []
+        assert reader.verify_step(step_dir) == []
         assert {p: p.read_bytes() for p in committed} == committed
         assert counts == [{"state_dict": 0, "checkpoint": 0}] * 2
 
@@ -636,7 +636,7 @@ class TestHFExportKeepsCommittedFiles:
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
         from workers import TINY_LLAMA
 
-        from obsckpt import commit as disk
+        from obsckpt import layout, reader
         from obsckpt.integrations import FSDPCheckpointManager
 
         torch.manual_seed(0)
@@ -658,23 +658,23 @@ class TestHFExportKeepsCommittedFiles:
         saved = full_params(model)
         assert save() == {"state_dict": 1, "checkpoint": 1}
         asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(1, is_state_dict=True))
-        step_dir = disk.step_dir(root, 1)
+        step_dir = layout.step_dir(root, 1)
         hf_dir = path / "huggingface"
         committed = {p: p.read_bytes() for p in sorted(hf_dir.iterdir())}
-        assert hf_dir / "model.safetensors" in committed and disk.verify_step(step_dir) == []
+        assert hf_dir / "model.safetensors" in committed and reader.verify_step(step_dir) == []
 
         with torch.no_grad():  # the retrained step's weights differ from the committed ones
             for p in model.parameters():
                 p.add_(1.0)
         assert save() == {"state_dict": 0, "checkpoint": 1}
-        assert disk.verify_step(step_dir) == []
+        assert reader.verify_step(step_dir) == []
         assert {p: p.read_bytes() for p in sorted(hf_dir.iterdir())} == committed
         commit(monitor, 1)
-        assert disk.verify_step(step_dir) == []
+        assert reader.verify_step(step_dir) == []
         exported = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
         for name, value in exported.named_parameters():
             assert torch.equal(value, saved[name]), name
 
         assert save() == {"state_dict": 0, "checkpoint": 0}
         assert {p: p.read_bytes() for p in sorted(hf_dir.iterdir())} == committed
-        assert disk.verify_step(step_dir) == []
+        assert reader.verify_step(step_dir) == []

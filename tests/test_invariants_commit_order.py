@@ -10,12 +10,11 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointMonitor, layout, reader
 
 
 def _write(root, step: int, name: str) -> None:
-    path = disk.step_dir(root, step) / name
+    path = layout.step_dir(root, step) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"w" * 256)
 
@@ -37,7 +36,7 @@ def test_a_checkpoint_older_than_the_committed_state_dict_commits(tmp_path):
             _write(root, step, "actor/model.pt")
             await m.notify_finished(step, True, ticket=t["ticket"], slot="sd")
             await m.monitor_step(step, is_state_dict=True)
-        assert disk.read_iteration(root, "state_dict") == 7
+        assert reader.read_iteration(root, "state_dict") == 7
         _write(root, 5, "actor/model.pt")
         _write(root, 5, "actor/optim.pt")
         await m.notify_finished(5, False, ticket=slow["ticket"], slot="model")
@@ -46,6 +45,6 @@ def test_a_checkpoint_older_than_the_committed_state_dict_commits(tmp_path):
     status = asyncio.run(m.status())
     assert status["failed"] == [] and status["pending"] == []
     assert status["latest"] == {"checkpoint": 5, "state_dict": 7}
-    assert disk.read_iteration(root, "checkpoint") == 5
-    assert disk.read_iteration(root, "state_dict") == 7
-    assert disk.verify_step(disk.step_dir(root, 5)) == []
+    assert reader.read_iteration(root, "checkpoint") == 5
+    assert reader.read_iteration(root, "state_dict") == 7
+    assert reader.verify_step(layout.step_dir(root, 5)) == []

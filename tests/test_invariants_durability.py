@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from strace_helpers import Call, run_traced, strace_path
 
-from obsckpt import commit as disk
+from obsckpt import layout, reader
 
 
 def _trace(tmp_path: Path, driver: str, *args: str) -> list[Call]:
@@ -39,14 +39,14 @@ def _index(calls, pred, what: str) -> int:
 
 COMMIT_DRIVER = """
     import os, sys
-    from obsckpt import commit as disk
+    from obsckpt import commit, layout, reader
 
     root = sys.argv[1]
-    sdir = disk.step_dir(root, 4)
+    sdir = layout.step_dir(root, 4)
     os.makedirs(sdir / "actor")
     with open(sdir / "actor" / "model.pt", "wb") as f:  # not fsynced: the commit's job
         f.write(os.urandom(1 << 14))
-    disk.finalize_step(sdir, iterations={"checkpoint": 4})
+    commit.finalize_step(sdir, iterations={"checkpoint": 4})
 """
 
 TORCH_DRIVER = """
@@ -70,9 +70,9 @@ class TestDurableOrder:
         root = Path(os.path.realpath(tmp_path)) / "root"
         root.mkdir()
         calls = _trace(tmp_path, COMMIT_DRIVER, str(root))
-        assert disk.read_iteration(root, "checkpoint") == 4
+        assert reader.read_iteration(root, "checkpoint") == 4
         sdir = str(root / "global_step_4")
-        iteration = str(root / disk.ITERATION_FILES["checkpoint"])
+        iteration = str(root / layout.ITERATION_FILES["checkpoint"])
         made = _index(
             calls,
             lambda c: c.name.startswith("mkdir") and c.paths[-1:] == [sdir],

@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 from obsckpt.torchfile import write_torch_file
 
 # Larger than the chunk files are read in, so a checksum spans several reads.
@@ -16,7 +16,7 @@ _BIG = (8 << 20) * 2 + 12345
 
 
 def _manifest_entry(sdir, rel: str) -> dict:
-    files = json.loads((sdir / disk.MANIFEST_NAME).read_text())["files"]
+    files = json.loads((sdir / layout.MANIFEST_NAME).read_text())["files"]
     return next(f for f in files if f["path"] == rel)
 
 
@@ -25,29 +25,29 @@ class TestChecksums:
 
     def test_a_file_larger_than_a_read_chunk_has_its_whole_crc32(self, tmp_path):
         """The CRC32 the commit records for a file it reads itself covers every byte of it."""
-        sdir = disk.step_dir(tmp_path, 2)
+        sdir = layout.step_dir(tmp_path, 2)
         (sdir / "actor").mkdir(parents=True)
         data = os.urandom(_BIG)
         (sdir / "actor" / "model.pt").write_bytes(data)
-        disk.finalize_step(sdir, iterations={"checkpoint": 2})
+        commit.finalize_step(sdir, iterations={"checkpoint": 2})
         entry = _manifest_entry(sdir, "actor/model.pt")
         assert entry["size"] == len(data)
         assert int(entry["crc32"], 16) == zlib.crc32(data)
-        assert disk.verify_step(sdir) == []
+        assert reader.verify_step(sdir) == []
 
     def test_a_reported_torch_file_larger_than_a_read_chunk_verifies(self, tmp_path):
         """A state-dict file written by the saver (its CRC32 computed while writing) and
         trusted by the commit verifies against the manifest afterwards."""
-        sdir = disk.step_dir(tmp_path, 3)
+        sdir = layout.step_dir(tmp_path, 3)
         path = sdir / "actor" / "model.pt"
         state = {"w": torch.arange(_BIG // 4, dtype=torch.float32), "b": torch.ones(7)}
         rec = write_torch_file(state, path)
         data = path.read_bytes()
         assert rec.size == len(data) > 8 << 20 and rec.crc32 == zlib.crc32(data)
-        reported = {"actor/model.pt": disk.FileRecord("actor/model.pt", rec.size, rec.crc32)}
-        disk.finalize_step(sdir, reported, iterations={"state_dict": 3})
-        assert disk.verify_step(sdir) == []
-        assert disk.read_iteration(tmp_path, "state_dict") == 3
+        reported = {"actor/model.pt": layout.FileRecord("actor/model.pt", rec.size, rec.crc32)}
+        commit.finalize_step(sdir, reported, iterations={"state_dict": 3})
+        assert reader.verify_step(sdir) == []
+        assert reader.read_iteration(tmp_path, "state_dict") == 3
         loaded = torch.load(path, weights_only=True)
         assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
 
@@ -58,12 +58,14 @@ class TestReportedRecords:
     def test_a_report_whose_size_disagrees_with_the_disk_is_not_trusted(self, tmp_path):
         """A file rewritten (with another size) after its save reported it is recorded as it
         is on disk, so the committed step verifies."""
-        sdir = disk.step_dir(tmp_path, 5)
+        sdir = layout.step_dir(tmp_path, 5)
         (sdir / "actor").mkdir(parents=True)
         data = os.urandom(5000)
         (sdir / "actor" / "model.pt").write_bytes(data)
-        stale = disk.FileRecord("actor/model.pt", 4000, 0xDEADBEEF)
-        records = disk.finalize_step(sdir, {"actor/model.pt": stale}, iterations={"checkpoint": 5})
-        assert records == [disk.FileRecord("actor/model.pt", 5000, zlib.crc32(data))]
-        assert disk.read_manifest(sdir) == records
-        assert disk.verify_step(sdir) == []
+        stale = layout.FileRecord("actor/model.pt", 4000, 0xDEADBEEF)
+        records = commit.finalize_step(
+            sdir, {"actor/model.pt": stale}, iterations={"checkpoint": 5}
+        )
+        assert records == [layout.FileRecord("actor/model.pt", 5000, zlib.crc32(data))]
+        assert reader.read_manifest(sdir) == records
+        assert reader.verify_step(sdir) == []

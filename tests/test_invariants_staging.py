@@ -10,8 +10,7 @@ import ray
 import torch
 
 import obsckpt.torchfile
-from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout
 
 
 def test_a_save_does_not_overwrite_the_staging_its_slot_s_previous_save_is_writing(
@@ -36,7 +35,7 @@ def test_a_save_does_not_overwrite_the_staging_its_slot_s_previous_save_is_writi
         return real_write(obj, path)
 
     monkeypatch.setattr(obsckpt.torchfile, "write_torch_file", slow_first_write)
-    paths = {s: disk.step_dir(root, s) / "actor" / "model.pt" for s in (1, 2)}
+    paths = {s: layout.step_dir(root, s) / "actor" / "model.pt" for s in (1, 2)}
     try:
         coord.save_state_dict_async("model", {"w": torch.full((1 << 16,), 1.0)}, paths[1], 1)
         assert writing.wait(60)

@@ -14,7 +14,7 @@ import weakref
 import torch
 from prometheus_client import CollectorRegistry
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout
 from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
 from obsckpt.sync.synchronizer import Synchronizer
 
@@ -32,10 +32,10 @@ class TestSynchronizerForgetsOldLoadFailures:
 
         async def main():
             for step in range(1, n + 1):
-                shard = disk.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
+                shard = layout.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
                 shard.parent.mkdir(parents=True)
                 shard.write_bytes(b"not a torch file")
-                disk.write_iteration(root, "state_dict", step)
+                commit.write_iteration(root, "state_dict", step)
                 await sync.poll_once()
             await sync.poll_once()  # the newest failed step is not loaded again
             return await sync.status()

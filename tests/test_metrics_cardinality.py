@@ -18,8 +18,7 @@ import ray
 from prometheus_client import CollectorRegistry
 from reliability_helpers import Scrape, scrape, wait_for
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
 from obsckpt.telemetry.metrics import DURATION_BUCKETS, OVERFLOW_SLOT, Metrics, SlotLabels
 
 PER_RANK = (
@@ -93,7 +92,7 @@ class TestSlotLabelsAreBounded:
         sizes = {}
         for step in range(1, 11):
             asyncio.run(coord.register_and_monitor(step, checkpoint_thread_count=1))
-            path = disk.step_dir(root, step) / "model.bin"
+            path = layout.step_dir(root, step) / "model.bin"
 
             def write(path=path):
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +101,7 @@ class TestSlotLabelsAreBounded:
             coord.save_async(f"model_{step}", write, step, paths=[path])
             coord.wait_all(timeout=30)
             wait_for(
-                lambda step=step: disk.read_iteration(root, "checkpoint") == step,
+                lambda step=step: reader.read_iteration(root, "checkpoint") == step,
                 30,
                 f"step {step} to commit",
             )
@@ -190,7 +189,7 @@ class TestBadMeasurementsChangeNothing:
             reply["ticket"]
         ]
         ray.get(monitor.notify_finished.remote(1, **finish, duration_s=2.0, nbytes=10))
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, 10, "step 1 to commit")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, 10, "step 1 to commit")
         s = scrape(address)
         assert s.value("obsckpt_save_duration_seconds_sum", slot="model", kind="checkpoint") == 2
         assert s.value("obsckpt_save_bytes_total", slot="model", kind="checkpoint") == 10

@@ -26,8 +26,9 @@ from obsckpt import (
     SaveError,
     SaveStrategy,
     SaveTimeoutError,
+    layout,
+    reader,
 )
-from obsckpt import commit as disk
 from obsckpt.telemetry.metrics import METRICS
 
 
@@ -84,17 +85,17 @@ class TestCommitGating:
             lambda: ray.get(monitor.status.remote())["pending"][0]["finished"] == 3,
             what="three finishes",
         )
-        assert disk.read_iteration(root, "checkpoint") is None
+        assert reader.read_iteration(root, "checkpoint") is None
         w, slot = gates[-1]
         ray.get(w.release.remote(slot, 1))
         assert ray.get([w.wait.remote() for w in workers]) == [None, None]
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
-        assert disk.read_iteration(root, "state_dict") == 1
-        manifest = disk.read_manifest(disk.step_dir(root, 1))
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        assert reader.read_iteration(root, "state_dict") == 1
+        manifest = reader.read_manifest(layout.step_dir(root, 1))
         assert sorted(r.path for r in manifest) == sorted(
             f"actor/{slot}_rank_{rank}.pt" for slot in ("model", "optim") for rank in range(2)
         )
-        assert disk.verify_step(disk.step_dir(root, 1)) == []
+        assert reader.verify_step(layout.step_dir(root, 1)) == []
         status = ray.get(monitor.status.remote())
         assert status["pending"] == [] and status["in_flight"] == []
 
@@ -104,8 +105,8 @@ class TestCommitGating:
         ray.get([w.save.remote(str(root), 3, ["model"], is_state_dict=True) for w in workers])
         submit(monitor, 3, is_state_dict=True, sd=2)
         assert ray.get([w.wait.remote() for w in workers]) == [None, None]
-        wait_for(lambda: disk.read_iteration(root, "state_dict") == 3, what="state dict commit")
-        assert disk.read_iteration(root, "checkpoint") is None
+        wait_for(lambda: reader.read_iteration(root, "state_dict") == 3, what="state dict commit")
+        assert reader.read_iteration(root, "checkpoint") is None
         assert not (root / "latest_checkpointed_iteration.txt").exists()
 
     def test_snapshot_save_through_ray_is_loadable_and_unaffected_by_mutation(
@@ -117,10 +118,10 @@ class TestCommitGating:
         ray.get(worker.save_state_dict.remote(str(path), 2, 7.0))
         submit(monitor, 2, is_state_dict=True, sd=1)
         assert ray.get(worker.wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "state_dict") == 2, what="commit")
+        wait_for(lambda: reader.read_iteration(root, "state_dict") == 2, what="commit")
         loaded = torch.load(path)
         assert torch.equal(loaded["w"], torch.full((256, 256), 7.0)) and loaded["step"] == 2
-        assert disk.verify_step(disk.step_dir(root, 2)) == []
+        assert reader.verify_step(layout.step_dir(root, 2)) == []
 
 
 class TestParts:
@@ -143,7 +144,7 @@ class TestParts:
         for rank, w in enumerate(workers):
             ray.get(w.save_state_dict.remote(shard(4, rank), 4, 1.0, part=rank, parts=2))
         submit(monitor, 4, is_state_dict=True, sd=1)
-        wait_for(lambda: disk.read_iteration(root, "state_dict") == 4, what="commit of step 4")
+        wait_for(lambda: reader.read_iteration(root, "state_dict") == 4, what="commit of step 4")
         committed = open(shard(4, 1), "rb").read()
         resaves = ray.get(monitor.status.remote())["resaves"]
 
@@ -153,7 +154,7 @@ class TestParts:
         assert ray.get(late) is True  # its overlapped copy still ended: the slot is free
         assert ray.get(workers[1].wait.remote()) is None  # skipped is not a failure
         assert open(shard(4, 1), "rb").read() == committed
-        assert disk.verify_step(disk.step_dir(root, 4)) == []
+        assert reader.verify_step(layout.step_dir(root, 4)) == []
         status = ray.get(monitor.status.remote())
         assert status["resaves"] == resaves + 1
         assert status["pending"] == [] and status["failed"] == [] and status["in_flight"] == []
@@ -165,7 +166,7 @@ class TestParts:
                 )
             )
         submit(monitor, 5, is_state_dict=True, sd=1)
-        wait_for(lambda: disk.read_iteration(root, "state_dict") == 5, what="commit of step 5")
+        wait_for(lambda: reader.read_iteration(root, "state_dict") == 5, what="commit of step 5")
         assert torch.equal(torch.load(shard(5, 1))["w"], torch.full((256, 256), 3.0))
 
     def test_each_part_reported_and_leased_the_save_counted_once(self, namespace, root):
@@ -190,16 +191,16 @@ class TestParts:
             return pending["open_parts"]
 
         wait_for(lambda: open_parts()["model"]["finished"] == [0], what="part 0 finished")
-        assert disk.read_iteration(root, "state_dict") is None  # part 1 still runs
+        assert reader.read_iteration(root, "state_dict") is None  # part 1 still runs
         ray.get(workers[1].release.remote("model", 1))
         assert ray.get(workers[1].wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "state_dict") == 1, what="commit of step 1")
-        manifest = disk.read_manifest(disk.step_dir(root, 1))
+        wait_for(lambda: reader.read_iteration(root, "state_dict") == 1, what="commit of step 1")
+        manifest = reader.read_manifest(layout.step_dir(root, 1))
         assert sorted(r.path for r in manifest) == [
             "actor/model_rank_0.pt",
             "actor/model_rank_1.pt",
         ]
-        assert disk.verify_step(disk.step_dir(root, 1)) == []
+        assert reader.verify_step(layout.step_dir(root, 1)) == []
         s = scrape(monitor)
         assert value(s, "obsckpt_saves_total", slot="model", kind="state_dict", result="ok") == 2
         assert value(s, "obsckpt_saves_in_flight", kind="state_dict") == 0
@@ -218,7 +219,7 @@ class TestParts:
         wait_for(lambda: ray.get(monitor.status.remote())["failed"] != [], what="lease expiry")
         [failed] = ray.get(monitor.status.remote())["failed"]
         assert failed["step"] == 1 and "sent no heartbeat" in failed["error"]
-        assert disk.read_iteration(root, "state_dict") is None
+        assert reader.read_iteration(root, "state_dict") is None
 
     def test_conflicting_part_counts_fail_the_step_with_a_clear_error(self, namespace, root):
         monitor = make_monitor(namespace, root)
@@ -234,7 +235,7 @@ class TestParts:
         assert "earlier part said 2" in failed["error"]
         assert status["in_flight"] == [] and status["pending"] == []
         assert value(scrape(monitor), "obsckpt_step_failures_total", kind="state_dict") == 1
-        assert disk.read_iteration(root, "state_dict") is None
+        assert reader.read_iteration(root, "state_dict") is None
 
     def test_bad_parts_fail_in_the_caller(self, namespace, root):
         coord = CheckpointCoordinator(make_monitor(namespace, root), rank=0)
@@ -261,7 +262,7 @@ class TestSavedPaths:
     def test_a_directory_stands_for_every_file_under_it(self, namespace, root):
         monitor = make_monitor(namespace, root)
         coord = CheckpointCoordinator(monitor, rank=0)
-        hf = disk.step_dir(root, 5) / "actor" / "huggingface"
+        hf = layout.step_dir(root, 5) / "actor" / "huggingface"
         payload = {"model.safetensors": os.urandom(70_000), "sub/tokenizer.json": b"{}"}
 
         def save() -> None:
@@ -273,11 +274,11 @@ class TestSavedPaths:
         coord.save_async("hf_model", save, 5, paths=[hf])
         coord.wait_all(timeout=60)
         submit(monitor, 5, ck=1)
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 5, what="step 5 committed")
-        records = {r.path: r for r in disk.read_manifest(disk.step_dir(root, 5))}
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 5, what="step 5 committed")
+        records = {r.path: r for r in reader.read_manifest(layout.step_dir(root, 5))}
         for rel, data in payload.items():
             rec = records[f"actor/huggingface/{rel}"]
-            assert (rec.size, rec.crc32) == (len(data), disk.crc32(data))
+            assert (rec.size, rec.crc32) == (len(data), reader.crc32(data))
         # Reported by the save (the temp file is not part of it), not found by the monitor.
         reported = sum(len(d) for d in payload.values())
         saved = value(
@@ -288,13 +289,13 @@ class TestSavedPaths:
     def test_a_named_path_the_save_did_not_write_fails_the_save(self, namespace, root):
         monitor = make_monitor(namespace, root)
         coord = CheckpointCoordinator(monitor, rank=0)
-        missing = disk.step_dir(root, 6) / "never.pt"
+        missing = layout.step_dir(root, 6) / "never.pt"
         with pytest.raises(FileNotFoundError, match=r"never.pt is named in paths= but the save"):
             coord.save_sync(lambda: None, 6, paths=[missing])
         coord.wait_all(timeout=10)  # raised once, by save_sync
         submit(monitor, 6, ck=1)
         wait_for(lambda: ray.get(monitor.status.remote())["failed"], what="step 6 failed")
-        assert disk.read_iteration(root, "checkpoint") is None
+        assert reader.read_iteration(root, "checkpoint") is None
 
     def test_a_single_path_instead_of_a_list_is_refused_before_anything_runs(self, namespace, root):
         coord = CheckpointCoordinator(make_monitor(namespace, root), rank=0)
@@ -312,7 +313,7 @@ class TestSavedPaths:
         coord = CheckpointCoordinator(monitor, rank=0)
         for trial, value_ in enumerate((1.0, 2.0, 3.0)):
             step = 8 + trial
-            path = disk.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
+            path = layout.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
             coord.save_state_dict_async("model", {"w": torch.full((1 << 20,), value_)}, path, step)
             coord.save_state_dict_async(
                 "model_state_dict", {"w": torch.full((1 << 20,), -value_)}, path, step, True
@@ -320,10 +321,10 @@ class TestSavedPaths:
             coord.wait_all(timeout=60)
             submit(monitor, step, sd=1, ck=1)
             wait_for(
-                lambda step=step: disk.read_iteration(root, "checkpoint") == step,
+                lambda step=step: reader.read_iteration(root, "checkpoint") == step,
                 what=f"step {step} committed",
             )
-            assert disk.verify_step(disk.step_dir(root, step)) == []
+            assert reader.verify_step(layout.step_dir(root, step)) == []
 
 
 class TestSaveOutcomes:
@@ -391,7 +392,7 @@ class TestSaveOutcomes:
         monitor = make_monitor(namespace, root)
         coord = CheckpointCoordinator(monitor, rank=0)
         state = {"w": torch.ones(8 << 20 >> 2)}
-        path = disk.step_dir(root, 1) / "model.pt"
+        path = layout.step_dir(root, 1) / "model.pt"
         coord.save_state_dict_async("model", state, path, 1)
         coord.wait_all(timeout=60)
         address = coord._staging["model"].arena.address
@@ -423,7 +424,7 @@ class TestStrategies:
         ray.get([w.save.remote(str(root), 2, ["model", "optim"], sleep=0.15) for w in workers])
         submit(monitor, 2, ck=4)
         assert ray.get([w.wait.remote() for w in workers]) == [None, None]
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
         status = ray.get(monitor.status.remote())
         assert [(f["step"], f["kind"]) for f in status["failed"]] == [(1, "checkpoint")]
         assert status["in_flight"] == [] and status["admission_waiting"] == 0
@@ -465,7 +466,7 @@ class TestLeases:
         ray.get(survivor.save.remote(str(root), 2, ["model"]))
         submit(monitor, 2, ck=1)
         assert ray.get(survivor.wait.remote(timeout=60)) is None
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
         status = ray.get(monitor.status.remote())
         [failed] = status["failed"]
         assert failed["step"] == 1 and "sent no heartbeat" in failed["error"]
@@ -480,7 +481,7 @@ class TestLeases:
         ray.get(worker.save.remote(str(root), 1, ["model"], sleep=3.0))
         submit(monitor, 1, ck=1)
         assert ray.get(worker.wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
         assert ray.get(monitor.status.remote())["failed"] == []
 
     def test_a_paused_monitor_does_not_blame_the_ranks(self, namespace, root):
@@ -501,7 +502,7 @@ class TestLeases:
         finally:
             os.kill(pid, signal.SIGCONT)
         assert ray.get(worker.wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, what="commit of step 1")
         assert ray.get(monitor.status.remote())["failed"] == []
 
     def test_bad_lease_timeout(self, namespace, root):
@@ -521,7 +522,7 @@ class TestRestart:
         ray.get(worker.save.remote(str(root), 5, ["model"]))
         submit(monitor, 5, ck=1)
         assert ray.get(worker.wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 5, what="commit")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 5, what="commit")
         # A save of step 6 that never finishes leaves an uncommitted step dir.
         ray.get(worker.save.remote(str(root), 6, ["model"], gated=True))
         ray.kill(monitor, no_restart=True)
@@ -533,12 +534,12 @@ class TestRestart:
         assert [a["step"] for a in status["abandoned"]] == [6]
         assert value(scrape(fresh), "obsckpt_latest_step", kind="checkpoint") == 5
         ray.get(fresh.monitor_step.remote(4, False))  # an older step: ignored, logged
-        assert disk.read_iteration(root, "checkpoint") == 5
+        assert reader.read_iteration(root, "checkpoint") == 5
         worker2 = SaveWorker.remote(ns2, 0)
         ray.get(worker2.save.remote(str(root), 7, ["model"]))
         submit(fresh, 7, ck=1)
         assert ray.get(worker2.wait.remote()) is None
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 7, what="commit of step 7")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 7, what="commit of step 7")
         ray.kill(worker)
 
 
@@ -574,7 +575,7 @@ class TestMetrics:
         ray.get(workers[0].save.remote(str(root), 2, ["model"], sleep=0.2))
         ray.get(workers[0].save.remote(str(root), 3, ["model"], fail_slots=("model",)))
         ray.get(workers[0].wait.remote())
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, what="commit")
         s = scrape(monitor)
         assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="ok") == 3
         assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="error") == 1
@@ -646,7 +647,7 @@ class TestMetrics:
             ray.get(worker.save.remote(str(root), 1, ["model"]))
             submit(monitor, 1, ck=1)
             assert ray.get(worker.wait.remote()) is None
-            wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, what="commit")
+            wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, what="commit")
 
 
 class TestBadInput:
@@ -697,4 +698,4 @@ class TestBadInput:
             coord.save_async("model", lambda: None, -3)
         with pytest.raises(ValueError, match=r"got 2\.5"):
             asyncio.run(coord.register_and_monitor(2.5))
-        assert disk.read_iteration(root, "checkpoint") is None
+        assert reader.read_iteration(root, "checkpoint") is None

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor, NotificationError, SaveStrategy
-from obsckpt import commit as disk
+from obsckpt import CheckpointMonitor, NotificationError, SaveStrategy, commit, layout, reader
 
 
 class CommitGate:
@@ -28,10 +27,10 @@ class CommitGate:
         self.entered: queue.Queue[int] = queue.Queue()
         self._go = threading.Semaphore(0)
         self.fail_next = False
-        real = disk.finalize_step
+        real = commit.finalize_step
 
         def gated(sdir, *args, **kwargs):
-            self.entered.put(int(disk.STEP_DIR_RE.match(Path(sdir).name).group(1)))
+            self.entered.put(int(layout.STEP_DIR_RE.match(Path(sdir).name).group(1)))
             if not self._go.acquire(timeout=20):
                 raise AssertionError(f"the test never let the commit of {sdir} through")
             if self.fail_next:
@@ -39,7 +38,7 @@ class CommitGate:
                 raise OSError(5, "Input/output error (injected)")
             return real(sdir, *args, **kwargs)
 
-        monkeypatch.setattr(disk, "finalize_step", gated)
+        monkeypatch.setattr(commit, "finalize_step", gated)
 
     async def committing(self) -> int:
         """Wait until a commit's I/O has started; returns its step."""
@@ -65,7 +64,7 @@ def failures(m: CheckpointMonitor, kind: str) -> float:
 
 
 def write(root: Path, step: int, name: str, data: bytes = b"x" * 64) -> None:
-    path = disk.step_dir(root, step) / name
+    path = layout.step_dir(root, step) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
 
@@ -115,8 +114,8 @@ def test_a_step_that_changes_during_another_commit_is_judged_again(tmp_path, gat
         await asyncio.wait_for(first, 30)
 
     asyncio.run(run())
-    assert disk.read_iteration(root, "checkpoint") == 2
-    assert disk.read_iteration(root, "state_dict") == 2
+    assert reader.read_iteration(root, "checkpoint") == 2
+    assert reader.read_iteration(root, "state_dict") == 2
     assert m.tracker.latest == {"checkpoint": 2, "state_dict": 2}
     assert sorted((s, k) for s, k, _ in m.tracker.failed()) == [
         (3, "checkpoint"),
@@ -153,8 +152,8 @@ def test_a_state_dict_save_during_its_checkpoint_commit_is_not_admitted(tmp_path
     assert skipped == {"skipped": True, "latest": None}
     assert trinity["resave"] is True
     assert m.tracker.latest == {"checkpoint": 2, "state_dict": 2}
-    assert disk.read_iteration(root, "state_dict") == 2
-    assert disk.verify_step(disk.step_dir(root, 2)) == []
+    assert reader.read_iteration(root, "state_dict") == 2
+    assert reader.verify_step(layout.step_dir(root, 2)) == []
     assert not m._tickets and m.tracker.pending() == []
     assert failures(m, "checkpoint") == 0 and failures(m, "state_dict") == 0
 
@@ -209,9 +208,9 @@ def test_every_failed_step_is_counted_once(tmp_path, gate, scenario):
         asyncio.run(scenario(m, root))
     failed = [k for _s, k, _p in m.tracker.failed()]
     assert failed, "the scenario must fail a step"
-    for kind in disk.KINDS:
+    for kind in layout.KINDS:
         assert failures(m, kind) == failed.count(kind), (kind, failed)
-    assert disk.read_iteration(root, "checkpoint") is None
+    assert reader.read_iteration(root, "checkpoint") is None
 
 
 def test_a_cancelled_admission_leaves_nothing_behind(tmp_path):
@@ -264,7 +263,7 @@ def test_a_release_right_after_a_cancelled_admission_wait_is_not_disturbed(tmp_p
         await m.monitor_step(1)
 
     asyncio.run(run())
-    assert disk.read_iteration(root, "checkpoint") == 1
+    assert reader.read_iteration(root, "checkpoint") == 1
     assert not m._tickets and m.admission.waiting == 0
 
 
@@ -288,7 +287,7 @@ def test_a_cancelled_rpc_does_not_stop_its_commit(tmp_path, gate):
             await asyncio.sleep(0.05)
 
     asyncio.run(run())
-    assert disk.read_iteration(root, "checkpoint") == 1
+    assert reader.read_iteration(root, "checkpoint") == 1
     assert m.tracker.latest["checkpoint"] == 1 and m.tracker.pending() == []
 
 
@@ -323,7 +322,7 @@ def test_commit_lag_of_a_full_checkpoint_counts_from_its_state_dict_save(tmp_pat
 
     asyncio.run(run())
     assert m.tracker.latest == {"checkpoint": 4, "state_dict": 4}
-    for kind in disk.KINDS:
+    for kind in layout.KINDS:
         count, total = lag(kind)
         assert count == 1 and 60.0 <= total < 90.0, (kind, count, total)
 
@@ -359,7 +358,7 @@ def test_a_step_with_no_saves_is_never_named_by_an_iteration_file(tmp_path):
     root = tmp_path / "root"
     m = monitor(root)
     asyncio.run(m.monitor_step(5, is_state_dict=True))
-    assert disk.read_iteration(root, "state_dict") is None
+    assert reader.read_iteration(root, "state_dict") is None
     assert [(s, k) for s, k, _ in m.tracker.failed()] == [(5, "state_dict")]
     assert "nothing to commit" in m.tracker.failed()[0][2].error
 
@@ -375,4 +374,4 @@ def test_a_step_whose_saves_wrote_no_files_still_commits(tmp_path):
         await m.monitor_step(3)
 
     asyncio.run(run())
-    assert disk.read_iteration(root, "checkpoint") == 3
+    assert reader.read_iteration(root, "checkpoint") == 3

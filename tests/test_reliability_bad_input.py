@@ -22,9 +22,10 @@ from obsckpt import (
     IterationFileError,
     NotificationError,
     PartsMismatchError,
+    layout,
+    reader,
     rootlock,
 )
-from obsckpt import commit as disk
 
 COMMITTED = 3
 
@@ -54,7 +55,7 @@ def committed(tmp_path) -> tuple[Path, CheckpointMonitor, dict[str, bytes]]:
 
     async def commit_step() -> None:
         await monitor.register_thread_count(COMMITTED, checkpoint_thread_count=1)
-        path = disk.step_dir(root, COMMITTED) / "model.pt"
+        path = layout.step_dir(root, COMMITTED) / "model.pt"
         path.parent.mkdir(parents=True)
         torch.save({"w": torch.ones(4)}, path)
         admitted = await monitor.notify_started("n", "j", step=COMMITTED, slot="model")
@@ -62,14 +63,14 @@ def committed(tmp_path) -> tuple[Path, CheckpointMonitor, dict[str, bytes]]:
         await monitor.monitor_step(COMMITTED, False)
 
     asyncio.run(commit_step())
-    assert disk.read_iteration(root, "checkpoint") == COMMITTED
+    assert reader.read_iteration(root, "checkpoint") == COMMITTED
     return root, monitor, _snapshot(root)
 
 
 def _assert_nothing_lost(root: Path, before: dict[str, bytes]) -> None:
     assert _snapshot(root) == before
-    assert disk.read_iteration(root, "checkpoint") == COMMITTED
-    assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+    assert reader.read_iteration(root, "checkpoint") == COMMITTED
+    assert reader.verify_step(layout.step_dir(root, COMMITTED)) == []
 
 
 BAD_STEPS = [-1, 1.5, True, "3", None, 2**63]
@@ -287,8 +288,8 @@ class TestBadNotifications:
         status = asyncio.run(monitor.status())
         assert [(f["step"], f["kind"]) for f in status["failed"]] == [(4, "checkpoint")]
         assert status["latest"]["checkpoint"] == COMMITTED
-        assert disk.read_iteration(root, "checkpoint") == COMMITTED
-        assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+        assert reader.read_iteration(root, "checkpoint") == COMMITTED
+        assert reader.verify_step(layout.step_dir(root, COMMITTED)) == []
 
     def test_parts_that_disagree(self, committed):
         root, monitor, before = committed
@@ -330,11 +331,11 @@ class TestBadIterationFile:
     @pytest.mark.parametrize(
         "content", BAD_ITERATION_FILES.values(), ids=BAD_ITERATION_FILES.keys()
     )
-    @pytest.mark.parametrize("kind", disk.KINDS)
+    @pytest.mark.parametrize("kind", layout.KINDS)
     def test_bad_content(self, committed, content, kind):
         root, monitor, _ = committed
         asyncio.run(monitor.shutdown())  # the job that committed has ended
-        path = root / disk.ITERATION_FILES[kind]
+        path = root / layout.ITERATION_FILES[kind]
         path.write_bytes(content)
         before = _snapshot(root)
         with pytest.raises(IterationFileError) as info:
@@ -342,10 +343,10 @@ class TestBadIterationFile:
         assert str(path) in str(info.value)
         assert "step number" in str(info.value)
         assert _snapshot(root) == before
-        assert disk.verify_step(disk.step_dir(root, COMMITTED)) == []
+        assert reader.verify_step(layout.step_dir(root, COMMITTED)) == []
 
     def test_iteration_file_is_a_directory(self, tmp_path):
         root = tmp_path / "root"
-        (root / disk.ITERATION_FILES["checkpoint"]).mkdir(parents=True)
+        (root / layout.ITERATION_FILES["checkpoint"]).mkdir(parents=True)
         with pytest.raises(IterationFileError, match="is a directory"):
             _monitor(root)

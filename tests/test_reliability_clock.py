@@ -21,8 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import obsckpt.monitor as monitor_module
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, commit, layout, reader
 
 HOUR = 3600.0
 
@@ -53,7 +52,7 @@ def in_process_monitor(root: Path, **kwargs) -> CheckpointMonitor:
 
 
 def write(root: Path, step: int, name: str) -> None:
-    path = disk.step_dir(root, step) / name
+    path = layout.step_dir(root, step) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"x" * 64)
 
@@ -98,7 +97,7 @@ class TestLeases:
         # The lease and at most one check interval, in whole seconds.
         assert re.search(r"sent no heartbeat for [12] s \(lease_timeout_s=1.0\)", failed["error"])
         assert [t["step"] for t in status["in_flight"]] == [1]
-        assert disk.read_iteration(root, "checkpoint") == 1
+        assert reader.read_iteration(root, "checkpoint") == 1
         assert sample(m, "obsckpt_saves_total", slot="dead", kind="checkpoint", result="error")
         assert not sample(m, "obsckpt_saves_total", slot="alive", kind="checkpoint", result="error")
 
@@ -110,13 +109,13 @@ class TestDurations:
     def test_steps_during_a_wait_a_save_and_a_commit(self, tmp_path, clock, monkeypatch):
         root = tmp_path / "root"
         m = in_process_monitor(root, save_strategy=SaveStrategy.SINGLE_THREAD)
-        real_finalize = disk.finalize_step
+        real_finalize = commit.finalize_step
 
         def finalize_across_a_step(*args, **kwargs):
             clock.step(+HOUR)  # while the commit's files are fsynced
             return real_finalize(*args, **kwargs)
 
-        monkeypatch.setattr(disk, "finalize_step", finalize_across_a_step)
+        monkeypatch.setattr(commit, "finalize_step", finalize_across_a_step)
 
         async def run() -> tuple[float, dict]:
             t0 = time.monotonic()
@@ -141,7 +140,7 @@ class TestDurations:
             return time.monotonic() - t0, await m.status()
 
         elapsed, status = asyncio.run(run())
-        assert disk.read_iteration(root, "checkpoint") == 1
+        assert reader.read_iteration(root, "checkpoint") == 1
         labels = {"slot": "a", "kind": "checkpoint"}
         save_s = sample(m, "obsckpt_save_duration_seconds_sum", **labels)
         wait_s = sample(m, "obsckpt_save_admission_wait_seconds_sum", strategy="single_thread")
@@ -189,7 +188,7 @@ class TestRunningJob:
         doomed = SaveWorker.remote(namespace, 1)
         coord = CheckpointCoordinator(monitor, rank=0)
         gate = threading.Event()
-        path = disk.step_dir(root, 1) / "model.pt"
+        path = layout.step_dir(root, 1) / "model.pt"
 
         def save() -> None:
             gate.wait(30)
@@ -220,7 +219,7 @@ class TestRunningJob:
         ray.kill(doomed)  # SIGKILL: its heartbeats stop
         gate.set()
         coord.wait_all(timeout=20)
-        wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, 20, "the commit of step 1")
+        wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, 20, "the commit of step 1")
         [failed] = wait_for(lambda: status()["failed"], 6, "the killed rank's lease to run out")
         assert failed["step"] == 2, failed
         assert re.search(r"sent no heartbeat for [23] s", failed["error"]), failed

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 from obsckpt.cli import main
 from obsckpt.errors import IterationFileError, StateDictLoadError
 from obsckpt.integrations.retention import removable, step_of
@@ -36,7 +36,7 @@ def cli(*argv: str) -> tuple[int, str, str]:
 
 def committed_step(root: Path, step: int, files: dict[str, object] | None = None) -> Path:
     """A step written and committed as the monitor commits one (manifest, iteration files)."""
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     for rel, obj in (files or {SHARD: {"w": torch.full((2,), float(step))}}).items():
         path = sdir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def committed_step(root: Path, step: int, files: dict[str, object] | None = None
             path.write_bytes(obj)
         else:
             torch.save(obj, path)
-    disk.finalize_step(sdir, iterations={"checkpoint": step, "state_dict": step})
+    commit.finalize_step(sdir, iterations={"checkpoint": step, "state_dict": step})
     return sdir
 
 
@@ -94,7 +94,7 @@ class TestStepDirectoryNames:
     def test_other_names_are_not_steps(self, tmp_path, name):
         committed_step(tmp_path, 3)
         (tmp_path / name).mkdir()
-        assert disk.steps_on_disk(tmp_path) == [3]
+        assert reader.steps_on_disk(tmp_path) == [3]
         code, out, err = cli("status", str(tmp_path), "--json")
         assert (code, err) == (0, "")
         assert [s["step"] for s in json.loads(out)["steps"]] == [3]
@@ -103,7 +103,7 @@ class TestStepDirectoryNames:
 
     def test_global_step_0_is_a_step(self, tmp_path):
         committed_step(tmp_path, 0)
-        assert disk.steps_on_disk(tmp_path) == [0]
+        assert reader.steps_on_disk(tmp_path) == [0]
 
     def test_retention_never_maps_a_name_to_another_step(self, tmp_path):
         for step in (7, 8, 9):
@@ -143,14 +143,14 @@ class TestManifestEntries:
     )
     def test_bad_entry_is_named(self, tmp_path, bad, named):
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         good = manifest["files"][0]
         entry = dict(good, **bad) if isinstance(bad, dict) else bad
         manifest["files"].append(entry)
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
-        problems = disk.verify_step(sdir)
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+        problems = reader.verify_step(sdir)
         assert len(problems) == 1
-        assert problems[0].startswith(f"{sdir / disk.MANIFEST_NAME}: unreadable manifest (")
+        assert problems[0].startswith(f"{sdir / layout.MANIFEST_NAME}: unreadable manifest (")
         assert "entry 1" in problems[0] and named in problems[0], problems[0]
         code, out, err = cli("verify", str(tmp_path))
         assert code == 1 and "FAILED" in out and "Error:" not in err
@@ -159,21 +159,21 @@ class TestManifestEntries:
         """The escape names a file whose size and CRC32 match: it still fails."""
         sdir = committed_step(tmp_path, 3)
         other = committed_step(tmp_path, 4)
-        size, crc = disk.file_crc32(other / SHARD)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        size, crc = reader.file_crc32(other / SHARD)
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         manifest["files"] = [
             {"path": f"../global_step_4/{SHARD}", "size": size, "crc32": f"{crc:08x}"}
         ]
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
         code, out, err = cli("verify", str(tmp_path), "--step", "3")
         assert code == 1 and "outside" in err and "OK" not in out
 
     def test_a_file_listed_twice_is_named(self, tmp_path):
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         manifest["files"].append(dict(manifest["files"][0]))
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
-        (problem,) = disk.verify_step(sdir)
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+        (problem,) = reader.verify_step(sdir)
         assert f"lists {SHARD!r} twice" in problem
 
     @pytest.mark.parametrize(
@@ -189,19 +189,19 @@ class TestManifestEntries:
     )
     def test_bad_shape_is_named(self, tmp_path, text, named):
         sdir = committed_step(tmp_path, 3)
-        (sdir / disk.MANIFEST_NAME).write_text(text)
-        (problem,) = disk.verify_step(sdir)
+        (sdir / layout.MANIFEST_NAME).write_text(text)
+        (problem,) = reader.verify_step(sdir)
         assert "unreadable manifest (" in problem and named in problem, problem
         with pytest.raises(ValueError, match=named):
-            disk.read_manifest(sdir)
+            reader.read_manifest(sdir)
 
     def test_extra_keys_are_accepted(self, tmp_path):
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         manifest["writer"] = "another tool"
         manifest["files"][0]["mtime"] = 1.0
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
-        assert disk.verify_step(sdir) == []
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert reader.verify_step(sdir) == []
 
     @pytest.mark.parametrize(
         "version, named",
@@ -216,30 +216,30 @@ class TestManifestEntries:
         """A later format may mean its entries differently: read as this one, a step
         could verify OK against entries it does not understand."""
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
-        assert manifest["version"] == disk.MANIFEST_FORMAT == 1
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
+        assert manifest["version"] == layout.MANIFEST_FORMAT == 1
         manifest["version"] = version
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
         with pytest.raises(ValueError, match=re.escape(named)):
-            disk.read_manifest(sdir)
-        (problem,) = disk.verify_step(sdir)
+            reader.read_manifest(sdir)
+        (problem,) = reader.verify_step(sdir)
         assert named in problem, problem
 
     def test_newer_format_tells_verify_to_upgrade(self, tmp_path, capsys):
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         manifest["version"] = 2
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
         assert main(["verify", str(tmp_path)]) != 0
         out = capsys.readouterr()
         assert "Upgrade obsckpt" in out.out + out.err
 
     def test_a_manifest_without_version_reads_as_this_format(self, tmp_path):
         sdir = committed_step(tmp_path, 3)
-        manifest = json.loads((sdir / disk.MANIFEST_NAME).read_text())
+        manifest = json.loads((sdir / layout.MANIFEST_NAME).read_text())
         del manifest["version"]
-        (sdir / disk.MANIFEST_NAME).write_text(json.dumps(manifest))
-        assert disk.verify_step(sdir) == []
+        (sdir / layout.MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert reader.verify_step(sdir) == []
 
 
 class TestNonRegularFiles:
@@ -248,42 +248,42 @@ class TestNonRegularFiles:
 
     def test_iteration_file(self, tmp_path):
         committed_step(tmp_path, 3)
-        fifo = tmp_path / disk.ITERATION_FILES["checkpoint"]
+        fifo = tmp_path / layout.ITERATION_FILES["checkpoint"]
         fifo.unlink()
         os.mkfifo(fifo)
         with pytest.raises(IterationFileError, match="not a regular file") as info:
-            without_hanging(fifo, disk.read_iteration, tmp_path, "checkpoint")
+            without_hanging(fifo, reader.read_iteration, tmp_path, "checkpoint")
         assert str(fifo) in str(info.value)
         code, _out, err = without_hanging(fifo, cli, "status", str(tmp_path))
         assert code == 2 and str(fifo) in err
 
     def test_iteration_file_that_is_a_directory_says_what_to_do(self, tmp_path):
-        (tmp_path / disk.ITERATION_FILES["state_dict"]).mkdir()
+        (tmp_path / layout.ITERATION_FILES["state_dict"]).mkdir()
         with pytest.raises(IterationFileError, match="is a directory, not an iteration file; "):
-            disk.read_iteration(tmp_path, "state_dict")
+            reader.read_iteration(tmp_path, "state_dict")
 
     def test_manifest(self, tmp_path):
         sdir = committed_step(tmp_path, 3)
-        fifo = sdir / disk.MANIFEST_NAME
+        fifo = sdir / layout.MANIFEST_NAME
         fifo.unlink()
         os.mkfifo(fifo)
-        (problem,) = without_hanging(fifo, disk.verify_step, sdir)
+        (problem,) = without_hanging(fifo, reader.verify_step, sdir)
         assert problem.startswith(f"{fifo}: unreadable manifest (") and "not a regular" in problem
 
     def test_file_of_a_step_at_commit(self, tmp_path):
         committed_step(tmp_path, 3)
         before = snapshot(tmp_path)
-        sdir = disk.step_dir(tmp_path, 4)
+        sdir = layout.step_dir(tmp_path, 4)
         sdir.mkdir()
         fifo = sdir / "foreign.pipe"
         os.mkfifo(fifo)
         with pytest.raises(OSError, match="not a regular file") as info:
             without_hanging(
-                fifo, disk.finalize_step, sdir, iterations={"checkpoint": 4, "state_dict": 4}
+                fifo, commit.finalize_step, sdir, iterations={"checkpoint": 4, "state_dict": 4}
             )
         assert str(fifo) in str(info.value)
         assert snapshot(tmp_path) == before
-        assert disk.read_iteration(tmp_path, "checkpoint") == 3
+        assert reader.read_iteration(tmp_path, "checkpoint") == 3
 
     def test_shard(self, tmp_path):
         model_dir = tmp_path / "global_step_1" / "actor"

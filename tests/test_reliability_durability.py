@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from strace_helpers import Call, run_traced, strace_path
 
-from obsckpt import commit as disk
+from obsckpt import layout, reader
 
 DRIVER = textwrap.dedent(
     """
@@ -59,7 +59,7 @@ class TestCommitDurabilityOrder:
     def test_fsync_before_rename_then_dir_fsync(self, strace, tmp_path):
         root = Path(os.path.realpath(tmp_path)) / "root"
         calls = _traced(strace, tmp_path, DRIVER, str(root))
-        assert disk.read_iteration(root, "checkpoint") == 1
+        assert reader.read_iteration(root, "checkpoint") == 1
 
         sdir = root / "global_step_1"
         syncs = [c for c in calls if c.name in ("fsync", "fdatasync") and c.fd_path]
@@ -77,8 +77,8 @@ class TestCommitDurabilityOrder:
             assert found, f"{path} was not fsynced before call #{before}"
             return found[-1]
 
-        for kind in disk.KINDS:
-            iteration = root / disk.ITERATION_FILES[kind]
+        for kind in layout.KINDS:
+            iteration = root / layout.ITERATION_FILES[kind]
             commit = rename_to(iteration)
             tmp = Path(commit.paths[0])
             assert tmp.parent == root and tmp.name.startswith(iteration.name + ".tmp")
@@ -87,7 +87,7 @@ class TestCommitDurabilityOrder:
                 last_sync(data, commit.index)
             for directory in (sdir / "actor", sdir):
                 last_sync(directory, commit.index)
-            manifest = rename_to(sdir / disk.MANIFEST_NAME)
+            manifest = rename_to(sdir / layout.MANIFEST_NAME)
             assert manifest.index < commit.index
             last_sync(Path(manifest.paths[0]), manifest.index)
             # The new iteration file's own bytes are durable before it is renamed into place ...

@@ -22,8 +22,14 @@ import pytest
 import torch
 from reliability_helpers import assert_root_consistent, report, scrape, trials, wait_for
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, SaveStrategy
-from obsckpt import commit as disk
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointMonitor,
+    SaveError,
+    SaveStrategy,
+    layout,
+    reader,
+)
 from obsckpt.telemetry import tracing
 
 SAVE_TIMEOUT = 0.5
@@ -89,7 +95,7 @@ def _fault_save(kind: str, full: Path, ro: Path, real: bool, step: int, slot: st
 
 def _ok_save(root: str, step: int, slot: str):
     def save():
-        path = disk.step_dir(root, step) / f"{slot}.pt"
+        path = layout.step_dir(root, step) / f"{slot}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"step": torch.tensor(step)}, path)
 
@@ -224,7 +230,7 @@ class TestReadOnlyRootAtCommit:
                 coord.wait_all(timeout=30)
 
             step_saves(1)
-            wait_for(lambda: disk.read_iteration(root, "checkpoint") == 1, 30, "step 1 to commit")
+            wait_for(lambda: reader.read_iteration(root, "checkpoint") == 1, 30, "step 1 to commit")
             # Step 2's files are written, then the root turns read-only before its commit.
             ray.get(monitor.register_thread_count.remote(2, checkpoint_thread_count=1))
             coord.save_async("model", _ok_save(str(root), 2, "model"), 2)
@@ -246,7 +252,7 @@ class TestReadOnlyRootAtCommit:
             ]
             subprocess.run(["mount", "-o", "remount,rw", str(root)], check=True)
             step_saves(3)
-            wait_for(lambda: disk.read_iteration(root, "checkpoint") == 3, 30, "step 3 to commit")
+            wait_for(lambda: reader.read_iteration(root, "checkpoint") == 3, 30, "step 3 to commit")
             assert assert_root_consistent(root)["checkpoint"] == 3
             ray.kill(monitor, no_restart=True)
         finally:

@@ -28,8 +28,7 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
 
 WORLD = 2
 NUMEL = 8 << 20  # 32 MiB per rank file: long enough to be killed mid-write
@@ -92,7 +91,7 @@ def run_trial(ray, job: Job, rng: random.Random) -> dict:
     """One trial on a started job: commit steps, kill a rank mid-step, check, restart, resume."""
     ray = job.ray
     root = job.root
-    base = disk.read_iteration(root, "checkpoint") or 0
+    base = reader.read_iteration(root, "checkpoint") or 0
     ok_before = job.ok_saves()
     n_ok = rng.randint(1, 2)
     durations = [job.commit_step(s) for s in range(base + 1, base + n_ok + 1)]
@@ -140,7 +139,7 @@ def run_trial(ray, job: Job, rng: random.Random) -> dict:
         assert s.value("obsckpt_latest_step", kind="checkpoint") == committed_before
         time.sleep(0.3)  # nothing moves while the rank is gone
         assert _latest(ray, job.monitor) == committed_before
-        assert disk.read_iteration(root, "checkpoint") == committed_before
+        assert reader.read_iteration(root, "checkpoint") == committed_before
 
     victim_file = rank_path(root, step, victim, WORLD)
     in_place = victim_file.exists()
@@ -152,11 +151,11 @@ def run_trial(ray, job: Job, rng: random.Random) -> dict:
     job.stop_monitor()
 
     # The resumed job: a fresh monitor reads the root, ranks load the newest committed step.
-    resumed_from = disk.read_iteration(root, "checkpoint")
+    resumed_from = reader.read_iteration(root, "checkpoint")
     job.start()
     status = ray.get(job.monitor.status.remote())
     assert status["latest"]["checkpoint"] == resumed_from
-    if resumed_from < step and disk.step_dir(root, step).exists():
+    if resumed_from < step and layout.step_dir(root, step).exists():
         assert step in [a["step"] for a in status["abandoned"]], status["abandoned"]
     assert ray.get([w.resume.remote() for w in job.workers]) == [resumed_from] * WORLD
     job.commit_step(resumed_from + 1)

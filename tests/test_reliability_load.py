@@ -17,8 +17,7 @@ import time
 import ray
 from reliability_helpers import by_value, report, scrape, wait_for
 
-from obsckpt import CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointMonitor, reader
 
 RANKS = int(os.environ.get("OBSCKPT_LOAD_RANKS", "256"))
 SLOTS = ("model", "optim", "extra", "hf")
@@ -87,7 +86,7 @@ class TestLoad:
         elapsed = time.monotonic() - t0
         status = ray.get(monitor.status.remote())
         assert status["pending"] == [] and status["failed"] == [] and status["in_flight"] == []
-        assert disk.read_iteration(root, "checkpoint") == STEPS
+        assert reader.read_iteration(root, "checkpoint") == STEPS
         s = scrape(address)
         total = RANKS * len(SLOTS) * STEPS
         assert s.total("obsckpt_saves_total", result="ok") == total

@@ -26,8 +26,7 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
 
 
 def _status(ray, monitor, timeout: float = 60.0) -> dict:
@@ -42,7 +41,7 @@ def _restarted_status(ray, monitor) -> dict | None:
 
 def _save_fn(root: str, step: int, slot: str, gate: threading.Event | None = None):
     def save():
-        path = disk.step_dir(root, step) / "actor" / f"{slot}.pt"
+        path = layout.step_dir(root, step) / "actor" / f"{slot}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"step": torch.tensor(step)}, path)
         if gate is not None:
@@ -108,7 +107,7 @@ class TestMonitorRestart:
         assert s.value("obsckpt_abandoned_steps") == 1
         assert s.value("obsckpt_pending_steps", kind="checkpoint") == 0
         # Its last commit is the iteration file's, so "no recent commit" can still fire.
-        committed_at = os.stat(os.path.join(root, disk.ITERATION_FILES["checkpoint"])).st_mtime
+        committed_at = os.stat(os.path.join(root, layout.ITERATION_FILES["checkpoint"])).st_mtime
         assert s.value("obsckpt_last_commit_timestamp_seconds", kind="checkpoint") == (
             pytest.approx(committed_at)
         )
@@ -125,11 +124,11 @@ class TestMonitorRestart:
         assert [a["step"] for a in status["abandoned"]] == [3, 4], status["abandoned"]
         assert status["pending"] == [] and status["failed"] == []
         assert status["latest"]["checkpoint"] == 2
-        assert disk.read_iteration(root, "checkpoint") == 2
+        assert reader.read_iteration(root, "checkpoint") == 2
 
         # An old step is ignored; the iteration file does not move backwards.
         ray.get(monitor.monitor_step.remote(1, False))
-        assert disk.read_iteration(root, "checkpoint") == 2
+        assert reader.read_iteration(root, "checkpoint") == 2
 
         # New steps commit normally.
         for step in (5, 6):
@@ -158,7 +157,7 @@ class TestMonitorRestart:
 
         def sample() -> None:
             while not stop.is_set():
-                step = disk.read_iteration(root, "checkpoint")
+                step = reader.read_iteration(root, "checkpoint")
                 if step is not None and (not seen or seen[-1] != step):
                     seen.append(step)
                 time.sleep(0.005)

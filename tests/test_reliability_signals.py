@@ -16,8 +16,7 @@ import threading
 import pytest
 from reliability_helpers import wait_for
 
-from obsckpt import CheckpointMonitor
-from obsckpt import commit as disk
+from obsckpt import CheckpointMonitor, layout, reader
 
 # A job's driver: it saves one step in the background and is interrupted before the
 # save has finished. obsckpt is imported before ray, as a training script may do.
@@ -81,8 +80,8 @@ class TestCtrlCLetsRunningSavesCommit:
             20,
             "step 1 to commit",
         )
-        assert disk.read_iteration(root, "checkpoint") == 1
-        assert disk.verify_step(disk.step_dir(root, 1)) == []
+        assert reader.read_iteration(root, "checkpoint") == 1
+        assert reader.verify_step(layout.step_dir(root, 1)) == []
         ray.kill(monitor)
 
 
@@ -103,7 +102,7 @@ class TestNoRayInstanceStartedAfterShutdown:
         assert "Ray is not initialized in this process" in err, err
         assert "call wait_all() (or close()) on the coordinator before ray.shutdown()" in err
         # Never named by the iteration file: its report could not be sent.
-        assert disk.read_iteration(root, "checkpoint") is None
+        assert reader.read_iteration(root, "checkpoint") is None
         status = ray.get(monitor.status.remote())
         assert status["latest"]["checkpoint"] is None
         ray.kill(monitor)

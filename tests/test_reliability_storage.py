@@ -22,8 +22,7 @@ import pytest
 import torch
 from reliability_helpers import assert_root_consistent, scrape
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, commit, layout
 from obsckpt.cli import main as cli_main
 
 PAGE = 4096
@@ -90,7 +89,7 @@ def _temp_files(root: Path) -> list[str]:
         os.path.relpath(os.path.join(d, n), root)
         for d, _dirs, names in os.walk(root)
         for n in names
-        if disk.is_temp_name(n)
+        if layout.is_temp_name(n)
     )
 
 
@@ -105,7 +104,7 @@ class _Job:
         self.coord = CheckpointCoordinator(self.monitor, rpc_timeout=30, save_timeout=30)
 
     def path(self, step: int) -> Path:
-        return disk.step_dir(self.root, step) / RANK_FILE
+        return layout.step_dir(self.root, step) / RANK_FILE
 
     def write(self, step: int, nbytes: int = 64 << 10) -> SaveError | None:
         """Register one save of ``step`` and run it; the error ``wait_all`` raised, if any."""
@@ -185,12 +184,12 @@ class TestFullDisk:
         assert _temp_files(job.root) == []
         error = job.failed()[2]
         assert "No space left on device" in error
-        assert f"global_step_2/{disk.MANIFEST_NAME}" in error
+        assert f"global_step_2/{layout.MANIFEST_NAME}" in error
         assert "still names step 1" in error and "Free space" in error
         assert job.metric("obsckpt_step_failures_total", kind="checkpoint") == 1
         assert job.metric("obsckpt_saves_total", result="error") == 0
         assert _temp_files(job.root) == []
-        assert not (disk.step_dir(job.root, 2) / disk.MANIFEST_NAME).exists()
+        assert not (layout.step_dir(job.root, 2) / layout.MANIFEST_NAME).exists()
         _committed_intact(job, 1, before)
         filler.unlink()
         assert job.save(3) is None
@@ -204,7 +203,7 @@ class TestFullDisk:
         job.submit(2)
         error = job.failed()[2]
         assert "No space left on device" in error
-        assert disk.ITERATION_FILES["checkpoint"] in error
+        assert layout.ITERATION_FILES["checkpoint"] in error
         assert _temp_files(job.root) == []
         _committed_intact(job, 1, before)
         # The CLI does not call the failed step committed.
@@ -294,7 +293,7 @@ class TestUnwritable:
         small_fs.immutable(job.root)
         job.submit(2)
         error = job.failed()[2]
-        assert "Operation not permitted" in error and disk.ITERATION_FILES["checkpoint"] in error
+        assert "Operation not permitted" in error and layout.ITERATION_FILES["checkpoint"] in error
         _run("chattr", "-i", str(job.root))
         assert _temp_files(job.root) == []
         _committed_intact(job, 1, before)
@@ -310,7 +309,7 @@ class TestRemovedByHand:
         assert job.save(1) is None
         before = job.path(1).read_bytes()
         assert job.write(2) is None
-        disk.step_dir(job.root, 2).rename(job.root / "moved_away")
+        layout.step_dir(job.root, 2).rename(job.root / "moved_away")
         job.submit(2)
         assert "global_step_2" in job.failed()[2]
         _committed_intact(job, 1, before)
@@ -344,7 +343,7 @@ class TestDamagedCommittedSteps:
         size = job.path(1).stat().st_size
         os.truncate(job.path(1), size // 2)
         job.path(2).write_bytes(os.urandom(job.path(2).stat().st_size))
-        manifest = disk.step_dir(job.root, 3) / disk.MANIFEST_NAME
+        manifest = layout.step_dir(job.root, 3) / layout.MANIFEST_NAME
         manifest.write_bytes(manifest.read_bytes()[:40])
         code, out, err = _cli("verify", str(job.root), "--all")
         assert code == 1 and "Traceback" not in err
@@ -374,9 +373,9 @@ class TestDamagedCommittedSteps:
 
         root = tmp_path / "root"
         for step in (1, 2):
-            write_torch_file({"w": torch.ones(8)}, disk.step_dir(root, step) / RANK_FILE)
-        disk.finalize_step(disk.step_dir(root, 1), iterations={"checkpoint": 1})
-        disk.finalize_step(disk.step_dir(root, 2))  # its iteration file never moved
+            write_torch_file({"w": torch.ones(8)}, layout.step_dir(root, step) / RANK_FILE)
+        commit.finalize_step(layout.step_dir(root, 1), iterations={"checkpoint": 1})
+        commit.finalize_step(layout.step_dir(root, 2))  # its iteration file never moved
         code, out, err = _cli("status", str(root), "--json")
         assert code == 0, err
         st = json.loads(out)

@@ -19,8 +19,7 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, layout, reader
 from obsckpt.monitor import ACTOR_NAME
 
 
@@ -127,7 +126,7 @@ class TestUnusableTracingConfiguration:
         assert _latest(monitor) is None
         coord = CheckpointCoordinator(monitor)
         asyncio.run(coord.register_and_monitor(1, checkpoint_thread_count=1))
-        path = disk.step_dir(root, 1) / "model.bin"
+        path = layout.step_dir(root, 1) / "model.bin"
 
         def save():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +158,7 @@ class TestMetricsPortTaken:
             coord = CheckpointCoordinator(monitor)
             for step in (1, 2):
                 asyncio.run(coord.register_and_monitor(step, checkpoint_thread_count=1))
-                path = disk.step_dir(root, step) / "model.bin"
+                path = layout.step_dir(root, step) / "model.bin"
 
                 def save(path=path):
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,5 +167,5 @@ class TestMetricsPortTaken:
                 coord.save_async("model", save, step, paths=[path])
                 coord.wait_all(timeout=30)
                 wait_for(lambda step=step: _latest(monitor) == step, 30, f"step {step} to commit")
-            assert disk.verify_step(disk.step_dir(root, 2)) == []
+            assert reader.verify_step(layout.step_dir(root, 2)) == []
         ray.kill(monitor, no_restart=True)

@@ -21,8 +21,15 @@ import pytest
 import ray
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor, IterationFileError, RootInUseError, rootlock
-from obsckpt import commit as disk
+from obsckpt import (
+    CheckpointMonitor,
+    IterationFileError,
+    RootInUseError,
+    commit,
+    layout,
+    reader,
+    rootlock,
+)
 from obsckpt.cli import main as cli_main
 
 # A monitor in a process of its own: prints "ready" once it holds the root, then
@@ -74,10 +81,10 @@ def quick(monkeypatch):
 def committed_root(tmp_path):
     """A root with step 3 committed by the first job."""
     root = tmp_path / "ckpt"
-    sdir = disk.step_dir(root, 3)
+    sdir = layout.step_dir(root, 3)
     sdir.mkdir(parents=True)
     (sdir / "model.pt").write_bytes(b"weights")
-    disk.finalize_step(sdir, iterations={"checkpoint": 3})
+    commit.finalize_step(sdir, iterations={"checkpoint": 3})
     return root
 
 
@@ -98,7 +105,7 @@ class TestOneMonitorPerRoot:
             assert isinstance(err.value, OSError)
             # Nothing of the first job's was touched.
             assert sorted(os.listdir(committed_root)) == before
-            assert disk.read_iteration(committed_root, "checkpoint") == 3
+            assert reader.read_iteration(committed_root, "checkpoint") == 3
         finally:
             stop(holder)
 
@@ -132,11 +139,11 @@ class TestOneMonitorPerRoot:
         asyncio.run(m.shutdown())
 
     def test_a_monitor_that_fails_to_start_does_not_keep_the_root(self, tmp_path, quick):
-        (tmp_path / disk.ITERATION_FILES["checkpoint"]).write_text("seven\n")
+        (tmp_path / layout.ITERATION_FILES["checkpoint"]).write_text("seven\n")
         with pytest.raises(IterationFileError):
             monitor(tmp_path)  # fails after taking the lock
         assert rootlock.locked_by(tmp_path) is None
-        (tmp_path / disk.ITERATION_FILES["checkpoint"]).unlink()
+        (tmp_path / layout.ITERATION_FILES["checkpoint"]).unlink()
         asyncio.run(monitor(tmp_path).shutdown())
 
     def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(
@@ -220,7 +227,7 @@ class TestTools:
         root = tmp_path / "demo"
         root.mkdir()
         (root / MARKER).write_text("{}\n")
-        sdir = disk.step_dir(root, 2)
+        sdir = layout.step_dir(root, 2)
         sdir.mkdir()
         (sdir / "model.pt").write_bytes(b"w")
         holder = start_holder(root)

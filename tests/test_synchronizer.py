@@ -11,8 +11,14 @@ import torch
 from metrics_helpers import samples, scrape
 from workers import kill_named
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
-from obsckpt import commit as disk
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointMonitor,
+    SaveStrategy,
+    Synchronizer,
+    commit,
+    layout,
+)
 from obsckpt.errors import StateDictLoadError
 from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
 from obsckpt.torchfile import write_torch_file
@@ -45,13 +51,13 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
 
 def write_step(root, step: int, shards: dict[int, dict], *, commit: bool = True) -> None:
     """Write a step's per-rank model files, then (optionally) commit it as the monitor does."""
-    sdir = disk.step_dir(root, step)
+    sdir = layout.step_dir(root, step)
     world = len(shards)
     for rank, sd in shards.items():
         write_torch_file(sd, sdir / "actor" / f"model_world_size_{world}_rank_{rank}.pt")
     if commit:
-        disk.finalize_step(sdir)
-        disk.write_iteration(root, "state_dict", step)
+        commit.finalize_step(sdir)
+        commit.write_iteration(root, "state_dict", step)
 
 
 class TestMemorySync:
@@ -142,7 +148,7 @@ class TestCheckpointSync:
         # rank-0 copy of every name is used; DTensor shards are merged in test_verl_fsdp).
         coords = [CheckpointCoordinator(monitor, rank=r) for r in (0, 1)]
         for r, coord in enumerate(coords):
-            path = disk.step_dir(root, 4) / "actor" / f"model_world_size_2_rank_{r}.pt"
+            path = layout.step_dir(root, 4) / "actor" / f"model_world_size_2_rank_{r}.pt"
             coord.save_state_dict_async("model", full, path, 4, is_state_dict=True)
         for coord in coords:
             coord.wait_all(timeout=60)
@@ -181,7 +187,7 @@ class TestCheckpointSync:
 
         # Committed, then corrupted in place (same size): the manifest's CRC catches it.
         write_step(root, 4, {0: state_dict(4), 1: state_dict(4)})
-        victim = disk.step_dir(root, 4) / "actor" / "model_world_size_2_rank_1.pt"
+        victim = layout.step_dir(root, 4) / "actor" / "model_world_size_2_rank_1.pt"
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
@@ -191,8 +197,8 @@ class TestCheckpointSync:
 
         # Committed with a rank missing and no manifest.
         write_step(root, 5, {0: state_dict(5), 1: state_dict(5)}, commit=False)
-        (disk.step_dir(root, 5) / "actor" / "model_world_size_2_rank_1.pt").unlink()
-        disk.write_iteration(root, "state_dict", 5)
+        (layout.step_dir(root, 5) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        commit.write_iteration(root, "state_dict", 5)
         assert ray.get(sync.poll_once.remote()) == 2
         status = ray.get(sync.status.remote())
         assert status["load_failures"] == 2 and "ranks [1]" in status["failed_steps"][5]
@@ -210,7 +216,7 @@ class TestShardFiles:
 
     def test_truncated_file_is_a_load_error(self, tmp_path):
         write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
-        path = disk.step_dir(tmp_path, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        path = layout.step_dir(tmp_path, 1) / "actor" / "model_world_size_1_rank_0.pt"
         path.write_bytes(path.read_bytes()[:100])
         with pytest.raises(StateDictLoadError, match="cannot be loaded"):
             load_sharded_state_dict(path.parent)
@@ -219,7 +225,7 @@ class TestShardFiles:
         write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
         write_step(tmp_path, 1, {0: state_dict(1), 1: state_dict(1)}, commit=False)
         with pytest.raises(StateDictLoadError, match="mixes shards"):
-            load_sharded_state_dict(disk.step_dir(tmp_path, 1) / "actor")
+            load_sharded_state_dict(layout.step_dir(tmp_path, 1) / "actor")
 
     def test_ranks_must_hold_the_same_names(self):
         with pytest.raises(StateDictLoadError, match="different names"):
@@ -324,7 +330,7 @@ class TestRetentionRace:
 
         # The poll read step 1 from the iteration file; by the time it loads, step 2 is
         # committed and retention (max_ckpt_to_keep=1) has deleted step 1.
-        disk.step_dir(root, 1).rename(tmp_path / "deleted")
+        layout.step_dir(root, 1).rename(tmp_path / "deleted")
         with caplog.at_level("INFO", logger="obsckpt.sync.synchronizer"):
             asyncio.run(sync._load_step(root, 1))
         status = asyncio.run(sync.status())
@@ -341,7 +347,7 @@ class TestRetentionRace:
         root = tmp_path / "ckpt"
         write_step(root, 1, {0: state_dict(1)})
         write_step(root, 2, {0: state_dict(2)})
-        shard = disk.step_dir(root, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        shard = layout.step_dir(root, 1) / "actor" / "model_world_size_1_rank_0.pt"
         shard.write_bytes(shard.read_bytes()[:-8])
         sync = Actor(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
         asyncio.run(sync._load_step(root, 1))

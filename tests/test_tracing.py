@@ -14,8 +14,7 @@ import ray
 from opentelemetry.sdk.trace.export import SpanExportResult
 from workers import SaveWorker
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
-from obsckpt import commit as disk
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, reader
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.tracing import SafeExporter
 
@@ -71,7 +70,7 @@ class TestTraceAcrossRay:
             ray.get(workers[0].release.remote("model", 3))
             asyncio.run(coord.register_and_monitor(3, checkpoint_thread_count=2))
         assert ray.get([w.wait.remote() for w in workers]) == [None, None]
-        assert disk.read_iteration(root, "checkpoint") == 3
+        assert reader.read_iteration(root, "checkpoint") == 3
 
         [step_span] = by_name(tracing.finished_spans(), "obsckpt.checkpoint")
         assert step_span["attributes"] == {"obsckpt.step": 3, "obsckpt.kind": "checkpoint"}

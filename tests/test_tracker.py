@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from obsckpt.commit import FileRecord
 from obsckpt.errors import NotificationError, PartsMismatchError
+from obsckpt.layout import FileRecord
 from obsckpt.tracker import (
     ABANDONED,
     COMMITTED,

@@ -23,8 +23,14 @@ import pytest
 import ray
 import torch
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
-from obsckpt import commit as disk
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointMonitor,
+    SaveStrategy,
+    Synchronizer,
+    layout,
+    reader,
+)
 from obsckpt.sync.group import free_port
 
 
@@ -282,15 +288,15 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
             trainer.train_step()
             assert await trainer.save_state_dict() == [1, 0]  # one report per step
             step = trainer.global_steps
-            wait_until(lambda s=step: disk.read_iteration(root, "state_dict") == s)
+            wait_until(lambda s=step: reader.read_iteration(root, "state_dict") == s)
             if step % 2 == 0:
                 await trainer.save_checkpoint()
-                wait_until(lambda s=step: disk.read_iteration(root, "checkpoint") == s)
+                wait_until(lambda s=step: reader.read_iteration(root, "checkpoint") == s)
         await trainer.save_checkpoint(block_until_saved=True)  # repeats step 4
 
     asyncio.run(run_one())
-    assert disk.read_iteration(root, "checkpoint") == 4
-    assert disk.read_iteration(root, "state_dict") == 4
+    assert reader.read_iteration(root, "checkpoint") == 4
+    assert reader.read_iteration(root, "state_dict") == 4
     assert ray.get(sync.wait_new_model_state_dict.remote(3, timeout=60)) == 4
     expected_4 = ray.get([w.full.remote() for w in workers])[0]
     got, version = ray.get(sync.get_model_state_dict.remote())
@@ -303,7 +309,7 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
         for _ in range(2):
             trainer.train_step()
             await trainer.save_state_dict()
-        wait_until(lambda: disk.read_iteration(root, "state_dict") == 6)
+        wait_until(lambda: reader.read_iteration(root, "state_dict") == 6)
 
     asyncio.run(run_on())
     assert ray.get(sync.wait_new_model_state_dict.remote(5, timeout=60)) == 6
@@ -313,7 +319,7 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
     # The resumed job: a new monitor, the step from latest_checkpointed_iteration.txt,
     # the synchronizer told (as Trinity's first sync does) that the trainer is at step 4.
     resumed = Trainer(namespace, root, workers)
-    resumed.global_steps = disk.read_iteration(root, "checkpoint")
+    resumed.global_steps = reader.read_iteration(root, "checkpoint")
     assert resumed.global_steps == 4
     assert ray.get(sync.set_model_state_dict.remote(None, resumed.global_steps))
     assert ray.get(sync.get_version.remote()) == 4  # versions restart at the resumed step
@@ -332,8 +338,8 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
     # Fresh workers' coordinators: the old monitor is gone.
     ray.get([w.forget_monitor.remote() for w in workers])
     asyncio.run(resume())
-    wait_until(lambda: disk.read_iteration(root, "checkpoint") == 7)
-    assert disk.read_iteration(root, "state_dict") == 7
+    wait_until(lambda: reader.read_iteration(root, "checkpoint") == 7)
+    assert reader.read_iteration(root, "state_dict") == 7
     assert file_bytes(root / "global_step_6" / "actor") == committed_6  # nothing committed lost
     assert ray.get(sync.wait_new_model_state_dict.remote(6, timeout=60)) == 7
     expected_7 = ray.get([w.full.remote() for w in workers])[0]
@@ -372,24 +378,24 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
     ray.get(workers[0].wait_on_save_thread.remote())
     late_shard = Path(path) / "model_world_size_2_rank_1.pt"
     assert not late_shard.exists()
-    assert disk.read_iteration(root, "state_dict") is None
+    assert reader.read_iteration(root, "state_dict") is None
     [pending] = ray.get(trainer.monitor.status.remote())["pending"]
     assert pending["step"] == 1 and pending["open_parts"] == {
         "model_state_dict": {"parts": 2, "finished": [0], "running": 0}
     }
     gate.touch()
     assert ray.get(refs[1]) == 0
-    wait_until(lambda: disk.read_iteration(root, "state_dict") == 1)
+    wait_until(lambda: reader.read_iteration(root, "state_dict") == 1)
     assert late_shard.is_file()
     status = ray.get(trainer.monitor.status.remote())
     assert status["failed"] == [] and status["pending"] == []
     # Every rank's shard is in the step's manifest, with its checksum.
-    step_dir = disk.step_dir(root, 1)
-    manifest = disk.read_manifest(step_dir)
+    step_dir = layout.step_dir(root, 1)
+    manifest = reader.read_manifest(step_dir)
     assert sorted(r.path for r in manifest if "/model_world_size_" in r.path) == [
         f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
     ]
-    assert disk.verify_step(step_dir) == []
+    assert reader.verify_step(step_dir) == []
     from obsckpt.sync.shards import load_sharded_state_dict
 
     merged = load_sharded_state_dict(path, manifest_dir=step_dir)
@@ -423,9 +429,9 @@ class TestMegatronReportsOnce:
         asyncio.run(coord.register_and_monitor(2, is_state_dict=True, state_dict_thread_count=1))
         [pending] = ray.get(monitor.status.remote())["pending"]
         assert pending["open_parts"]["megatron_state_dict"]["finished"] == [1]
-        assert disk.read_iteration(root, "state_dict") is None
+        assert reader.read_iteration(root, "state_dict") is None
         assert megatron_save_state_dict(FakeMcoreEngine(rank=0, world_size=2), path, 2, coord) == 1
-        wait_until(lambda: disk.read_iteration(root, "state_dict") == 2)
+        wait_until(lambda: reader.read_iteration(root, "state_dict") == 2)
         before = file_bytes(Path(path))
         assert sorted(before) == ["model_0.pt", "model_1.pt"]
 
@@ -632,8 +638,8 @@ class TestTrinityTrainerInThreads:
         assert coordinator.save_sync(lambda: torch.save(sd, actor / "e.pt"), 1, False) is True
         assert coordinator.wait_all() is None
         assert asyncio.run(coordinator.register_and_monitor(1, False, 1, 2)) is None
-        wait_until(lambda: disk.read_iteration(root, "checkpoint") == 1)
-        assert disk.read_iteration(root, "state_dict") == 1
+        wait_until(lambda: reader.read_iteration(root, "checkpoint") == 1)
+        assert reader.read_iteration(root, "state_dict") == 1
         assert torch.equal(torch.load(actor / "m.pt")["w"], sd["w"])
         status = ray.get(monitor.status.remote())
         assert status["failed"] == [] and status["pending"] == []
@@ -668,11 +674,11 @@ class TestTrinityRawMonitorCalls:
         ray.get(monitor.register_thread_count.remote(2, state_dict_thread_count=1))
         ray.get(monitor.register_thread_count.remote(2, checkpoint_thread_count=1))
         assert ray.get(monitor.monitor_step.remote(2, is_state_dict=False)) is None
-        wait_until(lambda: disk.read_iteration(root, "checkpoint") == 2)
-        assert disk.read_iteration(root, "state_dict") == 2
+        wait_until(lambda: reader.read_iteration(root, "checkpoint") == 2)
+        assert reader.read_iteration(root, "state_dict") == 2
         # An older step submitted later is a no-op: the iteration file never goes back.
         ray.get(monitor.monitor_step.remote(1, True))
-        assert disk.read_iteration(root, "state_dict") == 2
+        assert reader.read_iteration(root, "state_dict") == 2
 
 
 class TestDocumentedDifferences:
@@ -733,11 +739,11 @@ class TestDocumentedDifferences:
         wait_until(lambda: ray.get(monitor.status.remote())["failed"] != [])
         [failed] = ray.get(monitor.status.remote())["failed"]
         assert failed["step"] == 6 and "no saves and has no directory" in failed["error"]
-        assert disk.read_iteration(root, "state_dict") is None
+        assert reader.read_iteration(root, "state_dict") is None
         # With its directory on disk the same call commits it.
         (root / "global_step_7").mkdir()
         asyncio.run(coordinator.register_and_monitor(7, True))
-        wait_until(lambda: disk.read_iteration(root, "state_dict") == 7)
+        wait_until(lambda: reader.read_iteration(root, "state_dict") == 7)
 
     def test_notify_started_returns_a_dict(self, job):
         _, monitor, _ = job

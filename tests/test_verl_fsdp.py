@@ -15,8 +15,15 @@ import ray
 import torch
 from metrics_helpers import scrape
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
-from obsckpt import commit as disk
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointMonitor,
+    SaveStrategy,
+    Synchronizer,
+    commit,
+    layout,
+    reader,
+)
 from obsckpt.sync.group import free_port
 
 
@@ -212,11 +219,11 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert version == 1 and bits_equal(expected_1, got) == []
     assert (root / "global_step_1" / "actor" / "fsdp_config.json").is_file()
     assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "1"
-    manifest = disk.read_manifest(disk.step_dir(root, 1))
+    manifest = reader.read_manifest(layout.step_dir(root, 1))
     assert sorted(r.path for r in manifest if "/model_world_size_" in r.path) == [
         f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
     ]
-    assert disk.verify_step(disk.step_dir(root, 1)) == []
+    assert reader.verify_step(layout.step_dir(root, 1)) == []
 
     # Memory sync: every rank gathers, rank 0 uploads.
     ray.get([t.train_step.remote(2) for t in trainers])
@@ -362,17 +369,16 @@ class TestHFMetadata:
         from transformers import LlamaConfig, LlamaForCausalLM
         from workers import TINY_LLAMA
 
-        from obsckpt import commit as disk
         from obsckpt.integrations.verl_fsdp import save_hf_metadata
 
         synced: list[str] = []
-        original = disk.fsync_file
+        original = commit.fsync_file
 
         def fsync_file(path):
             synced.append(os.path.abspath(os.fspath(path)))
             original(path)
 
-        monkeypatch.setattr(disk, "fsync_file", fsync_file)
+        monkeypatch.setattr(commit, "fsync_file", fsync_file)
         out = tmp_path / "actor"
         out.mkdir()
         save_hf_metadata(LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)), str(out))

@@ -324,7 +324,7 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
         assert verl_install.wait_for_commit(trainer, timeout=120) == 2  # what fit() waits for
         assert iteration(root) == "2"
         step_dir = root / "global_step_2"
-        from obsckpt.commit import read_manifest
+        from obsckpt.reader import read_manifest
 
         listed = {r.path for r in read_manifest(step_dir)}
         for name in ("actor/model_world_size_2_rank_1.pt", "critic/optim_world_size_1_rank_0.pt"):
@@ -451,7 +451,7 @@ class TestTrainerSubclasses:
         import asyncio
         import threading
 
-        from obsckpt.commit import read_manifest
+        from obsckpt.reader import read_manifest
 
         verl_install.patch()
         root = tmp_path / "ckpt"
@@ -531,7 +531,7 @@ class TestDataFile:
 
     @pytest.mark.parametrize("kind", ["v1", "legacy"])
     def test_retrained_committed_step(self, kind, ray_cluster, tmp_path, monkeypatch):
-        from obsckpt import commit as disk
+        from obsckpt import layout, reader
 
         verl_install.patch()
         Trainer, _ = trainer_class(kind, monkeypatch)
@@ -551,15 +551,15 @@ class TestDataFile:
                 return verl_install.wait_for_commit(trainer, timeout=60)
 
             assert save(1, 1) == 1 and save(2, 2) == 2
-            step_dir = disk.step_dir(root, 2)
+            step_dir = layout.step_dir(root, 2)
             data = step_dir / "data.pt"
             committed = data.read_bytes()
-            assert disk.verify_step(step_dir) == []
+            assert reader.verify_step(step_dir) == []
 
             # The resumed job's dataloader is elsewhere when it saves step 2 again.
             assert save(2, 7) == 2
             assert data.read_bytes() == committed and torch.load(data) == {"position": 2}
-            assert disk.verify_step(step_dir) == []
+            assert reader.verify_step(step_dir) == []
             assert iteration(root) == "2"
 
             broken = DataLoader()

@@ -397,7 +397,7 @@ class TestMegatronCheckpointManager:
         """A job resumed from an older step retrains steps whose checkpoints are committed:
         Megatron writes its files in place, so a re-save would change (and a crash during it
         tear) a checkpoint the iteration file vouches for. verl's save is not run at all."""
-        from obsckpt import commit as disk
+        from obsckpt import reader
 
         engine, manager = self.make(monitor)
         root = tmp_path / "ckpt"
@@ -412,7 +412,7 @@ class TestMegatronCheckpointManager:
                 p.add_(1)  # the rerun's weights
         counts = manager.save_checkpoint(str(path), None, 5)
         assert (path / "model_0.pt").read_bytes() == committed
-        assert disk.verify_step(root / "global_step_5") == []
+        assert reader.verify_step(root / "global_step_5") == []
         assert counts == {"state_dict": 0, "checkpoint": 0}
         assert len(manager.base.calls) == 1
 

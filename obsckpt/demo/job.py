@@ -577,13 +577,13 @@ def _run(cfg: DemoConfig, out: TextIO, progress: Progress, stop: _Stop, result) 
 
 def committed_on_disk(root: Path) -> dict[str, int | None]:
     """The steps the iteration files name (None: no file, or one that cannot be read)."""
-    from obsckpt import commit as disk
+    from obsckpt import layout, reader
     from obsckpt.errors import IterationFileError
 
     latest: dict[str, int | None] = {}
-    for kind in disk.KINDS:
+    for kind in layout.KINDS:
         try:
-            latest[kind] = disk.read_iteration(root, kind)
+            latest[kind] = reader.read_iteration(root, kind)
         except IterationFileError:
             latest[kind] = None
     return latest

@@ -15,8 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from obsckpt import commit as disk
-from obsckpt import rootlock
+from obsckpt import commit, layout, reader, rootlock
 from obsckpt.demo.model import ModelSpec
 from obsckpt.errors import CheckpointDirError, DemoError, IterationFileError, RootInUseError
 
@@ -62,10 +61,10 @@ def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, 
         if entries:
             raise DemoError(_foreign_root_message(root, entries))
     try:
-        latest = {kind: disk.read_iteration(root, kind) for kind in disk.KINDS}
+        latest = {kind: reader.read_iteration(root, kind) for kind in layout.KINDS}
     except IterationFileError as exc:
         raise DemoError(str(exc)) from exc
-    on_disk = disk.steps_on_disk(root)
+    on_disk = reader.steps_on_disk(root)
     ck, sd = latest["checkpoint"], latest["state_dict"]
     if cfg.resume and ck is not None:
         _check_world_size(root, ck, cfg.world_size)
@@ -93,7 +92,7 @@ def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, 
         if stale:
             say(f"--resume: removing uncommitted steps {stale} (left by an earlier run)")
             _clear(root, stale, iteration_files=False)
-    disk.atomic_write(
+    commit.atomic_write(
         marker,
         (json.dumps({"world_size": cfg.world_size, "model": asdict(ModelSpec())}) + "\n").encode(),
     )
@@ -103,7 +102,7 @@ def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, 
 def _ensure_root(root: Path) -> None:
     """ensure_root, its errors worded for the --ckpt-dir flag."""
     try:
-        disk.ensure_root(root)
+        commit.ensure_root(root)
     except CheckpointDirError as exc:
         if root.exists() and not root.is_dir():
             raise DemoError(
@@ -119,7 +118,9 @@ def _ensure_root(root: Path) -> None:
 
 
 def _foreign_root_message(root: Path, entries: list[str]) -> str:
-    ckpt = [e for e in entries if disk.STEP_DIR_RE.match(e) or e in disk.ITERATION_FILES.values()]
+    ckpt = [
+        e for e in entries if layout.STEP_DIR_RE.match(e) or e in layout.ITERATION_FILES.values()
+    ]
     shown = ckpt or entries
     names = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
     what = "checkpoints the demo did not write" if ckpt else "files the demo did not write"
@@ -131,13 +132,13 @@ def _foreign_root_message(root: Path, entries: list[str]) -> str:
 
 
 def _check_world_size(root: Path, step: int, world_size: int | None) -> None:
-    if not disk.step_dir(root, step).is_dir():
+    if not layout.step_dir(root, step).is_dir():
         raise DemoError(
-            f"{disk.ITERATION_FILES['checkpoint']} in {root} names step {step}, which is not "
+            f"{layout.ITERATION_FILES['checkpoint']} in {root} names step {step}, which is not "
             f"on disk, so there is nothing to resume from (see `obsckpt status {root}`)"
         )
-    model = disk.step_dir(root, step) / "actor"
-    want = model / f"model_world_size_{world_size}_rank_0.pt"
+    model = layout.model_dir(root, step)
+    want = model / layout.shard_name("model", world_size, 0)
     if not want.is_file():
         sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
         raise DemoError(
@@ -151,7 +152,7 @@ def _check_whole(root: Path, step: int) -> None:
 
     Loading it would fail deep in a trainer rank (or, worse, load damaged state).
     """
-    problems = disk.verify_step(disk.step_dir(root, step))
+    problems = reader.verify_step(layout.step_dir(root, step))
     if problems:
         shown = "; ".join(problems[:3]) + (
             f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
@@ -167,14 +168,14 @@ def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> Non
     # Iteration files first, made durable: a crash partway never leaves one naming a
     # step directory that is already gone.
     if iteration_files:
-        for name in disk.ITERATION_FILES.values():
+        for name in layout.ITERATION_FILES.values():
             try:
                 os.unlink(root / name)
             except FileNotFoundError:
                 pass
-        disk.fsync_dir(root)
+        commit.fsync_dir(root)
     for step in steps:
-        shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+        shutil.rmtree(layout.step_dir(root, step), ignore_errors=True)
 
 
 def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
@@ -188,11 +189,11 @@ def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int 
         return
     floor = min(latest.values())
     full = set(full_steps)
-    for step in disk.steps_on_disk(root):
+    for step in reader.steps_on_disk(root):
         if step < floor and step not in full and not _is_full_checkpoint(root, step):
-            shutil.rmtree(disk.step_dir(root, step), ignore_errors=True)
+            shutil.rmtree(layout.step_dir(root, step), ignore_errors=True)
 
 
 def _is_full_checkpoint(root: Path, step: int) -> bool:
-    model = disk.step_dir(root, step) / "actor"
-    return any(model.glob("optim_*")) or any(model.glob("extra_state_*"))
+    model = layout.model_dir(root, step)
+    return any(any(model.glob(prefix + "*")) for prefix in layout.FULL_CHECKPOINT_PREFIXES)

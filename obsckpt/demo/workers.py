@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from obsckpt import layout
+
 logger = logging.getLogger(__name__)
 
-MODEL_SUBDIR = "actor"
 # Small buckets: the demo's model is a few MB, the library default is 256 MiB.
 BUCKET_BYTES = 4 << 20
 
@@ -42,11 +43,6 @@ def _flush_tracing() -> None:
 
     # Bounded: with an unreachable collector the SDK's own flush can take minutes.
     tracing.flush(5.0)
-
-
-def shard_name(kind: str, world_size: int, rank: int) -> str:
-    """verl's per-rank file name, e.g. ``model_world_size_2_rank_0.pt``."""
-    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
 
 
 class TrainerRank:
@@ -169,7 +165,7 @@ class TrainerRank:
         """Start a full checkpoint of ``step`` in the background; returns the saves it registered."""
         from obsckpt.telemetry import tracing
 
-        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        path = str(layout.model_dir(root, step))
         # The manager's saves take the current context: make it the step's trace.
         token = tracing.attach(trace_context)
         try:
@@ -183,7 +179,7 @@ class TrainerRank:
         """Start a state-dict save (this rank's model shard) of ``step``; returns how many."""
         from obsckpt.telemetry import tracing
 
-        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        path = str(layout.model_dir(root, step))
         token = tracing.attach(trace_context)
         try:
             return self.manager.save_state_dict(path, global_step=step)
@@ -200,7 +196,7 @@ class TrainerRank:
         self.manager.save_state_dict(None, global_step=step)
 
     def load_checkpoint(self, root: str, step: int) -> None:
-        path = os.path.join(root, f"global_step_{step}", MODEL_SUBDIR)
+        path = str(layout.model_dir(root, step))
         self.manager.load_checkpoint(path)
 
     def wait_saves(self, timeout: float) -> str | None:

@@ -46,11 +46,10 @@ from verl.utils.checkpoint.fsdp_checkpoint_manager import (
     FSDPCheckpointManager as VerlFSDPCheckpointManager,
 )
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 from obsckpt.coordinator import CheckpointCoordinator
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
-    HF_SUBDIR,
     MODEL_SLOT,
     already_committed,
     find_processing_class,
@@ -477,7 +476,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         model = unwrap(self.model)
         config = model.config
         model_cls = hf_model_class(config, model)  # fails here, not in the background
-        hf_dir = os.path.join(local_path, HF_SUBDIR)
+        hf_dir = os.path.join(local_path, layout.HF_SUBDIR)
         processing_class = self.processing_class or find_processing_class(self)
         trust_remote_code = getattr(self, "trust_remote_code", False)
         generation_config = pretrained_generation_config(model)
@@ -504,7 +503,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             # file in huggingface/, and a file the step's manifest lists (committed with
             # the step's state dict by an earlier run) is kept as committed.
             # Named as a temp file: a commit meanwhile does not list what is in it.
-            scratch = disk.scratch_dir(hf_dir)
+            scratch = commit.scratch_dir(hf_dir)
             try:
                 empty.save_pretrained(scratch, state_dict=state_dict)
                 if processing_class is not None:
@@ -526,14 +525,12 @@ def _committed_files(directory: str) -> set[str]:
     does not, or the step has no manifest (nothing of it is committed).
     """
     directory = os.path.abspath(directory)
-    sdir = os.path.dirname(directory)
-    while disk.step_of_dir_name(os.path.basename(sdir)) is None:
-        parent = os.path.dirname(sdir)
-        if parent == sdir:
-            return set()
-        sdir = parent
+    located = layout.step_of_path(os.path.dirname(directory))
+    if located is None:
+        return set()
+    sdir = layout.step_dir(*located)
     try:
-        records = disk.read_manifest(sdir)
+        records = reader.read_manifest(sdir)
     except FileNotFoundError:
         return set()
     prefix = os.path.relpath(directory, sdir) + os.sep

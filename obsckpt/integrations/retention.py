@@ -6,23 +6,13 @@ Shared by the FSDP and Megatron checkpoint managers; imports neither verl nor to
 from __future__ import annotations
 
 import logging
-import os
 
-from obsckpt import commit as disk
+from obsckpt import layout, reader
 
 logger = logging.getLogger(__name__)
 
 
-def step_of(path: str) -> tuple[str, int] | None:
-    """``(root, step)`` for a path inside ``<root>/global_step_<N>/``, else None."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(len(parts) - 1, -1, -1):
-        # Only the spelling step_dir() builds: the directory deleted is step_dir(root, step),
-        # so another spelling (global_step_007) would delete a different one.
-        step = disk.step_of_dir_name(parts[i])
-        if step is not None:
-            return os.sep.join(parts[:i]) or os.sep, step
-    return None
+step_of = layout.step_of_path  # the name this module's callers know
 
 
 def select_for_removal(
@@ -66,10 +56,10 @@ def removable(saved: list[str], max_ckpt_to_keep: int | None) -> tuple[list[str]
     if located is None:
         return [], []
     try:
-        latest = {kind: disk.read_iteration(located[0], kind) for kind in disk.KINDS}
+        latest = {kind: reader.read_iteration(located[0], kind) for kind in layout.KINDS}
     except ValueError as exc:
         logger.error("obsckpt: retention skipped, cannot read iteration files: %s", exc)
         return [], []
     doomed = select_for_removal(saved, max_ckpt_to_keep, latest)
-    step_dirs = sorted({str(disk.step_dir(*step_of(path))) for path in doomed})
+    step_dirs = sorted({str(layout.step_dir(*step_of(path))) for path in doomed})
     return doomed, step_dirs

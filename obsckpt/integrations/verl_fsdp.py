@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout
 from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster
 from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.group import WeightSyncGroup
@@ -45,7 +45,6 @@ from obsckpt.telemetry import tracing
 _log = logging.getLogger(__name__)
 
 MODEL_SLOT = "model_state_dict"
-HF_SUBDIR = "huggingface"
 FSDP_CONFIG_FILE = "fsdp_config.json"
 LORA_META_FILE = "lora_train_meta.json"
 _FSDP_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -156,10 +155,10 @@ def save_hf_metadata(
     config = getattr(model, "config", None)
     has_config = config is not None and hasattr(config, "save_pretrained")
     # Named as a temp file: a commit of the step meanwhile does not list what is in it.
-    scratch = disk.scratch_dir(os.path.join(local_path, "metadata"))
+    scratch = commit.scratch_dir(os.path.join(local_path, "metadata"))
     try:
         if has_config:
-            _write_hf_dir(model, config, os.path.join(scratch, HF_SUBDIR), processing_class)
+            _write_hf_dir(model, config, os.path.join(scratch, layout.HF_SUBDIR), processing_class)
         with open(os.path.join(scratch, FSDP_CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump({"FSDP_version": fsdp_version(module), "world_size": dist_world_size()}, f)
         lora = lora_train_meta(model)
@@ -169,7 +168,7 @@ def save_hf_metadata(
         move_durably(scratch, local_path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return os.path.join(local_path, HF_SUBDIR) if has_config else None
+    return os.path.join(local_path, layout.HF_SUBDIR) if has_config else None
 
 
 def _write_hf_dir(model: Any, config: Any, hf_dir: str, processing_class: Any) -> None:
@@ -205,11 +204,11 @@ def move_durably(scratch: str, dest: str, *, keep: Collection[str] = ()) -> None
         for name in filenames:
             if os.path.normpath(os.path.join(rel_dir, name)) in keep:
                 continue
-            disk.fsync_file(os.path.join(dirpath, name))
+            commit.fsync_file(os.path.join(dirpath, name))
             os.replace(os.path.join(dirpath, name), os.path.join(target_dir, name))
             touched.add(target_dir)
     for directory in touched | {dest}:
-        disk.fsync_dir(directory)
+        commit.fsync_dir(directory)
 
 
 # name_or_path -> its generation config (or None): read once, not on every step's save.
@@ -308,7 +307,7 @@ def fsdp_save_state_dict(
         return 0
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
-    path = os.path.join(local_path, f"model_world_size_{world}_rank_{rank}.pt")
+    path = os.path.join(local_path, layout.shard_name("model", world, rank))
     if rank == 0:
         save_hf_metadata(engine.module, local_path, find_processing_class(engine))
     coordinator.save_state_dict_async(

@@ -52,12 +52,11 @@ import threading
 import time
 from typing import Any
 
-from obsckpt import commit as disk
+from obsckpt import commit, layout, reader
 
 logger = logging.getLogger(__name__)
 
 HOOK = "obsckpt.integrations.verl_install.worker_setup"
-DATA_FILE = "data.pt"  # verl's dataloader state, in global_step_<N>/
 COMMIT_TIMEOUT_ENV = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
@@ -271,7 +270,7 @@ def _diverting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> An
         writes is not None
         and "w" in mode
         and isinstance(file, str | os.PathLike)
-        and os.path.basename(os.fspath(file)) == disk.ITERATION_FILES["checkpoint"]
+        and os.path.basename(os.fspath(file)) == layout.ITERATION_FILES["checkpoint"]
     ):
         return _DivertedWrite(writes)  # the monitor writes it when the step commits
     return builtins.open(file, mode, *args, **kwargs)
@@ -371,8 +370,8 @@ def _is_data_file(trainer: Any, f: Any) -> bool:
     path = os.path.abspath(os.fspath(f))
     step_dir = os.path.dirname(path)
     return (
-        os.path.basename(path) == DATA_FILE
-        and disk.step_of_dir_name(os.path.basename(step_dir)) is not None
+        os.path.basename(path) == layout.DATA_FILE
+        and layout.step_of_dir_name(os.path.basename(step_dir)) is not None
         and os.path.dirname(step_dir) == checkpoint_root(trainer)
     )
 
@@ -390,7 +389,7 @@ def _save_data_file(
     import ray
 
     step_dir = os.path.dirname(path)
-    step = disk.step_of_dir_name(os.path.basename(step_dir))
+    step = layout.step_of_dir_name(os.path.basename(step_dir))
     latest = ray.get(monitor_for(trainer).latest_steps.remote()).get("checkpoint")
     if (latest is not None and step is not None and step <= latest) or _listed(step_dir):
         logger.info(
@@ -403,19 +402,19 @@ def _save_data_file(
         return
     buffer = io.BytesIO()
     save(obj, buffer, *args, **kwargs)
-    disk.atomic_write(path, buffer.getvalue())
+    commit.atomic_write(path, buffer.getvalue())
 
 
 def _listed(step_dir: str) -> bool:
     """Whether the step's manifest lists ``data.pt``."""
     try:
-        return any(r.path == DATA_FILE for r in disk.read_manifest(step_dir))
+        return any(r.path == layout.DATA_FILE for r in reader.read_manifest(step_dir))
     except FileNotFoundError:
         return False
     except (OSError, ValueError) as exc:
         raise RuntimeError(
-            f"{os.path.join(step_dir, disk.MANIFEST_NAME)} cannot be read ({exc}), so whether "
-            f"the step's {DATA_FILE} is committed is unknown; check the step with "
+            f"{os.path.join(step_dir, layout.MANIFEST_NAME)} cannot be read ({exc}), so whether "
+            f"the step's {layout.DATA_FILE} is committed is unknown; check the step with "
             "`obsckpt verify`, and move the step directory aside if it is damaged"
         ) from exc
 
@@ -521,14 +520,14 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     step = _written_step(writes)
     if step is None:  # nothing written (Megatron's async_save path): verl's own counter
         step = int(trainer.global_steps)
-    step_dir = disk.step_dir(checkpoint_root(trainer), step)
+    step_dir = layout.step_dir(checkpoint_root(trainer), step)
     data = step_dir / "data.pt"  # verl's dataloader state, written with torch.save
     if data.exists():
-        disk.fsync_file(data)
+        commit.fsync_file(data)
     # The V1 trainer's asynchronous modes save the prompts in flight here.
     _fsync_tree(step_dir / "transfer_queue")
     if step_dir.is_dir():
-        disk.fsync_dir(step_dir)
+        commit.fsync_dir(step_dir)
     ray.get(monitor.monitor_step.remote(step, False))
     trainer._obsckpt_last_submitted = step
     if deferred and not _is_noop_callback(callback):
@@ -567,8 +566,8 @@ def _fsync_tree(root: Any) -> None:
         return
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
-            disk.fsync_file(os.path.join(dirpath, name))
-        disk.fsync_dir(dirpath)
+            commit.fsync_file(os.path.join(dirpath, name))
+        commit.fsync_dir(dirpath)
 
 
 def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 0.2) -> int | None:

@@ -22,14 +22,10 @@ from typing import Any
 
 import torch
 
-from obsckpt import commit as disk
-from obsckpt.commit import crc32
+from obsckpt import layout, reader
 from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
+from obsckpt.reader import crc32
 
-MODEL_SUBDIR = "actor"
-# Numbers as writers format them (ASCII, no leading zero): another spelling of a rank
-# would be a second file for it.
-_SHARD_RE = re.compile(r"^model_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt$", re.ASCII)
 # What torch.load(weights_only=True) names when it refuses an object of a file.
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
@@ -89,7 +85,7 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
     except OSError as exc:
         raise StateDictLoadError(f"cannot list {model_dir}: {exc.strerror or exc}") from exc
     for name in names:
-        m = _SHARD_RE.match(name)
+        m = layout.MODEL_SHARD_RE.match(name)
         if m:
             found.setdefault(int(m.group(1)), {})[int(m.group(2))] = model_dir / name
     if not found:
@@ -128,11 +124,11 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
     return world, ranks
 
 
-def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord] | None:
+def _manifest_records(sdir: Path) -> dict[str, layout.FileRecord] | None:
     """The step's manifest records by path; None when the step has no manifest."""
-    manifest = sdir / disk.MANIFEST_NAME
+    manifest = sdir / layout.MANIFEST_NAME
     try:
-        return {r.path: r for r in disk.read_manifest(sdir)}
+        return {r.path: r for r in reader.read_manifest(sdir)}
     except FileNotFoundError:
         return None
     except ValueError as exc:
@@ -141,9 +137,9 @@ def _manifest_records(sdir: Path) -> dict[str, disk.FileRecord] | None:
         raise StateDictLoadError(f"{manifest} is unreadable: {exc.strerror or exc}") from exc
 
 
-def _read_checked(path: Path, record: disk.FileRecord | None) -> bytes:
+def _read_checked(path: Path, record: layout.FileRecord | None) -> bytes:
     try:
-        with open(disk.open_regular(path), "rb") as f:
+        with open(reader.open_regular(path), "rb") as f:
             data = f.read()
     except IsADirectoryError:
         raise StateDictLoadError(f"{path} is a directory, not a regular file") from None
@@ -234,7 +230,7 @@ def load_sharded_state_dict(
                 # Put there after the commit (the commit lists every file of the step):
                 # not the committed step's weights, and nothing to check them against.
                 raise StateDictLoadError(
-                    f"{path} is not listed in {Path(manifest_dir) / disk.MANIFEST_NAME}, so "
+                    f"{path} is not listed in {Path(manifest_dir) / layout.MANIFEST_NAME}, so "
                     "it is not part of the committed step; remove the files that were "
                     "added to the step directory after its commit"
                 )

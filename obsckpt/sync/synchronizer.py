@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from obsckpt import commit as disk
+from obsckpt import layout, reader, validators
 from obsckpt.errors import IterationFileError, MegatronLayoutError, StateDictLoadError
-from obsckpt.sync.shards import MODEL_SUBDIR, load_sharded_state_dict, shard_files, state_dict_meta
+from obsckpt.sync.shards import load_sharded_state_dict, shard_files, state_dict_meta
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
 
@@ -226,7 +226,7 @@ class Synchronizer:
         :meth:`resume_from`). A state dict older than the held version is
         ignored (returns False).
         """
-        disk.validate_step(trainer_step, "trainer_step")
+        validators.validate_step(trainer_step, "trainer_step")
         if self._version is not None and trainer_step < self._version:
             if model_state_dict is None:
                 await self.resume_from(trainer_step)
@@ -250,11 +250,11 @@ class Synchronizer:
         resume; the file never goes backwards) and loads the first step committed
         after them.
         """
-        disk.validate_step(step, "step")
+        validators.validate_step(step, "step")
         stale = [v for v in (self._version, self._loaded_step) if v is not None]
         if self.root is not None:
             try:
-                on_disk = disk.read_iteration(self.root, "state_dict")
+                on_disk = reader.read_iteration(self.root, "state_dict")
             except IterationFileError:
                 on_disk = None
             if on_disk is not None:
@@ -460,7 +460,7 @@ class Synchronizer:
         if self.root is None:
             return
         try:
-            step = disk.read_iteration(self.root, "state_dict")
+            step = reader.read_iteration(self.root, "state_dict")
         except IterationFileError as exc:
             self._last_error = str(exc)
             return
@@ -473,8 +473,8 @@ class Synchronizer:
         await self._load_step(self.root, step)
 
     async def _load_step(self, root: Path, step: int) -> None:
-        sdir = disk.step_dir(root, step)
-        model_dir = sdir / MODEL_SUBDIR
+        sdir = layout.step_dir(root, step)
+        model_dir = sdir / layout.MODEL_SUBDIR
         t0 = time.perf_counter()
         try:
             with tracing.span("obsckpt.upload", attributes={"obsckpt.step": step}) as sp:
@@ -531,13 +531,13 @@ def _superseded_and_removed(root: Path, step: int) -> int | None:
     is the step's own).
     """
     try:
-        newer = disk.read_iteration(root, "state_dict")
+        newer = reader.read_iteration(root, "state_dict")
     except IterationFileError:
         return None
     if newer is None or newer <= step:
         return None
     try:
-        shard_files(disk.step_dir(root, step) / MODEL_SUBDIR)
+        shard_files(layout.step_dir(root, step) / layout.MODEL_SUBDIR)
     except MegatronLayoutError:
         return None  # whole, and never readable here: its own error says what to do
     except StateDictLoadError:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from obsckpt.commit import non_negative_int
+from obsckpt.validators import non_negative_int
 
 logger = logging.getLogger(__name__)
 

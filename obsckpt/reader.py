@@ -1,0 +1,189 @@
+"""Reading what a root holds: iteration files, manifests, checksums, verification.
+
+Every read opens a regular file only (:func:`open_regular`): a FIFO or a device
+left in a file's place on a shared filesystem must not block a reader.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from obsckpt.errors import IterationFileError
+from obsckpt.layout import (
+    ITERATION_FILES,
+    MANIFEST_NAME,
+    MAX_ITERATION_BYTES,
+    FileRecord,
+    is_temp_name,
+    parse_iteration,
+    parse_manifest,
+    step_of_dir_name,
+)
+
+try:  # zlib-ng's CRC-32 (same polynomial and values as zlib's) is several times faster
+    from zlib_ng.zlib_ng import crc32 as crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency, but stay usable without it
+    from zlib import crc32 as crc32
+
+_CHUNK = 8 << 20
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A descriptor open for reading on ``path``, which must be a regular file.
+
+    Opened without blocking and checked before any read: a FIFO left in a
+    file's place (by another tool on a shared filesystem) would otherwise block
+    its reader, a monitor's commit or a CLI command, forever.
+
+    Raises:
+        OSError: ``path`` cannot be opened, or is not a regular file (naming what it is).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(
+                errno.EINVAL, f"not a regular file (a {_file_type(mode)})", os.fspath(path)
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
+    """The step an iteration file names, None when there is no file.
+
+    Raises:
+        IterationFileError: the file exists but does not hold a step number.
+    """
+    path = Path(root) / ITERATION_FILES[kind]
+    try:
+        with open(open_regular(path), "rb") as f:
+            raw = f.read(MAX_ITERATION_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EISDIR:
+            raise IterationFileError(
+                f"{path} is a directory, not an iteration file; remove it (a file naming "
+                "the committed step is written at the next commit)"
+            ) from None
+        raise IterationFileError(
+            f"cannot read {path}: {exc.strerror or exc}; it must be a regular file holding "
+            "one non-negative integer. Restore it from a backup or remove it to start from "
+            "no committed step"
+        ) from exc
+    if len(raw) > MAX_ITERATION_BYTES:
+        raise IterationFileError(
+            f"{path} is {os.path.getsize(path)} bytes long, not a step number; "
+            "it must hold one non-negative integer"
+        )
+    return parse_iteration(raw.decode("utf-8", errors="replace"), path)
+
+
+def walk_files(top: str) -> Iterator[tuple[str, list[str]]]:
+    """``(directory, file names)`` under ``top``, in sorted order, temp files left out.
+
+    A directory named as a temp file (:func:`scratch_dir`) is left out whole.
+    """
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if not is_temp_name(d))
+        yield dirpath, [name for name in sorted(filenames) if not is_temp_name(name)]
+
+
+def steps_on_disk(root: str | os.PathLike) -> list[int]:
+    """Step numbers of the ``global_step_<N>`` directories under ``root``, ascending."""
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for entry in entries:
+        step = step_of_dir_name(entry)
+        if step is not None and os.path.isdir(os.path.join(root, entry)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def file_crc32(path: str | os.PathLike) -> tuple[int, int]:
+    """(size, crc32) of a file, read in chunks."""
+    crc = 0
+    size = 0
+    with open(open_regular(path), "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def record_file(path: str | os.PathLike, base: str | os.PathLike) -> FileRecord:
+    size, crc = file_crc32(path)
+    return FileRecord(path=os.path.relpath(path, base), size=size, crc32=crc)
+
+
+def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
+    """The records of a step's manifest.
+
+    Raises:
+        FileNotFoundError: the step has no manifest.
+        OSError: it cannot be read, or is not a regular file.
+        ValueError: it is not JSON, or not a manifest obsckpt writes (see
+            :func:`obsckpt.layout.parse_manifest`).
+    """
+    with open(open_regular(Path(sdir) / MANIFEST_NAME), encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except RecursionError:  # nesting no manifest has, deeper than the parser goes
+            raise ValueError("not a manifest: JSON nested too deeply") from None
+    return parse_manifest(data)
+
+
+def verify_step(sdir: str | os.PathLike) -> list[str]:
+    """Problems found checking a step against its manifest; empty when it is whole."""
+    sdir = Path(sdir)
+    try:
+        records = read_manifest(sdir)
+    except FileNotFoundError:
+        return [f"{sdir / MANIFEST_NAME}: missing manifest"]
+    except ValueError as exc:
+        return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc})"]
+    except OSError as exc:  # a directory in its place, a read error
+        return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc.strerror or exc})"]
+    problems = []
+    for rec in records:
+        full = sdir / rec.path
+        if not full.is_file():
+            problems.append(f"{full}: missing")
+            continue
+        try:
+            size, crc = file_crc32(full)
+        except OSError as exc:  # a read error is what a check is for: name it, go on
+            problems.append(f"{full}: unreadable ({exc.strerror or exc})")
+            continue
+        if size != rec.size:
+            what = "truncated" if size < rec.size else "grown"
+            problems.append(f"{full}: {what} ({size} bytes, manifest says {rec.size})")
+        elif crc != rec.crc32:
+            problems.append(f"{full}: corrupted (crc32 {crc:08x}, manifest says {rec.crc32:08x})")
+    return problems

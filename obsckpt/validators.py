@@ -1,0 +1,76 @@
+"""The argument checks shared across obsckpt: each returns the value it accepts.
+
+One naming scheme: ``validate_<what>(value, ...)`` returns the value (normalised
+where that helps) or raises ``ValueError``/``TypeError`` naming the value it got
+and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+# Readers hold steps in an int64; a larger number in an iteration file is not a step.
+MAX_STEP = 2**63 - 1
+_SLOT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def non_negative_int(value: object) -> int | None:
+    """``value`` as an int if it is a non-negative integer (numpy's too), else None.
+
+    bool is refused: ``True`` is not a rank, a step or a byte count.
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 0 else None
+
+
+def positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a positive number of seconds (an int or float, not a bool)."""
+    # bool is an int subclass; NaN fails every comparison, so "> 0" refuses it.
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def validate_step(step: object, what: str = "global_step") -> int:
+    """Return ``step`` if it is a non-negative integer, else raise a ValueError naming it."""
+    # bool is an int subclass; True is not a step.
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f"{what} must be a non-negative integer, got {step!r} ({type(step).__name__}); "
+            "pass the training step as an int"
+        )
+    if step < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"{what} must be at most 2**63 - 1, got {step}")
+    return step
+
+
+def validate_slot(name: object) -> str:
+    """Return ``name`` if it is safe as a file-name component, else raise a ValueError."""
+    if not isinstance(name, str) or not _SLOT_RE.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"slot name {name!r} is not safe in file and thread names; use 1-128 characters "
+            "from letters, digits, '.', '_' and '-', starting with a letter or digit"
+        )
+    return name
+
+
+def validate_parts(part: object, parts: object) -> None:
+    """Check a part index and part count (both None for a save that is not split)."""
+    if part is None and parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(
+            f"parts must be a positive integer (how many parts, e.g. ranks, make up the save), "
+            f"got {parts!r}"
+        )
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < parts:
+        raise ValueError(
+            f"part must be an integer in [0, parts={parts}) (this part's index, e.g. the rank), "
+            f"got {part!r}"
+        )
