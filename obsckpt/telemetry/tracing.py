@@ -15,10 +15,19 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_SDK_DISABLED,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -45,7 +54,50 @@ _safe_exporters: list[SafeExporter] = []
 _installed: set[str | int] = set()
 # The provider setup_tracing created; any other SDK provider was configured elsewhere.
 _own_provider: TracerProvider | None = None
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSettings:
+    """What the standard ``OTEL_*`` variables ask of tracing; read in one place.
+
+    Attributes:
+        disabled: ``OTEL_SDK_DISABLED=true``.
+        exporters: the names in ``OTEL_TRACES_EXPORTER`` (lower case), empty when unset.
+        endpoint: the traces endpoint (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, else
+            ``OTEL_EXPORTER_OTLP_ENDPOINT``), None when neither is set.
+        protocol: the OTLP protocol asked for (``grpc``, ``http/protobuf``), "" when unset.
+    """
+
+    disabled: bool = False
+    exporters: tuple[str, ...] = ()
+    endpoint: str | None = None
+    protocol: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TraceSettings:
+        env = os.environ if environ is None else environ
+        spec = env.get(OTEL_TRACES_EXPORTER, "")
+        return cls(
+            disabled=env.get(OTEL_SDK_DISABLED, "").strip().lower() == "true",
+            exporters=tuple(n.strip().lower() for n in spec.split(",") if n.strip()),
+            endpoint=env.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+            or env.get(OTEL_EXPORTER_OTLP_ENDPOINT)
+            or None,
+            protocol=env.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
+            or env.get(OTEL_EXPORTER_OTLP_PROTOCOL, ""),
+        )
+
+    def requested(self) -> list[str]:
+        """The exporter names asked for: ``OTEL_TRACES_EXPORTER``, else otlp for an endpoint.
+
+        OpenTelemetry's own default would be otlp to localhost:4318. In a Ray job
+        localhost is each process's own node, and where no collector listens every
+        batch is retried and the process waits on the retries at exit. So tracing
+        is on only when asked for, the rule the monitor and the workers follow too.
+        """
+        if self.exporters:
+            return list(self.exporters)
+        return ["otlp"] if self.endpoint else []
 
 
 class SafeExporter(SpanExporter):
@@ -94,10 +146,7 @@ def _describe(exporter: SpanExporter) -> str:
     return f"{name} to {endpoint}" if endpoint else name
 
 
-def _otlp_exporter() -> SpanExporter | None:
-    protocol = os.environ.get(
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-    )
+def _otlp_exporter(protocol: str) -> SpanExporter | None:
     otlp_exporter: type[SpanExporter]
     try:
         if protocol == "grpc":
@@ -127,18 +176,15 @@ def _otlp_exporter() -> SpanExporter | None:
         return None
 
 
-def _requested(exporter: SpanExporter | str | None) -> list[str | SpanExporter]:
-    """The exporters asked for: the argument, else ``OTEL_TRACES_EXPORTER``, else endpoints."""
+def _requested(
+    exporter: SpanExporter | str | None, settings: TraceSettings
+) -> list[str | SpanExporter]:
+    """The exporters asked for: the argument, else the variables (:class:`TraceSettings`)."""
     if isinstance(exporter, SpanExporter):
         return [exporter]
-    spec = exporter or os.environ.get("OTEL_TRACES_EXPORTER", "")
-    if not spec.strip():
-        # OpenTelemetry's own default would be otlp to localhost:4318. In a Ray job
-        # localhost is each process's own node, and where no collector listens every
-        # batch is retried and the process waits on the retries at exit. So tracing
-        # is on only when asked for, the rule the monitor and the workers follow too.
-        return ["otlp"] if any(os.environ.get(v) for v in _ENDPOINT_VARIABLES) else []
-    return [n.strip().lower() for n in spec.split(",") if n.strip()]
+    if exporter and exporter.strip():
+        return [n.strip().lower() for n in exporter.split(",") if n.strip()]
+    return list(settings.requested())
 
 
 def requested(exporter: SpanExporter | str | None = None) -> bool:
@@ -147,9 +193,10 @@ def requested(exporter: SpanExporter | str | None = None) -> bool:
     Processes that trace only when asked call this first, so a process with
     nothing configured does not even log that it sends nothing.
     """
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    settings = TraceSettings.from_env()
+    if settings.disabled:
         return False
-    return [n for n in _requested(exporter) if n != "none"] != []
+    return [n for n in _requested(exporter, settings) if n != "none"] != []
 
 
 def _resource(service_name: str | None) -> Resource:
@@ -189,9 +236,10 @@ def setup_tracing(
         True when spans will be recorded in this process.
     """
     global _enabled, _memory, _own_provider
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    settings = TraceSettings.from_env()
+    if settings.disabled:
         return False
-    wanted = _requested(exporter)
+    wanted = _requested(exporter, settings)
     if not wanted:
         logger.info(
             "obsckpt: no spans are sent: set OTEL_TRACES_EXPORTER or "
@@ -222,7 +270,7 @@ def setup_tracing(
             elif name == "console":
                 processors.append(SimpleSpanProcessor(_safe(ConsoleSpanExporter())))
             elif name == "otlp":
-                otlp = _otlp_exporter()
+                otlp = _otlp_exporter(settings.protocol)
                 if otlp is None:
                     continue
                 processors.append(BatchSpanProcessor(_safe(otlp)))
