@@ -48,6 +48,10 @@ class SaveStrategy(str, enum.Enum):
         raise ValueError(f"save_strategy must be one of {choices}; got {value!r}") from None
 
 
+# The strategies' names as metric label values (``strategy``).
+STRATEGIES = tuple(s.value for s in SaveStrategy)
+
+
 @dataclass(slots=True)
 class _Waiter:
     ticket: int

@@ -71,8 +71,8 @@ class Parts:
 
 
 @dataclass(slots=True)
-class Progress:
-    """What the monitor knows of one step of one kind."""
+class StepRecord:
+    """What the monitor knows of one step of one kind: its saves, state and files."""
 
     registered: int = 0
     finished: int = 0
@@ -117,10 +117,6 @@ class Progress:
         return self.first_start if self.first_start is not None else self.first_seen
 
 
-def _kind(is_state_dict: bool) -> str:
-    return "state_dict" if is_state_dict else "checkpoint"
-
-
 class CommitTracker:
     """Counts saves per step and decides what may be committed.
 
@@ -145,7 +141,7 @@ class CommitTracker:
         self.latest.update(latest or {})
         self.clock = clock
         self.on_fail = on_fail
-        self.steps: dict[int, dict[str, Progress]] = {}
+        self.steps: dict[int, dict[str, StepRecord]] = {}
         self.abandoned: dict[int, str] = {}
         # True in a monitor that Ray restarted: registrations made before are gone.
         self.restarted = False
@@ -189,10 +185,10 @@ class CommitTracker:
 
     # -- helpers ---------------------------------------------------------
 
-    def progress(self, step: int, kind: str) -> Progress:
+    def progress(self, step: int, kind: str) -> StepRecord:
         kinds = self.steps.get(step)
         if kinds is None:
-            kinds = self.steps[step] = {k: Progress() for k in KINDS}
+            kinds = self.steps[step] = {k: StepRecord() for k in KINDS}
         p = kinds[kind]
         if p.first_seen is None:
             p.first_seen = self.clock()
@@ -235,7 +231,7 @@ class CommitTracker:
                 failed.append((step, "checkpoint"))
         return failed
 
-    def _set_failed(self, step: int, kind: str, p: Progress, error: str) -> None:
+    def _set_failed(self, step: int, kind: str, p: StepRecord, error: str) -> None:
         """The one transition into FAILED (so ``on_fail`` sees every failure once)."""
         p.state, p.error, p.resolved_at = FAILED, error, self.clock()
         self._forget_due = True
@@ -307,7 +303,7 @@ class CommitTracker:
         self._check_not_over_finished(step, kind, p)
         return []
 
-    def _check_not_over_finished(self, step: int, kind: str, p: Progress) -> None:
+    def _check_not_over_finished(self, step: int, kind: str, p: StepRecord) -> None:
         """After submission, more finishes than registrations fail the step and raise."""
         if p.finished > p.registered and p.state in _OPEN:
             msg = (
@@ -496,7 +492,7 @@ class CommitTracker:
                 out.append((step, kind))
         return out
 
-    def begin_next_commit(self) -> tuple[int, str, Progress] | None:
+    def begin_next_commit(self) -> tuple[int, str, StepRecord] | None:
         """Start committing the first step :meth:`ready` names; None when nothing is ready.
 
         Choosing and starting are one call: notifications arrive while a commit
@@ -563,7 +559,7 @@ class CommitTracker:
 
     # -- views -------------------------------------------------------------
 
-    def pending(self, kind: str | None = None) -> list[tuple[int, str, Progress]]:
+    def pending(self, kind: str | None = None) -> list[tuple[int, str, StepRecord]]:
         out = []
         for step in sorted(self.steps):
             for k, p in self.steps[step].items():
@@ -571,7 +567,7 @@ class CommitTracker:
                     out.append((step, k, p))
         return out
 
-    def failed(self) -> list[tuple[int, str, Progress]]:
+    def failed(self) -> list[tuple[int, str, StepRecord]]:
         return [
             (step, k, p)
             for step in sorted(self.steps)

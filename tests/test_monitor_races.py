@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from obsckpt import CheckpointMonitor, NotificationError, SaveStrategy, commit, layout, reader
+from obsckpt.monitor import SystemClock
 
 
 class CommitGate:
@@ -53,9 +54,13 @@ def gate(monkeypatch) -> CommitGate:
     return CommitGate(monkeypatch)
 
 
-def monitor(root: Path, strategy=SaveStrategy.UNRESTRICTED) -> CheckpointMonitor:
+def monitor(root: Path, strategy=SaveStrategy.UNRESTRICTED, clock=None) -> CheckpointMonitor:
     return CheckpointMonitor(
-        strategy, default_local_dir=root, metrics_port=None, registry=CollectorRegistry()
+        strategy,
+        default_local_dir=root,
+        metrics_port=None,
+        registry=CollectorRegistry(),
+        clock=clock,
     )
 
 
@@ -154,7 +159,7 @@ def test_a_state_dict_save_during_its_checkpoint_commit_is_not_admitted(tmp_path
     assert m.tracker.latest == {"checkpoint": 2, "state_dict": 2}
     assert reader.read_iteration(root, "state_dict") == 2
     assert reader.verify_step(layout.step_dir(root, 2)) == []
-    assert not m._tickets and m.tracker.pending() == []
+    assert not m.core.tickets and m.tracker.pending() == []
     assert failures(m, "checkpoint") == 0 and failures(m, "state_dict") == 0
 
 
@@ -233,13 +238,13 @@ def test_a_cancelled_admission_leaves_nothing_behind(tmp_path):
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert [t.slot for t in m._tickets] == ["model"]
+        assert [t.slot for t in m.core.tickets] == ["model"]
         write(root, 1, "model.pt")
         await m.notify_finished(1, False, ticket=first["ticket"], slot="model")
         await m.monitor_step(1)
 
     asyncio.run(run())
-    assert in_flight() == 0 and not m._tickets
+    assert in_flight() == 0 and not m.core.tickets
     assert [(s, k) for s, k, _ in m.tracker.failed()] == [(1, "checkpoint")]
     assert m.tracker.pending() == []
 
@@ -264,7 +269,7 @@ def test_a_release_right_after_a_cancelled_admission_wait_is_not_disturbed(tmp_p
 
     asyncio.run(run())
     assert reader.read_iteration(root, "checkpoint") == 1
-    assert not m._tickets and m.admission.waiting == 0
+    assert not m.core.tickets and m.admission.waiting == 0
 
 
 def test_a_cancelled_rpc_does_not_stop_its_commit(tmp_path, gate):
@@ -295,9 +300,13 @@ def test_commit_lag_of_a_full_checkpoint_counts_from_its_state_dict_save(tmp_pat
     """The state dict's save started 60 s ago, the checkpoint's 30 s ago: the lag of the
     full checkpoint is 60 s, observed for both iteration files its commit moved."""
     root = tmp_path / "root"
-    m = monitor(root)
     ago = 0.0
-    m.tracker.clock = lambda: time.time() - ago
+
+    class Behind(SystemClock):
+        def monotonic(self) -> float:
+            return time.time() - ago
+
+    m = monitor(root, clock=Behind())
 
     def lag(kind: str) -> tuple[float, float]:
         get = m.metrics.registry.get_sample_value
@@ -342,7 +351,7 @@ def test_a_save_that_failed_before_admission_fails_its_step_at_once(tmp_path):
         await m.notify_finished(
             1, True, slot="model", rank=0, ok=False, error="MemoryError", admitted=False
         )
-        assert [t.ticket for t in m._tickets] == [anonymous["ticket"]]
+        assert [t.ticket for t in m.core.tickets] == [anonymous["ticket"]]
 
     asyncio.run(run())
     assert [(s, k) for s, k, _ in m.tracker.failed()] == [(1, "state_dict")]

@@ -3,8 +3,8 @@
 Durations, leases, deadlines and ages are measured on the monotonic clock;
 only what is shown as a Unix timestamp reads the wall clock. This container
 cannot step the system clock, so each test moves the one reading of it that
-the code under test makes: ``obsckpt.monitor.wall_clock`` (in-process, or in
-the monitor actor's own process through :class:`SteppedClockMonitor`), and the
+the code under test makes: the monitor's clock seam (``clock=``, in-process, or
+in the monitor actor's own process through :class:`SteppedClockMonitor`), and the
 ``time`` module the IPC receiver sees. The monotonic clock runs on untouched,
 as it does across a real step.
 """
@@ -20,29 +20,31 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-import obsckpt.monitor as monitor_module
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, commit, layout, reader
+from obsckpt.monitor import SystemClock
 
 HOUR = 3600.0
 
 
-class WallClock:
-    """The in-process monitor's wall clock, stepped by the test."""
+class WallClock(SystemClock):
+    """The in-process monitor's clocks: its wall clock stepped by the test."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self) -> None:
         self.offset = 0.0
-        monkeypatch.setattr(monitor_module, "wall_clock", self.now)
+
+    def time(self) -> float:
+        return time.time() + self.offset
 
     def now(self) -> float:
-        return time.time() + self.offset
+        return self.time()
 
     def step(self, seconds: float) -> None:
         self.offset += seconds
 
 
 @pytest.fixture
-def clock(monkeypatch) -> WallClock:
-    return WallClock(monkeypatch)
+def clock() -> WallClock:
+    return WallClock()
 
 
 def in_process_monitor(root: Path, **kwargs) -> CheckpointMonitor:
@@ -67,7 +69,7 @@ class TestLeases:
 
     def test_forward_and_back_by_an_hour(self, tmp_path, clock):
         root = tmp_path / "root"
-        m = in_process_monitor(root, lease_timeout_s=1.0)  # checked every 0.25 s
+        m = in_process_monitor(root, clock=clock, lease_timeout_s=1.0)  # checked every 0.25 s
 
         async def run() -> dict:
             await m.register_thread_count(1, checkpoint_thread_count=1)
@@ -108,7 +110,7 @@ class TestDurations:
 
     def test_steps_during_a_wait_a_save_and_a_commit(self, tmp_path, clock, monkeypatch):
         root = tmp_path / "root"
-        m = in_process_monitor(root, save_strategy=SaveStrategy.SINGLE_THREAD)
+        m = in_process_monitor(root, clock=clock, save_strategy=SaveStrategy.SINGLE_THREAD)
         real_finalize = commit.finalize_step
 
         def finalize_across_a_step(*args, **kwargs):
@@ -162,10 +164,11 @@ class TestDurations:
 class SteppedClockMonitor(CheckpointMonitor):
     """The monitor actor, with an RPC that steps its wall clock (in its own process only)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, clock=WallClock(), **kwargs)
+
     async def step_wall_clock(self, seconds: float) -> None:
-        offset = getattr(self, "_wall_offset", 0.0) + seconds
-        self._wall_offset = offset
-        monitor_module.wall_clock = lambda: time.time() + offset
+        self.clock.step(seconds)
 
 
 class TestRunningJob:

@@ -13,23 +13,21 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from obsckpt.admission import STRATEGIES
+from obsckpt.layout import KINDS
 from obsckpt.validators import non_negative_int
 
 logger = logging.getLogger(__name__)
 
-# The *_created series double every counter and histogram and no dashboard uses them.
-disable_created_metrics()
-
-KINDS = ("checkpoint", "state_dict")
 RESULTS = ("ok", "error")
 BACKENDS = ("nccl", "gloo", "cuda_ipc", "shm")
 # Weight-sync methods and the backends each runs on.
 SYNC_METHODS = {"broadcast": ("nccl", "gloo"), "ipc": ("cuda_ipc", "shm")}
 FAILURE_REASONS = ("timeout", "error")
 ROLES = ("trainer", "rollout")
-STRATEGIES = ("single_thread", "single_process", "single_node", "unrestricted")
 
 # Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
 DEFAULT_MAX_SLOT_LABELS = 32
@@ -324,6 +322,16 @@ _KNOWN_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+def disable_created_series() -> None:
+    """Stop prometheus_client from exporting ``*_created`` series in this process.
+
+    They double every counter and histogram and no dashboard uses them. The
+    switch is global to the process, so only processes obsckpt owns (its
+    actors) call this; importing obsckpt leaves a user's own metrics alone.
+    """
+    prometheus_client.disable_created_metrics()
+
+
 def validate_max_slot_labels(value: object) -> int:
     """``value`` if it is a positive int, else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -335,7 +343,7 @@ def validate_max_slot_labels(value: object) -> int:
     return value
 
 
-def check_sync_labels(backend: object, method: object, reason: object = None) -> None:
+def validate_sync_labels(backend: object, method: object, reason: object = None) -> None:
     """Refuse weight-sync label values outside the known ones: each would be a new series.
 
     Raises:
@@ -356,7 +364,7 @@ def check_sync_labels(backend: object, method: object, reason: object = None) ->
         )
 
 
-def check_seconds(name: str, value: object) -> None:
+def validate_seconds(name: str, value: object) -> None:
     """Refuse a duration that is not finite, non-negative seconds (None passes).
 
     A negative one would make a histogram's ``_sum`` go backwards (read as a
@@ -376,7 +384,7 @@ def check_seconds(name: str, value: object) -> None:
         )
 
 
-def check_bytes(name: str, value: object) -> None:
+def validate_bytes(name: str, value: object) -> None:
     """Refuse a byte count that is not a non-negative integer (None passes)."""
     if value is None:
         return
@@ -386,7 +394,7 @@ def check_bytes(name: str, value: object) -> None:
         )
 
 
-def check_role(role: object) -> None:
+def validate_role(role: object) -> None:
     """Refuse a ``role`` label value other than ``trainer`` or ``rollout``."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")

@@ -1,0 +1,83 @@
+"""The monitor's status(): its core's state as plain data, times as Unix timestamps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from obsckpt.monitor.core import MonitorCore
+from obsckpt.telemetry import tracing
+from obsckpt.telemetry.server import MetricsServer
+
+
+def status_view(core: MonitorCore, root: Path, server: MetricsServer) -> dict[str, Any]:
+    """Latest committed steps, pending, failed and abandoned steps, saves in flight.
+
+    ``resaves`` counts every notification about a closed step that was
+    accepted and changed nothing: re-saves proper, and registrations,
+    submissions, starts and finishes for a step already committed (or below
+    the committed one) that were ignored.
+    """
+    t = core.tracker
+    unix = core.unix
+    return {
+        "root": str(root),
+        "save_strategy": core.strategy.name,
+        "latest": dict(t.latest),
+        "last_commit_time": {k: unix(when) for k, when in core.last_commit.items()},
+        "last_commit": {
+            kind: {
+                **detail,
+                "whole_at": unix(detail["whole_at"]),
+                "committed_at": unix(detail["committed_at"]),
+            }
+            for kind, detail in core.last_commit_detail.items()
+        },
+        "pending": [
+            {
+                "step": step,
+                "kind": kind,
+                "started": unix(p.started_at),
+                "registered": p.registered,
+                "finished": p.finished,
+                "in_flight": p.in_flight,
+                "submitted": p.submitted,
+                "state": p.state,
+                # Saves made of parts still missing some: slot -> parts finished / parts.
+                "open_parts": {
+                    str(slot): {
+                        "parts": g.parts,
+                        "finished": sorted(i for i, n in g.done.items() if n > g.counted),
+                        "running": g.running,
+                    }
+                    for slot, g in p.groups.items()
+                    if g.open
+                },
+            }
+            for step, kind, p in t.pending()
+        ],
+        "failed": [
+            {"step": step, "kind": kind, "error": p.error, "at": unix(p.resolved_at)}
+            for step, kind, p in t.failed()
+        ],
+        "abandoned": [{"step": s, "reason": r} for s, r in sorted(t.abandoned.items())],
+        "restarted": t.restarted,
+        "resaves": t.resaves,
+        "in_flight": [
+            {
+                "ticket": tk.ticket,
+                "step": tk.step,
+                "kind": tk.kind,
+                "slot": tk.slot,
+                "rank": tk.rank,
+                "part": tk.part,
+                "parts": tk.parts,
+                "requested": unix(tk.requested),
+                "admitted": unix(tk.admitted),
+            }
+            for tk in core.tickets
+        ],
+        "admission_waiting": core.admission.waiting,
+        "metrics": {"address": server.address, "error": server.error},
+        "span_export_failures": tracing.export_failures(),
+    }

@@ -1,0 +1,354 @@
+"""The monitor's telemetry: its events as metrics and log lines, and the /metrics endpoint.
+
+:class:`MonitorTelemetry` is the :class:`~obsckpt.monitor.events.MonitorObserver`
+the monitor actor gives its core. It owns the label policy (slot names
+bounded by ``max_slot_labels``, per-rank series removed once their rank is
+gone), the gauges read at each scrape, the weight-sync measurements workers
+send, the HTTP endpoint and its Prometheus file_sd entry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from obsckpt.layout import KINDS
+from obsckpt.monitor.events import CommitRecord, MonitorObserver
+from obsckpt.telemetry.metrics import (
+    OVERFLOW_SLOT,
+    RESULTS,
+    Metrics,
+    RankSeries,
+    SlotLabels,
+    validate_bytes,
+    validate_role,
+    validate_seconds,
+    validate_sync_labels,
+)
+from obsckpt.telemetry.server import (
+    MetricsServer,
+    publish_file_sd,
+    serve_metrics,
+    withdraw_file_sd,
+)
+from obsckpt.tickets import Ticket
+
+if TYPE_CHECKING:
+    from obsckpt.monitor.core import MonitorCore
+
+logger = logging.getLogger("obsckpt.monitor")
+
+
+def _label(value: object, default: str = "unknown") -> str:
+    return default if value is None else str(value)
+
+
+class MonitorTelemetry(MonitorObserver):
+    """Metrics and log lines for the monitor's events, and the endpoint serving them.
+
+    Args:
+        strategy: the save strategy's value, the ``strategy`` label.
+        registry: Prometheus registry (tests pass a fresh one).
+        max_slot_labels: distinct slot names kept as the ``slot`` label.
+    """
+
+    def __init__(
+        self, strategy: str, registry: CollectorRegistry | None, max_slot_labels: int
+    ) -> None:
+        self.strategy = strategy
+        self.metrics = Metrics(registry)
+        # Bounds on the label values callers send: slot names, and ranks that are gone.
+        self._slot_labels = SlotLabels(max_slot_labels, self.metrics.slot_label_overflows)
+        self._rank_series = RankSeries(
+            self.metrics.rank_last_save_duration,
+            self.metrics.staging_bytes,
+            self.metrics.staging_pinned_bytes,
+        )
+        # (slot label, kind) with both results' series.
+        self._save_series: set[tuple[str, str | None]] = set()
+        # Rank -> pid of the process that last reported as it: the one whose death
+        # makes the rank's series stale (a replacement may already have taken over).
+        self._rank_pids: dict[int, int | None] = {}
+        # When each kind's oldest pending step started (monotonic readings).
+        self._oldest_pending: dict[str, float | None] = {k: None for k in KINDS}
+        self.server: MetricsServer | None = None
+        self.file_sd_path: str | None = None
+
+    def attach(self, core: MonitorCore, latest: dict[str, int | None]) -> None:
+        """Read ``core``'s commit times at each scrape; show the ``latest`` steps found."""
+        for kind, step in latest.items():
+            if step is not None:
+                self.metrics.latest_step.labels(kind).set(step)
+        for kind in KINDS:
+            # Worked out at each scrape: after a step of the wall clock, Prometheus's
+            # time() minus these is still how long ago they were.
+            self.metrics.last_commit_timestamp.labels(kind).set_function(
+                lambda k=kind: core.unix(core.last_commit[k]) or 0.0
+            )
+            self.metrics.oldest_pending_start.labels(kind).set_function(
+                lambda k=kind: core.unix(self._oldest_pending[k]) or 0.0
+            )
+
+    # -- the endpoint ---------------------------------------------------------
+
+    def serve(
+        self,
+        host: str,
+        port: int | None,
+        *,
+        file_sd_path: str | None,
+        namespace: str | None,
+        root: str,
+    ) -> MetricsServer:
+        """Serve /metrics and name the endpoint in ``file_sd_path`` (if given)."""
+        self.server = serve_metrics(self.metrics.registry, host, port)
+        self.file_sd_path = file_sd_path
+        if not file_sd_path:
+            return self.server
+        labels = {"obsckpt_namespace": namespace} if namespace else {}
+        try:
+            gone = publish_file_sd(file_sd_path, self.server.address, labels, root=root)
+        except OSError as exc:
+            logger.error("obsckpt: cannot write file_sd %s: %s", file_sd_path, exc)
+        else:
+            if gone:
+                logger.warning(
+                    "obsckpt: removed %s from file_sd %s: nothing listens there "
+                    "(monitors that ended without withdrawing their targets)",
+                    ", ".join(gone),
+                    file_sd_path,
+                )
+        return self.server
+
+    def close(self, now_unix: float, final_scrape_wait_s: float) -> None:
+        """Stop serving /metrics after one last scrape; withdraw the file_sd target.
+
+        Only this monitor's entry leaves the file_sd file: other jobs' monitors,
+        and one started since on this root, keep theirs.
+        """
+        if self.server is None:
+            return
+        address = self.server.address
+        # Served in one more scrape (while a scraper polls), so that ObsckptMonitorDown
+        # tells this clean finish from a lost monitor once the target is withdrawn.
+        self.metrics.shutdown_timestamp.set(now_unix)
+        self.server.close(final_scrape_timeout_s=final_scrape_wait_s)
+        if not (self.file_sd_path and address):
+            return
+        try:
+            withdraw_file_sd(self.file_sd_path, address)
+        except (OSError, ValueError) as exc:
+            logger.error("obsckpt: cannot withdraw file_sd %s: %s", self.file_sd_path, exc)
+
+    # -- per-rank series --------------------------------------------------------
+
+    def _remove_rank_series(self, gone: Callable[[str, str], bool], why: str) -> None:
+        """Remove the per-rank series of ranks that are gone (``gone(rank, slot)``)."""
+        removed = self._rank_series.remove(gone)
+        if removed:
+            logger.info(
+                "obsckpt: removed the per-rank metric series of %s: %s",
+                ", ".join(f"rank {r} slot {s!r}" for r, s in removed),
+                why,
+            )
+
+    def _saw_rank(self, rank: int | None, pid: int | None) -> None:
+        if rank is not None and pid is not None:
+            self._rank_pids[rank] = pid
+
+    # -- events: saves ------------------------------------------------------------
+
+    def save_requested(self, ticket: Ticket) -> None:
+        slot, parts = ticket.slot, ticket.parts
+        slot_label = self._slot_labels.label(slot)
+        if parts is not None and ticket.part == ticket.rank and slot_label != OVERFLOW_SLOT:
+            # One part per rank: the world of this slot has ``parts`` ranks now.
+            self._remove_rank_series(
+                lambda r, s: s == slot_label and r.isdigit() and int(r) >= parts,
+                f"a save of slot {slot!r} is now made of {parts} parts, one per rank",
+            )
+        self._saw_rank(ticket.rank, ticket.pid)
+        if slot is not None and (slot_label, ticket.kind) not in self._save_series:
+            # Both results' series exist from the slot's first save, so a first
+            # failure is an increase from 0 that rate() and increase() can see.
+            for result in RESULTS:
+                self.metrics.saves.labels(slot_label, ticket.kind or "checkpoint", result)
+            self._save_series.add((slot_label, ticket.kind))
+
+    def save_skipped(
+        self, step: int, kind: str, slot: str | None, rank: int | None, latest: int | None
+    ) -> None:
+        logger.info(
+            "obsckpt: save %r of step %d (%s) on rank %s not admitted: the step is "
+            "already closed (latest committed is %s) and the caller asked not to "
+            "re-save it",
+            slot,
+            step,
+            kind,
+            rank,
+            latest,
+        )
+
+    def resave_started(self, step: int, kind: str, slot: str | None, latest: int | None) -> None:
+        logger.info(
+            "obsckpt: save %r of step %d (%s) is a re-save: the step is already "
+            "committed (latest is %s), so it is not counted and commits nothing",
+            slot,
+            step,
+            kind,
+            latest,
+        )
+
+    def save_admitted(self, ticket: Ticket, wait_s: float) -> None:
+        self.metrics.saves_in_flight.labels(_label(ticket.kind, "checkpoint")).inc()
+        self.metrics.admission_wait.labels(self.strategy).observe(wait_s)
+
+    def save_released(self, ticket: Ticket) -> None:
+        self.metrics.saves_in_flight.labels(_label(ticket.kind, "checkpoint")).dec()
+
+    def save_finished(
+        self,
+        kind: str,
+        slot: str | None,
+        rank: int | None,
+        *,
+        ok: bool,
+        error: str | None,
+        step: int,
+        duration_s: float | None,
+        nbytes: int | None,
+        join_wait_s: float | None,
+    ) -> None:
+        m = self.metrics
+        slot_label = self._slot_labels.label(slot, count=True)
+        m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
+        if duration_s is not None:
+            m.save_duration.labels(slot_label, kind).observe(duration_s)
+            if rank is not None:
+                self._rank_series.set(m.rank_last_save_duration, str(rank), slot_label, duration_s)
+        if ok and nbytes:
+            m.save_bytes.labels(slot_label, kind).inc(nbytes)
+        if join_wait_s is not None:
+            m.join_wait.labels(slot_label).observe(join_wait_s)
+        if not ok:
+            logger.error(
+                "obsckpt: save %r of step %d (%s) on rank %s failed: %s",
+                slot,
+                step,
+                kind,
+                rank,
+                error,
+            )
+
+    def late_finish(self, step: int, slot: str | None) -> None:
+        logger.warning("obsckpt: save %r of step %d finished after its lease expired", slot, step)
+
+    def finished_after_close(self, step: int, kind: str, latest: int | None) -> None:
+        logger.info(
+            "obsckpt: a save of step %d (%s) finished after the step was closed (latest "
+            "committed is %s); it commits nothing",
+            step,
+            kind,
+            latest,
+        )
+
+    def lease_expired(self, ticket: Ticket, message: str, why: str) -> None:
+        logger.error("obsckpt: %s", message)
+        kind = ticket.kind or "checkpoint"
+        self.metrics.saves.labels(self._slot_labels.label(ticket.slot), kind, "error").inc()
+        rank = ticket.rank
+        if rank is not None and self._rank_pids.get(rank, ticket.pid) == ticket.pid:
+            # Its process is gone, and no other has reported as this rank since.
+            self._rank_pids.pop(rank, None)
+            self._remove_rank_series(
+                lambda r, _s: r == str(rank), f"rank {rank}'s process is gone ({why})"
+            )
+
+    def parts_mismatch(self, error: Exception) -> None:
+        logger.error("obsckpt: %s", error)
+
+    def note(self, message: str) -> None:
+        logger.info("obsckpt: %s", message)
+
+    # -- events: steps --------------------------------------------------------------
+
+    def step_failed(self, step: int, kind: str) -> None:
+        self.metrics.step_failures.labels(kind).inc()
+
+    def step_abandoned(self, step: int, kind: str, reason: str) -> None:
+        logger.warning(
+            "obsckpt: step %d (%s) abandoned: %s; the step cannot be known whole",
+            step,
+            kind,
+            reason,
+        )
+
+    def submit_ignored(self, step: int, kind: str, latest: int) -> None:
+        logger.info(
+            "obsckpt: monitor_step(%d) (%s) ignored: step %d is already committed and the "
+            "iteration file never goes backwards",
+            step,
+            kind,
+            latest,
+        )
+
+    def step_committed(self, record: CommitRecord) -> None:
+        for kind in record.moved:
+            self.metrics.latest_step.labels(kind).set(record.step)
+            if record.started_at is not None:  # each iteration file this commit moved
+                lag = max(0.0, record.committed_at - record.started_at)
+                self.metrics.commit_lag.labels(kind).observe(lag)
+        logger.info("obsckpt: committed step %d (%s)", record.step, record.kind)
+
+    def commit_failed(self, step: int, kind: str, message: str) -> None:
+        logger.error("obsckpt: %s", message)
+
+    def pending_changed(self, pending: dict[str, tuple[int, float | None]], abandoned: int) -> None:
+        for kind, (count, oldest) in pending.items():
+            self.metrics.pending_steps.labels(kind).set(count)
+            self._oldest_pending[kind] = oldest
+        self.metrics.abandoned_steps.set(abandoned)
+
+    # -- weight-sync and staging measurements (the monitor is the job's one scrape target) --
+
+    def record_broadcast(self, backend: str, seconds: float, nbytes: int, method: str) -> None:
+        validate_sync_labels(backend, method)
+        validate_seconds("seconds", seconds)
+        validate_bytes("nbytes", nbytes)
+        self.metrics.broadcast_duration.labels(backend, method).observe(seconds)
+        self.metrics.broadcast_bytes.labels(backend, method).inc(nbytes)
+
+    def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
+        validate_sync_labels(backend, method, reason)
+        self.metrics.broadcast_failures.labels(backend, method, reason).inc()
+
+    def record_staging(
+        self,
+        *,
+        rank: int | None,
+        slot: str,
+        nbytes: int,
+        pinned_bytes: int,
+        cold: bool,
+        pid: int | None,
+    ) -> None:
+        validate_bytes("nbytes", nbytes)
+        validate_bytes("pinned_bytes", pinned_bytes)
+        self._saw_rank(rank, pid)
+        m = self.metrics
+        rank_label, slot_label = _label(rank), self._slot_labels.label(slot, count=True)
+        self._rank_series.set(m.staging_bytes, rank_label, slot_label, nbytes)
+        self._rank_series.set(m.staging_pinned_bytes, rank_label, slot_label, pinned_bytes)
+        if cold:
+            m.staging_cold_saves.labels(slot_label).inc()
+
+    def record_upload(self, seconds: float) -> None:
+        validate_seconds("seconds", seconds)
+        self.metrics.upload_duration.observe(seconds)
+
+    def record_model_version(self, role: str, version: int) -> None:
+        validate_role(role)
+        self.metrics.model_version.labels(role).set(version)

@@ -1,0 +1,193 @@
+"""The options a user sets: the monitor's, the ``OBSCKPT_*`` variables, actor names.
+
+``MonitorOptions`` is what both ``CheckpointMonitor(...)`` and
+``CheckpointMonitor.get_actor(...)`` take (their keywords build one), so its
+defaults and checks are written here only. Environment variables are read
+with :func:`from_env_if_absent`: the argument, else the variable, else the
+default. The job's actors are looked up by name with :func:`lookup_actor`,
+which says what to do when the actor is missing.
+
+Importing this module imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from obsckpt import validators
+from obsckpt.admission import SaveStrategy
+from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, validate_max_slot_labels
+from obsckpt.telemetry.server import validate_port
+
+__all__ = [
+    "ACTOR_NAME",
+    "DEFAULT_LEASE_TIMEOUT_S",
+    "MONITOR_ACTOR_NAME",
+    "OBSCKPT_DEMO_DRIVER",
+    "OBSCKPT_DIRECT_IO",
+    "OBSCKPT_EXIT_WAIT_S",
+    "OBSCKPT_FILE_SD_PATH",
+    "OBSCKPT_VERL_COMMIT_TIMEOUT_S",
+    "SYNCHRONIZER_ACTOR_NAME",
+    "MonitorOptions",
+    "from_env_if_absent",
+    "lookup_actor",
+]
+
+_T = TypeVar("_T")
+
+# Environment variables obsckpt reads.
+# Where the monitor writes a Prometheus file_sd JSON naming its /metrics endpoint.
+OBSCKPT_FILE_SD_PATH = "OBSCKPT_FILE_SD_PATH"
+# "0" writes torch files through the page cache instead of with O_DIRECT.
+OBSCKPT_DIRECT_IO = "OBSCKPT_DIRECT_IO"
+# How long a process waits at exit for its saves in flight (seconds).
+OBSCKPT_EXIT_WAIT_S = "OBSCKPT_EXIT_WAIT_S"
+# How long verl's patched trainer waits for a step's commit (seconds).
+OBSCKPT_VERL_COMMIT_TIMEOUT_S = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
+# Set in `obsckpt demo`'s driver process: the id of the process that started it.
+OBSCKPT_DEMO_DRIVER = "OBSCKPT_DEMO_DRIVER"
+
+# Names of the job's actors (one of each per Ray namespace).
+MONITOR_ACTOR_NAME = "checkpoint_monitor"
+SYNCHRONIZER_ACTOR_NAME = "synchronizer"
+ACTOR_NAME = MONITOR_ACTOR_NAME  # the monitor's, as obsckpt.monitor has always exported it
+
+DEFAULT_LEASE_TIMEOUT_S = 120.0
+
+
+def from_env_if_absent(
+    value: _T | None,
+    env: str,
+    default: _T,
+    parse: Callable[[str], _T] | None = None,
+) -> _T:
+    """``value`` if given, else the environment variable ``env`` parsed, else ``default``.
+
+    An empty variable counts as unset.
+
+    Raises:
+        ValueError: the variable is set but ``parse`` refuses it (names the variable).
+    """
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    if not raw:
+        return default
+    if parse is None:
+        return raw  # type: ignore[return-value]
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {env}={raw!r} is invalid: {exc}") from None
+
+
+def lookup_actor(
+    name: str,
+    namespace: str | None = None,
+    *,
+    hint: str,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """The Ray actor named ``name`` in ``namespace`` (None: the caller's job's).
+
+    Args:
+        name: the actor's name (``MONITOR_ACTOR_NAME``, ``SYNCHRONIZER_ACTOR_NAME``).
+        namespace: its Ray namespace; None or "" for the current job's.
+        hint: what the caller should do when it is missing (appended to the message).
+        error: the exception type raised for a missing actor.
+
+    Raises:
+        error: no such actor runs there; the message names the actor, the
+            namespace and ``hint``.
+    """
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace or None)
+    except ValueError as exc:
+        where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+        raise error(f"no {name} actor runs in {where}; {hint}") from exc
+
+
+def _refuse_hdfs(default_hdfs_dir: object) -> None:
+    if default_hdfs_dir is not None:
+        raise ValueError(
+            f"default_hdfs_dir={default_hdfs_dir!r} is not supported: obsckpt does not upload "
+            "committed steps to remote storage. Pass default_hdfs_dir=None and copy a "
+            "global_step_<N> directory once latest_checkpointed_iteration.txt names it"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MonitorOptions:
+    """How a job's :class:`~obsckpt.monitor.CheckpointMonitor` runs.
+
+    Attributes:
+        default_local_dir: the checkpoint root holding the iteration files.
+        save_strategy: a :class:`SaveStrategy`, its name or value, or another enum
+            naming one (e.g. Trinity-RFT's own); stored as a ``SaveStrategy``.
+        default_hdfs_dir: must be None: uploading committed steps to remote storage is
+            not supported (a ValueError says so rather than ignoring it).
+        metrics_port: port for /metrics; 0 picks a free one, None serves nothing.
+        metrics_host: interface to bind; a wildcard advertises the node's IP.
+        file_sd_path: where to write a Prometheus file_sd JSON naming the endpoint
+            (None: the ``OBSCKPT_FILE_SD_PATH`` variable, else none; see
+            :meth:`resolved_file_sd_path`).
+        namespace: the job's Ray namespace, written as a label into file_sd.
+        trace_exporter: exporter name for the monitor's spans (default: ``OTEL_*``
+            variables; no tracing unless one of them asks for it).
+        lease_timeout_s: a save whose coordinator sends no heartbeat for this long
+            (its process died) is failed and its admission released; None never
+            expires a save.
+        max_slot_labels: distinct slot names kept as the ``slot`` label of the
+            metrics; saves of later new slots are recorded as ``slot="_other"``.
+    """
+
+    default_local_dir: str
+    save_strategy: SaveStrategy = SaveStrategy.UNRESTRICTED
+    default_hdfs_dir: str | None = None
+    metrics_port: int | None = 0
+    metrics_host: str = "0.0.0.0"
+    file_sd_path: str | None = None
+    namespace: str | None = None
+    trace_exporter: str | None = None
+    lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S
+    max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS
+
+    def __post_init__(self) -> None:
+        if self.default_local_dir is None:
+            raise ValueError("default_local_dir is required: the checkpoint root directory")
+        # The strategy and paths are normalised in place: a frozen dataclass allows it here.
+        object.__setattr__(self, "save_strategy", SaveStrategy.parse(self.save_strategy))
+        object.__setattr__(self, "default_local_dir", os.fspath(self.default_local_dir))
+        if self.file_sd_path is not None:
+            object.__setattr__(self, "file_sd_path", os.fspath(self.file_sd_path) or None)
+        validate_max_slot_labels(self.max_slot_labels)
+        lease = self.lease_timeout_s
+        if lease is not None and not validators.positive_seconds(lease):
+            raise ValueError(f"lease_timeout_s must be positive seconds or None, got {lease!r}")
+        _refuse_hdfs(self.default_hdfs_dir)
+        validate_port(self.metrics_port)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        save_strategy: SaveStrategy | str | enum.Enum = SaveStrategy.UNRESTRICTED,
+        default_local_dir: str | os.PathLike[str] | None = None,
+        **fields: Any,
+    ) -> MonitorOptions:
+        """Options from the monitor's keyword arguments (its constructor's, get_actor's)."""
+        return cls(
+            save_strategy=save_strategy,  # type: ignore[arg-type]
+            default_local_dir=default_local_dir,  # type: ignore[arg-type]
+            **fields,
+        )
+
+    def resolved_file_sd_path(self) -> str | None:
+        """``file_sd_path``, else ``OBSCKPT_FILE_SD_PATH``, else None."""
+        return from_env_if_absent(self.file_sd_path, OBSCKPT_FILE_SD_PATH, None) or None
