@@ -1,0 +1,23 @@
+"""Importing obsckpt changes nothing global: a user's own metrics keep their series."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_importing_obsckpt_leaves_created_series_on():
+    """prometheus_client's ``*_created`` series stay on for the user's own registry."""
+    code = (
+        "import obsckpt\n"
+        "import obsckpt.monitor\n"
+        "from prometheus_client import CollectorRegistry, Counter, generate_latest\n"
+        "registry = CollectorRegistry()\n"
+        "Counter('user_events', 'the user\\'s own counter', registry=registry).inc()\n"
+        "print(generate_latest(registry).decode())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "user_events_total 1.0" in out
+    assert "user_events_created" in out
