@@ -33,6 +33,14 @@ EXIT_WAIT_ENV = "OBSCKPT_EXIT_WAIT_S"
 _EXIT_WAIT_S = 60.0
 
 
+def _exit_wait_s() -> float:
+    """Seconds to wait at exit for running saves: ``OBSCKPT_EXIT_WAIT_S``, read now, else 60."""
+    try:
+        return float(os.environ.get(EXIT_WAIT_ENV, _EXIT_WAIT_S))
+    except ValueError:
+        return _EXIT_WAIT_S
+
+
 class SaveThreads:
     """Daemon threads that run saves, kept between saves.
 
@@ -141,10 +149,7 @@ def _wait_at_exit() -> None:
     running = THREADS.running()
     if not running:
         return
-    try:
-        timeout = float(os.environ.get(EXIT_WAIT_ENV, _EXIT_WAIT_S))
-    except ValueError:
-        timeout = _EXIT_WAIT_S
+    timeout = _exit_wait_s()
     logger.warning(
         "obsckpt: the process is exiting with %d saves running (%s); waiting up to %.0f s "
         "(%s; Ctrl-C to stop waiting). Call wait_all() before exiting",
@@ -170,11 +175,27 @@ def _wait_at_exit() -> None:
         )
 
 
-# Run at the start of the interpreter's shutdown (threading's exit hooks, last registered
-# first): before concurrent.futures refuses new work (the fsyncs of a save submit to a
-# pool) and before any atexit handler; ray.shutdown() is one, and a save reporting after
-# it would start a Ray instance of its own.
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_wait_at_exit)
-else:  # pragma: no cover - CPython has had it since 3.9
-    atexit.register(_wait_at_exit)
+def _run_first_at_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the very start of the interpreter's shutdown, else at ``atexit``.
+
+    A save still running at exit needs what ``atexit`` is too late for:
+    concurrent.futures refuses new work (the fsyncs of a save submit to a pool)
+    from an exit hook of the threading module, which runs before any ``atexit``
+    handler; and ``ray.shutdown()`` is an ``atexit`` handler, after which a save
+    that reports would start a Ray instance of its own. Only the threading
+    module's own hook list (``threading._register_atexit``, CPython 3.9+; last
+    registered runs first, so after concurrent.futures' import ours runs before
+    its hook) runs at that point; there is no public API for it. Without it the
+    hook runs at ``atexit``, where a save that has yet to fsync or report fails.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(hook)
+            return
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
+    atexit.register(hook)
+
+
+_run_first_at_shutdown(_wait_at_exit)
