@@ -38,10 +38,15 @@ def make_step(root: Path, step: int, *, commit: bool = True) -> Path:
     (actor / "huggingface").mkdir()
     (actor / "huggingface" / "config.json").write_text('{"model_type": "qwen2"}\n')
     if commit:
-        commit.finalize_step(sdir)
-        commit.write_iteration(root, "checkpoint", step)
-        commit.write_iteration(root, "state_dict", step)
+        commit_step(root, step)
     return sdir
+
+
+def commit_step(root: Path, step: int) -> None:
+    """Finalize a step and name it in both iteration files, as the monitor commits one."""
+    commit.finalize_step(layout.step_dir(root, step))
+    commit.write_iteration(root, "checkpoint", step)
+    commit.write_iteration(root, "state_dict", step)
 
 
 @pytest.fixture
@@ -429,7 +434,7 @@ class TestDemoFlags:
     def test_the_seed_range_is_the_demos(self):
         from obsckpt.cli import MAX_SEED
         from obsckpt.demo import DemoConfig
-        from obsckpt.demo.job import MAX_SEED as DEMO_MAX_SEED
+        from obsckpt.demo.config import MAX_SEED as DEMO_MAX_SEED
 
         assert MAX_SEED == DEMO_MAX_SEED
         DemoConfig(seed=MAX_SEED)
@@ -509,7 +514,7 @@ class TestDemoRefusesBeforeStarting:
     def test_bracketed_ipv6_metrics_host_is_an_address(self):
         import socket
 
-        from obsckpt.demo.job import check_metrics_endpoint
+        from obsckpt.demo.endpoints import check_metrics_endpoint
         from obsckpt.errors import DemoError
 
         check_metrics_endpoint("[::1]", 0)  # as the metrics server takes it
@@ -572,7 +577,7 @@ class TestDemoFailureExitCode:
 
     def test_rollout_weight_mismatch_is_a_failed_run(self, tmp_path, monkeypatch):
         import obsckpt.demo
-        from obsckpt.demo.job import check_rollout_weights
+        from obsckpt.demo.loop import check_rollout_weights
 
         def fails_mid_run(cfg, out, err):
             check_rollout_weights(1, 1, "00000000", "3e534a6a")
@@ -588,7 +593,8 @@ class TestDemoPlanLine:
     """The first line about the job says how many ranks, in the right number."""
 
     def test_plan_line_counts_ranks(self):
-        from obsckpt.demo.job import DemoConfig, plan_line
+        from obsckpt.demo.config import DemoConfig
+        from obsckpt.demo.plan import plan_line
 
         info = {"backend": "gloo", "device": "cpu", "parameters": 430_000}
         one = plan_line(DemoConfig(world_size=1, sync_method="broadcast", save_every=1), info)
@@ -601,7 +607,7 @@ class TestDemoPlanLine:
 def test_files_of_a_scratch_directory_count_as_temp_files(tmp_path):
     """An HF export built aside (huggingface.tmp.<pid>.<hex>/) when a job died is
     partly written, not files of the step."""
-    from obsckpt.cli import describe_step
+    from obsckpt.inspection import describe_step
 
     actor = layout.step_dir(tmp_path, 3) / "actor"
     actor.mkdir(parents=True)
@@ -612,3 +618,14 @@ def test_files_of_a_scratch_directory_count_as_temp_files(tmp_path):
     info = describe_step(tmp_path, 3, {"checkpoint": None, "state_dict": None}, time.time())
     assert info["temp_files"] == 2, info
     assert "partly written" in info["note"], info
+
+
+def test_the_command_line_and_the_demo_settings_import_without_torch():
+    """`obsckpt --help`, `status` and `verify` and the demo's settings need no torch."""
+    code = (
+        "import sys\n"
+        "import obsckpt.cli, obsckpt.demo.config\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -11,8 +11,9 @@ import torch
 
 from obsckpt import commit, layout, reader
 from obsckpt.cli import main
+from obsckpt.commit import finalize_step
 from obsckpt.demo import DemoConfig, run_demo
-from obsckpt.demo.job import resolve_plan
+from obsckpt.demo.plan import resolve_plan
 from obsckpt.demo.root import MARKER, prepare_root
 from obsckpt.demo.summary import Histogram, Scrape
 from obsckpt.errors import DemoError
@@ -76,7 +77,7 @@ def demo_step(root: Path, step: int, *, full: bool = True, commit: bool = True) 
         for kind in kinds:
             (actor / f"{kind}_world_size_2_rank_{rank}.pt").write_bytes(b"w" * (100 + step))
     if commit:
-        commit.finalize_step(actor.parent)
+        finalize_step(actor.parent)
     return actor.parent
 
 
@@ -512,8 +513,8 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
             if line.startswith("received SIGINT"):
                 first_seen.set()
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    stderr_reader = threading.Thread(target=read_stderr, daemon=True)
+    stderr_reader.start()
     try:
         deadline = time.monotonic() + 240
         while reader.read_iteration(root, "checkpoint") is None:
@@ -526,7 +527,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
         assert first_seen.wait(60), "".join(lines)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
-        reader.join(30)
+        stderr_reader.join(30)
         err = "".join(lines)
     finally:
         if proc.poll() is None:

@@ -289,12 +289,12 @@ class TestStopByPhase:
 
     @pytest.fixture
     def stop(self):
-        from obsckpt.demo.job import _Stop
+        from obsckpt.demo.signals import StopSignals
 
         # A signal the demo does not take fails the test, not the test process.
         outer = {sig: signal.signal(sig, self.not_taken) for sig in self.SIGNALS}
         notes: list[str] = []
-        stop = _Stop(notes.append)
+        stop = StopSignals(notes.append)
         stop.notes = notes
         stop.install()
         yield stop
@@ -304,14 +304,14 @@ class TestStopByPhase:
 
     @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
     def test_start_up_is_abandoned_at_once(self, stop, sig):
-        from obsckpt.demo.job import StartupStopped
+        from obsckpt.demo.signals import StartupStopped
 
         with pytest.raises(StartupStopped):
             signal_self(sig)
         assert stop.signum == sig and stop.exit_code() == 128 + sig
 
     def test_a_held_section_finishes_first(self, stop):
-        from obsckpt.demo.job import StartupStopped
+        from obsckpt.demo.signals import StartupStopped
 
         finished = False
         with pytest.raises(StartupStopped):

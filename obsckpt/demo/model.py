@@ -9,46 +9,12 @@ dozen steps instead of sitting at ``log(vocab)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from obsckpt.demo.config import ModelSpec
 
 # The strides a sequence may count up by.
 _STRIDES = (1, 2, 3)
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelSpec:
-    """Shape of the tiny model and of one rank's batch."""
-
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    seq_len: int = 32
-    batch_size: int = 8
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "seq_len",
-            "batch_size",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "
-                f"and num_heads by num_kv_heads ({self.num_kv_heads})"
-            )
 
 
 def model_config(spec: ModelSpec):

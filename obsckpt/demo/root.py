@@ -13,16 +13,12 @@ import shlex
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from obsckpt import commit, layout, reader, rootlock
-from obsckpt.demo.model import ModelSpec
+from obsckpt.demo.config import MARKER, DemoConfig, ModelSpec
 from obsckpt.errors import CheckpointDirError, DemoError, IterationFileError, RootInUseError
 
-if TYPE_CHECKING:
-    from obsckpt.demo.job import DemoConfig
-
-MARKER = "obsckpt-demo.json"
+__all__ = ["MARKER", "committed_on_disk", "prepare_root", "rotate_state_dicts"]
 
 
 def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, int, int | None]:
@@ -140,7 +136,8 @@ def _check_world_size(root: Path, step: int, world_size: int | None) -> None:
     model = layout.model_dir(root, step)
     want = model / layout.shard_name("model", world_size, 0)
     if not want.is_file():
-        sizes = sorted({p.name.split("_")[3] for p in model.glob("model_world_size_*_rank_0.pt")})
+        shards = (layout.MODEL_SHARD_RE.match(p.name) for p in model.glob("*.pt"))
+        sizes = sorted({m.group(1) for m in shards if m and m.group(2) == "0"})
         raise DemoError(
             f"step {step} in {root} was not saved by {world_size} ranks "
             f"(found world sizes {sizes or 'none'}); pass --world-size to match it"
@@ -197,3 +194,14 @@ def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int 
 def _is_full_checkpoint(root: Path, step: int) -> bool:
     model = layout.model_dir(root, step)
     return any(any(model.glob(prefix + "*")) for prefix in layout.FULL_CHECKPOINT_PREFIXES)
+
+
+def committed_on_disk(root: Path) -> dict[str, int | None]:
+    """The steps the iteration files name (None: no file, or one that cannot be read)."""
+    latest: dict[str, int | None] = {}
+    for kind in layout.KINDS:
+        try:
+            latest[kind] = reader.read_iteration(root, kind)
+        except IterationFileError:
+            latest[kind] = None
+    return latest
