@@ -14,7 +14,6 @@ import asyncio
 import enum
 import logging
 import os
-import warnings
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -22,9 +21,12 @@ from prometheus_client import CollectorRegistry
 from obsckpt import commit, layout, reader, rootlock
 from obsckpt.admission import SaveStrategy
 from obsckpt.layout import KINDS
-from obsckpt.monitor.commit_io import StepWriter, storage_hint
-from obsckpt.monitor.core import CommitJob, MonitorCore, validate_rank
+from obsckpt.monitor.commit_io import CommitRunner, StepWriter
+from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
+from obsckpt.monitor.lease_watch import LeaseWatch
+from obsckpt.monitor.lifecycle import in_actor, recover_last_commits, start_actor, was_restarted
+from obsckpt.monitor.measurements import MeasurementRPCs
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
 from obsckpt.options import (
@@ -43,42 +45,7 @@ logger = logging.getLogger("obsckpt.monitor")
 _FINAL_SCRAPE_WAIT_S = 15.0
 
 
-def _was_restarted() -> bool:
-    """True inside an actor that Ray restarted after its process died."""
-    try:
-        import ray
-
-        with warnings.catch_warnings():
-            # Ray's implementation of this property reads a deprecated attribute itself.
-            warnings.simplefilter("ignore")
-            return (
-                ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-            )
-    except Exception:  # noqa: BLE001 - outside an actor there is nothing to recover
-        return False
-
-
-def _in_actor() -> bool:
-    """True inside a Ray actor (a monitor made in-process never asks Ray about nodes)."""
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # noqa: BLE001 - outside Ray there are no nodes to watch
-        return False
-
-
-def _dead_nodes() -> set[str]:
-    """Ids of the nodes Ray reports dead (empty when it cannot tell)."""
-    try:
-        import ray
-
-        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
-    except Exception:  # noqa: BLE001 - the next check may get through
-        return set()
-
-
-class CheckpointMonitor:
+class CheckpointMonitor(MeasurementRPCs):
     """Commits steps once every registered save has finished; one per job.
 
     Create it with :meth:`get_actor`; the constructor runs inside the actor.
@@ -131,7 +98,7 @@ class CheckpointMonitor:
         self.default_hdfs_dir = options.default_hdfs_dir
         self.clock: Clock = clock if clock is not None else SystemClock()
         self.root = commit.ensure_root(options.default_local_dir)
-        restarted = _was_restarted()
+        restarted = was_restarted()
         # Taken before reading the root: what this monitor sees of it is then no
         # other monitor's work in progress (a monitor Ray restarted waits for the
         # lock of the process it replaces; see rootlock).
@@ -160,25 +127,16 @@ class CheckpointMonitor:
             clock=self.clock,
             restarted=restarted,
             # Saves on a node Ray reports dead are lost, leased or not.
-            watch_nodes=_in_actor(),
+            watch_nodes=in_actor(),
         )
-        self._writer = StepWriter(self.root)
-        self.core.mark_found_on_disk(reader.steps_on_disk(self.root))
         # Commits what is ready, one at a time.
-        self._committer: asyncio.Task[None] | None = None
-        self._reaper: asyncio.Task[None] | None = None
+        self._committer = CommitRunner(self.core, StepWriter(self.root))
+        self.core.mark_found_on_disk(reader.steps_on_disk(self.root))
+        self._lease_watch = LeaseWatch(self.core, self._commit_ready_steps)
         if restarted:
-            for kind, step in latest.items():
-                if step is None:
-                    continue
-                # Ray restarted this monitor within the job: its last commit is the
-                # iteration file's, or a stalled job would go unnoticed until the next.
-                try:
-                    when = os.stat(self.root / layout.ITERATION_FILES[kind]).st_mtime
-                except OSError:
-                    continue
-                # How long ago, by the wall clock (a file from the future: just now).
-                self.core.set_last_commit_age(kind, self.clock.time() - when)
+            # Ray restarted this monitor within the job: its last commit is the
+            # iteration file's, or a stalled job would go unnoticed until the next.
+            recover_last_commits(self.core, self.root, latest)
         self.telemetry.attach(self.core, latest)
         self.core.settle()
         if tracing.requested(options.trace_exporter):
@@ -248,7 +206,6 @@ class CheckpointMonitor:
             RootInUseError: another job's monitor holds ``default_local_dir`` (an
                 ``OSError``; it names the holder's host, pid and namespace).
         """
-        import ray
 
         if default_local_dir is None:
             return lookup_actor(
@@ -272,45 +229,7 @@ class CheckpointMonitor:
             lease_timeout_s=lease_timeout_s,
             max_slot_labels=max_slot_labels,
         )
-        root = options.default_local_dir
-        # Checked here too, so a bad root fails in the caller, not in a dead actor.
-        commit.ensure_root(root)
-        try:
-            ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace or None)
-        except ValueError:
-            # None runs in this namespace: a monitor holding the root is another job's
-            # (or one this job just killed, whose process is ending).
-            rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
-        actor_options: dict[str, Any] = dict(
-            name=MONITOR_ACTOR_NAME,
-            get_if_exists=True,
-            max_restarts=max_restarts,
-            max_concurrency=10_000,
-            num_cpus=0,
-        )
-        if namespace:
-            actor_options["namespace"] = namespace
-        monitor: Any = ray.remote(cls).options(**actor_options).remote(options=options)
-        # get_if_exists hands back a monitor already running under the name, whatever
-        # its root: this job's steps would then be committed (or never) under another
-        # root, with nothing said. Waiting for the answer also surfaces a monitor that
-        # failed to start here rather than at the first save.
-        try:
-            running: str = ray.get(monitor.checkpoint_root.remote())
-        except ray.exceptions.RayActorError:
-            # Its constructor failed; the likeliest cause, another job's monitor that
-            # took the root since the check above, gets its own error.
-            rootlock.check_free(root)
-            raise
-        if os.path.realpath(running) != os.path.realpath(root):
-            where = f"namespace {namespace!r}" if namespace else "this job's namespace"
-            raise ValueError(
-                f"a {MONITOR_ACTOR_NAME} actor already runs in {where} with checkpoint root "
-                f"{running!r}, not default_local_dir={root!r}; it commits only "
-                "steps under its own root. Give this job a Ray namespace of its own "
-                "(namespace=...), or pass the same default_local_dir"
-            )
-        return monitor
+        return start_actor(cls, options, max_restarts=max_restarts)
 
     # ------------------------------------------------------------------
     # Trinity's RPCs
@@ -402,7 +321,7 @@ class CheckpointMonitor:
         await self._wait_admission(ticket, job_id)
         reply = self.core.admitted(ticket)
         if self.core.needs_watch(ticket):
-            self._ensure_reaper()
+            self._lease_watch.ensure_running()
         await self._commit_ready_steps()
         return reply
 
@@ -431,29 +350,6 @@ class CheckpointMonitor:
     async def heartbeat(self, tickets: list[int]) -> None:
         """Saves with these tickets are still running (their process is alive)."""
         self.core.heartbeat(tickets)
-
-    def _ensure_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(self._check_leases())
-
-    async def _check_leases(self) -> None:
-        """Fail saves whose coordinator stopped sending heartbeats (a killed rank), or
-        whose node Ray reports dead, while any save is watched."""
-        interval = self.core.check_interval_s
-        checked = self.core.now()
-        while self.core.watched():
-            await asyncio.sleep(interval)
-            now = self.core.now()
-            if now - checked > 2 * interval:
-                # This loop itself did not run (the process stopped, the loop was held).
-                self.core.renew_all_leases()
-            checked = now
-            expired = self.core.expire_stale_leases()
-            if self.core.watch_nodes:
-                gone = await asyncio.to_thread(_dead_nodes)
-                expired += self.core.expire_on_nodes(gone)
-            if expired:
-                await self._commit_ready_steps()
 
     async def notify_finished(
         self,
@@ -507,104 +403,7 @@ class CheckpointMonitor:
 
     async def _commit_ready_steps(self) -> None:
         """Commit what became ready; returns when nothing more is (or another call commits)."""
-        if self._committer is not None and not self._committer.done():
-            # The running committer asks what is ready again before it ends (with no
-            # await in between), so nothing is missed; waiting here would only hold
-            # admissions behind commit I/O.
-            self.core.settle()
-            return
-        if not self.core.tracker.ready():
-            # Nothing is whole (most notifications): no commit task, no trip through
-            # the event loop on every RPC.
-            self.core.settle()
-            return
-        self._committer = asyncio.get_running_loop().create_task(self._commit_in_order())
-        # Shielded: a cancelled RPC must not stop a commit halfway (its step would
-        # stay "committing" for ever); the commit runs to its end on its own.
-        await asyncio.shield(self._committer)
-
-    async def _commit_in_order(self) -> None:
-        try:
-            # One commit at a time, each chosen as it starts: notifications arrive
-            # during a commit's I/O, and a step ready before it may have a new save
-            # in flight, or a failed one, by then.
-            while (job := self.core.begin_next_commit()) is not None:
-                await self._commit(job)
-        finally:
-            self.core.settle()
-
-    async def _commit(self, job: CommitJob) -> None:
-        """Commit ``job``'s step, which the core has just marked committing."""
-        step, kind = job.step, job.kind
-        if job.saves == 0 and not self._writer.has_step_dir(step):
-            # An iteration file must never name a step that is not on disk.
-            self.core.commit_failed(
-                job,
-                f"step {step} ({kind}) was submitted with no saves and has no directory: "
-                "nothing to commit (register its saves with register_thread_count first)",
-            )
-            return
-        attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
-        phases: dict[str, float] = {}
-        try:
-            with tracing.span("obsckpt.commit", carrier=job.record.carrier, attributes=attrs):
-                files = self.core.commit_files(job)
-                await asyncio.to_thread(self._writer.write, step, kind, files, phases)
-        except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
-            msg = f"commit of step {step} ({kind}) failed: {exc}"
-            if isinstance(exc, OSError):
-                latest = self.core.tracker.latest[kind]
-                msg += (
-                    f"; it is not committed and {layout.ITERATION_FILES[kind]} still names "
-                    f"{'no step' if latest is None else f'step {latest}'}. "
-                    + storage_hint(exc, self.root)
-                )
-            self.core.commit_failed(job, msg)
-            return
-        self.core.commit_done(job, phases)
-
-    # ------------------------------------------------------------------
-    # Weight-sync measurements (the monitor is the job's one scrape target)
-    # ------------------------------------------------------------------
-
-    async def record_broadcast(
-        self, backend: str, seconds: float, nbytes: int, method: str = "broadcast"
-    ) -> None:
-        self.telemetry.record_broadcast(backend, seconds, nbytes, method)
-
-    async def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
-        self.telemetry.record_broadcast_failure(backend, method, reason)
-
-    async def record_staging(
-        self,
-        *,
-        rank: int | None,
-        slot: str,
-        nbytes: int,
-        pinned_bytes: int,
-        cold: bool = False,
-        pid: int | None = None,
-    ) -> None:
-        """A worker's staging for ``slot`` changed (allocated, resized or released).
-
-        ``pid``, the worker's process id, is the process whose death (a lease that
-        expires, a node that dies) removes ``rank``'s series, as the pid passed to
-        :meth:`notify_started` is.
-        """
-        self.telemetry.record_staging(
-            rank=validate_rank(rank),
-            slot=slot,
-            nbytes=nbytes,
-            pinned_bytes=pinned_bytes,
-            cold=cold,
-            pid=pid,
-        )
-
-    async def record_upload(self, seconds: float) -> None:
-        self.telemetry.record_upload(seconds)
-
-    async def record_model_version(self, role: str, version: int) -> None:
-        self.telemetry.record_model_version(role, version)
+        await self._committer.commit_ready()
 
     # ------------------------------------------------------------------
     # Introspection

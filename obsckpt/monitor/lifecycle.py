@@ -1,0 +1,115 @@
+"""The monitor actor's life in Ray: created or found by name, restarted, its nodes watched.
+
+Ray is imported inside the functions: a monitor made in-process (tests) and
+``import obsckpt`` never need it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from obsckpt import commit, layout, rootlock
+from obsckpt.monitor.core import MonitorCore
+from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
+
+
+def was_restarted() -> bool:
+    """True inside an actor that Ray restarted after its process died."""
+    try:
+        import ray
+
+        with warnings.catch_warnings():
+            # Ray's implementation of this property reads a deprecated attribute itself.
+            warnings.simplefilter("ignore")
+            return (
+                ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+            )
+    except Exception:  # noqa: BLE001 - outside an actor there is nothing to recover
+        return False
+
+
+def in_actor() -> bool:
+    """True inside a Ray actor (a monitor made in-process never asks Ray about nodes)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - outside Ray there are no nodes to watch
+        return False
+
+
+def dead_nodes() -> set[str]:
+    """Ids of the nodes Ray reports dead (empty when it cannot tell)."""
+    try:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+    except Exception:  # noqa: BLE001 - the next check may get through
+        return set()
+
+
+def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | None]) -> None:
+    """When each kind last committed, from its iteration file's mtime (after a restart)."""
+    for kind, step in latest.items():
+        if step is None:
+            continue
+        try:
+            when = os.stat(root / layout.ITERATION_FILES[kind]).st_mtime
+        except OSError:
+            continue
+        # How long ago, by the wall clock (a file from the future: just now).
+        core.set_last_commit_age(kind, core.clock.time() - when)
+
+
+def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -> Any:
+    """The monitor actor of ``options.namespace``, created from ``cls`` if none runs.
+
+    Raises:
+        ValueError: one runs in the namespace under another root.
+        RootInUseError: another job's monitor holds the root.
+    """
+    import ray
+
+    namespace = options.namespace
+    root = options.default_local_dir
+    # Checked here too, so a bad root fails in the caller, not in a dead actor.
+    commit.ensure_root(root)
+    try:
+        ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace or None)
+    except ValueError:
+        # None runs in this namespace: a monitor holding the root is another job's
+        # (or one this job just killed, whose process is ending).
+        rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
+    actor_options: dict[str, Any] = dict(
+        name=MONITOR_ACTOR_NAME,
+        get_if_exists=True,
+        max_restarts=max_restarts,
+        max_concurrency=10_000,
+        num_cpus=0,
+    )
+    if namespace:
+        actor_options["namespace"] = namespace
+    monitor: Any = ray.remote(cls).options(**actor_options).remote(options=options)
+    # get_if_exists hands back a monitor already running under the name, whatever
+    # its root: this job's steps would then be committed (or never) under another
+    # root, with nothing said. Waiting for the answer also surfaces a monitor that
+    # failed to start here rather than at the first save.
+    try:
+        running: str = ray.get(monitor.checkpoint_root.remote())
+    except ray.exceptions.RayActorError:
+        # Its constructor failed; the likeliest cause, another job's monitor that
+        # took the root since the check above, gets its own error.
+        rootlock.check_free(root)
+        raise
+    if os.path.realpath(running) != os.path.realpath(root):
+        where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+        raise ValueError(
+            f"a {MONITOR_ACTOR_NAME} actor already runs in {where} with checkpoint root "
+            f"{running!r}, not default_local_dir={root!r}; it commits only "
+            "steps under its own root. Give this job a Ray namespace of its own "
+            "(namespace=...), or pass the same default_local_dir"
+        )
+    return monitor
