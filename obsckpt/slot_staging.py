@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class StagedSave:
-    """What :meth:`CheckpointCoordinator.save_state_dict_async` returns.
+    """What :meth:`~obsckpt.coordinator.CheckpointCoordinator.save_state_dict_async` returns.
 
     Call :meth:`wait_staged` before changing the saved tensors in place (the
     optimizer step). Without ``overlap`` the state is staged before the save
@@ -41,7 +41,7 @@ class StagedSave:
     def __init__(self, slot: str, step: int, copy: StagingCopy | None = None) -> None:
         self.slot = slot
         self.step = step
-        self._copy = copy  # the copy of an overlapped save, None once staged
+        self._copy = copy  # an overlapped save's copy; None: staged before the call returned
 
     @property
     def staged(self) -> bool:
