@@ -678,3 +678,11 @@ class TestHFExportKeepsCommittedFiles:
         assert save() == {"state_dict": 0, "checkpoint": 0}
         assert {p: p.read_bytes() for p in sorted(hf_dir.iterdir())} == committed
         assert reader.verify_step(step_dir) == []
+
+
+def test_a_misspelled_keyword_is_refused_by_name():
+    """save_checkpoint takes verl's and Trinity-RFT's keywords; any other raises, naming it."""
+    from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    with pytest.raises(TypeError, match="max_ckpt_to_kep"):
+        FSDPCheckpointManager.save_checkpoint(object(), "/x", global_step=1, max_ckpt_to_kep=2)

@@ -200,7 +200,6 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         max_ckpt_to_keep: int | None = None,
         *,
         save_as_hf: bool = False,
-        **_: Any,
     ) -> dict[str, int]:
         """Snapshot model, optimizer and extra state and save them in the background.
 
