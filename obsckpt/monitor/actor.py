@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from obsckpt import commit, layout, reader, rootlock
-from obsckpt.admission import SaveStrategy
+from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.layout import KINDS
 from obsckpt.monitor.commit_io import CommitRunner, StepWriter
 from obsckpt.monitor.core import MonitorCore
@@ -37,6 +37,8 @@ from obsckpt.options import (
 )
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, disable_created_series
+from obsckpt.tickets import Ticket
+from obsckpt.tracker import CommitTracker
 
 logger = logging.getLogger("obsckpt.monitor")
 
@@ -159,11 +161,11 @@ class CheckpointMonitor(MeasurementRPCs):
 
     # The core's parts, for in-process callers and tests.
     @property
-    def tracker(self):  # noqa: ANN201 - CommitTracker; typed on MonitorCore
+    def tracker(self) -> CommitTracker:
         return self.core.tracker
 
     @property
-    def admission(self):  # noqa: ANN201 - Admission; typed on MonitorCore
+    def admission(self) -> Admission:
         return self.core.admission
 
     # ------------------------------------------------------------------
@@ -325,7 +327,7 @@ class CheckpointMonitor(MeasurementRPCs):
         await self._commit_ready_steps()
         return reply
 
-    async def _wait_admission(self, ticket: Any, job_id: str | None) -> None:
+    async def _wait_admission(self, ticket: Ticket, job_id: str | None) -> None:
         """Until the save strategy admits ``ticket``'s save."""
         admitted = asyncio.get_running_loop().create_future()
 

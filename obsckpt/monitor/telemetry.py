@@ -46,6 +46,13 @@ def _label(value: object, default: str = "unknown") -> str:
     return default if value is None else str(value)
 
 
+def _unix_reader(
+    core: MonitorCore, times: dict[str, float | None], kind: str
+) -> Callable[[], float]:
+    """Reads ``times[kind]`` (a monotonic reading) as Unix time at each scrape (0: none)."""
+    return lambda: core.unix(times[kind]) or 0.0
+
+
 class MonitorTelemetry(MonitorObserver):
     """Metrics and log lines for the monitor's events, and the endpoint serving them.
 
@@ -86,10 +93,10 @@ class MonitorTelemetry(MonitorObserver):
             # Worked out at each scrape: after a step of the wall clock, Prometheus's
             # time() minus these is still how long ago they were.
             self.metrics.last_commit_timestamp.labels(kind).set_function(
-                lambda k=kind: core.unix(core.last_commit[k]) or 0.0
+                _unix_reader(core, core.last_commit, kind)
             )
             self.metrics.oldest_pending_start.labels(kind).set_function(
-                lambda k=kind: core.unix(self._oldest_pending[k]) or 0.0
+                _unix_reader(core, self._oldest_pending, kind)
             )
 
     # -- the endpoint ---------------------------------------------------------

@@ -314,7 +314,7 @@ SPAN_ATTRIBUTES: dict[str, str] = {
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 # Label values known up front, so the series exist (at zero) from the first scrape.
-_KNOWN_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
+_KNOWN_LABELS: dict[str, tuple[str, ...]] = {
     "kind": KINDS,
     "strategy": STRATEGIES,
     "backend": BACKENDS,
