@@ -29,6 +29,9 @@ from typing import TextIO
 from obsckpt import commit, inspection, validators
 from obsckpt.demo.config import (
     DEVICES,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
     MARKER,
     MAX_SEED,
     SAVE_STRATEGIES,
@@ -43,10 +46,9 @@ from obsckpt.options import OBSCKPT_DEMO_DRIVER
 # The demo's root marker: a directory holding it is a root before its first save.
 DEMO_MARKER = MARKER
 
-EXIT_OK = 0
-EXIT_FAILED = 1
+# Bad usage, a directory that cannot be used, or (demo) a missing extra; the others,
+# shared with the demo's result, are in obsckpt.demo.config.
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 # The defaults `obsckpt demo --help` states are DemoConfig's.
 _DEMO_DEFAULTS = DemoConfig()

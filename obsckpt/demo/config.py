@@ -24,6 +24,8 @@ MAX_SEED = 2**32 - 1
 # directory or one holding this file (obsckpt.demo.root).
 MARKER = "obsckpt-demo.json"
 
+# Exit codes of a run (and of the `obsckpt` command): a signal N that stopped it gives
+# 128 + N; a second Ctrl-C that stopped it at once, 130.
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
