@@ -113,6 +113,11 @@ class CheckpointCoordinator:
         return self._monitor
 
     @property
+    def link(self) -> MonitorLink:
+        """The :class:`MonitorLink` through which this process calls the monitor."""
+        return self._link
+
+    @property
     def rank(self) -> int | None:
         """This process's rank, reported with every save."""
         return self._link.rank
