@@ -36,7 +36,7 @@ from obsckpt.options import (
     lookup_actor,
 )
 from obsckpt.telemetry import tracing
-from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, disable_created_series
+from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, Metrics, disable_created_series
 from obsckpt.tickets import Ticket
 from obsckpt.tracker import CommitTracker
 
@@ -120,7 +120,6 @@ class CheckpointMonitor(MeasurementRPCs):
     ) -> None:
         latest = {k: reader.read_iteration(self.root, k) for k in KINDS}
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
-        self.metrics = self.telemetry.metrics
         self.core = MonitorCore(
             self.strategy,
             latest=latest,
@@ -158,6 +157,16 @@ class CheckpointMonitor(MeasurementRPCs):
             latest,
             self.server.address or self.server.error or "off",
         )
+
+    @property
+    def metrics(self) -> Metrics:
+        """The monitor's metric objects (its telemetry's)."""
+        return self.telemetry.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics) -> None:
+        # Replaceable, e.g. by no-op metrics to time the monitor without telemetry.
+        self.telemetry.metrics = metrics
 
     # The core's parts, for in-process callers and tests.
     @property
