@@ -34,7 +34,7 @@ from obsckpt import layout, validators
 from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.file_records import path_list, run_and_record
 from obsckpt.layout import FileRecord
-from obsckpt.monitor_link import MonitorLink, default_rank
+from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
 from obsckpt.save_job import SaveErrors, SaveJob
 from obsckpt.save_threads import THREADS
 from obsckpt.slot_staging import SlotStaging, StagedSave
@@ -42,8 +42,6 @@ from obsckpt.telemetry import tracing
 from obsckpt.validators import validate_parts, validate_slot, validate_step
 
 logger = logging.getLogger(__name__)
-
-_run_and_record = run_and_record  # its earlier name here, still imported by callers
 
 
 class CheckpointCoordinator:
@@ -64,7 +62,7 @@ class CheckpointCoordinator:
         *,
         rank: int | None = None,
         save_timeout: float | None = None,
-        rpc_timeout: float = 300.0,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S,
     ) -> None:
         if save_timeout is not None and not validators.positive_seconds(save_timeout):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")

@@ -102,6 +102,10 @@ def _part_kwargs(part: int | None, parts: int | None) -> dict[str, int | None]:
     return {} if parts is None else {"part": part, "parts": parts}
 
 
+# Seconds a call waits for the monitor's answer, where the caller does not say.
+DEFAULT_RPC_TIMEOUT_S = 300.0
+
+
 class MonitorLink:
     """One process's side of the monitor protocol.
 

@@ -119,7 +119,7 @@ class TestCommitDurabilityOrder:
 SAVE_DRIVER = textwrap.dedent(
     """
     import os, sys
-    from obsckpt.coordinator import _run_and_record
+    from obsckpt.file_records import run_and_record as _run_and_record
 
     hf = sys.argv[1]
 

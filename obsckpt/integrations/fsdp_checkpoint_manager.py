@@ -59,13 +59,11 @@ from obsckpt.integrations.verl_fsdp import (
     unwrap,
     upload_state_dict,
 )
+from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME, lookup_actor
 from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-MONITOR_ACTOR_NAME = "checkpoint_monitor"
-SYNCHRONIZER_ACTOR_NAME = "synchronizer"
 
 
 class FSDPCheckpointManager(VerlFSDPCheckpointManager):
@@ -101,19 +99,19 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             monitor, rank=self.rank, save_timeout=save_timeout
         )
         if self.checkpoint_monitor is None:
-            self.checkpoint_monitor = getattr(self.coordinator, "_monitor", None)
+            self.checkpoint_monitor = self.coordinator.monitor
         self._synchronizer = synchronizer
         self.previous_state_dict_step: int | None = None
 
     def _lookup(self, name: str) -> Any:
-        try:
-            return ray.get_actor(name, namespace=self.ray_namespace)
-        except ValueError as exc:
-            raise RuntimeError(
-                f"no {name!r} actor in Ray namespace {self.ray_namespace!r}; create it first "
-                f"(e.g. {'CheckpointMonitor' if name == MONITOR_ACTOR_NAME else 'Synchronizer'}"
-                ".get_actor(namespace=..., default_local_dir=...)) or pass it in"
-            ) from exc
+        maker = "CheckpointMonitor" if name == MONITOR_ACTOR_NAME else "Synchronizer"
+        return lookup_actor(
+            name,
+            self.ray_namespace,
+            hint=f"create it first (e.g. {maker}.get_actor(namespace=..., "
+            "default_local_dir=...)) or pass it in",
+            error=RuntimeError,
+        )
 
     @property
     def synchronizer(self) -> Any:
@@ -364,16 +362,12 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     def _register(self, step: int, *, state_dict: int, checkpoint: int) -> None:
         if not (state_dict or checkpoint):
             return
-        ray.get(
-            self.checkpoint_monitor.register_thread_count.remote(
-                step, state_dict_thread_count=state_dict, checkpoint_thread_count=checkpoint
-            )
+        self.coordinator.link.register_thread_count(
+            step, state_dict_thread_count=state_dict, checkpoint_thread_count=checkpoint
         )
 
     def _path(self, local_path: str, prefix: str) -> str:
-        return os.path.join(
-            local_path, f"{prefix}_world_size_{self.world_size}_rank_{self.rank}.pt"
-        )
+        return os.path.join(local_path, layout.shard_name(prefix, self.world_size, self.rank))
 
     def _sharded(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` under verl's sharded state-dict context (FSDP1; a no-op for FSDP2)."""

@@ -53,11 +53,13 @@ import time
 from typing import Any
 
 from obsckpt import commit, layout, reader
+from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
+from obsckpt.options import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 
 logger = logging.getLogger(__name__)
 
 HOOK = "obsckpt.integrations.verl_install.worker_setup"
-COMMIT_TIMEOUT_ENV = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
+COMMIT_TIMEOUT_ENV = OBSCKPT_VERL_COMMIT_TIMEOUT_S
 DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
 # verl module -> (name bound there, obsckpt module, obsckpt name). verl 0.9 builds
@@ -386,11 +388,9 @@ def _save_data_file(
     older step retrains it. So does a step whose manifest lists ``data.pt``
     (committed with the step's state dict).
     """
-    import ray
-
     step_dir = os.path.dirname(path)
     step = layout.step_of_dir_name(os.path.basename(step_dir))
-    latest = ray.get(monitor_for(trainer).latest_steps.remote()).get("checkpoint")
+    latest = link_for(trainer).latest_steps().get("checkpoint")
     if (latest is not None and step is not None and step <= latest) or _listed(step_dir):
         logger.info(
             "obsckpt: %s not written again: step %s is committed (latest committed "
@@ -489,6 +489,15 @@ def monitor_for(trainer: Any) -> Any:
     return monitor
 
 
+def link_for(trainer: Any) -> MonitorLink:
+    """The driver's calls to the job's monitor (:func:`monitor_for`), made once per trainer."""
+    link = getattr(trainer, "_obsckpt_link", None)
+    if link is None:
+        link = MonitorLink(monitor_for(trainer), rank=None, rpc_timeout=DEFAULT_RPC_TIMEOUT_S)
+        trainer._obsckpt_link = link
+    return link
+
+
 def save_and_submit(trainer: Any, save: Any) -> Any:
     """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit.
 
@@ -498,9 +507,7 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     uploads or registers the step must not see files still being written.
     verl's default callback does nothing, so it does not make the save wait.
     """
-    import ray
-
-    monitor = monitor_for(trainer)
+    link = link_for(trainer)
     writes: list[str] = []
     callback = getattr(trainer, "checkpoint_callback", None)
     deferred: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
@@ -521,14 +528,14 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     if step is None:  # nothing written (Megatron's async_save path): verl's own counter
         step = int(trainer.global_steps)
     step_dir = layout.step_dir(checkpoint_root(trainer), step)
-    data = step_dir / "data.pt"  # verl's dataloader state, written with torch.save
+    data = step_dir / layout.DATA_FILE  # verl's dataloader state, written with torch.save
     if data.exists():
         commit.fsync_file(data)
     # The V1 trainer's asynchronous modes save the prompts in flight here.
     _fsync_tree(step_dir / "transfer_queue")
     if step_dir.is_dir():
         commit.fsync_dir(step_dir)
-    ray.get(monitor.monitor_step.remote(step, False))
+    link.monitor_step(step, False)
     trainer._obsckpt_last_submitted = step
     if deferred and not _is_noop_callback(callback):
         wait_for_commit(trainer)
@@ -578,17 +585,14 @@ def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 
         TimeoutError: not committed within ``timeout`` seconds (default
             ``OBSCKPT_VERL_COMMIT_TIMEOUT_S`` or 1800).
     """
-    import ray
-
     step = getattr(trainer, "_obsckpt_last_submitted", None)
     if step is None:
         return None
-    if timeout is None:
-        timeout = float(os.environ.get(COMMIT_TIMEOUT_ENV, DEFAULT_COMMIT_TIMEOUT_S))
-    monitor = monitor_for(trainer)
+    timeout = from_env_if_absent(timeout, COMMIT_TIMEOUT_ENV, DEFAULT_COMMIT_TIMEOUT_S, float)
+    link = link_for(trainer)
     deadline = time.monotonic() + timeout
     while True:
-        status = ray.get(monitor.status.remote())
+        status = link.status()
         latest = status["latest"].get("checkpoint")
         if latest is not None and latest >= step:
             return step
