@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from obsckpt import commit, inspection, validators
+from obsckpt import commit, inspection, layout, validators
 from obsckpt.demo.config import (
     DEVICES,
     EXIT_FAILED,
@@ -276,7 +276,8 @@ def _step(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a step number, got {text!r}") from None
     if not 0 <= value <= validators.MAX_STEP:
         raise argparse.ArgumentTypeError(
-            f"must be a step number from 0 to 2**63 - 1 (a global_step_<N> directory), got {value}"
+            "must be a step number from 0 to 2**63 - 1 "
+            f"(a {layout.STEP_DIR_PREFIX}<N> directory), got {value}"
         )
     return value
 

@@ -46,7 +46,8 @@ def open_root(path: str, *, markers: Iterable[str] = ()) -> tuple[Path, dict[str
     ):
         raise CliError(
             f"{path}: not a checkpoint root (no {layout.ITERATION_FILES['checkpoint']}, "
-            f"no {layout.ITERATION_FILES['state_dict']} and no global_step_<N> directories)"
+            f"no {layout.ITERATION_FILES['state_dict']} and no "
+            f"{layout.STEP_DIR_PREFIX}<N> directories)"
         )
     return root, latest
 
@@ -249,9 +250,14 @@ def _opt(v) -> str:
 
 
 def verify_one(
-    root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]], all_: bool
+    root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]], every: bool
 ) -> dict:
-    """One step checked against its manifest: ok, failed (with its problems) or skipped."""
+    """One step checked against its manifest: ok, failed (with its problems) or skipped.
+
+    ``missing`` maps the steps an iteration file names but that are not on disk
+    to those files' names; with ``every`` (``verify --all``), a step retention
+    removed is skipped rather than failed.
+    """
     sdir = layout.step_dir(root, step)
     result = {"step": step, "result": "ok", "on_disk": True, "files": 0, "bytes": 0, "problems": []}
     if step in missing:
@@ -259,7 +265,7 @@ def verify_one(
         verb = "names" if len(files) == 1 else "name"
         problem = f"{sdir} is missing, but {' and '.join(files)} {verb} it"
         return dict(result, result="failed", on_disk=False, problems=[problem])
-    if all_ and describe_step(root, step, latest, time.time())["state"] == "removed":
+    if every and describe_step(root, step, latest, time.time())["state"] == "removed":
         # As status shows it: retention removed its files and left the manifest.
         return dict(result, result="skipped")
     problems = reader.verify_step(sdir)
