@@ -1,15 +1,25 @@
-"""Weight broadcast over a dedicated gloo group between real processes."""
+"""Weight broadcast over a dedicated gloo group between real processes.
+
+The rank processes, groups and broadcasters are set up by ``broadcast_helpers``.
+"""
 
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
-import queue
 import time
-import traceback
 
 import pytest
 import torch
+from broadcast_helpers import (
+    MARGIN_S,
+    broadcaster,
+    failure_report,
+    new_group,
+    new_metrics,
+    rank_device,
+    run_ranks,
+    same_bits,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +29,6 @@ from obsckpt.sync.buckets import TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.group import WeightSyncGroup, free_port
 
 SMALL_BUCKET = 4 << 10  # forces many buckets and a few lone tensors
-MARGIN_S = 2.0  # what a deadline may be overrun by on a loaded machine
 
 
 def model_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -44,163 +53,92 @@ def model_tensors(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose tensors differ in dtype, shape or any bit."""
-    bad = [n for n in a if n not in b]
-    for n, t in b.items():
-        ref = a.get(n)
-        if ref is None or ref.dtype != t.dtype or ref.shape != t.shape or bits(ref) != bits(t):
-            bad.append(n)
-    return bad
-
-
 # ----------------------------------------------------------------------
 # Child processes
 # ----------------------------------------------------------------------
 
 
-def _child(fn, rank, port, results):
-    try:
-        from obsckpt.telemetry import tracing
-
-        tracing.setup_tracing("test", exporter="memory")
-        torch.set_num_threads(1)
-        results.put((rank, "ok", fn(rank, port)))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(
-    fn, world_size: int = 2, timeout: float = 120.0, *, ports: int = 1, dies: tuple[int, ...] = ()
-) -> dict[int, object]:
-    """Run ``fn(rank, port)`` in ``world_size`` fresh processes; their return values by rank.
-
-    With ``ports`` > 1, ``fn`` gets a tuple of that many free ports. Ranks in
-    ``dies`` end their process themselves and report nothing.
-    """
-    # A fork server imports torch once; every rank is then a cheap fork of it.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    results = ctx.Queue()
-    port = free_port() if ports == 1 else tuple(free_port() for _ in range(ports))
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, port, results), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    expected = world_size - len(dies)
-    try:
-        while len(out) < expected:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"ranks {sorted(set(range(world_size)) - set(out) - set(dies))} hung")
-            if status == "error":
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 def _roundtrip(rank: int, port: int) -> dict:
-    from prometheus_client import CollectorRegistry
-
     from obsckpt.telemetry import tracing
-    from obsckpt.telemetry.metrics import Metrics
 
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=60
-    )
     first, second = model_tensors(1), model_tensors(2)
     report: dict = {}
-    if rank == 0:
-        metrics = Metrics(CollectorRegistry())
-        b = WeightBroadcaster(group, bucket_bytes=SMALL_BUCKET, metrics=metrics)
-        r1 = b.send(first, step=7)
-        r2 = b.send(second, mode="per_tensor", step=8)
-        # A lazy generator with its metadata given up front, as FSDP2 gathering yields it.
-        meta = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in second.items()]
-        b.send(((n, t) for n, t in second.items()), meta=meta, step=9)
-        b.send(first, step=10)
-        b.send(second, step=11)
-        reg = metrics.registry
-        report["bytes_total"] = reg.get_sample_value(
-            "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
-        )
-        report["duration_count"] = reg.get_sample_value(
-            "obsckpt_broadcast_duration_seconds_count",
-            {"backend": "gloo", "method": "broadcast"},
-        )
-        report["nbytes"] = r1.nbytes
-        report["collectives"] = r1.collectives
-        report["per_tensor_collectives"] = r2.collectives
-    else:
-        b = WeightBroadcaster(group)
-        got = b.recv()
-        report["bucketed"] = same_bits(first, got)
-        report["step"] = b.last_step
-        report["per_tensor"] = same_bits(second, b.recv(clone=True))
-        report["lazy"] = same_bits(second, b.recv(clone=True))
-        # into=: the receiver's own tensors are filled in place.
-        into = {n: torch.zeros_like(t.contiguous()) for n, t in first.items()}
-        ids = {n: t.data_ptr() for n, t in into.items()}
-        out = b.recv(into=into)
-        report["into"] = same_bits(first, out)
-        report["into_in_place"] = all(out[n].data_ptr() == ids[n] for n in into if into[n].numel())
-        # The default receive area is overwritten in place by the next broadcast.
-        area = b.recv()
-        report["area_reused"] = area["embed.weight"].data_ptr() == got["embed.weight"].data_ptr()
-        report["area"] = same_bits(second, area)
-    report["spans"] = [
-        (s["name"], s["attributes"].get("obsckpt.bytes"), s["attributes"].get("obsckpt.step"))
-        for s in tracing.finished_spans()
-    ]
-    group.close()
+    metrics = new_metrics() if rank == 0 else None
+    sending = dict(bucket_bytes=SMALL_BUCKET, metrics=metrics) if rank == 0 else {}
+    with broadcaster(rank, port, group_timeout_s=60, **sending) as b:
+        if rank == 0:
+            r1 = b.send(first, step=7)
+            r2 = b.send(second, mode="per_tensor", step=8)
+            # A lazy generator with its metadata given up front, as FSDP2 gathering yields it.
+            meta = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in second.items()]
+            b.send(((n, t) for n, t in second.items()), meta=meta, step=9)
+            b.send(first, step=10)
+            b.send(second, step=11)
+            reg = metrics.registry
+            report["bytes_total"] = reg.get_sample_value(
+                "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
+            )
+            report["duration_count"] = reg.get_sample_value(
+                "obsckpt_broadcast_duration_seconds_count",
+                {"backend": "gloo", "method": "broadcast"},
+            )
+            report["nbytes"] = r1.nbytes
+            report["collectives"] = r1.collectives
+            report["per_tensor_collectives"] = r2.collectives
+        else:
+            got = b.recv()
+            report["bucketed"] = same_bits(first, got)
+            report["step"] = b.last_step
+            report["per_tensor"] = same_bits(second, b.recv(clone=True))
+            report["lazy"] = same_bits(second, b.recv(clone=True))
+            # into=: the receiver's own tensors are filled in place.
+            into = {n: torch.zeros_like(t.contiguous()) for n, t in first.items()}
+            ids = {n: t.data_ptr() for n, t in into.items()}
+            out = b.recv(into=into)
+            report["into"] = same_bits(first, out)
+            report["into_in_place"] = all(
+                out[n].data_ptr() == ids[n] for n in into if into[n].numel()
+            )
+            # The default receive area is overwritten in place by the next broadcast.
+            area = b.recv()
+            report["area_reused"] = (
+                area["embed.weight"].data_ptr() == got["embed.weight"].data_ptr()
+            )
+            report["area"] = same_bits(second, area)
+        report["spans"] = [
+            (s["name"], s["attributes"].get("obsckpt.bytes"), s["attributes"].get("obsckpt.step"))
+            for s in tracing.finished_spans()
+        ]
     return report
 
 
 def _silent_peers(rank: int, port: int) -> dict:
     """Rank 1 joins but does not receive; then rank 0 does not send. Both must time out."""
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
-    )
-    b = WeightBroadcaster(group, timeout_s=1.5)
     report: dict = {}
     tensors = {"w": torch.randn(1 << 20)}  # large enough that gloo waits for the receiver
-    if rank == 0:
-        t0 = time.monotonic()
-        try:
-            b.send(tensors)
-            report["error"] = None
-        except BroadcastTimeoutError as exc:
-            report["error"] = str(exc)
-        report["elapsed"] = time.monotonic() - t0
-        try:
-            b.send(tensors)
-        except BroadcastError as exc:
-            report["after"] = str(exc)
-        time.sleep(4)  # stay away while rank 1 waits for a broadcast that never comes
-    else:
-        time.sleep(2.5)  # joined, but not receiving
-        t0 = time.monotonic()
-        try:
-            b.recv()
-            report["error"] = None
-        except BroadcastError as exc:
-            report["error"] = str(exc)
-        report["elapsed"] = time.monotonic() - t0
-    group.close()
+    with broadcaster(rank, port, timeout_s=1.5) as b:
+        if rank == 0:
+            t0 = time.monotonic()
+            try:
+                b.send(tensors)
+                report["error"] = None
+            except BroadcastTimeoutError as exc:
+                report["error"] = str(exc)
+            report["elapsed"] = time.monotonic() - t0
+            try:
+                b.send(tensors)
+            except BroadcastError as exc:
+                report["after"] = str(exc)
+            time.sleep(4)  # stay away while rank 1 waits for a broadcast that never comes
+        else:
+            time.sleep(2.5)  # joined, but not receiving
+            t0 = time.monotonic()
+            try:
+                b.recv()
+                report["error"] = None
+            except BroadcastError as exc:
+                report["error"] = str(exc)
+            report["elapsed"] = time.monotonic() - t0
     return report
 
 
@@ -208,14 +146,7 @@ def _formation(world_size: int, timeout_s: float):
     def join(rank: int, port: int) -> dict:
         t0 = time.monotonic()
         try:
-            WeightSyncGroup(
-                host="127.0.0.1",
-                port=port,
-                rank=rank,
-                world_size=world_size,
-                backend="gloo",
-                timeout_s=timeout_s,
-            )
+            new_group(rank, port, world_size=world_size, timeout_s=timeout_s)
             error = None
         except BroadcastTimeoutError as exc:
             error = str(exc)
@@ -236,77 +167,34 @@ def _join_rank1_alone(rank: int, port: int) -> dict:
 BIG = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MiB: more than socket buffers hold
 
 
-def _device(rank: int, backend: str) -> torch.device:
-    if backend == "gloo":
-        return torch.device("cpu")
-    from obsckpt.sync.device import setup_rank_device
-
-    return setup_rank_device([str(rank)]).device  # one GPU per rank, as Ray gives them
-
-
-def _failure_report(b: WeightBroadcaster, metrics, exc: BaseException | None, t0: float) -> dict:
-    from obsckpt.telemetry import tracing
-
-    reg = metrics.registry if metrics is not None else None
-    return {
-        "error": None if exc is None else f"{type(exc).__name__}: {exc}",
-        "elapsed": time.monotonic() - t0,
-        "broken": b.group.broken,
-        "failures": None
-        if reg is None
-        else {
-            reason: reg.get_sample_value(
-                "obsckpt_broadcast_failures_total",
-                {"backend": b.group.backend, "method": "broadcast", "reason": reason},
-            )
-            for reason in ("timeout", "error")
-        },
-        "span_status": [
-            s["status"] for s in tracing.finished_spans() if s["name"] == "obsckpt.broadcast"
-        ],
-    }
-
-
 def _reform_and_send(rank: int, port: int, backend: str = "gloo") -> list[str]:
     """A new two-member group on a fresh port; returns the names whose bits differ."""
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend=backend, timeout_s=30
-    )
-    b = WeightBroadcaster(group)
-    if rank == 0:
-        b.send({k: v.to(group.device) for k, v in BIG.items()}, step=2)
-        bad = []
-    else:
-        bad = same_bits(BIG, {k: v.cpu() for k, v in b.recv().items()})
-    group.close()
-    return bad
+    with broadcaster(rank, port, backend=backend) as b:
+        if rank == 0:
+            b.send({k: v.to(b.group.device) for k, v in BIG.items()}, step=2)
+            return []
+        return same_bits(BIG, {k: v.cpu() for k, v in b.recv().items()})
 
 
 def _peer_dies(rank: int, ports: tuple[int, int], backend: str = "gloo") -> dict:
     """Rank 1 of three takes the header's first message and dies; 0 and 2 form a new group."""
     import os
 
-    from prometheus_client import CollectorRegistry
-
-    from obsckpt.telemetry.metrics import Metrics
-
-    device = _device(rank, backend)
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=ports[0], rank=rank, world_size=3, backend=backend, timeout_s=30
-    )
-    metrics = Metrics(CollectorRegistry()) if rank == 0 else None
-    b = WeightBroadcaster(group, timeout_s=3.0, metrics=metrics)
-    if rank == 1:
-        group.broadcast(torch.empty(3, dtype=torch.int64, device=device))  # header preamble
-        os._exit(17)
-    t0 = time.monotonic()
-    exc = None
-    try:
-        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
-    except BroadcastError as e:
-        exc = e
-    report = _failure_report(b, metrics, exc, t0)
-    group.close()
+    device = rank_device(rank, backend)
+    metrics = new_metrics() if rank == 0 else None
+    with broadcaster(
+        rank, ports[0], world_size=3, backend=backend, timeout_s=3.0, metrics=metrics
+    ) as b:
+        if rank == 1:
+            b.group.broadcast(torch.empty(3, dtype=torch.int64, device=device))  # the preamble
+            os._exit(17)
+        t0 = time.monotonic()
+        exc = None
+        try:
+            b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
+        except BroadcastError as e:
+            exc = e
+        report = failure_report(b, metrics, exc, t0)
     report["after"] = _reform_and_send(0 if rank == 0 else 1, ports[1], backend)
     return report
 
@@ -316,30 +204,24 @@ def _peer_stalls(rank: int, ports: tuple[int, int], backend: str = "gloo") -> di
     import os
     import subprocess
 
-    from prometheus_client import CollectorRegistry
-
-    from obsckpt.telemetry.metrics import Metrics
-
-    device = _device(rank, backend)
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=ports[0], rank=rank, world_size=2, backend=backend, timeout_s=30
-    )
-    metrics = Metrics(CollectorRegistry()) if rank == 0 else None
-    b = WeightBroadcaster(group, timeout_s=1.5, metrics=metrics)
-    t0 = time.monotonic()
-    exc = None
-    if rank == 1:
-        pid = os.getpid()
-        # Frozen from 0.3 s to 3.8 s: the sender starts at 0.8 s and gives up at 2.3 s.
-        subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -STOP {pid}; sleep 3.5; kill -CONT {pid}"])
-    else:
-        time.sleep(0.8)
-    try:
-        b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
-    except BroadcastError as e:
-        exc = e
-    report = _failure_report(b, metrics, exc, t0)
-    group.close()
+    device = rank_device(rank, backend)
+    metrics = new_metrics() if rank == 0 else None
+    with broadcaster(rank, ports[0], backend=backend, timeout_s=1.5, metrics=metrics) as b:
+        t0 = time.monotonic()
+        exc = None
+        if rank == 1:
+            pid = os.getpid()
+            # Frozen from 0.3 s to 3.8 s: the sender starts at 0.8 s and gives up at 2.3 s.
+            subprocess.Popen(
+                ["sh", "-c", f"sleep 0.3; kill -STOP {pid}; sleep 3.5; kill -CONT {pid}"]
+            )
+        else:
+            time.sleep(0.8)
+        try:
+            b.send({k: v.to(device) for k, v in BIG.items()}, step=1) if rank == 0 else b.recv()
+        except BroadcastError as e:
+            exc = e
+        report = failure_report(b, metrics, exc, t0)
     report["after"] = _reform_and_send(rank, ports[1], backend)
     return report
 
@@ -556,14 +438,6 @@ class TestPlan:
 # ----------------------------------------------------------------------
 
 
-def _metrics():
-    from prometheus_client import CollectorRegistry
-
-    from obsckpt.telemetry.metrics import Metrics
-
-    return Metrics(CollectorRegistry())
-
-
 def _failing_senders(rank: int, ports: tuple[int, int]) -> dict:
     """On two groups in turn, the sender's lazy stream fails midway: it raises, then it
     yields a tensor more than its header announced. Receivers must never take either."""
@@ -581,103 +455,95 @@ def _failing_senders(rank: int, ports: tuple[int, int]) -> dict:
         yield "d", c
 
     for case, port, stream in (("raises", ports[0], raises), ("extra", ports[1], extra)):
-        group = WeightSyncGroup(
-            host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
-        )
-        metrics = _metrics() if rank == 0 else None
-        b = WeightBroadcaster(group, bucket_bytes=16, timeout_s=1.5, metrics=metrics)
-        exc = None
-        t0 = time.monotonic()
-        if rank == 0:
-            b.send({"a": a, "c": c}, step=1)
-            try:
-                b.send(stream(), meta=meta, step=2)
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                exc = e
-            cause = exc.__cause__ if exc is not None else None
-            report[case] = _failure_report(b, metrics, exc, t0)
-            report[case]["type"] = type(exc).__name__
-            report[case]["cause"] = f"{type(cause).__name__}: {cause}" if cause else None
-            report[case]["last_step"] = b.last_step
-        else:
-            held = b.recv()
-            try:
-                b.recv()
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                exc = e
-            report[case] = _failure_report(b, None, exc, t0)
-            report[case]["last_step"] = b.last_step
-            report[case]["weights_valid"] = b.weights_valid
-            report[case]["held_a"] = held["a"].tolist()
-        group.close()
+        metrics = new_metrics() if rank == 0 else None
+        with broadcaster(rank, port, bucket_bytes=16, timeout_s=1.5, metrics=metrics) as b:
+            exc = None
+            t0 = time.monotonic()
+            if rank == 0:
+                b.send({"a": a, "c": c}, step=1)
+                try:
+                    b.send(stream(), meta=meta, step=2)
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    exc = e
+                cause = exc.__cause__ if exc is not None else None
+                report[case] = failure_report(b, metrics, exc, t0)
+                report[case]["type"] = type(exc).__name__
+                report[case]["cause"] = f"{type(cause).__name__}: {cause}" if cause else None
+                report[case]["last_step"] = b.last_step
+            else:
+                held = b.recv()
+                try:
+                    b.recv()
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    exc = e
+                report[case] = failure_report(b, None, exc, t0)
+                report[case]["last_step"] = b.last_step
+                report[case]["weights_valid"] = b.weights_valid
+                report[case]["held_a"] = held["a"].tolist()
     return report
 
 
 def _into_parameters(rank: int, port: int) -> dict:
     """recv(into=...) fills a module's parameters, which require grad, in place."""
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
-    )
-    b = WeightBroadcaster(group, bucket_bytes=96, timeout_s=10)
 
     def net(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
 
-    sent = {k: v.detach() for k, v in net(1).state_dict().items()}
-    if rank == 0:
-        b.send(sent, step=1)
-        b.send(sent, step=2, mode="per_tensor")
-        group.close()
-        return {}
-    model = net(2)
-    params = dict(model.named_parameters())
-    report = {}
-    for mode in ("bucketed", "per_tensor"):
-        for p in params.values():
-            p.data.zero_()
-        out = b.recv(into=params)
-        report[mode] = same_bits(sent, {k: v.detach() for k, v in out.items()})
-    report["requires_grad"] = all(p.requires_grad for p in model.parameters())
-    report["valid"] = b.weights_valid
-    group.close()
+    with broadcaster(rank, port, bucket_bytes=96, timeout_s=10) as b:
+        sent = {k: v.detach() for k, v in net(1).state_dict().items()}
+        if rank == 0:
+            b.send(sent, step=1)
+            b.send(sent, step=2, mode="per_tensor")
+            return {}
+        model = net(2)
+        params = dict(model.named_parameters())
+        report = {}
+        for mode in ("bucketed", "per_tensor"):
+            for p in params.values():
+                p.data.zero_()
+            out = b.recv(into=params)
+            report[mode] = same_bits(sent, {k: v.detach() for k, v in out.items()})
+        report["requires_grad"] = all(p.requires_grad for p in model.parameters())
+        report["valid"] = b.weights_valid
     return report
 
 
 def _versions(rank: int, port: int) -> dict:
     """The sender refuses a step not newer than its last; a receiver refuses an older step
     from another sender after reading it whole, keeping its weights and the group usable."""
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
-    )
-    b = WeightBroadcaster(group, bucket_bytes=64, timeout_s=10)
     sd = lambda v: {"a": torch.full((16,), float(v)), "b": torch.full((3,), float(v))}  # noqa: E731
     report: dict = {}
-    if rank == 0:
-        b.send(sd(5), step=5)
-        for step in (5, 3):
+    with broadcaster(rank, port, bucket_bytes=64, timeout_s=10) as b:
+        if rank == 0:
+            b.send(sd(5), step=5)
+            for step in (5, 3):
+                try:
+                    b.send(sd(step), step=step)
+                except ValueError as exc:
+                    report.setdefault("refused", []).append(str(exc))
+            b.send(sd(6), step=6)
+            # A second sender on the same group (a restarted trainer's, say) sends an older step.
+            other = WeightBroadcaster(b.group, bucket_bytes=64, timeout_s=10)
+            other.send(sd(4), step=4)
+            other.send(sd(7), step=7)
+        else:
+            held = b.recv()
+            report["first"] = (b.last_step, held["a"][0].item())
+            held = b.recv()
+            report["second"] = (b.last_step, held["a"][0].item())
             try:
-                b.send(sd(step), step=step)
-            except ValueError as exc:
-                report.setdefault("refused", []).append(str(exc))
-        b.send(sd(6), step=6)
-        # A second sender on the same group (a restarted trainer's, say) sends an older step.
-        other = WeightBroadcaster(group, bucket_bytes=64, timeout_s=10)
-        other.send(sd(4), step=4)
-        other.send(sd(7), step=7)
-    else:
-        held = b.recv()
-        report["first"] = (b.last_step, held["a"][0].item())
-        held = b.recv()
-        report["second"] = (b.last_step, held["a"][0].item())
-        try:
-            b.recv()
-        except BroadcastError as exc:
-            report["error"] = str(exc)
-        report["kept"] = (b.last_step, held["a"][0].item(), held["b"][0].item(), b.weights_valid)
-        got = b.recv()
-        report["after"] = (b.last_step, got["a"][0].item(), group.broken)
-    group.close()
+                b.recv()
+            except BroadcastError as exc:
+                report["error"] = str(exc)
+            report["kept"] = (
+                b.last_step,
+                held["a"][0].item(),
+                held["b"][0].item(),
+                b.weights_valid,
+            )
+            got = b.recv()
+            report["after"] = (b.last_step, got["a"][0].item(), b.group.broken)
     return report
 
 
@@ -751,9 +617,7 @@ class TestArguments:
     """Bad arguments are refused at construction, naming the value."""
 
     def test_src_must_be_a_rank_of_the_group(self):
-        group = WeightSyncGroup(
-            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
-        )
+        group = new_group()
         try:
             for src in (1, -1):
                 with pytest.raises(ValueError, match=rf"src must be .* \[0, 1\), got {src}"):
@@ -787,14 +651,7 @@ class TestFormationDeadline:
         t0 = time.monotonic()
         try:
             with pytest.raises(BroadcastTimeoutError, match=r"ranks \[1\] checked in but never"):
-                WeightSyncGroup(
-                    host="127.0.0.1",
-                    port=port,
-                    rank=0,
-                    world_size=2,
-                    backend="gloo",
-                    timeout_s=timeout_s,
-                )
+                new_group(port=port, world_size=2, timeout_s=timeout_s)
             assert time.monotonic() - t0 < timeout_s + MARGIN_S
         finally:
             done.set()
@@ -804,7 +661,7 @@ _EXIT_AFTER_BREAK = """
 from obsckpt.sync.group import WeightSyncGroup, free_port
 g = WeightSyncGroup(host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo",
                     timeout_s=10)
-g._break("a broadcast failed")  # what any failed broadcast does, just before the process exits
+g.mark_broken("a broadcast failed")  # what any failed broadcast does, just before the process exits
 """
 
 
@@ -814,9 +671,7 @@ class TestAbortIsJoined:
     def test_close_waits_for_the_abort(self):
         import threading
 
-        group = WeightSyncGroup(
-            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
-        )
+        group = new_group()
         finished = threading.Event()
 
         class SlowAbort:  # gloo's abort may wait for the collective in flight
@@ -829,7 +684,7 @@ class TestAbortIsJoined:
                 finished.set()
 
         group._pg = SlowAbort(group._pg)
-        group._break("a broadcast failed")
+        group.mark_broken("a broadcast failed")
         group.close()
         assert finished.is_set()
 
@@ -869,30 +724,26 @@ def exotic_tensors() -> dict[str, torch.Tensor]:
 
 
 def _any_dtype(rank: int, port: int) -> dict:
-    group = WeightSyncGroup(
-        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", timeout_s=30
-    )
-    b = WeightBroadcaster(group, bucket_bytes=1024, timeout_s=20)
-    sent = exotic_tensors()
-    report: dict = {}
-    if rank == 0:
-        b.send(sent, step=1)
-        b.send(sent, step=2, mode="per_tensor")
-        b.send({}, step=3)  # an empty state dict is a broadcast too
-        try:
-            b.send([("a", torch.ones(2)), ("a", torch.zeros(2))], step=4)
-        except ValueError as exc:
-            report["duplicate"] = str(exc)
-        report["broken_after_duplicate"] = group.broken
-        b.send({"after": torch.ones(2)}, step=4)
-    else:
-        report["bucketed"] = same_bits(sent, b.recv(clone=True))
-        into = {n: torch.zeros_like(t.detach()) for n, t in sent.items()}
-        report["per_tensor"] = same_bits(sent, b.recv(into=into))
-        report["empty"] = (b.recv(), b.last_step)
-        report["after"] = (same_bits({"after": torch.ones(2)}, b.recv()), b.last_step)
-    report["broken"] = group.broken
-    group.close()
+    with broadcaster(rank, port, bucket_bytes=1024, timeout_s=20) as b:
+        sent = exotic_tensors()
+        report: dict = {}
+        if rank == 0:
+            b.send(sent, step=1)
+            b.send(sent, step=2, mode="per_tensor")
+            b.send({}, step=3)  # an empty state dict is a broadcast too
+            try:
+                b.send([("a", torch.ones(2)), ("a", torch.zeros(2))], step=4)
+            except ValueError as exc:
+                report["duplicate"] = str(exc)
+            report["broken_after_duplicate"] = b.group.broken
+            b.send({"after": torch.ones(2)}, step=4)
+        else:
+            report["bucketed"] = same_bits(sent, b.recv(clone=True))
+            into = {n: torch.zeros_like(t.detach()) for n, t in sent.items()}
+            report["per_tensor"] = same_bits(sent, b.recv(into=into))
+            report["empty"] = (b.recv(), b.last_step)
+            report["after"] = (same_bits({"after": torch.ones(2)}, b.recv()), b.last_step)
+        report["broken"] = b.group.broken
     return report
 
 
@@ -928,33 +779,25 @@ class TestClose:
 
     def test_close_frees_the_store_port_and_use_after_close_is_clear(self):
         port = free_port()
-        group = WeightSyncGroup(
-            host="127.0.0.1", port=port, rank=0, world_size=1, backend="gloo", timeout_s=10
-        )
+        group = new_group(port=port)
         group.close()
         group.close()  # twice: nothing more to do
         assert self._port_free(port)
         with pytest.raises(BroadcastError, match="was closed; create a new group"):
             group.broadcast(torch.ones(1))
         # The same port can host a new group at once.
-        again = WeightSyncGroup(
-            host="127.0.0.1", port=port, rank=0, world_size=1, backend="gloo", timeout_s=10
-        )
+        again = new_group(port=port)
         again.close()
 
     def test_failed_formation_frees_the_store_port(self):
         port = free_port()
         with pytest.raises(BroadcastTimeoutError) as info:
-            WeightSyncGroup(
-                host="127.0.0.1", port=port, rank=0, world_size=2, backend="gloo", timeout_s=1.0
-            )
+            new_group(port=port, world_size=2, timeout_s=1.0)
         assert info.value is not None  # the caller still holds the error
         assert self._port_free(port)
 
     def test_non_contiguous_tensor_is_refused_before_the_collective(self):
-        group = WeightSyncGroup(
-            host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo", timeout_s=10
-        )
+        group = new_group()
         try:
             with pytest.raises(ValueError, match="contiguous"):
                 group.broadcast(torch.ones(3, 4).t())

@@ -1,17 +1,23 @@
 """Colocated weight sync between two Ray actors: the protocol over shared-memory buffers on CPU.
 
 On a GPU machine the same protocol runs over CUDA IPC handles (the gpu-marked test).
+The comparison, metrics and in-process sender/receiver set-up are ``broadcast_helpers``'.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+from broadcast_helpers import ipc_pair, new_metrics, same_bits
 
+import obsckpt.sync.ipc
 from obsckpt.errors import BroadcastError, BroadcastTimeoutError
 from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
 
@@ -32,28 +38,12 @@ def model(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in out.items()}
 
 
-def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    bad = sorted(set(a) ^ set(b))
-    for k in set(a) & set(b):
-        x, y = a[k].cpu(), b[k].cpu()
-        if x.dtype != y.dtype or x.shape != y.shape:
-            bad.append(k)
-        elif not torch.equal(
-            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)
-        ):
-            bad.append(k)
-    return bad
-
-
 class Trainer:
     def __init__(self, device: str) -> None:
-        from prometheus_client import CollectorRegistry
-
         from obsckpt.telemetry import tracing
-        from obsckpt.telemetry.metrics import Metrics
 
         tracing.setup_tracing("trainer", exporter="memory")
-        self.metrics = Metrics(CollectorRegistry())
+        self.metrics = new_metrics()
         self.device = device
         self.sender = IpcWeightSender(
             device=device, bucket_bytes=4 << 10, timeout_s=60, metrics=self.metrics
@@ -146,12 +136,23 @@ class Rollout:
         return [(s["name"], s["status"], s["attributes"]) for s in tracing.finished_spans()]
 
 
-def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
+@contextlib.contextmanager
+def colocated(device: str, num_gpus: float, wait: bool = True):
+    """A trainer and a rollout actor sharing ``device``; the sender closed, both killed after."""
     opts = dict(num_cpus=0, num_gpus=num_gpus, max_concurrency=2)
     trainer = ray.remote(Trainer).options(**opts).remote(device)
     rollout = ray.remote(Rollout).options(**opts).remote(device, wait)
-    backend = "cuda_ipc" if device.startswith("cuda") else "shm"
     try:
+        yield trainer, rollout
+    finally:
+        ray.get(trainer.close.remote())
+        for a in (trainer, rollout):
+            ray.kill(a)
+
+
+def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
+    backend = "cuda_ipc" if device.startswith("cuda") else "shm"
+    with colocated(device, num_gpus, wait) as (trainer, rollout):
         # Two versions: the buckets are reused, the rollout's weights filled in place.
         for step, seed in ((1, 1), (2, 2)):
             r = ray.get(trainer.sync.remote(rollout, step, seed))
@@ -159,7 +160,7 @@ def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
             assert r["backend"] == backend and r["method"] == "ipc"
             last, weights, errors = ray.get(rollout.state.remote())
             assert last == step and errors == []
-            assert differ(model(seed), weights) == []
+            assert same_bits(model(seed), weights) == []
 
         # Versions never go backwards.
         r = ray.get(trainer.sync.remote(rollout, 2, 3))
@@ -178,14 +179,14 @@ def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
                 break
             time.sleep(0.2)
         assert errors and "after the sender's deadline" in errors[0], errors
-        assert last == 2 and differ(model(2), weights) == []
+        assert last == 2 and same_bits(model(2), weights) == []
 
         # The next sync works.
         ray.get([trainer.set_timeout.remote(60.0), rollout.set_delay.remote(0.0)])
         r = ray.get(trainer.sync.remote(rollout, 4, 4))
         assert r.get("ok"), r
         last, weights, _ = ray.get(rollout.state.remote())
-        assert last == 4 and differ(model(4), weights) == []
+        assert last == 4 and same_bits(model(4), weights) == []
 
         # Metrics and spans, as for a broadcast.
         labels = {"backend": backend, "method": "ipc"}
@@ -207,7 +208,7 @@ def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
         r = ray.get(trainer.sync.remote(rollout, 5, 5))
         assert r.get("ok"), r
         last, weights, errors = ray.get(rollout.state.remote())
-        assert last == 5 and differ(model(5), weights) == []
+        assert last == 5 and same_bits(model(5), weights) == []
         assert len(errors) == 1 and "never sent" in errors[0], errors
         assert ray.get(trainer.sample.remote("obsckpt_broadcast_failures_total", failed)) == 1
         assert (
@@ -215,10 +216,6 @@ def run_protocol(device: str, num_gpus: float, wait: bool = True) -> None:
         )
         sent = [s for s in ray.get(trainer.spans.remote()) if s[0] == "obsckpt.broadcast"]
         assert sent[-1][1] == "UNSET" and sent[-1][2]["obsckpt.ipc_described_again"] is True
-    finally:
-        ray.get(trainer.close.remote())
-        for a in (trainer, rollout):
-            ray.kill(a)
 
 
 def test_ipc_protocol_on_shared_memory(ray_cluster):
@@ -240,11 +237,8 @@ def test_ipc_protocol_on_cuda(ray_cluster, wait):
 def test_ipc_layouts_on_cuda(ray_cluster):
     """Tensors kept in place: one copy from the trainer's storages, opened once; new tensors
     at each sync: the sender's buckets; back in place: direct again, with fresh handles."""
-    opts = dict(num_cpus=0, num_gpus=0.5, max_concurrency=2)
-    trainer = ray.remote(Trainer).options(**opts).remote("cuda:0")
-    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0", False)
     tensors = len(model(0))
-    try:
+    with colocated("cuda:0", 0.5, wait=False) as (trainer, rollout):
         seen = []
         plan = [("kept", 1), ("kept", 2), ("kept", 3), ("new", 4), ("new", 5), ("kept", 6)]
         plan += [("kept", 7), ("kept", 8)]
@@ -258,17 +252,13 @@ def test_ipc_layouts_on_cuda(ray_cluster):
                 seen.append(("buckets", None))
             last, weights, errors = ray.get(rollout.state.remote())
             assert last == step and errors == [], (step, errors)
-            assert differ(model(step), weights) == [], step
+            assert same_bits(model(step), weights) == [], step
         # Sync 1 hands out every storage; later in-place syncs only the copy of the
         # one non-contiguous tensor. After new tensors, one sync sees the storages
         # new again (buckets), the next goes direct with fresh handles.
         assert seen[:3] == [("direct", tensors), ("direct", 1), ("direct", 1)], seen
         assert seen[5][0] == "buckets", seen
         assert seen[6:] == [("direct", tensors), ("direct", 1)], seen
-    finally:
-        ray.get(trainer.close.remote())
-        for a in (trainer, rollout):
-            ray.kill(a)
 
 
 @pytest.mark.gpu
@@ -277,10 +267,7 @@ def test_ipc_copies_replayed_as_a_cuda_graph(ray_cluster):
     """The rollout's copies captured as a CUDA graph from the second sync on (direct and
     buckets layouts), answering before the copy finishes: every version arrives whole,
     and a layout change drops the graph before a new one is captured."""
-    opts = dict(num_cpus=0, num_gpus=0.5, max_concurrency=2)
-    trainer = ray.remote(Trainer).options(**opts).remote("cuda:0")
-    rollout = ray.remote(Rollout).options(**opts).remote("cuda:0", False)
-    try:
+    with colocated("cuda:0", 0.5, wait=False) as (trainer, rollout):
         plan = [("kept", s) for s in range(1, 6)] + [("new", s) for s in range(6, 10)]
         plan += [("kept", s) for s in range(10, 14)]
         seen = []
@@ -296,7 +283,7 @@ def test_ipc_copies_replayed_as_a_cuda_graph(ray_cluster):
             want = model(step)
             del want["t"]  # the rollout's weights are the first sync's: no "t"
             assert last == step and errors == [], (step, errors)
-            assert differ(want, weights) == [], step
+            assert same_bits(want, weights) == [], step
             seen.append((layout, ray.get(rollout.replays_a_graph.remote())))
         # Kept in place: direct throughout. The first sync fills fresh tensors, the
         # second copies into them, the third captures those very copies.
@@ -305,10 +292,6 @@ def test_ipc_copies_replayed_as_a_cuda_graph(ray_cluster):
         assert seen[5:9] == [("new", False)] + [("new", True)] * 3, seen
         # Back in place: buckets once, then direct; a graph once the layout repeats.
         assert seen[9:] == [("buckets", False), ("direct", False)] + [("direct", True)] * 2, seen
-    finally:
-        ray.get(trainer.close.remote())
-        for a in (trainer, rollout):
-            ray.kill(a)
 
 
 def test_receiver_refuses_a_foreign_payload(tmp_path):
@@ -317,7 +300,7 @@ def test_receiver_refuses_a_foreign_payload(tmp_path):
     payloads = []
     sender.send(model(1), lambda p: payloads.append(p) or {"step": 5}, step=5)
     ack, out = receiver.recv(payloads[0], clone=True)
-    assert ack["step"] == 5 and differ(model(1), out) == []
+    assert ack["step"] == 5 and same_bits(model(1), out) == []
     with pytest.raises(BroadcastError, match="versions never go backwards"):
         receiver.recv(payloads[0])
     sender.close()
@@ -377,12 +360,12 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, handle_table):
         step = next(steps)
         sender.send(kept, deliver, step=step)
         assert receiver.last_step == step
-        assert differ(want, {k: receiver._area[k] for k in want}) == []
+        assert same_bits(want, {k: receiver._area[k] for k in want}) == []
         return sender.last_layout, len(payloads[-1].storages)
 
     def sync_new(seed):
         sender.send(model(seed), deliver, step=next(steps))
-        assert differ(model(seed), receiver._area) == []
+        assert same_bits(model(seed), receiver._area) == []
         return sender.last_layout, len(payloads[-1].storages)
 
     n = len(kept)
@@ -424,29 +407,27 @@ def test_layout_choice_and_storage_bookkeeping(tmp_path, handle_table):
 
 def test_receiver_targets_follow_into(tmp_path):
     """The receiver keeps its list of targets between syncs, but never past a change to into=."""
-    sender = IpcWeightSender(device="cpu", bucket_bytes=1 << 10, shm_dir=str(tmp_path))
-    receiver = IpcWeightReceiver()
-    mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
+    with ipc_pair(tmp_path, bucket_bytes=1 << 10, receiver_device=None) as (sender, receiver):
+        mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
 
-    def sync(step, into):
-        sender.send(model(step), lambda p: receiver.recv(p, into=into)[0], step=step)
+        def sync(step, into):
+            sender.send(model(step), lambda p: receiver.recv(p, into=into)[0], step=step)
 
-    sync(1, mine)
-    sync(2, mine)
-    assert differ(model(2), mine) == []
-    replaced = mine["embed"]
-    mine["embed"] = torch.zeros_like(replaced)  # a new tensor under the same name
-    sync(3, mine)
-    assert (
-        differ(model(3), mine) == []
-        and differ({"embed": model(2)["embed"]}, {"embed": replaced}) == []
-    )
-    sync(4, dict(mine))  # another mapping of the same tensors
-    assert differ(model(4), mine) == []
-    mine["embed"].resize_(11, 37)  # resized in place: refused, not broadcast into
-    with pytest.raises(BroadcastError, match="into= has"):
-        sync(5, mine)
-    sender.close()
+        sync(1, mine)
+        sync(2, mine)
+        assert same_bits(model(2), mine) == []
+        replaced = mine["embed"]
+        mine["embed"] = torch.zeros_like(replaced)  # a new tensor under the same name
+        sync(3, mine)
+        assert (
+            same_bits(model(3), mine) == []
+            and same_bits({"embed": model(2)["embed"]}, {"embed": replaced}) == []
+        )
+        sync(4, dict(mine))  # another mapping of the same tensors
+        assert same_bits(model(4), mine) == []
+        mine["embed"].resize_(11, 37)  # resized in place: refused, not broadcast into
+        with pytest.raises(BroadcastError, match="into= has"):
+            sync(5, mine)
 
 
 class _Stream:
@@ -538,7 +519,7 @@ def test_answer_before_the_copy_finishes(tmp_path, handle_table, monkeypatch):
         streams["rollout"].log.clear()
         streams["trainer"].log.clear()
         sender.send(kept, lambda p: deliver(p, **kw), step=step)
-        assert differ(kept, receiver._area) == []
+        assert same_bits(kept, receiver._area) == []
         return [what for what, _ in streams["rollout"].log]
 
     # The first sync hands the event over and waits; the next answer at once.
@@ -643,7 +624,7 @@ def test_receiver_replays_its_copies_as_a_graph(tmp_path, monkeypatch, caplog):
             return ack
 
         sender.send(sent, deliver, step=step)
-        assert differ(sent, got["w"]) == []
+        assert same_bits(sent, got["w"]) == []
         state["n"] = step
         return len(captured), sum(g.replays for g in captured)
 
@@ -655,19 +636,21 @@ def test_receiver_replays_its_copies_as_a_graph(tmp_path, monkeypatch, caplog):
     assert sync(7) == (2, 4)
     dense = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in model(0).items()}
     assert sync(8, into=dense) == (2, 4) and sync(9, into=dense) == (3, 5)
-    assert differ(model(9), dense) == []
+    assert same_bits(model(9), dense) == []
     # A target given other memory (param.data = ...): never written through the old
     # address; copied one by one, then captured again with the new one.
     old = dense["embed"].data
     dense["embed"].data = torch.zeros_like(old)
     assert sync(10, into=dense) == (3, 5) and receiver._graph is None
-    assert differ(model(10), dense) == [] and differ({"e": model(9)["embed"]}, {"e": old}) == []
-    assert sync(11, into=dense) == (4, 6) and differ(model(11), dense) == []
+    assert (
+        same_bits(model(10), dense) == [] and same_bits({"e": model(9)["embed"]}, {"e": old}) == []
+    )
+    assert sync(11, into=dense) == (4, 6) and same_bits(model(11), dense) == []
     # Targets that are not dense twins of the sources (a transposed tensor) never are.
     mixed = {k: torch.zeros_like(v) for k, v in model(0).items()}
     assert not mixed["t"].is_contiguous()
     assert sync(12, into=mixed) == (4, 6) and sync(13, into=mixed) == (4, 6)
-    assert differ(model(13), mixed) == []
+    assert same_bits(model(13), mixed) == []
     # A new layout (a tensor more) drops the graph and its lists: the new ones go in one.
     more = {"extra": torch.arange(5.0)}
     assert sync(14, extra=more) == (4, 6) and receiver._graph is None
@@ -692,40 +675,38 @@ def test_copy_finished_late_leaves_weights_marked_unknown(tmp_path, monkeypatch)
     next accepted sync. With clone=True the held weights are untouched."""
     from obsckpt.sync.ipc import receiver as receiver_module
 
-    sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path))
-    receiver = IpcWeightReceiver()
-    mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
-    real_copy = receiver_module.copy_many
+    with ipc_pair(tmp_path, receiver_device=None) as (sender, receiver):
+        mine = {k: torch.zeros_like(v) for k, v in model(0).items()}
+        real_copy = receiver_module.copy_many
 
-    def slow_copy(dsts, srcs):  # a copy that takes longer than the sender has left
-        real_copy(dsts, srcs)
-        time.sleep(0.2)
+        def slow_copy(dsts, srcs):  # a copy that takes longer than the sender has left
+            real_copy(dsts, srcs)
+            time.sleep(0.2)
 
-    def late(p, **kw):
-        monkeypatch.setattr(receiver_module, "copy_many", slow_copy)
-        try:
-            return receiver.recv(dataclasses.replace(p, deadline=time.monotonic() + 0.1), **kw)[0]
-        finally:
-            monkeypatch.setattr(receiver_module, "copy_many", real_copy)
+        def late(p, **kw):
+            monkeypatch.setattr(receiver_module, "copy_many", slow_copy)
+            try:
+                late_payload = dataclasses.replace(p, deadline=time.monotonic() + 0.1)
+                return receiver.recv(late_payload, **kw)[0]
+            finally:
+                monkeypatch.setattr(receiver_module, "copy_many", real_copy)
 
-    sender.send(model(1), lambda p: receiver.recv(p, into=mine)[0], step=1)
-    assert receiver.last_step == 1 and receiver.weights_valid
-    with pytest.raises(BroadcastTimeoutError, match="possibly torn bytes of step 2") as err:
-        sender.send(model(2), lambda p: late(p, into=mine), step=2)
-    assert "into=" in str(err.value) and "last_step stays 1" in str(err.value)
-    assert receiver.last_step == 1 and receiver.weights_valid is False
-    assert differ(model(2), mine) == []  # what the late copy wrote: unverified
-    # The next accepted sync makes them a known version again.
-    sender.send(model(3), lambda p: receiver.recv(p, into=mine)[0], step=3)
-    assert receiver.last_step == 3 and receiver.weights_valid
-    assert differ(model(3), mine) == []
-    # Copied late into fresh tensors: the held weights were not touched.
-    with pytest.raises(BroadcastTimeoutError, match="the weights are unchanged"):
-        sender.send(model(4), lambda p: late(p, clone=True), step=4)
-    assert receiver.last_step == 3 and receiver.weights_valid
-    assert differ(model(3), mine) == []
-    sender.close()
-    receiver.close()
+        sender.send(model(1), lambda p: receiver.recv(p, into=mine)[0], step=1)
+        assert receiver.last_step == 1 and receiver.weights_valid
+        with pytest.raises(BroadcastTimeoutError, match="possibly torn bytes of step 2") as err:
+            sender.send(model(2), lambda p: late(p, into=mine), step=2)
+        assert "into=" in str(err.value) and "last_step stays 1" in str(err.value)
+        assert receiver.last_step == 1 and receiver.weights_valid is False
+        assert same_bits(model(2), mine) == []  # what the late copy wrote: unverified
+        # The next accepted sync makes them a known version again.
+        sender.send(model(3), lambda p: receiver.recv(p, into=mine)[0], step=3)
+        assert receiver.last_step == 3 and receiver.weights_valid
+        assert same_bits(model(3), mine) == []
+        # Copied late into fresh tensors: the held weights were not touched.
+        with pytest.raises(BroadcastTimeoutError, match="the weights are unchanged"):
+            sender.send(model(4), lambda p: late(p, clone=True), step=4)
+        assert receiver.last_step == 3 and receiver.weights_valid
+        assert same_bits(model(3), mine) == []
 
 
 def _deleted_mappings(paths: set[str]) -> list[str]:
@@ -879,9 +860,7 @@ def test_any_dtype_and_unique_names_over_shared_memory(tmp_path):
         "embed.weight": tied,
         "lm_head.weight": tied,
     }
-    sender = IpcWeightSender(device="cpu", shm_dir=str(tmp_path), bucket_bytes=64)
-    receiver = IpcWeightReceiver(device="cpu")
-    try:
+    with ipc_pair(tmp_path, bucket_bytes=64) as (sender, receiver):
         acks: list = []
 
         def deliver(p):
@@ -901,6 +880,18 @@ def test_any_dtype_and_unique_names_over_shared_memory(tmp_path):
         assert sender.last_step == 1 and receiver.last_step == 1
         sender.send({"a": torch.ones(2)}, deliver, step=2)  # still usable
         assert acks[-1]["a"].tolist() == [1.0, 1.0]
-    finally:
-        sender.close()
-        receiver.close()
+
+
+def test_ipc_modules_do_not_import_the_broadcaster():
+    """The ipc sync shares the wire module (version rule, result) with the broadcast, not the
+    NCCL broadcaster itself: no module of obsckpt.sync.ipc imports obsckpt.sync.broadcast*."""
+    found = []
+    for path in sorted(Path(obsckpt.sync.ipc.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            found += [(path.name, n) for n in names if n.startswith("obsckpt.sync.broadcast")]
+    assert found == []

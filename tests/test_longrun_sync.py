@@ -12,10 +12,10 @@ import gc
 import weakref
 
 import torch
+from broadcast_helpers import ipc_pair, new_group
 from prometheus_client import CollectorRegistry
 
 from obsckpt import commit, layout
-from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
 from obsckpt.sync.synchronizer import Synchronizer
 
 KEEP = 64  # failed steps the Synchronizer keeps for status()
@@ -32,7 +32,7 @@ class TestSynchronizerForgetsOldLoadFailures:
 
         async def main():
             for step in range(1, n + 1):
-                shard = layout.step_dir(root, step) / "actor" / "model_world_size_1_rank_0.pt"
+                shard = layout.model_dir(root, step) / layout.shard_name("model", 1, 0)
                 shard.parent.mkdir(parents=True)
                 shard.write_bytes(b"not a torch file")
                 commit.write_iteration(root, "state_dict", step)
@@ -52,16 +52,14 @@ class TestIpcReceiverLetsGoOfRenamedWeights:
     are never sent again."""
 
     def test_old_names_are_freed(self, tmp_path):
-        sender = IpcWeightSender(device="cpu", bucket_bytes=1 << 12, shm_dir=str(tmp_path))
-        receiver = IpcWeightReceiver(device="cpu")
         received: dict[str, dict[str, torch.Tensor]] = {}
-
-        def deliver(payload):
-            ack, received["weights"] = receiver.recv(payload)
-            return ack
-
         first_layouts: list[weakref.ref] = []
-        try:
+        with ipc_pair(tmp_path, bucket_bytes=1 << 12) as (sender, receiver):
+
+            def deliver(payload):
+                ack, received["weights"] = receiver.recv(payload)
+                return ack
+
             for step in range(1, 31):
                 prefix = f"layout{step % 10}"  # ten namings of the model, in turn
                 weights = {f"{prefix}.w{i}": torch.full((16, 16), float(step)) for i in range(4)}
@@ -74,9 +72,6 @@ class TestIpcReceiverLetsGoOfRenamedWeights:
             gc.collect()
             kept = sum(r() is not None for r in first_layouts)
             assert kept == 0, f"the receiver still holds {kept} tensors of names it was sent before"
-        finally:
-            sender.close()
-            receiver.close()
 
 
 class TestBroadcastersGoWithTheirGroups:
@@ -86,13 +81,10 @@ class TestBroadcastersGoWithTheirGroups:
 
     def test_closed_groups_are_not_kept(self):
         from obsckpt.integrations.verl_fsdp import broadcaster_for
-        from obsckpt.sync.group import WeightSyncGroup, free_port
 
         alive = []
         for step in range(1, 11):
-            group = WeightSyncGroup(
-                host="127.0.0.1", port=free_port(), rank=0, world_size=1, backend="gloo"
-            )
+            group = new_group()
             b = broadcaster_for(group, bucket_bytes=1 << 20)
             assert broadcaster_for(group) is b  # one per group
             b.send({"w": torch.ones(1024)}, step=step)

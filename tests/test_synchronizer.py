@@ -49,13 +49,18 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
-def write_step(root, step: int, shards: dict[int, dict], *, commit: bool = True) -> None:
+def shard_path(root, step: int, world: int, rank: int):
+    """Where rank ``rank`` of ``world`` keeps its model shard of ``step``."""
+    return layout.model_dir(root, step) / layout.shard_name("model", world, rank)
+
+
+def write_step(root, step: int, shards: dict[int, dict], *, committed: bool = True) -> None:
     """Write a step's per-rank model files, then (optionally) commit it as the monitor does."""
     sdir = layout.step_dir(root, step)
     world = len(shards)
     for rank, sd in shards.items():
-        write_torch_file(sd, sdir / "actor" / f"model_world_size_{world}_rank_{rank}.pt")
-    if commit:
+        write_torch_file(sd, shard_path(root, step, world, rank))
+    if committed:
         commit.finalize_step(sdir)
         commit.write_iteration(root, "state_dict", step)
 
@@ -148,7 +153,7 @@ class TestCheckpointSync:
         # rank-0 copy of every name is used; DTensor shards are merged in test_verl_fsdp).
         coords = [CheckpointCoordinator(monitor, rank=r) for r in (0, 1)]
         for r, coord in enumerate(coords):
-            path = layout.step_dir(root, 4) / "actor" / f"model_world_size_2_rank_{r}.pt"
+            path = shard_path(root, 4, 2, r)
             coord.save_state_dict_async("model", full, path, 4, is_state_dict=True)
         for coord in coords:
             coord.wait_all(timeout=60)
@@ -182,12 +187,12 @@ class TestCheckpointSync:
         assert ray.get(sync.poll_once.remote()) == 2
 
         # On disk but not committed: never read.
-        write_step(root, 3, {0: state_dict(3), 1: state_dict(3)}, commit=False)
+        write_step(root, 3, {0: state_dict(3), 1: state_dict(3)}, committed=False)
         assert ray.get(sync.poll_once.remote()) == 2
 
         # Committed, then corrupted in place (same size): the manifest's CRC catches it.
         write_step(root, 4, {0: state_dict(4), 1: state_dict(4)})
-        victim = layout.step_dir(root, 4) / "actor" / "model_world_size_2_rank_1.pt"
+        victim = shard_path(root, 4, 2, 1)
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
@@ -196,8 +201,8 @@ class TestCheckpointSync:
         assert status["load_failures"] == 1 and "corrupted" in status["failed_steps"][4]
 
         # Committed with a rank missing and no manifest.
-        write_step(root, 5, {0: state_dict(5), 1: state_dict(5)}, commit=False)
-        (layout.step_dir(root, 5) / "actor" / "model_world_size_2_rank_1.pt").unlink()
+        write_step(root, 5, {0: state_dict(5), 1: state_dict(5)}, committed=False)
+        shard_path(root, 5, 2, 1).unlink()
         commit.write_iteration(root, "state_dict", 5)
         assert ray.get(sync.poll_once.remote()) == 2
         status = ray.get(sync.status.remote())
@@ -215,17 +220,17 @@ class TestShardFiles:
     """Plain-file checks that need no Ray."""
 
     def test_truncated_file_is_a_load_error(self, tmp_path):
-        write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
-        path = layout.step_dir(tmp_path, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)
+        path = shard_path(tmp_path, 1, 1, 0)
         path.write_bytes(path.read_bytes()[:100])
         with pytest.raises(StateDictLoadError, match="cannot be loaded"):
             load_sharded_state_dict(path.parent)
 
     def test_mixed_world_sizes_are_refused(self, tmp_path):
-        write_step(tmp_path, 1, {0: state_dict(1)}, commit=False)
-        write_step(tmp_path, 1, {0: state_dict(1), 1: state_dict(1)}, commit=False)
+        write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)
+        write_step(tmp_path, 1, {0: state_dict(1), 1: state_dict(1)}, committed=False)
         with pytest.raises(StateDictLoadError, match="mixes shards"):
-            load_sharded_state_dict(layout.step_dir(tmp_path, 1) / "actor")
+            load_sharded_state_dict(layout.model_dir(tmp_path, 1))
 
     def test_ranks_must_hold_the_same_names(self):
         with pytest.raises(StateDictLoadError, match="different names"):
@@ -258,6 +263,65 @@ class TestTrinityCallShapes:
         time.sleep(0.3)
         assert ray.get(sync.set_model_state_dict.remote(None, 4))
         assert ray.get(waiter, timeout=30) == 4
+
+
+class TestGetActorArguments:
+    """get_actor takes the arguments it names (Trinity-RFT passes ``config`` and ``namespace``
+    only): a misspelt keyword is refused, naming it, never ignored."""
+
+    def test_a_misspelt_keyword_is_a_type_error_naming_it(self):
+        with pytest.raises(TypeError, match="poll_intervall_s"):
+            Synchronizer.get_actor(namespace="never-created", poll_intervall_s=0.5)
+        with pytest.raises(TypeError, match="default_local_directory"):
+            Synchronizer.get_actor("never-created", default_local_directory="/ckpt")
+
+
+class _Rpc:
+    def __init__(self, calls: list, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+
+
+class _FakeMonitor:
+    """Stands in for the monitor actor: records the RPCs the synchronizer makes."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __getattr__(self, name: str) -> _Rpc:
+        return _Rpc(self.calls, name)
+
+
+class TestTelemetryObject:
+    """The synchronizer keeps one telemetry object: its warn-once state lasts, and it moves
+    to the monitor (from local metrics) once one is found."""
+
+    def test_one_object_for_the_actors_life(self, caplog):
+        from prometheus_client import CollectorRegistry
+
+        sync = Synchronizer(None, namespace="no-monitor-here", registry=CollectorRegistry())
+        first = sync._telemetry()
+        assert sync._telemetry() is first and first.metrics is not None
+
+        # Measurements that fail are warned about once, however many follow.
+        first.metrics = object()  # every metric missing: each measurement raises
+        with caplog.at_level("WARNING", logger="obsckpt.sync.telemetry"):
+            for step in (1, 2, 3):
+                assert asyncio.run(sync.set_model_state_dict(None, step))
+            asyncio.run(sync.record_upload(0.1))
+        warned = [r for r in caplog.records if "weight-sync measurement failed" in r.message]
+        assert len(warned) == 1, caplog.text
+
+        # Once the monitor is found, the same object sends there (and no longer locally).
+        monitor = _FakeMonitor()
+        sync._telemetry_route.monitor = monitor
+        assert asyncio.run(sync.set_model_state_dict(None, 4))
+        assert sync._telemetry() is first
+        assert first.monitor is monitor and first.metrics is None
+        assert monitor.calls == [("record_model_version", ("trainer", 4))]
+        assert asyncio.run(sync.status())["telemetry"] == "monitor"
 
 
 class TestVersionRace:
@@ -347,7 +411,7 @@ class TestRetentionRace:
         root = tmp_path / "ckpt"
         write_step(root, 1, {0: state_dict(1)})
         write_step(root, 2, {0: state_dict(2)})
-        shard = layout.step_dir(root, 1) / "actor" / "model_world_size_1_rank_0.pt"
+        shard = shard_path(root, 1, 1, 0)
         shard.write_bytes(shard.read_bytes()[:-8])
         sync = Actor(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
         asyncio.run(sync._load_step(root, 1))

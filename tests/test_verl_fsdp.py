@@ -94,7 +94,7 @@ class TrainerRank:
     def save_state_dict(self, root: str, step: int) -> int:
         from obsckpt.integrations import fsdp_save_state_dict
 
-        path = os.path.join(root, f"global_step_{step}", "actor")
+        path = str(layout.model_dir(root, step))
         n = fsdp_save_state_dict(self.engine, path, step, self.coordinator, self.log)
         self.train_step(step)  # the snapshot must not see this
         self.coordinator.wait_all(timeout=120)
@@ -217,11 +217,11 @@ def test_fsdp2_checkpoint_memory_and_broadcast_sync(job):
     assert ray.get(sync.wait_new_model_state_dict.remote(None, timeout=60)) == 1
     got, version = ray.get(sync.get_model_state_dict.remote())
     assert version == 1 and bits_equal(expected_1, got) == []
-    assert (root / "global_step_1" / "actor" / "fsdp_config.json").is_file()
+    assert (layout.model_dir(root, 1) / "fsdp_config.json").is_file()
     assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "1"
     manifest = reader.read_manifest(layout.step_dir(root, 1))
     assert sorted(r.path for r in manifest if "/model_world_size_" in r.path) == [
-        f"actor/model_world_size_2_rank_{rank}.pt" for rank in range(2)
+        f"{layout.MODEL_SUBDIR}/{layout.shard_name('model', 2, rank)}" for rank in range(2)
     ]
     assert reader.verify_step(layout.step_dir(root, 1)) == []
 
@@ -448,7 +448,7 @@ def _gpu_fsdp1(rank: int, world_size: int, port: int, shard_dir: str, results) -
         fsdp = FSDP(model, device_id=rd.device, use_orig_params=True, sharding_strategy=strategy)
         shard = sharded_model_state_dict(fsdp)
         local_numel = sum(_local_numel(v) for v in shard.values())
-        torch.save(shard, os.path.join(shard_dir, f"model_world_size_{world_size}_rank_{rank}.pt"))
+        torch.save(shard, os.path.join(shard_dir, layout.shard_name("model", world_size, rank)))
         dist.barrier()
         merged = load_sharded_state_dict(shard_dir) if rank == 0 else {}
         with full_params(fsdp) as (meta, named):

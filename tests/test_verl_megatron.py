@@ -19,7 +19,7 @@ import ray
 import torch
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer, layout
 from obsckpt.integrations import (
     megatron_save_state_dict,
     megatron_sync_weight_nccl,
@@ -108,7 +108,7 @@ class TestSaveStateDict:
     def test_model_only_then_committed(self, monitor, tmp_path):
         engine = FakeMcoreEngine()
         coord = CheckpointCoordinator(monitor, rank=0)
-        path = tmp_path / "ckpt" / "global_step_3" / "actor"
+        path = layout.model_dir(tmp_path / "ckpt", 3)
         assert megatron_save_state_dict(engine, str(path), 3, coord, None) == 1
         manager = engine.checkpoint_mananager
         assert manager.calls == [["model"]]
@@ -162,7 +162,7 @@ class TestSaveStateDict:
 
     def test_a_failed_rank_fails_the_step(self, monitor, tmp_path):
         """Each rank's save is a part of one save: rank 0's success does not cover rank 1."""
-        path = str(tmp_path / "ckpt" / "global_step_5" / "actor")
+        path = str(layout.model_dir(tmp_path / "ckpt", 5))
         failing = FakeMcoreEngine(rank=1, world_size=2)
         failing.checkpoint_mananager.fail = True
         coord = CheckpointCoordinator(monitor, rank=1)
@@ -331,7 +331,7 @@ class TestMegatronCheckpointManager:
         engine, manager = self.make(monitor)
         engine.checkpoint_mananager = manager
         coord = CheckpointCoordinator(monitor, rank=0)
-        path = tmp_path / "ckpt" / "global_step_7" / "actor"
+        path = layout.model_dir(tmp_path / "ckpt", 7)
         assert megatron_save_state_dict(engine, str(path), 7, coord) == 1
         assert manager.base.calls == [["model"]]
         assert sorted(os.listdir(path)) == ["model_0.pt"]
@@ -346,7 +346,7 @@ class TestMegatronCheckpointManager:
         assert manager.kwargs == {"role": "actor"}  # verl's attributes pass through
         coord = CheckpointCoordinator(monitor, rank=0)
         for step in (1, 2, 3):
-            path = root / f"global_step_{step}" / "actor"
+            path = layout.model_dir(root, step)
             assert manager.save_checkpoint(str(path), None, step, max_ckpt_to_keep=1) == {
                 "state_dict": 0,
                 "checkpoint": 1,
@@ -357,14 +357,14 @@ class TestMegatronCheckpointManager:
         # verl's rotation never runs (it would delete before the commit); ours kept the
         # committed step 2 and the uncommitted step 3, and removed step 1.
         assert manager.keep_args == [None, None, None]
-        assert not (root / "global_step_1").exists()
-        assert (root / "global_step_2" / "actor" / "model_0.pt").exists()
-        assert (root / "global_step_3" / "actor" / "model_0.pt").exists()
+        assert not layout.step_dir(root, 1).exists()
+        assert (layout.model_dir(root, 2) / "model_0.pt").exists()
+        assert (layout.model_dir(root, 3) / "model_0.pt").exists()
         saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
         with torch.no_grad():
             for p in engine.module.parameters():
                 p.add_(1)
-        manager.load_checkpoint(str(root / "global_step_3" / "actor"))
+        manager.load_checkpoint(str(layout.model_dir(root, 3)))
         assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
 
     def test_unreadable_iteration_file_skips_retention_not_the_save(self, monitor, tmp_path):
@@ -374,19 +374,19 @@ class TestMegatronCheckpointManager:
         root = tmp_path / "ckpt"  # the monitor's root, created with it
         (root / "latest_checkpointed_iteration.txt").write_text("half-written\n")
         for step in (1, 2):
-            path = root / f"global_step_{step}" / "actor"
+            path = layout.model_dir(root, step)
             assert manager.save_checkpoint(str(path), None, step, max_ckpt_to_keep=1) == {
                 "state_dict": 0,
                 "checkpoint": 1,
             }
-        assert (root / "global_step_1" / "actor" / "model_0.pt").exists()
+        assert (layout.model_dir(root, 1) / "model_0.pt").exists()
 
     def test_failed_save_raises_and_never_commits(self, monitor, tmp_path):
         _, manager = self.make(monitor)
         manager.base.fail = True
         root = tmp_path / "ckpt"
         with pytest.raises(OSError, match="disk full") as raised:
-            manager.save_checkpoint(str(root / "global_step_4" / "actor"), None, 4)
+            manager.save_checkpoint(str(layout.model_dir(root, 4)), None, 4)
         assert "'megatron_checkpoint' of step 4" in raised.value.__notes__[0]
         asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(4))
         status = ray.get(monitor.status.remote())
@@ -401,7 +401,7 @@ class TestMegatronCheckpointManager:
 
         engine, manager = self.make(monitor)
         root = tmp_path / "ckpt"
-        path = root / "global_step_5" / "actor"
+        path = layout.model_dir(root, 5)
         manager.save_checkpoint(str(path), None, 5)
         asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(5))
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
@@ -412,7 +412,7 @@ class TestMegatronCheckpointManager:
                 p.add_(1)  # the rerun's weights
         counts = manager.save_checkpoint(str(path), None, 5)
         assert (path / "model_0.pt").read_bytes() == committed
-        assert reader.verify_step(root / "global_step_5") == []
+        assert reader.verify_step(layout.step_dir(root, 5)) == []
         assert counts == {"state_dict": 0, "checkpoint": 0}
         assert len(manager.base.calls) == 1
 
@@ -467,7 +467,7 @@ class TestCheckpointSyncOfMegatronSteps:
         )
         root = tmp_path / "ckpt"
         coord = CheckpointCoordinator(monitor, rank=0)
-        assert megatron_save_state_dict(engine, str(root / "global_step_3" / "actor"), 3, coord)
+        assert megatron_save_state_dict(engine, str(layout.model_dir(root, 3)), 3, coord)
         asyncio.run(coord.register_and_monitor(3, is_state_dict=True, state_dict_thread_count=1))
         assert (root / "latest_state_dict_iteration.txt").read_text().strip() == "3"
 
@@ -497,3 +497,41 @@ class TestCheckpointSyncOfMegatronSteps:
         # The directory of the distributed checkpoint itself, too.
         with pytest.raises(MegatronLayoutError, match=r"\(__0_0\.distcp\)"):
             load_sharded_state_dict(tmp_path / DIST_CKPT_LAYOUTS[layout][0])
+
+
+class TestSharedHelpers:
+    """The Megatron helpers share the upload and the broadcast with the FSDP helpers through
+    ``_common``, not by importing ``verl_fsdp``; what ``verl_fsdp`` offered stays importable."""
+
+    def test_megatron_does_not_import_the_fsdp_module(self):
+        import ast
+
+        from obsckpt.integrations import verl_megatron
+
+        with open(verl_megatron.__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        assert "obsckpt.integrations.verl_fsdp" not in imported
+        assert "obsckpt.integrations._common" in imported
+
+    def test_shared_names_stay_importable_from_verl_fsdp(self):
+        from obsckpt.integrations import _common, verl_fsdp, verl_megatron
+
+        shared = [
+            "already_committed",
+            "broadcast_named_tensors",
+            "broadcaster_for",
+            "dist_rank",
+            "dist_world_size",
+            "gather_full_state_dict",
+            "per_tensor_params",
+            "upload_state_dict",
+        ]
+        assert [n for n in shared if getattr(verl_fsdp, n) is not getattr(_common, n)] == []
+        # One upload for both engines.
+        assert verl_fsdp.upload_engine_state_dict is verl_megatron.upload_engine_state_dict

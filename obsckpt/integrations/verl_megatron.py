@@ -8,7 +8,9 @@ tensor/pipeline-parallel ranks: every rank iterates), and
 ``engine.save_checkpoint()`` writes a distributed checkpoint through the
 engine's checkpoint manager.
 
-Nothing here imports verl or Megatron-core.
+What the FSDP helpers do the same way (ranks, the upload, the broadcast) is
+in :mod:`obsckpt.integrations._common`. Nothing here imports verl or
+Megatron-core.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from obsckpt.integrations.verl_fsdp import (
+from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
     dist_rank,
     dist_world_size,
     per_tensor_params,
-    upload_state_dict,
+    upload_engine_state_dict,
 )
-from obsckpt.sync.broadcast import BroadcastResult
 from obsckpt.sync.buckets import TensorMeta, as_tensor_meta
+from obsckpt.sync.wire import BroadcastResult
 
 if TYPE_CHECKING:
     import torch
@@ -135,13 +137,8 @@ def megatron_upload_state_dict(
     trace_context: dict[str, str] | None = None,
 ) -> float | None:
     """Upload the model's full state dict to the Synchronizer (memory sync); call on every rank."""
-    return upload_state_dict(
-        per_tensor_params(engine),
-        synchronizer,
-        global_step,
-        rank=dist_rank(engine),
-        logger=logger,
-        trace_context=trace_context,
+    return upload_engine_state_dict(
+        engine, synchronizer, global_step, logger, trace_context=trace_context
     )
 
 

@@ -1,4 +1,8 @@
-"""Weight sync from the trainer to the rollout side: the Synchronizer actor, broadcast, ipc, shards."""
+"""Weight sync from the trainer to the rollout side: the Synchronizer actor, broadcast, ipc, shards.
+
+Both sync methods (:mod:`~obsckpt.sync.broadcast`, :mod:`~obsckpt.sync.ipc`) keep the
+version rule and return the :class:`BroadcastResult` of :mod:`~obsckpt.sync.wire`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from obsckpt.errors import (
     MegatronLayoutError,
     StateDictLoadError,
 )
-from obsckpt.sync.broadcast import BroadcastResult, WeightBroadcaster
+from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.device import RankDevice, setup_rank_device
 from obsckpt.sync.group import WeightSyncGroup, free_port
@@ -18,6 +22,7 @@ from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
 from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
 from obsckpt.sync.synchronizer import Synchronizer
 from obsckpt.sync.telemetry import WeightSyncTelemetry
+from obsckpt.sync.wire import BroadcastResult
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

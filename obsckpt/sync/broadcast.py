@@ -24,23 +24,27 @@ Versions never go backwards: the sender refuses a step not newer than the last
 one it sent (``ValueError``, before any collective); a receiver refuses an
 older step after reading the whole broadcast into scratch memory, so the group
 stays in step and its weights stay those of the last step it accepted.
+
+Modules: this one (the sending side), :mod:`~obsckpt.sync.broadcast_recv`
+(the receiving side), :mod:`~obsckpt.sync.broadcast_endpoint` (what both
+share: settings, failure handling, the collectives' deadlines) and
+:mod:`~obsckpt.sync.wire` (the header, the version rule, the result).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import pickle
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from obsckpt.errors import BroadcastError
+from obsckpt.sync import wire
+from obsckpt.sync.broadcast_endpoint import MODES
+from obsckpt.sync.broadcast_recv import BroadcastReceiving
 from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -49,40 +53,19 @@ from obsckpt.sync.buckets import (
     plan_buckets,
     tensor_meta,
 )
-from obsckpt.sync.group import WeightSyncGroup, check_newer_step
-from obsckpt.sync.telemetry import WeightSyncTelemetry
+from obsckpt.sync.group import WeightSyncGroup
+from obsckpt.sync.wire import BroadcastResult
 from obsckpt.telemetry import tracing
 
-logger = logging.getLogger(__name__)
+__all__ = ["MODES", "BroadcastResult", "WeightBroadcaster"]
 
-MODES = ("bucketed", "per_tensor")
-_MAGIC = 0x0B5C_5EED
-_HEADER_VERSION = 1
 # Two buffers: one being packed while the other is on the wire.
 _SEND_BUFFERS = 2
-_RECV_BUFFERS = 2
 _END = object()
 _T = TypeVar("_T")
 
 
-# ----------------------------------------------------------------------
-# The broadcaster
-# ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BroadcastResult:
-    """What one broadcast moved and how long it took (on this side)."""
-
-    seconds: float
-    nbytes: int
-    tensors: int
-    collectives: int
-    backend: str
-    mode: str
-
-
-class WeightBroadcaster:
+class WeightBroadcaster(BroadcastReceiving):
     """Sends (rank ``src``) or receives (other ranks) whole models over a :class:`WeightSyncGroup`.
 
     Keep one per group: its buffers are reused from one broadcast to the next.
@@ -110,44 +93,17 @@ class WeightBroadcaster:
         metrics: Any = None,
         monitor: Any = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive seconds or None, got {timeout_s!r}")
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < group.world_size:
-            raise ValueError(
-                f"src must be a rank of the group, in [0, {group.world_size}), got {src!r}; "
-                "pass the sending member's rank (trainer rank 0 is usually 0)"
-            )
-        self.group = group
-        self.src = src
-        self.bucket_bytes = int(bucket_bytes)
-        self.mode = mode
-        self.timeout_s = timeout_s
-        self.telemetry = WeightSyncTelemetry(metrics=metrics, monitor=monitor)
-        self._pool: list[torch.Tensor] = []  # raw byte buffers, one bucket each
+        super().__init__(
+            group,
+            src=src,
+            bucket_bytes=bucket_bytes,
+            mode=mode,
+            timeout_s=timeout_s,
+            metrics=metrics,
+            monitor=monitor,
+        )
         self._send_cache: tuple[tuple[Any, ...], bytes, list[Bucket] | None] | None = None
         self._where: list[int] | None = None  # for the cached plan
-        self._recv_cache: tuple[Any, ...] | None = None
-        self._recv_bucket_bytes = self.bucket_bytes
-        self._area: dict[int, torch.Tensor] = {}  # bucket index -> flat receive buffer
-        self._area_layout: tuple[Any, ...] | None = None
-        self._area_views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
-        self.last_step: int | None = None
-        self.last_seconds: float | None = None
-        # False while the receive area or into='s tensors hold bytes of a broadcast
-        # that failed or was refused midway (not a known version); True again
-        # after the next broadcast received into them.
-        self.weights_valid = True
-        self._issued = False  # a collective of the current broadcast was issued
-        self._writing = False  # the current broadcast writes into the held weights
-
-    @property
-    def is_sender(self) -> bool:
-        """Whether this member sends (its rank is ``src``)."""
-        return self.group.rank == self.src
 
     # -- sender --------------------------------------------------------
 
@@ -179,7 +135,7 @@ class WeightBroadcaster:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if step is not None:
-            check_newer_step(step, self.last_step, none_ok=True)
+            wire.check_newer_step(step, self.last_step, none_ok=True)
         items: Iterable[tuple[str, torch.Tensor]] = (
             named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         )
@@ -223,21 +179,15 @@ class WeightBroadcaster:
         if cached is not None and cached[0] == key:
             payload, plan = cached[1], cached[2]
         else:
-            header = {
-                "version": _HEADER_VERSION,
-                "mode": mode,
-                "bucket_bytes": self.bucket_bytes,
-                "meta": [m.to_wire() for m in meta],
-            }
-            payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = wire.encode_header(mode, self.bucket_bytes, meta)
             plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
             self._send_cache = (key, payload, plan)
             self._where = None
         # The step travels in the preamble, so an unchanged model reuses its header bytes.
         device = self.group.device  # NCCL moves only device tensors
-        preamble = torch.tensor(
-            [_MAGIC, len(payload), -1 if step is None else step], dtype=torch.int64
-        ).to(device)
+        preamble = torch.tensor(wire.encode_preamble(len(payload), step), dtype=torch.int64).to(
+            device
+        )
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         self._broadcast_now(preamble, deadline, "header")
         self._broadcast_now(body, deadline, "header")
@@ -338,7 +288,7 @@ class WeightBroadcaster:
     def _check_item(self, i: int, name: str, t: torch.Tensor, meta: list[TensorMeta]) -> None:
         m = meta[i]
         if m.name != name or m.dtype != t.dtype or m.shape != tuple(t.shape):
-            self.group._break("sender's tensors did not match the header it sent")
+            self.group.mark_broken("sender's tensors did not match the header it sent")
             raise BroadcastError(
                 f"tensor #{i} is {name!r} {t.dtype} {tuple(t.shape)}, but the header announced "
                 f"{m.name!r} {m.dtype} {m.shape}; the receivers cannot follow, so the group is "
@@ -347,363 +297,11 @@ class WeightBroadcaster:
 
     def _check_count(self, seen: int, meta: list[TensorMeta]) -> None:
         if seen != len(meta):
-            self.group._break("sender yielded fewer tensors than its header announced")
+            self.group.mark_broken("sender yielded fewer tensors than its header announced")
             raise BroadcastError(
                 f"the iterable yielded {seen} tensors but the header announced {len(meta)}; "
                 "the group is now broken"
             )
-
-    # -- receiver ------------------------------------------------------
-
-    def recv(
-        self,
-        *,
-        into: Mapping[str, torch.Tensor] | None = None,
-        clone: bool = False,
-        trace_context: Mapping[str, str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Receive one broadcast; returns ``{name: tensor}`` in the sender's order.
-
-        By default the tensors are views of this broadcaster's receive area
-        (one flat buffer per bucket, kept while the model's layout is
-        unchanged): nothing is copied, and the next ``recv()`` overwrites
-        them in place, like a model's weights. ``clone=True`` returns tensors
-        of fresh storage instead (the tensors of one bucket share it). With
-        ``into``, the tensors named there are filled in place (through two
-        reused bucket buffers) and returned. A shape mismatch with ``into``
-        raises after the whole broadcast was received, so the group stays
-        usable.
-
-        A step not newer than :attr:`last_step` is read whole into scratch
-        memory and refused: the group stays in step, the weights stay as
-        they were. A broadcast that fails midway leaves the tensors it was
-        writing (the receive area, or ``into``'s) partly overwritten:
-        :attr:`weights_valid` is then False, and :attr:`last_step` stays,
-        until the next broadcast received into them.
-
-        Raises:
-            BroadcastTimeoutError: the broadcast did not finish within its timeout.
-            BroadcastError: it failed (the group is then broken), an older step
-                was refused, or ``into`` does not fit (the group stays usable).
-        """
-        if self.is_sender:
-            raise BroadcastError(f"rank {self.group.rank} is the sender; call send()")
-        attrs = {"obsckpt.rank": self.group.rank, "obsckpt.method": "broadcast"}
-        with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
-            with self._failing("receiving"):
-                t0 = time.perf_counter()
-                deadline = self.group.deadline(self.timeout_s)
-                mode, meta, plan, step = self._recv_header(deadline)
-                nbytes = sum(m.nbytes for m in meta)
-                sp.set_attribute("obsckpt.bytes", nbytes)
-                sp.set_attribute("obsckpt.backend", self.group.backend)
-                sp.set_attribute("obsckpt.mode", mode)
-                if step is not None:
-                    sp.set_attribute("obsckpt.step", step)
-                held = self.last_step
-                refused = step is not None and held is not None and step <= held
-                mismatched: list[str] = []
-                if refused:
-                    self._recv_discard(mode, meta, plan, deadline)
-                else:
-                    writes = into is not None or not clone
-                    self._writing = writes
-                    with torch.no_grad():  # into= may hold parameters that require grad
-                        if mode == "per_tensor":
-                            out = self._recv_per_tensor(meta, into, mismatched, deadline)
-                        else:
-                            assert plan is not None  # a bucketed header comes with its plan
-                            out = self._recv_bucketed(meta, plan, into, clone, mismatched, deadline)
-                    self._writing = False
-                    if step is not None:
-                        self.last_step = step
-                    if writes:
-                        self.weights_valid = not mismatched
-                    self.last_seconds = time.perf_counter() - t0
-            if refused:
-                self._refuse(
-                    BroadcastError(
-                        f"refused the weights of step {step}: this receiver already holds step "
-                        f"{held} and versions never go backwards; the broadcast was read and "
-                        "dropped, the weights are unchanged and the group is still usable"
-                    )
-                )
-            if mismatched:
-                self._refuse(
-                    BroadcastError(
-                        f"received {len(meta)} tensors, but {len(mismatched)} did not fit the "
-                        f"tensors given in into= (e.g. {mismatched[0]}): those kept their old "
-                        "values, so into= is a mix of versions (weights_valid is False); pass "
-                        "tensors of the sender's shapes. The group is still usable"
-                    )
-                )
-        return out
-
-    def _recv_discard(
-        self, mode: str, meta: list[TensorMeta], plan: list[Bucket] | None, deadline: float
-    ) -> None:
-        """Receive a whole broadcast into scratch memory (one collective at a time), keeping the weights."""
-        if plan is None:  # per_tensor
-            units = [(m.dtype, m.numel) for m in meta]
-        else:
-            units = [(b.dtype, b.numel) for b in plan]
-        size = max((n * dtype.itemsize for dtype, n in units), default=0)
-        scratch = torch.empty(size, dtype=torch.uint8, device=self.group.device)
-        unit = "tensor" if mode == "per_tensor" else "bucket"
-        for k, (dtype, numel) in enumerate(units):
-            buf = scratch[: numel * dtype.itemsize].view(dtype)
-            self.group.wait(
-                self._issue(buf, deadline),
-                deadline,
-                functools.partial(self._progress, unit, k, len(units), meta),
-            )
-
-    def _recv_header(
-        self, deadline: float
-    ) -> tuple[str, list[TensorMeta], list[Bucket] | None, int | None]:
-        device = self.group.device
-        preamble = torch.empty(3, dtype=torch.int64, device=device)
-        self._broadcast_now(preamble, deadline, "header")
-        magic, length, step = (int(x) for x in preamble.cpu().tolist())
-        if magic != _MAGIC:
-            self.group._break("received a header that is not obsckpt's")
-            raise BroadcastError(
-                f"the first message was not a weight-sync header (magic {magic:#x}); sender and "
-                "receivers disagree on the protocol, the group is now broken"
-            )
-        body = torch.empty(length, dtype=torch.uint8, device=device)
-        self._broadcast_now(body, deadline, "header")
-        raw = body.cpu().numpy().tobytes()
-        cached = self._recv_cache
-        if cached is None or cached[0] != raw:
-            header = pickle.loads(raw)
-            if header.get("version") != _HEADER_VERSION:
-                self.group._break("header version mismatch")
-                raise BroadcastError(
-                    f"unsupported weight-sync header version {header.get('version')}; "
-                    "run the same obsckpt version on both sides"
-                )
-            mode = header["mode"]
-            bucket_bytes = int(header["bucket_bytes"])
-            meta = [TensorMeta.from_wire(m) for m in header["meta"]]
-            plan = plan_buckets(meta, bucket_bytes) if mode == "bucketed" else None
-            cached = self._recv_cache = (raw, mode, bucket_bytes, meta, plan)
-            layout = (bucket_bytes, tuple(meta))
-            if mode == "bucketed" and layout != self._area_layout:
-                self._area = {}
-                self._area_views = {}
-                self._area_layout = layout
-        _, mode, bucket_bytes, meta, plan = cached
-        if any(buf.numel() < bucket_bytes for buf in self._pool):
-            self._pool.clear()  # the sender's buckets grew
-        self._recv_bucket_bytes = bucket_bytes
-        return mode, meta, plan, (None if step < 0 else step)
-
-    def _target(
-        self, m: TensorMeta, into: Mapping[str, torch.Tensor] | None, mismatched: list[str]
-    ) -> torch.Tensor | None:
-        if into is None or m.name not in into:
-            return None
-        dst = into[m.name]
-        if tuple(dst.shape) != m.shape:
-            mismatched.append(f"{m.name!r}: sent {m.shape}, into= has {tuple(dst.shape)}")
-            return None
-        return dst
-
-    def _recv_per_tensor(
-        self,
-        meta: list[TensorMeta],
-        into: Mapping[str, torch.Tensor] | None,
-        mismatched: list[str],
-        deadline: float,
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for i, m in enumerate(meta):
-            dst = self._target(m, into, mismatched)
-            direct = dst is not None and _receivable(dst, m, self.group.device)
-            if dst is not None and direct:
-                buf = dst
-            else:
-                buf = torch.empty(m.shape, dtype=m.dtype, device=self.group.device)
-            work = self._issue(buf, deadline)
-            self.group.wait(
-                work, deadline, functools.partial(self._progress, "tensor", i, len(meta), meta)
-            )
-            if dst is not None and not direct:
-                dst.copy_(buf)
-                buf = dst
-            out[m.name] = buf
-        return out
-
-    def _recv_bucketed(
-        self,
-        meta: list[TensorMeta],
-        plan: list[Bucket],
-        into: Mapping[str, torch.Tensor] | None,
-        clone: bool,
-        mismatched: list[str],
-        deadline: float,
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor | None] = {m.name: None for m in meta}
-        dests = [self._target(m, into, mismatched) for m in meta]
-        inflight: deque[tuple[Any, int, torch.Tensor, torch.Tensor | None, bool]] = deque()
-        free = list(self._pool)
-
-        def finish_one() -> None:
-            work, b, flat, raw, reuse = inflight.popleft()
-            self.group.wait(
-                work, deadline, lambda t: self._progress("bucket", b, len(plan), meta, t)
-            )
-            bucket = plan[b]
-            if into is None and not clone:
-                # The receive area's views do not change while the layout does not.
-                views = self._area_views.get(b)
-                if views is None or views[0] is not flat:
-                    views = self._area_views[b] = (flat, _views(flat, bucket, meta))
-                out.update(views[1])
-                return
-            for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                m = meta[i]
-                if bucket.solo and out[m.name] is not None:
-                    continue  # received straight into its destination
-                view = flat[off : off + m.numel].view(m.shape)
-                dst = dests[i]
-                if dst is not None:
-                    dst.copy_(view)
-                    view = dst
-                out[m.name] = view
-            if raw is not None and reuse:
-                free.append(raw)
-
-        for b, bucket in enumerate(plan):
-            all_copied = all(dests[i] is not None for i in bucket.indices)
-            raw = None
-            if bucket.solo:
-                i = bucket.indices[0]
-                dst = dests[i]
-                if dst is not None and _receivable(dst, meta[i], self.group.device):
-                    flat = dst.view(-1)
-                    out[meta[i].name] = dst
-                else:
-                    flat = self._landing(b, bucket, clone)
-            elif all_copied:
-                # Every tensor of this bucket is copied out: receive into a reused buffer.
-                while not free and len(self._pool) >= _RECV_BUFFERS and inflight:
-                    finish_one()
-                raw = free.pop() if free else self._new_recv_buffer()
-                flat = raw[: bucket.nbytes].view(bucket.dtype)
-            else:
-                flat = self._landing(b, bucket, clone)
-            inflight.append((self._issue(flat, deadline), b, flat, raw, all_copied))
-            while len(inflight) > _RECV_BUFFERS:
-                finish_one()
-        while inflight:
-            finish_one()
-        return out  # type: ignore[return-value]
-
-    def _landing(self, b: int, bucket: Bucket, clone: bool) -> torch.Tensor:
-        """Where bucket ``b`` lands: fresh storage, or its slot in the receive area."""
-        if clone:
-            return torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
-        flat = self._area.get(b)
-        if flat is None or flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
-            self._area[b] = flat
-        return flat
-
-    def _new_recv_buffer(self) -> torch.Tensor:
-        buf = torch.empty(self._recv_bucket_bytes, dtype=torch.uint8, device=self.group.device)
-        self._pool.append(buf)
-        return buf
-
-    # -- shared --------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _failing(self, role: str) -> Iterator[None]:
-        """A broadcast that fails once its first collective was issued breaks the group.
-
-        The peers are then somewhere inside the broadcast's sequence of
-        collectives; the next call would pair with what is left of it (a
-        receiver taking the wrong bytes as weights, or gloo ending the
-        process), so the group is aborted as for a timeout. The failure is
-        counted, and anything but a :class:`BroadcastError` is raised as one,
-        chained to the original. KeyboardInterrupt and SystemExit break the
-        group too, and are raised as they are.
-        """
-        self._issued = False
-        try:
-            yield
-        except BaseException as exc:
-            err: BaseException = exc
-            if self._issued:
-                if self._writing:
-                    self.weights_valid = False
-                self._pool = []  # the aborted collectives may still hold these buffers
-                self.group._break(f"{role} failed midway: {type(exc).__name__}: {exc}")
-                if isinstance(exc, Exception) and not isinstance(exc, BroadcastError):
-                    err = BroadcastError(
-                        f"weight broadcast ({role}, {self.group.backend}) on {self.group.host}:"
-                        f"{self.group.port} failed after it began: {type(exc).__name__}: {exc}; "
-                        "the peers are out of step, so the group is now broken: close it and "
-                        "form a new group on a fresh port"
-                    )
-            if self._issued or isinstance(exc, BroadcastError):
-                self._count(err)
-            if err is exc:
-                raise
-            raise err from exc
-        finally:
-            self._issued = self._writing = False
-
-    def _count(self, exc: BaseException) -> None:
-        if self.telemetry:
-            self.telemetry.failure(self.group.backend, "broadcast", exc)
-
-    def _refuse(self, exc: BroadcastError) -> None:
-        """Raise an error that leaves the group in step (counted; the span records it)."""
-        self._count(exc)
-        raise exc
-
-    def _issue(self, t: torch.Tensor, deadline: float) -> Any:
-        """Start one collective of the current broadcast (from here on, a failure breaks the group)."""
-        self._issued = True
-        return self.group.broadcast_async(t, self.src, deadline)
-
-    def _broadcast_now(self, t: torch.Tensor, deadline: float, what: str) -> None:
-        work = self._issue(t, deadline)
-        self.group.wait(work, deadline, lambda t: self._progress(what, 0, 1, None, t))
-
-    def _progress(
-        self,
-        unit: str,
-        at: int,
-        total: int,
-        meta: list[TensorMeta] | None,
-        timed_out: bool = True,
-    ) -> str:
-        budget = self.timeout_s if self.timeout_s is not None else self.group.timeout_s
-        role = "sending" if self.is_sender else "receiving"
-        if meta is None:
-            what = f"{role}, {self.group.backend}"
-            done = f"the {unit} was not {'taken' if self.is_sender else 'sent'} by the peers"
-        else:
-            mib = sum(m.nbytes for m in meta) / 2**20
-            what = f"{role}, {len(meta)} tensors, {mib:.1f} MiB, {self.group.backend}"
-            done = f"{at} of {total} {unit}s completed"
-        where = f"weight broadcast ({what}) on {self.group.host}:{self.group.port}"
-        if timed_out:
-            return f"{where} did not finish within {budget:.1f} s: {done}; the group is now broken"
-        done = f"on the {unit}" if meta is None else f"after {done}"
-        return (
-            f"{where} failed {done} (a peer gone, or the backend refused the collective); "
-            "the group is now broken: close it and form a new group on a fresh port"
-        )
-
-    def release_buffers(self) -> None:
-        """Drop the reusable buffers and the receive area (allocated again when needed)."""
-        self._pool.clear()
-        self._area = {}
-        self._area_views = {}
 
 
 def _announced(items: Iterable[_T], meta: list[TensorMeta]) -> Iterator[_T]:
@@ -736,15 +334,3 @@ def _check_end(it: Iterator[Any], n: int) -> None:
             f"{name!r}); the receivers cannot follow, so the group is now broken. Pass meta "
             "that lists every tensor the iterable yields"
         )
-
-
-def _views(flat: torch.Tensor, bucket: Bucket, meta: list[TensorMeta]) -> dict[str, torch.Tensor]:
-    out = {}
-    for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-        m = meta[i]
-        out[m.name] = flat[off : off + m.numel].view(m.shape)
-    return out
-
-
-def _receivable(dst: torch.Tensor, m: TensorMeta, device: torch.device) -> bool:
-    return dst.is_contiguous() and dst.dtype == m.dtype and dst.device == device

@@ -37,24 +37,6 @@ DEFAULT_TIMEOUT_S = 300.0
 ABORT_JOIN_S = 10.0
 
 
-def check_newer_step(step: object, last_step: int | None, *, none_ok: bool = False) -> None:
-    """The version rule every weight sync keeps: ``step`` is a step newer than ``last_step``.
-
-    ``none_ok`` only says, in the error, that the caller also accepts None (no version).
-
-    Raises:
-        ValueError: ``step`` is not a non-negative integer, or not newer than ``last_step``.
-    """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        also = " or None" if none_ok else ""
-        raise ValueError(f"step must be a non-negative integer{also}, got {step!r}")
-    if last_step is not None and step <= last_step:
-        raise ValueError(
-            f"step {step} is not newer than step {last_step}, the last one sent; "
-            "weight versions never go backwards: send a newer step"
-        )
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago, for the group's store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -143,41 +125,10 @@ class WeightSyncGroup:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         where = f"weight-sync group {host}:{self.port} (rank {rank} of {world_size}, {backend})"
-        made: list[Any] = []
-
-        def connect() -> None:
-            made.append(
-                dist.TCPStore(
-                    host,
-                    self.port,
-                    world_size,
-                    rank == 0,
-                    timedelta(seconds=self.timeout_s),
-                    wait_for_workers=False,
-                )
-            )
-
-        try:
-            # The client retries its connection past its timeout; keep the deadline.
-            _bounded(connect, deadline, lambda: None, "the store did not answer in time")
-        except BroadcastError as exc:
-            waited = time.monotonic() - t0
-            if rank == 0:
-                msg = (
-                    f"{where} could not host its store at {host}:{self.port} ({exc}); "
-                    "create the group on a free port (see free_port)"
-                )
-            else:
-                msg = (
-                    f"{where} could not form after {waited:.1f} s: rank 0's store at "
-                    f"{host}:{self.port} was not reachable ({exc}). Check that every member "
-                    "was started with the same host, port and world_size and can reach rank 0"
-                )
-            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
-                raise BroadcastTimeoutError(msg) from exc
-            raise BroadcastError(msg) from exc
         # No local keeps the store: a failed formation must not hold rank 0's port.
-        self._store = dist.PrefixStore(group_name, made.pop())
+        self._store = dist.PrefixStore(
+            group_name, _open_store(host, self.port, rank, world_size, self.timeout_s, t0, where)
+        )
         try:
             self._rendezvous(deadline, where)
             self._pg = self._connect(deadline, where)
@@ -242,7 +193,9 @@ class WeightSyncGroup:
 
         def make() -> None:
             store.set(f"connecting/{self.rank}", "1")
-            pg = self._make_backend(deadline)
+            pg = _make_backend(
+                self.backend, store, self.rank, self.world_size, self.timeout_s, deadline
+            )
             store.set(f"made/{self.rank}", "1")
             made.append(pg)
 
@@ -263,51 +216,7 @@ class WeightSyncGroup:
         return made[0]
 
     def _laggards(self) -> str:
-        """Which members held the formation up, for its error message (best effort, <= 1 s).
-
-        Asked aside: a rank 0 that stalled would hold the store's answers too.
-        """
-        others = [r for r in range(self.world_size) if r != self.rank]
-        found: list[tuple[list[int], list[int]]] = []
-
-        def ask() -> None:
-            idle = [r for r in others if not self._store.check([f"connecting/{r}"])]
-            slow = [r for r in others if not self._store.check([f"made/{r}"])]
-            found.append((idle, slow))
-
-        try:
-            _bounded(ask, time.monotonic() + 1.0, lambda: None, "the store did not answer")
-        except BroadcastError:  # the store is gone with rank 0, or stalled with it
-            return ""
-        idle, slow = found[0]
-        if idle:
-            return (
-                f"; ranks {idle} checked in but never started making it (stalled or died "
-                "since): restart them and form the group again on a fresh port"
-            )
-        if slow:
-            return (
-                f"; ranks {slow} did not finish making it: check that every member can "
-                "reach the others' addresses"
-            )
-        return ""
-
-    def _make_backend(self, deadline: float) -> Any:
-        if self.backend == "gloo":
-            remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-            pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, remaining)
-            # Collectives get their own deadline; the default is the group's timeout.
-            set_default = getattr(pg, "_set_default_timeout", None)
-            if set_default is not None:
-                set_default(timedelta(seconds=self.timeout_s))
-            return pg
-        timeout = timedelta(seconds=self.timeout_s)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        # Read when the group is made: on a failure NCCL's watchdog aborts this
-        # communicator only, instead of ending the whole trainer process.
-        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
-            return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, opts)
+        return _who_held_up(self._store, self.rank, self.world_size)
 
     def _warm_up(self, deadline: float, where: str) -> None:
         """Make the communicator now and pass one collective through it, within the deadline."""
@@ -355,6 +264,19 @@ class WeightSyncGroup:
         """Why the group can no longer be used, or None."""
         return self._broken
 
+    def mark_broken(self, reason: str) -> None:
+        """Mark the group broken (the peers are out of step) and abort its communicator.
+
+        Every later use raises :class:`BroadcastError` naming ``reason`` (the
+        first one given); collectives blocked on the group fail here and on the peers.
+        """
+        if self._broken is None:
+            self._broken = reason
+            logger.error(
+                "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
+            )
+            self._abort()
+
     def deadline(self, timeout_s: float | None = None) -> float:
         """Monotonic time ``timeout_s`` seconds from now (default: the group's ``timeout_s``)."""
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -384,7 +306,7 @@ class WeightSyncGroup:
         try:
             return self._pg.broadcast([wire], opts)
         except RuntimeError as exc:
-            self._break(f"broadcast could not start: {exc}")
+            self.mark_broken(f"broadcast could not start: {exc}")
             raise BroadcastError(f"{self!r}: {exc}") from exc
 
     def wait(self, work: Any, deadline: float, progress: Callable[[bool], str]) -> None:
@@ -406,11 +328,11 @@ class WeightSyncGroup:
                 ok = work.wait(timedelta(seconds=remaining))
         except RuntimeError as exc:
             timed_out = time.monotonic() >= deadline - 0.01 or "timed out" in str(exc).lower()
-            self._break(str(exc))
+            self.mark_broken(str(exc))
             cls = BroadcastTimeoutError if timed_out else BroadcastError
             raise cls(f"{progress(timed_out)}: {exc}") from exc
         if ok is False:
-            self._break("wait timed out")
+            self.mark_broken("wait timed out")
             raise BroadcastTimeoutError(progress(True))
 
     def broadcast(
@@ -509,13 +431,97 @@ class WeightSyncGroup:
                 "with a fresh port on every member"
             )
 
-    def _break(self, reason: str) -> None:
-        if self._broken is None:
-            self._broken = reason
-            logger.error(
-                "obsckpt: weight-sync group %s:%d broken: %s", self.host, self.port, reason
+
+def _open_store(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, t0: float, where: str
+) -> Any:
+    """The group's ``TCPStore``: rank 0 hosts it, the others reach it by ``t0 + timeout_s``."""
+    made: list[Any] = []
+
+    def connect() -> None:
+        made.append(
+            dist.TCPStore(
+                host,
+                port,
+                world_size,
+                rank == 0,
+                timedelta(seconds=timeout_s),
+                wait_for_workers=False,
             )
-            self._abort()
+        )
+
+    try:
+        # The client retries its connection past its timeout; keep the deadline.
+        _bounded(connect, t0 + timeout_s, lambda: None, "the store did not answer in time")
+    except BroadcastError as exc:
+        waited = time.monotonic() - t0
+        if rank == 0:
+            msg = (
+                f"{where} could not host its store at {host}:{port} ({exc}); "
+                "create the group on a free port (see free_port)"
+            )
+        else:
+            msg = (
+                f"{where} could not form after {waited:.1f} s: rank 0's store at "
+                f"{host}:{port} was not reachable ({exc}). Check that every member "
+                "was started with the same host, port and world_size and can reach rank 0"
+            )
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
+            raise BroadcastTimeoutError(msg) from exc
+        raise BroadcastError(msg) from exc
+    return made.pop()
+
+
+def _make_backend(
+    backend: str, store: Any, rank: int, world_size: int, timeout_s: float, deadline: float
+) -> Any:
+    """The group's backend object, built on its store (gloo's connects every pair here)."""
+    if backend == "gloo":
+        remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        pg = dist.ProcessGroupGloo(store, rank, world_size, remaining)
+        # Collectives get their own deadline; the default is the group's timeout.
+        set_default = getattr(pg, "_set_default_timeout", None)
+        if set_default is not None:
+            set_default(timedelta(seconds=timeout_s))
+        return pg
+    timeout = timedelta(seconds=timeout_s)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    # Read when the group is made: on a failure NCCL's watchdog aborts this
+    # communicator only, instead of ending the whole trainer process.
+    with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def _who_held_up(store: Any, rank: int, world_size: int) -> str:
+    """Which members held the formation up, for its error message (best effort, <= 1 s).
+
+    Asked aside: a rank 0 that stalled would hold the store's answers too.
+    """
+    others = [r for r in range(world_size) if r != rank]
+    found: list[tuple[list[int], list[int]]] = []
+
+    def ask() -> None:
+        idle = [r for r in others if not store.check([f"connecting/{r}"])]
+        slow = [r for r in others if not store.check([f"made/{r}"])]
+        found.append((idle, slow))
+
+    try:
+        _bounded(ask, time.monotonic() + 1.0, lambda: None, "the store did not answer")
+    except BroadcastError:  # the store is gone with rank 0, or stalled with it
+        return ""
+    idle, slow = found[0]
+    if idle:
+        return (
+            f"; ranks {idle} checked in but never started making it (stalled or died "
+            "since): restart them and form the group again on a fresh port"
+        )
+    if slow:
+        return (
+            f"; ranks {slow} did not finish making it: check that every member can "
+            "reach the others' addresses"
+        )
+    return ""
 
 
 # Helper threads that may still be inside gloo (an abort, a connection left

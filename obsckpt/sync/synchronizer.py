@@ -99,10 +99,7 @@ class Synchronizer:
         self._changed: asyncio.Condition | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._poll_lock: asyncio.Lock | None = None
-        self._registry = registry
-        self._local_metrics: Metrics | None = None
-        self._monitor: Any = None  # the job's monitor actor, once found
-        self._monitor_checked = 0.0
+        self._telemetry_route = _TelemetryRoute(namespace, registry)
         if tracing.requested(trace_exporter):
             tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
 
@@ -116,7 +113,6 @@ class Synchronizer:
         trace_exporter: str | None = None,
         watch: bool = True,
         config: Any = None,
-        **_ignored: Any,
     ) -> Any:
         """The job's synchronizer actor, named ``synchronizer`` (created if absent).
 
@@ -124,8 +120,9 @@ class Synchronizer:
         With ``watch`` (and a ``default_local_dir``), checkpoint sync starts at once.
         Trinity's call shape works too: ``get_actor(config)`` or
         ``get_actor(config=config)`` take the namespace from
-        ``config.ray_namespace`` (an explicit ``namespace=`` wins). Other
-        keywords are accepted and ignored.
+        ``config.ray_namespace`` (an explicit ``namespace=`` wins); those are
+        the only arguments Trinity-RFT passes. Any other keyword is refused
+        (``TypeError`` naming it), so a misspelt one never goes unnoticed.
 
         Returns:
             The actor's Ray handle: call its methods with ``.remote()``. Typed
@@ -134,20 +131,11 @@ class Synchronizer:
         Raises:
             ValueError: a synchronizer already runs in the namespace watching
                 another root (or none) while ``default_local_dir`` is given.
-            TypeError: ``config.ray_namespace`` is not a string.
+            TypeError: ``config.ray_namespace`` is not a string, or a keyword is unknown.
         """
         import ray
 
-        if namespace is not None and not isinstance(namespace, str):
-            config, namespace = namespace, None  # Trinity: get_actor(config)
-        if namespace is None and config is not None:
-            namespace = getattr(config, "ray_namespace", None)
-            if namespace is not None and not isinstance(namespace, str):
-                raise TypeError(
-                    f"config.ray_namespace must be a str, got {type(namespace).__name__} "
-                    f"{namespace!r}; pass namespace= explicitly"
-                )
-
+        namespace = _namespace_of(namespace, config)
         options: dict[str, Any] = dict(
             name=ACTOR_NAME, get_if_exists=True, max_concurrency=1000, num_cpus=0
         )
@@ -167,18 +155,7 @@ class Synchronizer:
             )
         )
         if default_local_dir is not None:
-            # get_if_exists hands back a synchronizer already running under the name,
-            # whatever root it watches: the rollout would then never see this job's steps.
-            running: str | None = ray.get(actor.checkpoint_root.remote())
-            if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
-                where = f"namespace {namespace!r}" if namespace else "this job's namespace"
-                watched = f"watches {running!r}" if running else "watches no checkpoint root"
-                raise ValueError(
-                    f"a {ACTOR_NAME} actor already runs in {where} and {watched}, not "
-                    f"default_local_dir={default_local_dir!r}. Create it with this root "
-                    "before anything asks for it without one, give this job a Ray namespace "
-                    "of its own, or pass the same default_local_dir"
-                )
+            _check_root(actor, default_local_dir, namespace)
         if watch:
             ray.get(actor.start.remote())
         return actor
@@ -334,9 +311,10 @@ class Synchronizer:
         """This actor's local metrics (used only when no monitor runs in the namespace)."""
         from prometheus_client import generate_latest
 
-        if self._local_metrics is None:
+        local = self._telemetry_route.local_metrics
+        if local is None:
             return ""
-        return generate_latest(self._local_metrics.registry).decode()
+        return generate_latest(local.registry).decode()
 
     async def status(self) -> dict[str, Any]:
         """Version held and where it came from, checkpoint-sync progress and failures."""
@@ -351,7 +329,7 @@ class Synchronizer:
             "load_failures": self._load_failures,
             "failed_steps": dict(self._failed_steps),
             "last_error": self._last_error,
-            "telemetry": "monitor" if self._monitor is not None else "local",
+            "telemetry": "monitor" if self._telemetry_route.monitor is not None else "local",
         }
 
     async def debug_spans(self) -> list[dict[str, Any]]:
@@ -407,35 +385,7 @@ class Synchronizer:
             self._telemetry().model_version("rollout", version)
 
     def _telemetry(self) -> WeightSyncTelemetry:
-        monitor = self._find_monitor()
-        if monitor is not None:
-            return WeightSyncTelemetry(monitor=monitor)
-        if self._local_metrics is None:
-            from prometheus_client import CollectorRegistry
-
-            from obsckpt.telemetry.metrics import Metrics
-
-            self._local_metrics = Metrics(self._registry or CollectorRegistry())
-        return WeightSyncTelemetry(metrics=self._local_metrics)
-
-    def _find_monitor(self) -> Any:
-        if self._monitor is not None:
-            return self._monitor
-        now = time.monotonic()
-        if now - self._monitor_checked < _MONITOR_RETRY_S and self._monitor_checked:
-            return None
-        self._monitor_checked = now
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return None
-            # An actor's runtime namespace is its job's, not the one it is named in.
-            namespace = self.namespace or ray.get_runtime_context().namespace
-            self._monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace)
-        except Exception:  # noqa: BLE001 - no monitor in this namespace (yet)
-            return None
-        return self._monitor
+        return self._telemetry_route.get()
 
     async def _watch(self) -> None:
         while True:
@@ -454,13 +404,11 @@ class Synchronizer:
         if self._poll_lock is None:
             self._poll_lock = asyncio.Lock()
         async with self._poll_lock:
-            await self._poll_locked()
+            await self._poll_locked(self.root)
 
-    async def _poll_locked(self) -> None:
-        if self.root is None:
-            return
+    async def _poll_locked(self, root: Path) -> None:
         try:
-            step = reader.read_iteration(self.root, "state_dict")
+            step = reader.read_iteration(root, "state_dict")
         except IterationFileError as exc:
             self._last_error = str(exc)
             return
@@ -470,7 +418,7 @@ class Synchronizer:
             return
         if self._stale_upto is not None and step <= self._stale_upto:
             return
-        await self._load_step(self.root, step)
+        await self._load_step(root, step)
 
     async def _load_step(self, root: Path, step: int) -> None:
         sdir = layout.step_dir(root, step)
@@ -488,17 +436,8 @@ class Synchronizer:
                 )
                 sp.set_attribute("obsckpt.bytes", nbytes)
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
-            newer = await asyncio.to_thread(_superseded_and_removed, root, step)
-            if newer is not None:
-                # Retention deleted it once a newer step committed: nothing is wrong.
-                logger.info(
-                    "obsckpt: synchronizer skips step %d: it was superseded by step %d and "
-                    "removed while it loaded; step %d is next",
-                    step,
-                    newer,
-                    newer,
-                )
-                return
+            if await asyncio.to_thread(_removed_by_retention, root, step):
+                return  # nothing is wrong: a newer step is next
             msg = f"step {step}: {exc}"
             self._failed_steps[step] = str(exc)
             if len(self._failed_steps) > _KEEP_FAILED:
@@ -521,25 +460,128 @@ class Synchronizer:
             self._loaded_step = step
 
 
-def _superseded_and_removed(root: Path, step: int) -> int | None:
-    """The newer committed state-dict step, when ``step``'s files are gone or going.
+def _removed_by_retention(root: Path, step: int) -> bool:
+    """Whether ``step``'s files are gone or going because a newer step committed (logged).
 
     Retention deletes a whole step directory once a newer step is committed; a
     Synchronizer that read the iteration file before that commit may be loading
-    the step it deletes. None when the iteration file still names ``step`` (or
+    the step it deletes. False when the iteration file still names ``step`` (or
     cannot be read), or when the step is still whole on disk (a load error then
     is the step's own).
     """
     try:
         newer = reader.read_iteration(root, "state_dict")
     except IterationFileError:
-        return None
+        return False
     if newer is None or newer <= step:
-        return None
+        return False
     try:
         shard_files(layout.step_dir(root, step) / layout.MODEL_SUBDIR)
     except MegatronLayoutError:
-        return None  # whole, and never readable here: its own error says what to do
-    except StateDictLoadError:
-        return newer  # the directory, or some of its shards, already deleted
-    return None
+        return False  # whole, and never readable here: its own error says what to do
+    except StateDictLoadError:  # the directory, or some of its shards, already deleted
+        logger.info(
+            "obsckpt: synchronizer skips step %d: it was superseded by step %d and "
+            "removed while it loaded; step %d is next",
+            step,
+            newer,
+            newer,
+        )
+        return True
+    return False
+
+
+def _namespace_of(namespace: Any, config: Any) -> str | None:
+    """The namespace ``get_actor`` was given, or Trinity's ``config.ray_namespace``.
+
+    Trinity passes its config first (``get_actor(config)``) or as ``config=``.
+    """
+    if namespace is not None and not isinstance(namespace, str):
+        config, namespace = namespace, None  # Trinity: get_actor(config)
+    if isinstance(namespace, str):
+        return namespace
+    found = getattr(config, "ray_namespace", None) if config is not None else None
+    if found is None or isinstance(found, str):
+        return found
+    raise TypeError(
+        f"config.ray_namespace must be a str, got {type(found).__name__} "
+        f"{found!r}; pass namespace= explicitly"
+    )
+
+
+def _check_root(actor: Any, default_local_dir: str, namespace: str | None) -> None:
+    """Refuse a synchronizer that watches another root than ``default_local_dir`` (or none).
+
+    get_if_exists hands back a synchronizer already running under the name,
+    whatever root it watches: the rollout would then never see this job's steps.
+    """
+    import ray
+
+    running: str | None = ray.get(actor.checkpoint_root.remote())
+    if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
+        where = f"namespace {namespace!r}" if namespace else "this job's namespace"
+        watched = f"watches {running!r}" if running else "watches no checkpoint root"
+        raise ValueError(
+            f"a {ACTOR_NAME} actor already runs in {where} and {watched}, not "
+            f"default_local_dir={default_local_dir!r}. Create it with this root "
+            "before anything asks for it without one, give this job a Ray namespace "
+            "of its own, or pass the same default_local_dir"
+        )
+
+
+class _TelemetryRoute:
+    """The Synchronizer's one :class:`WeightSyncTelemetry`, kept for the actor's life.
+
+    Its measurements go to the job's monitor once one is found in the
+    namespace (looked up again at most every ``_MONITOR_RETRY_S``), and to
+    local metrics (:meth:`Synchronizer.metrics_text`) until then. Being one
+    object, its warn-once state and the monitor call that confirms the
+    measurements sent so far last from one measurement to the next.
+    """
+
+    def __init__(self, namespace: str | None, registry: Any) -> None:
+        self.namespace = namespace
+        self._registry = registry
+        self.local_metrics: Metrics | None = None
+        self.monitor: Any = None  # the job's monitor actor, once found
+        self._checked = 0.0
+        self._telemetry = WeightSyncTelemetry()
+
+    def get(self) -> WeightSyncTelemetry:
+        """The telemetry, sent to the monitor if there is one (now), else to local metrics."""
+        telemetry = self._telemetry
+        if telemetry.monitor is None:
+            monitor = self._find_monitor()
+            if monitor is not None:
+                telemetry.monitor, telemetry.metrics = monitor, None
+            elif telemetry.metrics is None:
+                telemetry.metrics = self._local()
+        return telemetry
+
+    def _local(self) -> Metrics:
+        if self.local_metrics is None:
+            from prometheus_client import CollectorRegistry
+
+            from obsckpt.telemetry.metrics import Metrics
+
+            self.local_metrics = Metrics(self._registry or CollectorRegistry())
+        return self.local_metrics
+
+    def _find_monitor(self) -> Any:
+        if self.monitor is not None:
+            return self.monitor
+        now = time.monotonic()
+        if now - self._checked < _MONITOR_RETRY_S and self._checked:
+            return None
+        self._checked = now
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return None
+            # An actor's runtime namespace is its job's, not the one it is named in.
+            namespace = self.namespace or ray.get_runtime_context().namespace
+            self.monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace)
+        except Exception:  # noqa: BLE001 - no monitor in this namespace (yet)
+            return None
+        return self.monitor

@@ -56,9 +56,14 @@ nothing). :meth:`IpcWeightSender.close` and :meth:`IpcWeightReceiver.close`
 release them.
 
 Modules: :mod:`~obsckpt.sync.ipc.payload` (what travels),
-:mod:`~obsckpt.sync.ipc.sender`, :mod:`~obsckpt.sync.ipc.receiver`, and
-:mod:`~obsckpt.sync.ipc.streams` (the CUDA streams and interprocess events
-both sides use).
+:mod:`~obsckpt.sync.ipc.sender` (the trainer side's transport: payload,
+acknowledgement, deadline), :mod:`~obsckpt.sync.ipc.layouts` (how the
+trainer's tensors are laid out for the receiver: direct storages or buckets),
+:mod:`~obsckpt.sync.ipc.shm` (the CPU fallback's shared-memory files),
+:mod:`~obsckpt.sync.ipc.receiver`, and :mod:`~obsckpt.sync.ipc.streams` (the
+CUDA streams and interprocess events both sides use). The version rule and
+:class:`~obsckpt.sync.BroadcastResult` are :mod:`~obsckpt.sync.wire`'s, shared
+with the broadcast.
 """
 
 from obsckpt.errors import IpcLayoutUnknownError

@@ -15,6 +15,7 @@ from obsckpt.errors import BroadcastError, BroadcastTimeoutError, IpcLayoutUnkno
 from obsckpt.sync.buckets import TensorMeta, plan_buckets
 from obsckpt.sync.ipc import streams
 from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, copy_many, device_uuid
+from obsckpt.sync.wire import is_stale_step
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class IpcWeightReceiver:
                     f"unsupported ipc payload version {payload.version}; run the same obsckpt "
                     "version on both sides"
                 )
-            if self.last_step is not None and payload.step <= self.last_step:
+            if is_stale_step(payload.step, self.last_step):
                 raise BroadcastError(
                     f"refusing the weights of step {payload.step}: this rollout already holds "
                     f"step {self.last_step} and versions never go backwards"
@@ -335,22 +336,7 @@ class IpcWeightReceiver:
         """A byte tensor over one of the sender's storages."""
         if handle[0] != "cuda":
             raise BroadcastError(f"unknown ipc storage handle kind {handle[0]!r}")
-        return self._rebuild_cuda(handle[1], payload)
-
-    def _rebuild_cuda(self, reduced: Any, payload: IpcPayload) -> torch.Tensor:
-        rebuild, args = reduced
-        device = self.device or torch.device("cuda", torch.cuda.current_device())
-        mine = device_uuid(device)
-        if payload.device_uuid is not None and mine != payload.device_uuid:
-            raise BroadcastError(
-                f"the sender's tensors are on GPU {payload.device_uuid}, this rollout "
-                f"runs on {mine}; the ipc method needs both on the same GPU (use "
-                "sync_method='broadcast' across GPUs)"
-            )
-        args = list(args)
-        args[6] = device.index  # the sender's index may name another device here
-        rebuilt: torch.Tensor = rebuild(*args)
-        return rebuilt
+        return _rebuild_cuda(handle[1], payload, self.device)
 
     def _open(self, handle: Any, payload: IpcPayload) -> tuple[Any, torch.Tensor]:
         """``(key, byte tensor)`` of one of the sender's buckets, opened once while named."""
@@ -366,7 +352,7 @@ class IpcWeightReceiver:
             _, path, size = handle
             buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         elif handle[0] == "cuda":
-            buf = self._rebuild_cuda(handle[1], payload)
+            buf = _rebuild_cuda(handle[1], payload, self.device)
         else:
             raise BroadcastError(f"unknown ipc handle kind {handle[0]!r}")
         self._opened[key] = buf
@@ -430,6 +416,23 @@ class IpcWeightReceiver:
         self._targets = self._targets_key = None
         self._graph = self._last_pair = None
         self._done = None
+
+
+def _rebuild_cuda(reduced: Any, payload: IpcPayload, device: torch.device | None) -> torch.Tensor:
+    """A tensor over the sender's CUDA memory, opened on ``device`` (default: the current one)."""
+    rebuild, args = reduced
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    mine = device_uuid(device)
+    if payload.device_uuid is not None and mine != payload.device_uuid:
+        raise BroadcastError(
+            f"the sender's tensors are on GPU {payload.device_uuid}, this rollout "
+            f"runs on {mine}; the ipc method needs both on the same GPU (use "
+            "sync_method='broadcast' across GPUs)"
+        )
+    args = list(args)
+    args[6] = device.index  # the sender's index may name another device here
+    rebuilt: torch.Tensor = rebuild(*args)
+    return rebuilt
 
 
 def _plain_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device: torch.device) -> bool:
