@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 from reliability_helpers import Scrape, scrape, wait_for
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
-from obsckpt.telemetry.metrics import DURATION_BUCKETS, OVERFLOW_SLOT, Metrics, SlotLabels
+from obsckpt.monitor.labels import SlotLabels
+from obsckpt.telemetry.metrics import DURATION_BUCKETS, OVERFLOW_SLOT, Metrics
 
 PER_RANK = (
     "obsckpt_rank_last_save_duration_seconds",
@@ -120,7 +121,7 @@ class TestSlotLabelsAreBounded:
     def test_first_fold_is_logged_once_by_name(self, caplog):
         metrics = Metrics(CollectorRegistry())
         slots = SlotLabels(2, metrics.slot_label_overflows)
-        with caplog.at_level(logging.WARNING, logger="obsckpt.telemetry.metrics"):
+        with caplog.at_level(logging.WARNING, logger="obsckpt.monitor.labels"):
             got = [slots.label(s, count=True) for s in ("a", "b", "c", "d", "c", "a")]
         assert got == ["a", "b", OVERFLOW_SLOT, OVERFLOW_SLOT, OVERFLOW_SLOT, "a"]
         (record,) = caplog.records

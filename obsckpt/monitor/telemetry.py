@@ -17,12 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from obsckpt.layout import KINDS
 from obsckpt.monitor.events import CommitRecord, MonitorObserver
+from obsckpt.monitor.labels import RankSeries, SlotLabels
 from obsckpt.telemetry.metrics import (
     OVERFLOW_SLOT,
     RESULTS,
     Metrics,
-    RankSeries,
-    SlotLabels,
     validate_bytes,
     validate_role,
     validate_seconds,
