@@ -28,6 +28,7 @@ from obsckpt.integrations._common import (
     per_tensor_params,
     upload_engine_state_dict,
 )
+from obsckpt.options import MONITOR_ACTOR_NAME, lookup_actor
 from obsckpt.sync.buckets import TensorMeta, as_tensor_meta
 from obsckpt.sync.wire import BroadcastResult
 
@@ -270,17 +271,12 @@ class MegatronCheckpointManager:
                 "checkpoint through obsckpt"
             )
         if monitor is None and coordinator is None:
-            import ray
-
-            from obsckpt.monitor import ACTOR_NAME
-
-            try:
-                monitor = ray.get_actor(ACTOR_NAME, namespace=ray_namespace or None)
-            except ValueError as exc:
-                raise RuntimeError(
-                    f"no {ACTOR_NAME!r} actor in Ray namespace {ray_namespace!r}; create it "
-                    "first (CheckpointMonitor.get_actor(...)) or pass monitor="
-                ) from exc
+            monitor = lookup_actor(
+                MONITOR_ACTOR_NAME,
+                ray_namespace,
+                hint="create it first (CheckpointMonitor.get_actor(...)) or pass monitor=",
+                error=RuntimeError,
+            )
         if coordinator is None:
             from obsckpt.coordinator import CheckpointCoordinator
 
@@ -322,8 +318,6 @@ class MegatronCheckpointManager:
         **kwargs: Any,
     ) -> dict[str, int]:
         """Run verl's save with monitor notifications; returns this rank's save counts."""
-        import ray
-
         if local_path is None:
             return {"state_dict": 0, "checkpoint": 0}
         if not self._reporting:
@@ -335,10 +329,8 @@ class MegatronCheckpointManager:
         # saved, or, committing meanwhile, the monitor skips each rank's save at admission.
         written = not already_committed(self.coordinator, global_step, _log, is_state_dict=False)
         if written:
-            ray.get(
-                self.checkpoint_monitor.register_thread_count.remote(
-                    global_step, state_dict_thread_count=0, checkpoint_thread_count=1
-                )
+            self.coordinator.link.register_thread_count(
+                global_step, state_dict_thread_count=0, checkpoint_thread_count=1
             )
             written = self.coordinator.save_sync(
                 lambda: self.base.save_checkpoint(
