@@ -24,8 +24,12 @@ from typing import Any
 import torch
 
 from obsckpt import layout
+from obsckpt.options import MONITOR_ACTOR_NAME, lookup_actor
 
 logger = logging.getLogger(__name__)
+
+# The demo's driver starts the monitor before any worker: a miss means it has gone.
+_NO_MONITOR = "the demo's monitor has stopped; see the driver's output for why"
 
 # Small buckets: the demo's model is a few MB, the library default is 256 MiB.
 BUCKET_BYTES = 4 << 20
@@ -88,7 +92,6 @@ class TrainerRank:
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         """Join the job's process group, build and shard the model; returns its description."""
-        import ray
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
@@ -126,7 +129,7 @@ class TrainerRank:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / 5)
         )
-        self.monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
+        self.monitor = lookup_actor(MONITOR_ACTOR_NAME, self.namespace, hint=_NO_MONITOR)
         self.coordinator = CheckpointCoordinator(self.monitor, rank=self.rank)
         self.manager = FSDPCheckpointManager(
             model=model,
@@ -307,10 +310,9 @@ class Rollout:
         _setup_worker_tracing("obsckpt-demo-rollout")
 
     def _report(self, version: int) -> None:
-        import ray
 
         if self._monitor is None:
-            self._monitor = ray.get_actor("checkpoint_monitor", namespace=self.namespace)
+            self._monitor = lookup_actor(MONITOR_ACTOR_NAME, self.namespace, hint=_NO_MONITOR)
         self._monitor.record_model_version.remote("rollout", version)
 
     def _accept(self, got: int | None, expected: int) -> tuple[int, str]:

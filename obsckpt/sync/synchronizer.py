@@ -34,6 +34,7 @@ import torch
 
 from obsckpt import layout, reader, validators
 from obsckpt.errors import IterationFileError, MegatronLayoutError, StateDictLoadError
+from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME
 from obsckpt.sync.shards import load_sharded_state_dict, shard_files, state_dict_meta
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import tracing
@@ -43,8 +44,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ACTOR_NAME = "synchronizer"
-MONITOR_ACTOR_NAME = "checkpoint_monitor"
+ACTOR_NAME = SYNCHRONIZER_ACTOR_NAME
 # How often to look for a monitor that was not there yet.
 _MONITOR_RETRY_S = 5.0
 # Steps that could not be loaded, kept for status(); older ones are forgotten
