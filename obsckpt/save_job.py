@@ -26,6 +26,7 @@ from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.file_records import relative_record
 from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import MonitorLink
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 
@@ -131,9 +132,9 @@ class SaveJob:
             return 0.0
         t0 = time.perf_counter()
         attrs = {
-            "obsckpt.slot": self.slot,
-            "obsckpt.step": self.step,
-            "obsckpt.rank": self._link.rank,
+            span_attr.SLOT: self.slot,
+            span_attr.STEP: self.step,
+            span_attr.RANK: self._link.rank,
         }
         with tracing.span("obsckpt.join_wait", carrier=trace_context, attributes=attrs):
             finished = self.wait_ended(timeout)
@@ -208,10 +209,10 @@ class SaveJob:
     ) -> _Written | None:
         """Admission, then ``fn`` under the watchdog; None when the monitor skipped the save."""
         attrs = {
-            "obsckpt.step": self.step,
-            "obsckpt.slot": self.slot,
-            "obsckpt.kind": self.kind,
-            "obsckpt.rank": self._link.rank,
+            span_attr.STEP: self.step,
+            span_attr.SLOT: self.slot,
+            span_attr.KIND: self.kind,
+            span_attr.RANK: self._link.rank,
         }
         watchdog = None
         with tracing.span("obsckpt.save", carrier=carrier, attributes=attrs) as span:
@@ -225,7 +226,7 @@ class SaveJob:
                 self._end_snapshot()
                 raise
             if admitted.get("skipped"):
-                span.set_attribute("obsckpt.skipped", True)
+                span.set_attribute(span_attr.SKIPPED, True)
                 self._skip(admitted.get("latest"))
                 return None
             try:
@@ -234,17 +235,17 @@ class SaveJob:
                     records = fn() or []
                 except BaseException as exc:
                     self.fn_error = exc
-                    span.set_attribute("obsckpt.error", type(exc).__name__)
+                    span.set_attribute(span_attr.ERROR, type(exc).__name__)
                     raise
                 if self._claimed():
                     # The watchdog already reported this save as timed out; the trace agrees.
-                    span.set_attribute("obsckpt.error", SaveTimeoutError.__name__)
+                    span.set_attribute(span_attr.ERROR, SaveTimeoutError.__name__)
                     span.set_status(
                         Status(StatusCode.ERROR, f"exceeded save_timeout={self._save_timeout} s")
                     )
                 duration = time.perf_counter() - t0
                 nbytes = sum(r.size for r in records)
-                span.set_attribute("obsckpt.bytes", nbytes)
+                span.set_attribute(span_attr.BYTES, nbytes)
             finally:
                 if watchdog is not None:
                     watchdog.cancel()

@@ -220,7 +220,7 @@ class TestTools:
         assert "monitor: none holds this root" in capsys.readouterr().out
 
     def test_demo_refuses_a_root_in_use_and_removes_nothing(self, tmp_path, quick):
-        from obsckpt.demo.job import DemoConfig
+        from obsckpt.demo.config import DemoConfig
         from obsckpt.demo.root import MARKER, prepare_root
         from obsckpt.errors import DemoError
 

@@ -25,6 +25,7 @@ from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.group import WeightSyncGroup
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.sync.wire import BroadcastResult
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 _log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def upload_state_dict(
     import ray
 
     log = logger or _log
-    attrs = {"obsckpt.step": global_step, "obsckpt.rank": rank}
+    attrs = {span_attr.STEP: global_step, span_attr.RANK: rank}
     t0 = time.perf_counter()
     if rank != 0:
         gather_full_state_dict(named_tensors, keep=False)
@@ -123,7 +124,7 @@ def upload_state_dict(
     with tracing.span("obsckpt.upload", carrier=trace_context, attributes=attrs) as sp:
         state_dict = gather_full_state_dict(named_tensors, keep=True)
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        sp.set_attribute("obsckpt.bytes", nbytes)
+        sp.set_attribute(span_attr.BYTES, nbytes)
         ray.get(synchronizer.set_model_state_dict.remote(state_dict, global_step))
     seconds = time.perf_counter() - t0
     try:
@@ -204,7 +205,7 @@ def broadcast_named_tensors(
     # A torch.distributed group: one synchronous broadcast per tensor.
     nbytes = sum(m.nbytes for m in meta)
     backend = str(dist.get_backend(model_update_group))
-    attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": rank}
+    attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.RANK: rank}
     with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs):
         t0 = time.perf_counter()
         count = 0

@@ -55,6 +55,7 @@ from obsckpt.sync.buckets import (
 )
 from obsckpt.sync.group import WeightSyncGroup
 from obsckpt.sync.wire import BroadcastResult
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 __all__ = ["MODES", "BroadcastResult", "WeightBroadcaster"]
@@ -147,14 +148,14 @@ class WeightBroadcaster(BroadcastReceiving):
             items = _announced(items, meta)
         check_unique_names(meta)
         nbytes = sum(m.nbytes for m in meta)
-        attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.rank": self.group.rank}
+        attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.RANK: self.group.rank}
         with (
             tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp,
             self._failing("sending"),
         ):
-            sp.set_attribute("obsckpt.backend", self.group.backend)
-            sp.set_attribute("obsckpt.method", "broadcast")
-            sp.set_attribute("obsckpt.mode", mode)
+            sp.set_attribute(span_attr.BACKEND, self.group.backend)
+            sp.set_attribute(span_attr.METHOD, "broadcast")
+            sp.set_attribute(span_attr.MODE, mode)
             t0 = time.perf_counter()
             deadline = self.group.deadline(self.timeout_s)
             plan = self._send_header(meta, mode, step, deadline)

@@ -24,6 +24,7 @@ from obsckpt.sync import wire
 from obsckpt.sync.broadcast_endpoint import BroadcastEndpoint
 from obsckpt.sync.buckets import Bucket, TensorMeta, plan_buckets
 from obsckpt.sync.group import WeightSyncGroup
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 # Two buffers: one being received into while the other is copied out.
@@ -74,18 +75,18 @@ class BroadcastReceiving(BroadcastEndpoint):
         """
         if self.is_sender:
             raise BroadcastError(f"rank {self.group.rank} is the sender; call send()")
-        attrs = {"obsckpt.rank": self.group.rank, "obsckpt.method": "broadcast"}
+        attrs = {span_attr.RANK: self.group.rank, span_attr.METHOD: "broadcast"}
         with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
             with self._failing("receiving"):
                 t0 = time.perf_counter()
                 deadline = self.group.deadline(self.timeout_s)
                 mode, meta, plan, step = self._recv_header(deadline)
                 nbytes = sum(m.nbytes for m in meta)
-                sp.set_attribute("obsckpt.bytes", nbytes)
-                sp.set_attribute("obsckpt.backend", self.group.backend)
-                sp.set_attribute("obsckpt.mode", mode)
+                sp.set_attribute(span_attr.BYTES, nbytes)
+                sp.set_attribute(span_attr.BACKEND, self.group.backend)
+                sp.set_attribute(span_attr.MODE, mode)
                 if step is not None:
-                    sp.set_attribute("obsckpt.step", step)
+                    sp.set_attribute(span_attr.STEP, step)
                 held = self.last_step
                 refused = wire.is_stale_step(step, held)
                 mismatched: list[str] = []

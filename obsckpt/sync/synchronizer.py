@@ -37,6 +37,7 @@ from obsckpt.errors import IterationFileError, MegatronLayoutError, StateDictLoa
 from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME
 from obsckpt.sync.shards import load_sharded_state_dict, shard_files, state_dict_meta
 from obsckpt.sync.telemetry import WeightSyncTelemetry
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -425,7 +426,7 @@ class Synchronizer:
         model_dir = sdir / layout.MODEL_SUBDIR
         t0 = time.perf_counter()
         try:
-            with tracing.span("obsckpt.upload", attributes={"obsckpt.step": step}) as sp:
+            with tracing.span("obsckpt.upload", attributes={span_attr.STEP: step}) as sp:
                 state_dict = await asyncio.to_thread(
                     load_sharded_state_dict, model_dir, manifest_dir=sdir
                 )
@@ -434,7 +435,7 @@ class Synchronizer:
                     for t in state_dict.values()
                     if isinstance(t, torch.Tensor)
                 )
-                sp.set_attribute("obsckpt.bytes", nbytes)
+                sp.set_attribute(span_attr.BYTES, nbytes)
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
             if await asyncio.to_thread(_removed_by_retention, root, step):
                 return  # nothing is wrong: a newer step is next

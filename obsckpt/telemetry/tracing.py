@@ -41,6 +41,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from obsckpt.telemetry import attributes as span_attr
+
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "obsckpt"
@@ -430,7 +432,7 @@ def checkpoint_span(step: int, *, is_state_dict: bool = False) -> Iterator[dict[
     passes it to the monitor, so the commit joins the same trace.
     """
     kind = "state_dict" if is_state_dict else "checkpoint"
-    with span("obsckpt.checkpoint", attributes={"obsckpt.step": step, "obsckpt.kind": kind}):
+    with span("obsckpt.checkpoint", attributes={span_attr.STEP: step, span_attr.KIND: kind}):
         yield inject()
 
 

@@ -16,6 +16,7 @@ from obsckpt.sync.buckets import TensorMeta, plan_buckets
 from obsckpt.sync.ipc import streams
 from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, copy_many, device_uuid
 from obsckpt.sync.wire import is_stale_step
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 logger = logging.getLogger(__name__)
@@ -110,11 +111,11 @@ class IpcWeightReceiver:
                 queued, with ``wait=False``), after the sender's deadline.
         """
         t0 = time.perf_counter()
-        attrs = {"obsckpt.step": payload.step, "obsckpt.method": METHOD}
+        attrs = {span_attr.STEP: payload.step, span_attr.METHOD: METHOD}
         with tracing.span(
             "obsckpt.broadcast", carrier=payload.trace_context, attributes=attrs
         ) as sp:
-            sp.set_attribute("obsckpt.backend", payload.backend)
+            sp.set_attribute(span_attr.BACKEND, payload.backend)
             if payload.version != PAYLOAD_VERSION:
                 raise BroadcastError(
                     f"unsupported ipc payload version {payload.version}; run the same obsckpt "
@@ -126,8 +127,8 @@ class IpcWeightReceiver:
                     f"step {self.last_step} and versions never go backwards"
                 )
             self._check_deadline(payload, "arrived")
-            sp.set_attribute("obsckpt.bytes", payload.nbytes)
-            sp.set_attribute("obsckpt.ipc_layout", payload.layout)
+            sp.set_attribute(span_attr.BYTES, payload.nbytes)
+            sp.set_attribute(span_attr.IPC_LAYOUT, payload.layout)
             if payload.described:
                 self._take_layout(payload)
             elif self._held != (payload.layout_id, payload.layout):
@@ -166,7 +167,7 @@ class IpcWeightReceiver:
                 if not clone:  # the copy wrote (or is writing) the held weights
                     self.weights_valid = False
                 raise
-            sp.set_attribute("obsckpt.ipc_queued", queued)
+            sp.set_attribute(span_attr.IPC_QUEUED, queued)
             self.last_step = payload.step
             if not clone:
                 self.weights_valid = True

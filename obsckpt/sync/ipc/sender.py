@@ -25,6 +25,7 @@ from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, device
 from obsckpt.sync.ipc.shm import remove_orphaned_shm
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.sync.wire import BroadcastResult, check_newer_step
+from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 __all__ = ["IpcWeightSender", "remove_orphaned_shm"]
@@ -100,16 +101,16 @@ class IpcWeightSender(SenderLayouts):
             names, tensors = [n for n, _ in pairs], [t for _, t in pairs]
         fp = self._take(names, tensors)
         nbytes = self._nbytes
-        attrs = {"obsckpt.step": step, "obsckpt.bytes": nbytes, "obsckpt.method": METHOD}
+        attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.METHOD: METHOD}
         payload: IpcPayload | None = None
         try:
             with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
-                sp.set_attribute("obsckpt.backend", self.backend)
+                sp.set_attribute(span_attr.BACKEND, self.backend)
                 t0 = time.perf_counter()
                 # The receiver's deadline is the sender's: set before any work.
                 deadline = time.monotonic() + self.timeout_s
                 layout, direct = self._prepare(tensors, fp)
-                sp.set_attribute("obsckpt.ipc_layout", layout)
+                sp.set_attribute(span_attr.IPC_LAYOUT, layout)
                 payload = self._payload(step, layout, direct, deadline)
                 try:
                     ack = self._await(deliver(payload), deadline)
@@ -119,7 +120,7 @@ class IpcWeightSender(SenderLayouts):
                     # The receiver does not hold the layout (a restarted rollout):
                     # describe it again, within the same deadline.
                     logger.info("obsckpt: %s; describing the layout again", exc)
-                    sp.set_attribute("obsckpt.ipc_described_again", True)
+                    sp.set_attribute(span_attr.IPC_DESCRIBED_AGAIN, True)
                     self._acked_id = None
                     direct = self._describe_again(layout, tensors, fp)
                     payload = self._payload(step, layout, direct, deadline)
