@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -288,52 +287,21 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         if local_path is None:  # verl loads nothing then
             return
         if "://" not in local_path:  # verl copies remote ones
-            self._check_world_size(local_path)
+            check_world_size(
+                local_path,
+                self.world_size,
+                self.rank,
+                [
+                    prefix
+                    for prefix, wanted in (
+                        ("model", self.should_load_model),
+                        ("optim", self.should_load_optimizer),
+                        ("extra_state", self.should_load_extra),
+                    )
+                    if wanted
+                ],
+            )
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
-
-    def _check_world_size(self, local_path: str) -> None:
-        """Refuse, by name, a checkpoint written by another number of ranks.
-
-        verl reads ``<prefix>_world_size_<W>_rank_<R>.pt`` for this job's W and R
-        only; without this check a resume on another number of GPUs fails
-        with a bare missing-file error on some ranks.
-        """
-        prefixes = [
-            prefix
-            for prefix, wanted in (
-                ("model", self.should_load_model),
-                ("optim", self.should_load_optimizer),
-                ("extra_state", self.should_load_extra),
-            )
-            if wanted
-        ]
-        for prefix in prefixes:
-            if os.path.exists(self._path(local_path, prefix)):
-                continue
-            pattern = re.compile(rf"^{prefix}_world_size_(\d+)_rank_\d+\.pt$")
-            try:
-                names = os.listdir(local_path)
-            except OSError:
-                names = []
-            sizes = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
-            if sizes and self.world_size not in sizes:
-                saved = sizes[0] if len(sizes) == 1 else sizes
-                raise FileNotFoundError(
-                    f"{local_path} holds a checkpoint saved by {saved} ranks "
-                    f"({prefix}_world_size_{sizes[0]}_rank_*.pt), but this job runs "
-                    f"{self.world_size} ranks; verl loads FSDP shards only at the world size "
-                    "that saved them. Resume with the same number of GPUs (trainer.nnodes x "
-                    "trainer.n_gpus_per_node), or merge the step into an HF model (python -m "
-                    f"verl.model_merger merge --backend fsdp --local_dir {local_path} "
-                    "--target_dir <dir>) and start a new run from it"
-                )
-            raise FileNotFoundError(
-                f"{self._path(local_path, prefix)} does not exist: {local_path} is not a "
-                f"whole checkpoint of {self.world_size} ranks (checkpoint.load_contents asks "
-                f"for {prefixes}). Resume from a committed step (the one "
-                "latest_checkpointed_iteration.txt names) or drop what it lacks from "
-                "checkpoint.load_contents"
-            )
 
     def wait_on_save_thread(self, timeout: float | None = None) -> None:
         """Wait for every background save of this rank; raises the first failure."""
@@ -508,6 +476,51 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         # Fsynced and checksummed by this process (the monitor may run on another node).
         self.coordinator.save_async(
             "hf_model", save, global_step, paths=[hf_dir], unless_committed=True
+        )
+
+
+def check_world_size(local_path: str, world_size: int, rank: int, kinds: list[str]) -> None:
+    """Refuse, by name, a checkpoint written by another number of ranks.
+
+    verl reads ``<kind>_world_size_<W>_rank_<R>.pt`` for this job's W and R
+    only; without this check a resume on another number of GPUs fails with a
+    bare missing-file error on some ranks.
+
+    Raises:
+        FileNotFoundError: a file of ``kinds`` for this rank is missing (the message
+            names the world size that saved the step, if another, and what to do).
+    """
+    for kind in kinds:
+        path = os.path.join(local_path, layout.shard_name(kind, world_size, rank))
+        if os.path.exists(path):
+            continue
+        try:
+            names = os.listdir(local_path)
+        except OSError:
+            names = []
+        sizes = sorted(
+            {
+                int(m.group(2))
+                for n in names
+                if (m := layout.SHARD_RE.match(n)) is not None and m.group(1) == kind
+            }
+        )
+        if sizes and world_size not in sizes:
+            saved = sizes[0] if len(sizes) == 1 else sizes
+            raise FileNotFoundError(
+                f"{local_path} holds a checkpoint saved by {saved} ranks "
+                f"({kind}_world_size_{sizes[0]}_rank_*.pt), but this job runs "
+                f"{world_size} ranks; verl loads FSDP shards only at the world size "
+                "that saved them. Resume with the same number of GPUs (trainer.nnodes x "
+                "trainer.n_gpus_per_node), or merge the step into an HF model (python -m "
+                f"verl.model_merger merge --backend fsdp --local_dir {local_path} "
+                "--target_dir <dir>) and start a new run from it"
+            )
+        raise FileNotFoundError(
+            f"{path} does not exist: {local_path} is not a whole checkpoint of {world_size} "
+            f"ranks (checkpoint.load_contents asks for {kinds}). Resume from a committed "
+            "step (the one latest_checkpointed_iteration.txt names) or drop what it lacks "
+            "from checkpoint.load_contents"
         )
 
 
