@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("applications", ("inspection", "demo", "cli", "__main__", "")),
 ]
 MAX_MODULE_LINES = 620
-MAX_CLASS_LINES = 420
+MAX_CLASS_LINES = 400  # besides docstrings
 # Exceptions that stay where they are raised: control flow inside one module, never
 # seen by a caller of obsckpt.
 INTERNAL_EXCEPTIONS = {
@@ -118,6 +118,18 @@ def _imports(module: str, path: Path) -> set[str]:
     return local
 
 
+def _docstring_lines(cls: ast.ClassDef) -> int:
+    """Lines of the docstrings in ``cls``: they document its job, they are not another one."""
+    lines = 0
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    lines += first.end_lineno - first.lineno + 1
+    return lines
+
+
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 
@@ -161,7 +173,7 @@ class TestLayers:
 
 
 class TestSizes:
-    """Each module does one job: a few hundred lines, no class past ~400."""
+    """Each module does one job: a few hundred lines, no class past ~400 (docstrings aside)."""
 
     @pytest.mark.parametrize("module", sorted(MODULES))
     def test_module_and_class_sizes(self, module):
@@ -170,8 +182,10 @@ class TestSizes:
         assert lines <= MAX_MODULE_LINES, f"obsckpt.{module} has {lines} lines"
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ClassDef):
-                size = node.end_lineno - node.lineno + 1
-                assert size <= MAX_CLASS_LINES, f"{module}.{node.name} has {size} lines"
+                size = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
+                assert size <= MAX_CLASS_LINES, (
+                    f"{module}.{node.name} has {size} lines besides its docstrings"
+                )
 
 
 class TestExceptions:

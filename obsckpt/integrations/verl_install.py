@@ -30,6 +30,9 @@ Two trainers are covered: verl 0.9's default, the V1 ``PPOTrainer``
   would exit and kill the save threads). Subclasses' overrides of these
   methods (recipes, verl's experimental trainers) are wrapped the same way.
 
+What the wrapped trainer methods do is :mod:`obsckpt.integrations.verl_trainer`'s;
+this module installs them.
+
 Resume is verl's own ``_load_checkpoint``: it reads the iteration file, which
 names only committed steps, and each manager waits for its saves in flight
 before loading.
@@ -37,30 +40,48 @@ before loading.
 
 from __future__ import annotations
 
-import asyncio
-import builtins
-import contextvars
 import functools
 import importlib.abc
 import importlib.machinery
-import inspect
-import io
 import logging
-import os
 import sys
 import threading
-import time
 from typing import Any
 
-from obsckpt import commit, layout, reader
-from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
-from obsckpt.options import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
+from obsckpt.integrations.verl_trainer import (
+    COMMIT_TIMEOUT_ENV,
+    DEFAULT_COMMIT_TIMEOUT_S,
+    checkpoint_root,
+    diverting_open,
+    fit_wrapper,
+    link_for,
+    monitor_for,
+    save_and_submit,
+    save_wrapper,
+    setup_wrapper,
+    wait_for_commit,
+    wrap_torch_save,
+)
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "COMMIT_TIMEOUT_ENV",
+    "DEFAULT_COMMIT_TIMEOUT_S",
+    "HOOK",
+    "checkpoint_root",
+    "install",
+    "is_patched",
+    "link_for",
+    "monitor_for",
+    "patch",
+    "runtime_env",
+    "save_and_submit",
+    "wait_for_commit",
+    "worker_setup",
+]
+
 HOOK = "obsckpt.integrations.verl_install.worker_setup"
-COMMIT_TIMEOUT_ENV = OBSCKPT_VERL_COMMIT_TIMEOUT_S
-DEFAULT_COMMIT_TIMEOUT_S = 1800.0
 
 # verl module -> (name bound there, obsckpt module, obsckpt name). verl 0.9 builds
 # managers in its engines; verl 0.7 also in fsdp_workers / megatron_workers.
@@ -102,14 +123,6 @@ _lock = threading.RLock()
 _patched: set[str] = set()
 _finder: _PatchOnImport | None = None
 _ray_init_wrapped = False
-# Set while verl's _save_checkpoint runs: its writes of the iteration file are diverted
-# into this list (their text names the step it saved), not written.
-_diverted: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "obsckpt_verl_diverted", default=None
-)
-# The trainer whose _save_checkpoint runs: its torch.save of data.pt goes through
-# _save_data_file.
-_saving: contextvars.ContextVar[Any] = contextvars.ContextVar("obsckpt_verl_saving", default=None)
 
 
 # ----------------------------------------------------------------------
@@ -265,32 +278,6 @@ class _PatchingLoader(importlib.abc.Loader):
 # ----------------------------------------------------------------------
 
 
-def _diverting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-    """``open`` for verl's trainer modules: a write of the iteration file goes nowhere."""
-    writes = _diverted.get()
-    if (
-        writes is not None
-        and "w" in mode
-        and isinstance(file, str | os.PathLike)
-        and os.path.basename(os.fspath(file)) == layout.ITERATION_FILES["checkpoint"]
-    ):
-        return _DivertedWrite(writes)  # the monitor writes it when the step commits
-    return builtins.open(file, mode, *args, **kwargs)
-
-
-class _DivertedWrite(io.StringIO):
-    """What the trainer writes into the iteration file, kept to learn the step it saved."""
-
-    def __init__(self, writes: list[str]) -> None:
-        super().__init__()
-        self._writes = writes
-
-    def close(self) -> None:
-        if not self.closed:
-            self._writes.append(self.getvalue())
-        super().close()
-
-
 def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
     """Wrap ``class_name`` and every subclass of it, also those defined later.
 
@@ -301,7 +288,7 @@ def _patch_trainer(module: Any, class_name: str, setup_name: str) -> None:
     only at commit, and ``fit`` returns only once the last step is committed.
     """
     cls = getattr(module, class_name)
-    _wrap_torch_save()
+    wrap_torch_save()
     _wrap_trainer_class(cls, setup_name)
     pending = list(cls.__subclasses__())
     while pending:
@@ -324,12 +311,12 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
     """Wrap the trainer methods ``cls`` itself defines (not inherited ones) once."""
     module = sys.modules.get(cls.__module__)
     # Looked up in module globals before builtins; a module's own ``open`` is left alone.
-    if module is not None and getattr(module, "open", _diverting_open) is _diverting_open:
+    if module is not None and getattr(module, "open", diverting_open) is diverting_open:
         try:
-            setattr(module, "open", _diverting_open)  # noqa: B010 - a module's global
+            setattr(module, "open", diverting_open)  # noqa: B010 - a module's global
         except (AttributeError, TypeError):  # a module that takes no attributes
             logger.warning("obsckpt: cannot divert the iteration file write of %s", module)
-    makers = {setup_name: _setup_wrapper, "_save_checkpoint": _save_wrapper, "fit": _fit_wrapper}
+    makers = {setup_name: setup_wrapper, "_save_checkpoint": save_wrapper, "fit": fit_wrapper}
     for name, make in makers.items():
         orig = cls.__dict__.get(name)
         if orig is None or not callable(orig) or getattr(orig, "obsckpt", False):
@@ -337,276 +324,3 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
         wrapper = make(orig)
         wrapper.obsckpt = True
         setattr(cls, name, wrapper)
-
-
-def _wrap_torch_save() -> None:
-    """Route the trainer's ``torch.save`` of ``data.pt`` through :func:`_save_data_file`.
-
-    verl's trainers write ``data.pt`` with ``torch.save(state, path)``, which
-    writes in place: a job resumed from an older step would rewrite a committed
-    step's file (it would no longer match the step's manifest), and a crash
-    would leave it torn. Every other call, and every call outside a trainer's
-    ``_save_checkpoint``, is ``torch.save`` itself.
-    """
-    import torch
-
-    original = torch.save
-    if getattr(original, "obsckpt", False):
-        return
-
-    @functools.wraps(original)
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = _saving.get()
-        if trainer is not None and _is_data_file(trainer, f):
-            return _save_data_file(trainer, obj, os.fspath(f), original, *args, **kwargs)
-        return original(obj, f, *args, **kwargs)
-
-    save.obsckpt = True  # type: ignore[attr-defined]
-    torch.save = save
-
-
-def _is_data_file(trainer: Any, f: Any) -> bool:
-    """Whether ``f`` is ``<trainer.default_local_dir>/global_step_<N>/data.pt``."""
-    if not isinstance(f, str | os.PathLike):
-        return False
-    path = os.path.abspath(os.fspath(f))
-    step_dir = os.path.dirname(path)
-    return (
-        os.path.basename(path) == layout.DATA_FILE
-        and layout.step_of_dir_name(os.path.basename(step_dir)) is not None
-        and os.path.dirname(step_dir) == checkpoint_root(trainer)
-    )
-
-
-def _save_data_file(
-    trainer: Any, obj: Any, path: str, save: Any, *args: Any, **kwargs: Any
-) -> None:
-    """Write the trainer's ``data.pt`` atomically, unless its step already holds a committed one.
-
-    A step whose checkpoint the monitor has committed (or a later one) keeps
-    its files, as the workers' managers keep theirs: a job resumed from an
-    older step retrains it. So does a step whose manifest lists ``data.pt``
-    (committed with the step's state dict).
-    """
-    step_dir = os.path.dirname(path)
-    step = layout.step_of_dir_name(os.path.basename(step_dir))
-    latest = link_for(trainer).latest_steps().get("checkpoint")
-    if (latest is not None and step is not None and step <= latest) or _listed(step_dir):
-        logger.info(
-            "obsckpt: %s not written again: step %s is committed (latest committed "
-            "checkpoint: %s) and a rewrite would change a file its manifest vouches for",
-            path,
-            step,
-            latest,
-        )
-        return
-    buffer = io.BytesIO()
-    save(obj, buffer, *args, **kwargs)
-    commit.atomic_write(path, buffer.getvalue())
-
-
-def _listed(step_dir: str) -> bool:
-    """Whether the step's manifest lists ``data.pt``."""
-    try:
-        return any(r.path == layout.DATA_FILE for r in reader.read_manifest(step_dir))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError) as exc:
-        raise RuntimeError(
-            f"{os.path.join(step_dir, layout.MANIFEST_NAME)} cannot be read ({exc}), so whether "
-            f"the step's {layout.DATA_FILE} is committed is unknown; check the step with "
-            "`obsckpt verify`, and move the step directory aside if it is damaged"
-        ) from exc
-
-
-def _setup_wrapper(orig: Any) -> Any:
-    if inspect.iscoroutinefunction(orig):
-
-        @functools.wraps(orig)
-        async def setup_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-            monitor_for(self)  # before any worker builds its manager (which looks it up)
-            return await orig(self, *args, **kwargs)
-
-        return setup_async
-
-    @functools.wraps(orig)
-    def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
-        monitor_for(self)
-        return orig(self, *args, **kwargs)
-
-    return setup
-
-
-def _save_wrapper(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _diverted.get() is not None:  # an override calling verl's: the outer call submits
-            return orig(self, *args, **kwargs)
-        return save_and_submit(self, lambda: orig(self, *args, **kwargs))
-
-    return _save_checkpoint
-
-
-def _fit_wrapper(orig: Any) -> Any:
-    if inspect.iscoroutinefunction(orig):
-
-        @functools.wraps(orig)
-        async def fit_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = await orig(self, *args, **kwargs)
-            await asyncio.to_thread(wait_for_commit, self)
-            return result
-
-        return fit_async
-
-    @functools.wraps(orig)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = orig(self, *args, **kwargs)
-        wait_for_commit(self)
-        return result
-
-    return fit
-
-
-def checkpoint_root(trainer: Any) -> str:
-    """``trainer.default_local_dir`` as an absolute path (verl resolves it against the cwd)."""
-    return os.path.abspath(os.fspath(trainer.config.trainer.default_local_dir))
-
-
-def monitor_for(trainer: Any) -> Any:
-    """The job's monitor actor for this trainer's checkpoint root (created if absent)."""
-    monitor = getattr(trainer, "_obsckpt_monitor", None)
-    if monitor is None:
-        from obsckpt.monitor import CheckpointMonitor
-
-        hdfs = trainer.config.trainer.get("default_hdfs_dir", None)
-        if hdfs:
-            raise ValueError(
-                f"trainer.default_hdfs_dir={hdfs!r}: obsckpt's verl integration does not copy "
-                "checkpoints to HDFS (verl 0.9 cannot resume from there either); set it to null"
-            )
-        monitor = CheckpointMonitor.get_actor(default_local_dir=checkpoint_root(trainer))
-        trainer._obsckpt_monitor = monitor
-    return monitor
-
-
-def link_for(trainer: Any) -> MonitorLink:
-    """The driver's calls to the job's monitor (:func:`monitor_for`), made once per trainer."""
-    link = getattr(trainer, "_obsckpt_link", None)
-    if link is None:
-        link = MonitorLink(monitor_for(trainer), rank=None, rpc_timeout=DEFAULT_RPC_TIMEOUT_S)
-        trainer._obsckpt_link = link
-    return link
-
-
-def save_and_submit(trainer: Any, save: Any) -> Any:
-    """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit.
-
-    A V1 trainer's ``checkpoint_callback`` is called after the step is
-    committed: verl calls it once the iteration file names the step
-    (``async_save=False``: the checkpoint is durable), and a callback that
-    uploads or registers the step must not see files still being written.
-    verl's default callback does nothing, so it does not make the save wait.
-    """
-    link = link_for(trainer)
-    writes: list[str] = []
-    callback = getattr(trainer, "checkpoint_callback", None)
-    deferred: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    if callback is not None:
-        trainer.checkpoint_callback = _DeferredCallback(deferred)
-    token = _diverted.set(writes)
-    saving = _saving.set(trainer)
-    try:
-        result = save()
-    finally:
-        _saving.reset(saving)
-        _diverted.reset(token)
-        if callback is not None:
-            trainer.checkpoint_callback = callback
-    # The step the trainer named in the iteration file is the one it saved (verl's
-    # fully asynchronous trainer saves at its parameter version, not global_steps).
-    step = _written_step(writes)
-    if step is None:  # nothing written (Megatron's async_save path): verl's own counter
-        step = int(trainer.global_steps)
-    step_dir = layout.step_dir(checkpoint_root(trainer), step)
-    data = step_dir / layout.DATA_FILE  # verl's dataloader state, written with torch.save
-    if data.exists():
-        commit.fsync_file(data)
-    # The V1 trainer's asynchronous modes save the prompts in flight here.
-    _fsync_tree(step_dir / "transfer_queue")
-    if step_dir.is_dir():
-        commit.fsync_dir(step_dir)
-    link.monitor_step(step, False)
-    trainer._obsckpt_last_submitted = step
-    if deferred and not _is_noop_callback(callback):
-        wait_for_commit(trainer)
-    if callback is not None:  # only then were calls deferred
-        for args, kwargs in deferred:
-            callback.on_save(*args, **kwargs)
-    return result
-
-
-def _written_step(writes: list[str]) -> int | None:
-    text = writes[-1].strip() if writes else ""
-    return int(text) if text.isdigit() and text.isascii() else None
-
-
-class _DeferredCallback:
-    """Stands in for a V1 trainer's ``checkpoint_callback`` while verl's save runs."""
-
-    def __init__(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
-        self._calls = calls
-
-    def on_save(self, *args: Any, **kwargs: Any) -> None:
-        self._calls.append((args, kwargs))
-
-
-def _is_noop_callback(callback: Any) -> bool:
-    try:
-        from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
-    except ImportError:
-        return False
-    return type(callback).on_save is CheckpointCallback.on_save
-
-
-def _fsync_tree(root: Any) -> None:
-    if not root.is_dir():
-        return
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            commit.fsync_file(os.path.join(dirpath, name))
-        commit.fsync_dir(dirpath)
-
-
-def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 0.2) -> int | None:
-    """Wait until the last step this trainer submitted is committed; returns it.
-
-    Raises:
-        RuntimeError: the step failed or was abandoned (the error names why).
-        TimeoutError: not committed within ``timeout`` seconds (default
-            ``OBSCKPT_VERL_COMMIT_TIMEOUT_S`` or 1800).
-    """
-    step = getattr(trainer, "_obsckpt_last_submitted", None)
-    if step is None:
-        return None
-    timeout = from_env_if_absent(timeout, COMMIT_TIMEOUT_ENV, DEFAULT_COMMIT_TIMEOUT_S, float)
-    link = link_for(trainer)
-    deadline = time.monotonic() + timeout
-    while True:
-        status = link.status()
-        latest = status["latest"].get("checkpoint")
-        if latest is not None and latest >= step:
-            return step
-        failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == "checkpoint"]
-        if failed:
-            raise RuntimeError(f"checkpoint of step {step} failed: {failed[0]['error']}")
-        abandoned = [a for a in status["abandoned"] if a["step"] == step]
-        if abandoned:
-            raise RuntimeError(f"checkpoint of step {step} abandoned: {abandoned[0]['reason']}")
-        if time.monotonic() >= deadline:
-            pending = [p for p in status["pending"] if p["step"] == step]
-            raise TimeoutError(
-                f"checkpoint of step {step} not committed after {timeout:.0f} s "
-                f"(latest committed: {latest}; progress: {pending}); raise "
-                f"{COMMIT_TIMEOUT_ENV} or check the workers' logs"
-            )
-        time.sleep(poll_s)
