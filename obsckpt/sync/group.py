@@ -13,7 +13,6 @@ group (its communicator aborted at once).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -29,12 +28,11 @@ import torch
 import torch.distributed as dist
 
 from obsckpt.errors import BroadcastError, BroadcastTimeoutError
+from obsckpt.sync.bounded import ABORT_JOIN_S, leave_behind, poll_completed, run_bounded
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-# How long close(), and the interpreter's exit, wait for a gloo abort still running.
-ABORT_JOIN_S = 10.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -200,7 +198,7 @@ class WeightSyncGroup:
             made.append(pg)
 
         try:
-            _bounded(
+            run_bounded(
                 make,
                 deadline,
                 lambda: None,  # left behind, the constructor ends by the same deadline
@@ -238,7 +236,7 @@ class WeightSyncGroup:
             )
 
         try:
-            _bounded(
+            run_bounded(
                 connect,
                 deadline,
                 self._abort,
@@ -320,7 +318,7 @@ class WeightSyncGroup:
         """
         try:
             if self.backend == "nccl":
-                ok = _poll(work, deadline)
+                ok = poll_completed(work, deadline)
                 if ok:
                     work.wait()  # raises the collective's error, if it had one
             else:
@@ -417,7 +415,7 @@ class WeightSyncGroup:
         )
         self._abort_thread = t
         t.start()
-        _leave_behind(t)
+        leave_behind(t)
 
     def _check(self) -> None:
         if self._closed:
@@ -452,7 +450,7 @@ def _open_store(
 
     try:
         # The client retries its connection past its timeout; keep the deadline.
-        _bounded(connect, t0 + timeout_s, lambda: None, "the store did not answer in time")
+        run_bounded(connect, t0 + timeout_s, lambda: None, "the store did not answer in time")
     except BroadcastError as exc:
         waited = time.monotonic() - t0
         if rank == 0:
@@ -507,7 +505,7 @@ def _who_held_up(store: Any, rank: int, world_size: int) -> str:
         found.append((idle, slow))
 
     try:
-        _bounded(ask, time.monotonic() + 1.0, lambda: None, "the store did not answer")
+        run_bounded(ask, time.monotonic() + 1.0, lambda: None, "the store did not answer")
     except BroadcastError:  # the store is gone with rank 0, or stalled with it
         return ""
     idle, slow = found[0]
@@ -524,23 +522,6 @@ def _who_held_up(store: Any, rank: int, world_size: int) -> str:
     return ""
 
 
-# Helper threads that may still be inside gloo (an abort, a connection left
-# behind): a process that exits meanwhile dies of SIGABRT, so exit joins them.
-_PENDING: list[threading.Thread] = []
-
-
-def _leave_behind(t: threading.Thread) -> None:
-    _PENDING[:] = [p for p in _PENDING if p.is_alive()]
-    _PENDING.append(t)
-
-
-@atexit.register
-def _join_pending() -> None:
-    deadline = time.monotonic() + ABORT_JOIN_S
-    while _PENDING:
-        _PENDING.pop().join(max(deadline - time.monotonic(), 0.001))
-
-
 @contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
@@ -553,50 +534,3 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _poll(work: Any, deadline: float) -> bool:
-    """Poll ``work.is_completed()`` until ``deadline``; False when it did not complete."""
-    pause = 20e-6
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-    return True
-
-
-def _bounded(
-    fn: Callable[[], None],
-    deadline: float,
-    abort: Callable[[], None],
-    msg: str,
-    grace: float = 0.0,
-) -> None:
-    """Run ``fn`` on a helper thread; past ``deadline`` (plus ``grace``) call ``abort`` and raise.
-
-    A communicator that connects lazily blocks the calling thread inside its
-    first collective; running it aside keeps the caller's deadline. ``grace``
-    lets a call bounded by the same deadline end by itself (and report why).
-    A thread left behind is joined at exit, like an abort.
-    """
-    box: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box.append(exc)
-
-    t = threading.Thread(target=run, name="obsckpt-weight-sync-connect", daemon=True)
-    t.start()
-    t.join(max(deadline - time.monotonic(), 0.001) + grace)
-    if t.is_alive():
-        abort()  # left behind, the thread ends with its own timeout
-        _leave_behind(t)
-        raise BroadcastTimeoutError(msg)
-    if box:
-        exc = box[0]
-        if isinstance(exc, BroadcastError):
-            raise type(exc)(f"{msg}: {exc}") from exc
-        raise BroadcastError(f"{msg}: {exc}") from exc
