@@ -1,31 +1,24 @@
 """The commit state machine: which steps are whole, which may be committed.
 
-Plain Python with no Ray and no I/O, so it can be driven exhaustively by
-tests. The monitor actor feeds it notifications, takes the next step to commit
-with :meth:`CommitTracker.begin_next_commit`, performs the durable writes, and
-reports back with :meth:`CommitTracker.end_commit`.
+Plain Python with no Ray and no I/O. The monitor's core feeds it
+notifications, takes the next step with :meth:`CommitTracker.begin_next_commit`,
+and reports the durable writes' outcome with :meth:`CommitTracker.end_commit`.
 
 Per step and kind (``checkpoint`` or ``state_dict``) it counts registered,
-finished and in-flight saves. A step of a kind is committed once it was
-submitted (``monitor_step``), every registered save finished, none is in
-flight and none failed. A full checkpoint also needs its step's state-dict
-saves, and committing it commits that step's state dict too. The committed
-step of a kind never goes backwards: a step that becomes whole after a later
-one was committed is *superseded*, never named by the iteration file.
+finished and in-flight saves. A step of a kind commits once it was submitted
+(``monitor_step``), every registered save finished, none is in flight and none
+failed; a full checkpoint also needs its step's state-dict saves, and commits
+that state dict too. The committed step never goes backwards: a step whole
+after a later one committed is *superseded*. A step at or below the committed
+one is closed: notifications about it (a checkpoint-sync and a full save of
+one step, a final save repeating the last step, a resume behind the state-dict
+iteration file) change nothing and are counted in :attr:`CommitTracker.resaves`.
 
-A step of a kind at or below the committed one is closed: registering,
-submitting, starting or finishing saves of it again (a checkpoint-sync and a
-full save of one step, a final save repeating the last step, a resume behind
-the state-dict iteration file) changes nothing. The tracker records such
-*re-saves* in :attr:`CommitTracker.resaves` and the monitor logs them.
-
-A save may be made of several *parts* (one per rank, each a real save with
-its own ticket, files and checksums): every part names its index and the
-number of parts, and the parts of one step, kind and slot count as ONE
-finished save once every part has finished ok. The number of parts is
-known from the first part that starts, so a part that starts late holds the
-step back instead of letting it commit partially; a failed part fails the
-step, and parts that disagree on the number of parts fail it too.
+A save may be made of *parts* (one per rank, each with its own ticket, files
+and checksums): the parts of one step, kind and slot count as ONE finished
+save once every part finished ok. The first part to start fixes the number
+of parts, so a late part holds the step back instead of letting it commit
+partially; a failed part, or parts disagreeing on their number, fail the step.
 """
 
 from __future__ import annotations
@@ -116,6 +109,38 @@ class StepRecord:
     def started_at(self) -> float | None:
         return self.first_start if self.first_start is not None else self.first_seen
 
+    def add_files(self, files: Iterable[FileRecord]) -> None:
+        """Record files a save reported; one reported differently before becomes contested."""
+        for rec in files:
+            known = self.files.get(rec.path, rec)
+            if known != rec or rec.path in self.contested:
+                self.files.pop(rec.path, None)
+                self.contested.add(rec.path)
+            else:
+                self.files[rec.path] = rec
+
+
+def _parts_mismatch(
+    step: int, kind: str, slot: str | None, part: int | None, parts: int, known: int
+) -> str:
+    return (
+        f"step {step} ({kind}), slot {slot!r}: part {part} says the save has {parts} "
+        f"parts but an earlier part said {known}; every part of one save must pass the "
+        "same parts= (the number of ranks saving it). The step will not be committed"
+    )
+
+
+def _agreed_files(records: list[StepRecord]) -> dict[str, FileRecord]:
+    """The files ``records`` reported, less those two saves reported differently."""
+    merged: dict[str, FileRecord] = {}
+    contested: set[str] = set()
+    for p in records:
+        contested |= p.contested
+        for path, rec in p.files.items():
+            if merged.setdefault(path, rec) != rec:
+                contested.add(path)
+    return {path: rec for path, rec in merged.items() if path not in contested}
+
 
 class CommitTracker:
     """Counts saves per step and decides what may be committed.
@@ -202,17 +227,10 @@ class CommitTracker:
         wrote it) is left out: the commit checksums what is on disk.
         """
         kinds = ("state_dict", "checkpoint") if kind == "checkpoint" else (kind,)
-        merged: dict[str, FileRecord] = {}
-        contested: set[str] = set()
-        for k in kinds:
-            p = self.steps.get(step, {}).get(k)
-            if p is None:  # nothing of this kind (not created here: it would show as pending)
-                continue
-            contested |= p.contested
-            for path, rec in p.files.items():
-                if merged.setdefault(path, rec) != rec:
-                    contested.add(path)
-        return {path: rec for path, rec in merged.items() if path not in contested}
+        # A kind with no record has reported nothing (not created here: it would show
+        # as pending).
+        by_kind = self.steps.get(step, {})
+        return _agreed_files([by_kind[k] for k in kinds if k in by_kind])
 
     def _fail(self, step: int, kind: str, error: str) -> list[tuple[int, str]]:
         """Mark a step failed; returns the (step, kind) pairs that newly failed."""
@@ -350,7 +368,7 @@ class CommitTracker:
             if group is None:
                 group = p.groups[slot] = Parts(parts)
             elif group.parts != parts:
-                msg = self._mismatch(step, kind, slot, part, parts, group.parts)
+                msg = _parts_mismatch(step, kind, slot, part, parts, group.parts)
                 raise PartsMismatchError(msg, failed=self._fail(step, kind, msg))
             group.running += 1
         p.in_flight += 1
@@ -361,15 +379,6 @@ class CommitTracker:
             p.carrier = dict(carrier)
         self._revive(step)
         return True
-
-    def _mismatch(
-        self, step: int, kind: str, slot: str | None, part: int | None, parts: int, known: int
-    ) -> str:
-        return (
-            f"step {step} ({kind}), slot {slot!r}: part {part} says the save has {parts} "
-            f"parts but an earlier part said {known}; every part of one save must pass the "
-            "same parts= (the number of ranks saving it). The step will not be committed"
-        )
 
     def finish(
         self,
@@ -413,13 +422,7 @@ class CommitTracker:
         if self.closed(step, kind):
             self.resaves += 1
             return [] if ok else self._fail(step, kind, error or "save failed")
-        for rec in files:
-            known = p.files.get(rec.path, rec)
-            if known != rec or rec.path in p.contested:
-                p.files.pop(rec.path, None)
-                p.contested.add(rec.path)
-            else:
-                p.files[rec.path] = rec
+        p.add_files(files)
         if parts is None or part is None:  # validate_parts: both or neither
             p.finished += 1
         else:
@@ -427,7 +430,7 @@ class CommitTracker:
                 group = p.groups[slot] = Parts(parts)
             elif group.parts != parts:
                 return self._fail(
-                    step, kind, self._mismatch(step, kind, slot, part, parts, group.parts)
+                    step, kind, _parts_mismatch(step, kind, slot, part, parts, group.parts)
                 )
             if ok:
                 group.done[part] = group.done.get(part, 0) + 1

@@ -15,7 +15,7 @@ from pathlib import Path
 from obsckpt import commit, layout, reader
 from obsckpt.layout import FileRecord
 from obsckpt.monitor.core import CommitJob, MonitorCore
-from obsckpt.telemetry import tracing
+from obsckpt.telemetry import attributes, tracing
 
 
 def storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
@@ -133,7 +133,7 @@ class CommitRunner:
                 "nothing to commit (register its saves with register_thread_count first)",
             )
             return
-        attrs = {"obsckpt.step": step, "obsckpt.kind": kind}
+        attrs = {attributes.STEP: step, attributes.KIND: kind}
         phases: dict[str, float] = {}
         try:
             with tracing.span("obsckpt.commit", carrier=job.record.carrier, attributes=attrs):

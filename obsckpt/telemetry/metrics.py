@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from obsckpt.admission import STRATEGIES
 from obsckpt.layout import KINDS
+from obsckpt.telemetry.attributes import SPAN_ATTRIBUTES
 from obsckpt.validators import non_negative_int
 
 RESULTS = ("ok", "error")
@@ -287,24 +288,6 @@ SPANS: tuple[SpanSpec, ...] = (
         "One state dict upload to the Synchronizer, or one committed state dict it loads.",
     ),
 )
-
-# Span attributes and what they hold; the first five are on every save and commit span.
-SPAN_ATTRIBUTES: dict[str, str] = {
-    "obsckpt.step": "the training step (the weight-sync version on obsckpt.broadcast)",
-    "obsckpt.slot": "the save slot",
-    "obsckpt.kind": "checkpoint or state_dict",
-    "obsckpt.rank": "the rank that saved, sent or received",
-    "obsckpt.bytes": "bytes written, sent or received",
-    "obsckpt.error": "the exception type of a save that failed (also SaveTimeoutError)",
-    "obsckpt.skipped": "true on a save not written because its step was already closed",
-    "obsckpt.backend": "weight sync: nccl, gloo, cuda_ipc or shm",
-    "obsckpt.method": "weight sync: broadcast or ipc",
-    "obsckpt.mode": "broadcast: bucketed or per_tensor",
-    "obsckpt.ipc_layout": "ipc sender: direct or buckets",
-    "obsckpt.ipc_queued": "ipc receiver: true when it answered once its copy was queued",
-    "obsckpt.ipc_described_again": "ipc sender: true when the receiver had lost the layout "
-    "(a restarted rollout) and it was sent again",
-}
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
