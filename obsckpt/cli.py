@@ -142,7 +142,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # Checked before the run, not found out after it.
-    result_json = check_result_json(args.result_json) if args.result_json else None
+    result_json = validate_result_json(args.result_json) if args.result_json else None
     try:
         result = run_demo(cfg, out=out, err=err)
     except DemoError as exc:
@@ -204,7 +204,7 @@ def _or_none(value: int | None) -> str:
     return "none" if value is None else str(value)
 
 
-def check_result_json(path: str) -> Path:
+def validate_result_json(path: str) -> Path:
     """The absolute --result-json path; CliError when it cannot be written."""
     target = Path(path).expanduser().resolve()
     if target.is_dir():

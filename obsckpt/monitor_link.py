@@ -55,27 +55,6 @@ def default_rank() -> int | None:
     return None
 
 
-def _checked_rpc_timeout(value: object) -> float:
-    if not validators.positive_seconds(value) or value == float("inf"):
-        raise ValueError(
-            f"rpc_timeout must be a positive, finite number of seconds, got {value!r} "
-            "(the default is 300)"
-        )
-    return float(value)
-
-
-def _checked_rank(value: object) -> int | None:
-    if value is None:
-        return None
-    rank = validators.non_negative_int(value)  # an int, or one numpy's integer types say is one
-    if rank is None:
-        raise ValueError(
-            f"rank must be a non-negative integer (this process's rank) or None to take "
-            f"it from RANK or torch.distributed, got {value!r}"
-        )
-    return rank
-
-
 def _connected_ray() -> Any:
     """The ``ray`` module, once this process is connected to its cluster.
 
@@ -134,7 +113,7 @@ class MonitorLink:
 
     @rank.setter
     def rank(self, value: int | None) -> None:
-        self._rank = _checked_rank(value)
+        self._rank = validators.validate_rank(value)
 
     @property
     def rpc_timeout(self) -> float:
@@ -143,7 +122,7 @@ class MonitorLink:
 
     @rpc_timeout.setter
     def rpc_timeout(self, value: float) -> None:
-        self._rpc_timeout = _checked_rpc_timeout(value)
+        self._rpc_timeout = validators.validate_rpc_timeout(value)
 
     # -- a save's calls ------------------------------------------------
 

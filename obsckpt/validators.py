@@ -74,3 +74,26 @@ def validate_parts(part: object, parts: object) -> None:
             f"part must be an integer in [0, parts={parts}) (this part's index, e.g. the rank), "
             f"got {part!r}"
         )
+
+
+def validate_rpc_timeout(value: object) -> float:
+    """``value`` as float seconds if it is a positive, finite number; a ValueError names it."""
+    if not positive_seconds(value) or value == float("inf"):
+        raise ValueError(
+            f"rpc_timeout must be a positive, finite number of seconds, got {value!r} "
+            "(the default is 300)"
+        )
+    return float(value)
+
+
+def validate_rank(value: object) -> int | None:
+    """``value`` if it is a rank (a non-negative integer, numpy's too) or None."""
+    if value is None:
+        return None
+    rank = non_negative_int(value)  # an int, or one numpy's integer types say is one
+    if rank is None:
+        raise ValueError(
+            f"rank must be a non-negative integer (this process's rank) or None to take "
+            f"it from RANK or torch.distributed, got {value!r}"
+        )
+    return rank

@@ -49,9 +49,9 @@ from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     TensorMeta,
-    check_unique_names,
     plan_buckets,
     tensor_meta,
+    validate_unique_names,
 )
 from obsckpt.sync.group import WeightSyncGroup
 from obsckpt.sync.wire import BroadcastResult
@@ -136,7 +136,7 @@ class WeightBroadcaster(BroadcastReceiving):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if step is not None:
-            wire.check_newer_step(step, self.last_step, none_ok=True)
+            wire.validate_newer_step(step, self.last_step, none_ok=True)
         items: Iterable[tuple[str, torch.Tensor]] = (
             named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         )
@@ -146,7 +146,7 @@ class WeightBroadcaster(BroadcastReceiving):
             meta = tensor_meta(items)
         else:
             items = _announced(items, meta)
-        check_unique_names(meta)
+        validate_unique_names(meta)
         nbytes = sum(m.nbytes for m in meta)
         attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.RANK: self.group.rank}
         with (

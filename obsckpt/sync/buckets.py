@@ -80,7 +80,7 @@ def as_tensor_meta(
     return out
 
 
-def check_unique_names(meta: list[TensorMeta]) -> None:
+def validate_unique_names(meta: list[TensorMeta]) -> None:
     """Refuse a name given twice: names key the receiver's dict, so one would vanish silently.
 
     Raises:

@@ -46,7 +46,7 @@ class BroadcastResult:
 # ----------------------------------------------------------------------
 
 
-def check_newer_step(step: object, last_step: int | None, *, none_ok: bool = False) -> None:
+def validate_newer_step(step: object, last_step: int | None, *, none_ok: bool = False) -> None:
     """The version rule every weight sync keeps: ``step`` is a step newer than ``last_step``.
 
     ``none_ok`` only says, in the error, that the caller also accepts None (no version).

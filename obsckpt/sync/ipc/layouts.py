@@ -26,9 +26,9 @@ from obsckpt.sync.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     TensorMeta,
-    check_unique_names,
     plan_buckets,
     tensor_meta,
+    validate_unique_names,
 )
 from obsckpt.sync.ipc import shm
 from obsckpt.sync.ipc.payload import copy_many
@@ -175,7 +175,7 @@ class SenderLayouts:
         fp = self._fingerprint(names, tensors)
         if not fp.same_meta(self._fp):  # described once per layout of the model, not per sync
             meta = tensor_meta(zip(names, tensors, strict=True))
-            check_unique_names(meta)
+            validate_unique_names(meta)
             if meta != self._meta:
                 self._meta = meta
                 self._meta_gen += 1

@@ -24,7 +24,7 @@ from obsckpt.sync.ipc.layouts import SenderLayouts
 from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, device_uuid
 from obsckpt.sync.ipc.shm import remove_orphaned_shm
 from obsckpt.sync.telemetry import WeightSyncTelemetry
-from obsckpt.sync.wire import BroadcastResult, check_newer_step
+from obsckpt.sync.wire import BroadcastResult, validate_newer_step
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
@@ -93,7 +93,7 @@ class IpcWeightSender(SenderLayouts):
             BroadcastTimeoutError: no acknowledgement within ``timeout_s``.
             BroadcastError: the receiver failed or refused the payload.
         """
-        check_newer_step(step, self.last_step)
+        validate_newer_step(step, self.last_step)
         if isinstance(named_tensors, Mapping):
             names, tensors = list(named_tensors.keys()), list(named_tensors.values())
         else:
