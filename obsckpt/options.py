@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from obsckpt import validators
 from obsckpt.admission import SaveStrategy
+from obsckpt.env import (
+    OBSCKPT_DEMO_DRIVER,
+    OBSCKPT_DIRECT_IO,
+    OBSCKPT_EXIT_WAIT_S,
+    OBSCKPT_FILE_SD_PATH,
+    OBSCKPT_VERL_COMMIT_TIMEOUT_S,
+    from_env_if_absent,
+)
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, validate_max_slot_labels
 from obsckpt.telemetry.server import validate_port
 
@@ -38,19 +45,6 @@ __all__ = [
     "lookup_actor",
 ]
 
-_T = TypeVar("_T")
-
-# Environment variables obsckpt reads.
-# Where the monitor writes a Prometheus file_sd JSON naming its /metrics endpoint.
-OBSCKPT_FILE_SD_PATH = "OBSCKPT_FILE_SD_PATH"
-# "0" writes torch files through the page cache instead of with O_DIRECT.
-OBSCKPT_DIRECT_IO = "OBSCKPT_DIRECT_IO"
-# How long a process waits at exit for its saves in flight (seconds).
-OBSCKPT_EXIT_WAIT_S = "OBSCKPT_EXIT_WAIT_S"
-# How long verl's patched trainer waits for a step's commit (seconds).
-OBSCKPT_VERL_COMMIT_TIMEOUT_S = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
-# Set in `obsckpt demo`'s driver process: the id of the process that started it.
-OBSCKPT_DEMO_DRIVER = "OBSCKPT_DEMO_DRIVER"
 
 # Names of the job's actors (one of each per Ray namespace).
 MONITOR_ACTOR_NAME = "checkpoint_monitor"
@@ -58,32 +52,6 @@ SYNCHRONIZER_ACTOR_NAME = "synchronizer"
 ACTOR_NAME = MONITOR_ACTOR_NAME  # the monitor's, as obsckpt.monitor has always exported it
 
 DEFAULT_LEASE_TIMEOUT_S = 120.0
-
-
-def from_env_if_absent(
-    value: _T | None,
-    env: str,
-    default: _T,
-    parse: Callable[[str], _T] | None = None,
-) -> _T:
-    """``value`` if given, else the environment variable ``env`` parsed, else ``default``.
-
-    An empty variable counts as unset.
-
-    Raises:
-        ValueError: the variable is set but ``parse`` refuses it (names the variable).
-    """
-    if value is not None:
-        return value
-    raw = os.environ.get(env)
-    if not raw:
-        return default
-    if parse is None:
-        return raw  # type: ignore[return-value]
-    try:
-        return parse(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {env}={raw!r} is invalid: {exc}") from None
 
 
 def lookup_actor(

@@ -27,16 +27,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from obsckpt.env import OBSCKPT_EXIT_WAIT_S, from_env_if_absent
+
 logger = logging.getLogger(__name__)
 
-EXIT_WAIT_ENV = "OBSCKPT_EXIT_WAIT_S"
+EXIT_WAIT_ENV = OBSCKPT_EXIT_WAIT_S
 _EXIT_WAIT_S = 60.0
 
 
 def _exit_wait_s() -> float:
     """Seconds to wait at exit for running saves: ``OBSCKPT_EXIT_WAIT_S``, read now, else 60."""
     try:
-        return float(os.environ.get(EXIT_WAIT_ENV, _EXIT_WAIT_S))
+        return from_env_if_absent(None, EXIT_WAIT_ENV, _EXIT_WAIT_S, float)
     except ValueError:
         return _EXIT_WAIT_S
 

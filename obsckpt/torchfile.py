@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from obsckpt.commit import fsync_dir, raise_named
+from obsckpt.env import OBSCKPT_DIRECT_IO, from_env_if_absent
 from obsckpt.layout import FileRecord, temp_name
 from obsckpt.reader import crc32
 from obsckpt.tree import cpu_storages
@@ -46,8 +47,16 @@ _WRITERS = 4
 _CRC_THREADS = 2
 _CRC32_POLY = 0xEDB88320
 ALIGN = 4096
-# OBSCKPT_DIRECT_IO=0 writes through the page cache instead.
-_DIRECT_IO = os.environ.get("OBSCKPT_DIRECT_IO", "1") != "0"
+
+
+def _direct_io() -> bool:
+    """Whether to write with O_DIRECT: ``OBSCKPT_DIRECT_IO=0`` writes through the page cache.
+
+    Read at each file, not at import, so a job that sets it after importing obsckpt
+    (or a test) is heard.
+    """
+    return from_env_if_absent(None, OBSCKPT_DIRECT_IO, "1") != "0"
+
 
 _save: Any
 try:  # torch's writer without its per-record CRC32 (see _torch_save)
@@ -172,7 +181,7 @@ class _PipelinedSink:
         self._reserved: float = 0  # bytes allocated ahead of the writes (see reserve)
         self.direct = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        if _DIRECT_IO and hasattr(os, "O_DIRECT"):
+        if _direct_io() and hasattr(os, "O_DIRECT"):
             try:
                 self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
                 self.direct = True

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "errors",
             "validators",
+            "env",
             "layout",
             "reader",
             "commit",

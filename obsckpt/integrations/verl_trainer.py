@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from obsckpt import commit, layout, reader
+from obsckpt.env import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
-from obsckpt.options import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 
 logger = logging.getLogger("obsckpt.integrations.verl_install")
 
