@@ -191,7 +191,7 @@ class CommitTracker:
         ck = kinds.get("checkpoint")
         return kind == "state_dict" and ck is not None and ck.state == COMMITTING
 
-    def skip_closed(self, step: int, kind: str) -> bool:
+    def skip_if_closed(self, step: int, kind: str) -> bool:
         """True (counted as a re-save) when ``step`` of ``kind`` is closed: its saver
         asked not to write into a closed step, so nothing of it is tracked."""
         validate_step(step)

@@ -181,7 +181,7 @@ class MonitorCore:
         resave = False
         if step is not None:
             validate_step(step)
-            if unless_closed and self.tracker.skip_closed(step, counted_kind):
+            if unless_closed and self.tracker.skip_if_closed(step, counted_kind):
                 self.observer.save_skipped(
                     step, counted_kind, slot, rank, self.tracker.latest[counted_kind]
                 )
