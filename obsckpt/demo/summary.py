@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from obsckpt.telemetry.metrics import IPC_BACKENDS, ROLES
+
 
 @dataclass(slots=True)
 class Histogram:
@@ -176,7 +178,7 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
         rate = nbytes / h.sum if h.sum > 0 else 0.0
         note = f"{_bytes(nbytes)} sent, {_bytes(rate)}/s"
         # The backend names the method: cuda_ipc and shm are colocated handovers.
-        what = "ipc sync" if backend in ("cuda_ipc", "shm") else "broadcast"
+        what = "ipc sync" if backend in IPC_BACKENDS else "broadcast"
         rows.append(_hist_row(f"{what} ({backend})", h, note))
     failures = scrape.value("obsckpt_broadcast_failures_total")
     if failures:
@@ -209,7 +211,7 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
         if committed is not None:
             latest[kind] = committed.get(kind)
     versions = {}
-    for role in ("trainer", "rollout"):
+    for role in ROLES:
         present = [
             v
             for n, lab, v in scrape.samples

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from obsckpt.errors import BroadcastError, BroadcastTimeoutError
 from obsckpt.sync.bounded import ABORT_JOIN_S, leave_behind, poll_completed, run_bounded
+from obsckpt.telemetry.metrics import BROADCAST_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class WeightSyncGroup:
         device: torch.device | int | None = None,
     ) -> None:
         backend = backend or default_backend()
-        if backend not in ("gloo", "nccl"):
+        if backend not in BROADCAST_BACKENDS:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")

@@ -39,6 +39,7 @@ from obsckpt.sync.shards import load_sharded_state_dict, shard_files, state_dict
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
+from obsckpt.telemetry.metrics import ROLLOUT, TRAINER, disable_created_series
 
 if TYPE_CHECKING:
     from obsckpt.telemetry.metrics import Metrics
@@ -100,6 +101,9 @@ class Synchronizer:
         self._changed: asyncio.Condition | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._poll_lock: asyncio.Lock | None = None
+        # This process is obsckpt's (an actor): its fallback /metrics text has no use for
+        # the _created series (a user's process keeps them: nothing is switched at import).
+        disable_created_series()
         self._telemetry_route = _TelemetryRoute(namespace, registry)
         if tracing.requested(trace_exporter):
             tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
@@ -376,14 +380,14 @@ class Synchronizer:
             self._source = source
             self._published_at = time.time()
             cond.notify_all()
-        self._telemetry().model_version("trainer", version)
+        self._telemetry().model_version(TRAINER, version)
         logger.info("obsckpt: synchronizer holds step %d (%s sync)", version, source)
         return True
 
     def _report_rollout(self, version: int) -> None:
         if self._rollout_version is None or version >= self._rollout_version:
             self._rollout_version = version
-            self._telemetry().model_version("rollout", version)
+            self._telemetry().model_version(ROLLOUT, version)
 
     def _telemetry(self) -> WeightSyncTelemetry:
         return self._telemetry_route.get()

@@ -19,11 +19,18 @@ from obsckpt.telemetry.attributes import SPAN_ATTRIBUTES
 from obsckpt.validators import non_negative_int
 
 RESULTS = ("ok", "error")
-BACKENDS = ("nccl", "gloo", "cuda_ipc", "shm")
+# Weight-sync backends: torch.distributed's for a broadcast; CUDA IPC, or shared
+# memory files on CPU, for the colocated sync.
+NCCL, GLOO, CUDA_IPC, SHM = "nccl", "gloo", "cuda_ipc", "shm"
+BACKENDS = (NCCL, GLOO, CUDA_IPC, SHM)
 # Weight-sync methods and the backends each runs on.
-SYNC_METHODS = {"broadcast": ("nccl", "gloo"), "ipc": ("cuda_ipc", "shm")}
+BROADCAST_BACKENDS = (NCCL, GLOO)
+IPC_BACKENDS = (CUDA_IPC, SHM)
+SYNC_METHODS = {"broadcast": BROADCAST_BACKENDS, "ipc": IPC_BACKENDS}
 FAILURE_REASONS = ("timeout", "error")
-ROLES = ("trainer", "rollout")
+# Who holds a model version: the trainer, or the rollout side it syncs to.
+TRAINER, ROLLOUT = "trainer", "rollout"
+ROLES = (TRAINER, ROLLOUT)
 
 # Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
 DEFAULT_MAX_SLOT_LABELS = 32

@@ -32,6 +32,7 @@ from obsckpt.sync.buckets import (
 )
 from obsckpt.sync.ipc import shm
 from obsckpt.sync.ipc.payload import copy_many
+from obsckpt.telemetry.metrics import CUDA_IPC, SHM
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ class SenderLayouts:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.backend = "cuda_ipc" if self.device.type == "cuda" else "shm"
-        if layout == "direct" and self.backend != "cuda_ipc":
+        self.backend = CUDA_IPC if self.device.type == "cuda" else SHM
+        if layout == "direct" and self.backend != CUDA_IPC:
             raise ValueError(
                 f"layout 'direct' hands out CUDA IPC handles of the tensors; on {self.device} "
                 "use 'buckets' (or 'auto')"
@@ -255,7 +256,7 @@ class SenderLayouts:
         Returns the layout and, for ``direct``, the tensors' storages and their
         ``(address, size)`` keys.
         """
-        if self.backend != "cuda_ipc" or self.layout == "buckets" or self._direct_failed:
+        if self.backend != CUDA_IPC or self.layout == "buckets" or self._direct_failed:
             return "buckets", [], []
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -370,7 +371,7 @@ class SenderLayouts:
             else:
                 path = self._shm_file(size)
                 buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-                handles.append(("shm", path, size))
+                handles.append((SHM, path, size))
             buffers.append(buf)
             flat = buf[: bucket.nbytes].view(bucket.dtype)
             for i, off in zip(bucket.indices, bucket.offsets, strict=True):

@@ -18,6 +18,7 @@ from obsckpt.sync.ipc.payload import METHOD, PAYLOAD_VERSION, IpcPayload, copy_m
 from obsckpt.sync.wire import is_stale_step
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
+from obsckpt.telemetry.metrics import CUDA_IPC, SHM
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class IpcWeightReceiver:
             try:
                 with torch.no_grad():
                     self._copy(dsts, self._sources, devices, stable=not clone)
-                if not wait and payload.backend == "cuda_ipc" and len(devices) == 1:
+                if not wait and payload.backend == CUDA_IPC and len(devices) == 1:
                     (device,) = devices
                     event, token = self._done_event(device)
                     event.record(streams.current_stream(device))
@@ -341,7 +342,7 @@ class IpcWeightReceiver:
 
     def _open(self, handle: Any, payload: IpcPayload) -> tuple[Any, torch.Tensor]:
         """``(key, byte tensor)`` of one of the sender's buckets, opened once while named."""
-        if handle[0] == "shm":
+        if handle[0] == SHM:
             key = handle[1]
         else:  # segment handle, offset and size: two buckets may share a segment
             args = handle[1][1]
@@ -349,7 +350,7 @@ class IpcWeightReceiver:
         buf = self._opened.get(key)
         if buf is not None:
             return key, buf
-        if handle[0] == "shm":
+        if handle[0] == SHM:
             _, path, size = handle
             buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         elif handle[0] == "cuda":
