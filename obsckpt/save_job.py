@@ -317,16 +317,7 @@ class SaveJob:
             return error
         if not self._claim():
             return None
-        self._link.failed(
-            self.slot,
-            self.step,
-            self.kind,
-            self._ticket,
-            exc,
-            join_wait=join_wait,
-            part=self.part,
-            parts=self.parts,
-        )
+        self._report_failed(exc, join_wait)
         return error
 
     def _skip(self, latest: int | None) -> None:
@@ -373,18 +364,22 @@ class SaveJob:
         if self._on_error is not None:
             self._on_error(exc)
         try:
-            self._link.failed(
-                self.slot,
-                self.step,
-                self.kind,
-                self._ticket,
-                exc,
-                join_wait=join_wait,
-                part=self.part,
-                parts=self.parts,
-            )
+            self._report_failed(exc, join_wait)
         finally:
             self.outcome.set_exception(exc)
+
+    def _report_failed(self, exc: BaseException, join_wait: float) -> None:
+        """Tell the monitor this admitted save failed with ``exc`` (the step fails)."""
+        self._link.failed(
+            self.slot,
+            self.step,
+            self.kind,
+            self._ticket,
+            exc,
+            join_wait=join_wait,
+            part=self.part,
+            parts=self.parts,
+        )
 
     def _claim(self) -> bool:
         """Take the right to report and settle :attr:`outcome`; False if already taken."""

@@ -86,14 +86,21 @@ def validate_rpc_timeout(value: object) -> float:
     return float(value)
 
 
-def validate_rank(value: object) -> int | None:
-    """``value`` if it is a rank (a non-negative integer, numpy's too) or None."""
+def validate_rank(
+    value: object,
+    *,
+    whose: str = "this process's rank",
+    none: str = " to take it from RANK or torch.distributed",
+) -> int | None:
+    """``value`` if it is a rank (a non-negative integer, numpy's too) or None.
+
+    ``whose`` and ``none`` say, in the error, whose rank it is and what None means.
+    """
     if value is None:
         return None
     rank = non_negative_int(value)  # an int, or one numpy's integer types say is one
     if rank is None:
         raise ValueError(
-            f"rank must be a non-negative integer (this process's rank) or None to take "
-            f"it from RANK or torch.distributed, got {value!r}"
+            f"rank must be a non-negative integer ({whose}) or None{none}, got {value!r}"
         )
     return rank

@@ -33,15 +33,7 @@ MAX_CHECK_INTERVAL_S = 5.0
 
 def validate_rank(rank: object) -> int | None:
     """``rank`` as an int (None stays None): its label must be one of a bounded set."""
-    if rank is None:
-        return None
-    value = validators.non_negative_int(rank)
-    if value is None:
-        raise ValueError(
-            f"rank must be a non-negative integer (the reporting process's rank) or None, "
-            f"got {rank!r}"
-        )
-    return value
+    return validators.validate_rank(rank, whose="the reporting process's rank", none="")
 
 
 def _label(value: object, default: str = "unknown") -> str:
