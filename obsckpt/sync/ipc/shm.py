@@ -19,6 +19,8 @@ import uuid
 logger = logging.getLogger(__name__)
 
 PREFIX = "obsckpt-ipc-"
+# Owner read/write only, whatever the umask (a umask can only take bits away).
+MODE = 0o600
 _NAME = re.compile(r"^obsckpt-ipc-(\d+)-[0-9a-f]{32}$")
 
 
@@ -30,6 +32,8 @@ def default_dir() -> str:
 def create(shm_dir: str, size: int) -> tuple[str, int]:
     """A new file of ``size`` bytes in ``shm_dir``: its path, and a descriptor holding its lock.
 
+    The file is made with mode 0600: other users of the host cannot read the weights.
+
     The pages are reserved now: a sparse file on a full tmpfs (Docker's 64 MiB
     ``/dev/shm``) would kill the process with SIGBUS at the first write.
 
@@ -38,7 +42,10 @@ def create(shm_dir: str, size: int) -> tuple[str, int]:
             ``ENOSPC`` or ``EFBIG`` when there is no room).
     """
     path = os.path.join(shm_dir, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    # The model's weights: readable by this user only (the receiver is the same job's).
+    # /dev/shm is shared by every user of the host, and a umask of 022 would leave a
+    # file made 0o666 readable by all of them.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.posix_fallocate(fd, 0, size)
