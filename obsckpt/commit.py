@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -18,7 +19,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from obsckpt.errors import CheckpointDirError
-from obsckpt.layout import ITERATION_FILES, MANIFEST_NAME, FileRecord, manifest_bytes, temp_name
+from obsckpt.layout import (
+    ITERATION_FILES,
+    MANIFEST_NAME,
+    FileRecord,
+    is_own_temp_name,
+    manifest_bytes,
+    step_of_dir_name,
+    temp_name,
+)
 from obsckpt.reader import read_iteration, record_file, walk_files
 from obsckpt.validators import validate_step
 
@@ -308,3 +317,50 @@ def finalize_step(
     if timings is not None:
         timings.update(scan=t1 - t0, round1=t2 - t1, round2=t3 - t2, publish=clock() - t3)
     return ordered
+
+
+def sweep_leftovers(root: str | os.PathLike) -> list[str]:
+    """Remove obsckpt's own leftovers that no writer can still be using; returns them.
+
+    A write cut short (a killed rank, a monitor killed inside its commit) leaves
+    its temp file or scratch directory behind: ``<name>.tmp.<pid>.<8 hex>``
+    (:func:`obsckpt.layout.is_own_temp_name`) in the root or under a step
+    directory. Only those names are removed, and only when older than the last
+    commit (the newest iteration file): the caller runs this when a job starts,
+    holding the root's lock, before any save of the job is admitted. Nothing
+    else is touched; a leftover that cannot be removed is skipped.
+    """
+    root = Path(root)
+    commits = []
+    for name in ITERATION_FILES.values():
+        with contextlib.suppress(OSError):
+            commits.append(os.stat(root / name).st_mtime)
+    if not commits:
+        return []
+    before = max(commits)
+    removed: list[str] = []
+
+    def sweep(path: str, is_dir: bool) -> None:
+        try:
+            if os.lstat(path).st_mtime >= before:
+                return
+            if is_dir:
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            return
+        removed.append(path)
+
+    for entry in os.scandir(root):
+        if is_own_temp_name(entry.name) and entry.is_file(follow_symlinks=False):
+            sweep(entry.path, False)
+        elif step_of_dir_name(entry.name) is not None and entry.is_dir(follow_symlinks=False):
+            for dirpath, dirnames, filenames in os.walk(entry.path):
+                for name in [d for d in dirnames if is_own_temp_name(d)]:
+                    dirnames.remove(name)
+                    sweep(os.path.join(dirpath, name), True)
+                for name in filenames:
+                    if is_own_temp_name(name):
+                        sweep(os.path.join(dirpath, name), False)
+    return sorted(removed)

@@ -47,6 +47,9 @@ MAX_ITERATION_BYTES = 64
 # A temp file of a write not yet renamed into place: ``<name>.tmp`` or
 # ``<name>.tmp.<pid>[.<hex>]`` (obsckpt's own). Not part of a step's files.
 _TEMP_NAME_RE = re.compile(r"\.tmp(\.\d+(\.[0-9a-f]+)?)?$")
+# obsckpt's own temp names, as temp_name() makes them: ``<name>.tmp.<pid>.<8 hex>``.
+# Only these are ever swept as leftovers; another tool's ``.tmp`` files are its own.
+_OWN_TEMP_NAME_RE = re.compile(r"\.tmp\.\d+\.[0-9a-f]{8}$")
 _CRC_RE = re.compile(r"^[0-9a-fA-F]{8}$")
 
 # verl's layout inside a step directory.
@@ -84,6 +87,11 @@ def is_temp_name(name: str) -> bool:
     Only a suffix counts: ``chat_template.tmpl`` or ``data.tmp.json`` are files of the step.
     """
     return _TEMP_NAME_RE.search(name) is not None
+
+
+def is_own_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temp file or scratch directory obsckpt itself made (:func:`temp_name`)."""
+    return _OWN_TEMP_NAME_RE.search(name) is not None
 
 
 def temp_name(path: str | os.PathLike) -> str:

@@ -194,3 +194,68 @@ class TestKilledRank:
         finally:
             job.stop()
         assert len(outcomes) == trials(2)
+
+
+class TestLeftoversOfWritesCutShort:
+    """A job's start removes obsckpt's own temp files and scratch directories that a
+    killed writer left (older than the last commit), and touches nothing else."""
+
+    def test_swept_at_start(self, tmp_path):
+        from prometheus_client import CollectorRegistry
+
+        root = tmp_path / "root"
+        step = layout.step_dir(root, 1)
+        (step / "actor").mkdir(parents=True)
+        (step / "actor" / "model.pt").write_bytes(b"committed")
+        old = time.time() - 3600
+        leftovers = [
+            root / "latest_checkpointed_iteration.txt.tmp.4242.0badf00d",  # a commit killed
+            step / "manifest.json.tmp.4242.deadbeef",  # ... inside its manifest write
+            step / "actor" / "optim.pt.tmp.77.12345678",  # a rank killed mid-write
+        ]
+        scratch = step / "actor" / "huggingface.tmp.77.abcdef01"  # an HF export cut short
+        (scratch / "sub").mkdir(parents=True)
+        (scratch / "sub" / "config.json").write_text("{}")
+        kept = [
+            step / "actor" / "optimizer.tmp",  # not a name obsckpt makes
+            step / "actor" / "data.tmp.77",
+            step / "actor" / "notes.tmp.77.NOTHEX00",
+            root / "elsewhere" / "x.pt.tmp.77.12345678",  # not in a step directory
+        ]
+        for path in leftovers + kept:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"partial")
+        for path in [*leftovers, scratch, *kept]:
+            os.utime(path, (old, old))
+        (root / "latest_checkpointed_iteration.txt").write_text("1\n")  # the last commit
+        # A temp file newer than the last commit may belong to a save still running.
+        recent = step / "actor" / "model.pt.tmp.99.87654321"
+        recent.write_bytes(b"being written")
+
+        m = CheckpointMonitor(
+            default_local_dir=root, metrics_port=None, registry=CollectorRegistry()
+        )
+        try:
+            status = asyncio.run(m.status())
+        finally:
+            asyncio.run(m.shutdown())
+        assert not any(p.exists() for p in [*leftovers, scratch])
+        assert all(p.exists() for p in [*kept, recent, step / "actor" / "model.pt"])
+        assert status["leftovers_removed"] == len(leftovers) + 1
+        assert reader.read_iteration(root, "checkpoint") == 1
+
+    def test_nothing_is_swept_before_a_first_commit(self, tmp_path):
+        from prometheus_client import CollectorRegistry
+
+        root = tmp_path / "root"
+        temp = layout.step_dir(root, 1) / "model.pt.tmp.4242.0badf00d"
+        temp.parent.mkdir(parents=True)
+        temp.write_bytes(b"partial")
+        m = CheckpointMonitor(
+            default_local_dir=root, metrics_port=None, registry=CollectorRegistry()
+        )
+        try:
+            assert asyncio.run(m.status())["leftovers_removed"] == 0
+        finally:
+            asyncio.run(m.shutdown())
+        assert temp.exists()

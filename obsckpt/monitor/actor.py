@@ -119,6 +119,17 @@ class CheckpointMonitor(MeasurementRPCs):
         self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
     ) -> None:
         latest = {k: reader.read_iteration(self.root, k) for k in KINDS}
+        # A job's start, under the root's lock and before any save is admitted: no
+        # writer can still be using a temp file older than the last commit. (A monitor
+        # Ray restarted mid-job leaves them: the job's saves may be writing.)
+        self.leftovers_removed = [] if restarted else commit.sweep_leftovers(self.root)
+        if self.leftovers_removed:
+            logger.info(
+                "obsckpt monitor: removed %d leftover temp files of writes cut short in %s: %s",
+                len(self.leftovers_removed),
+                self.root,
+                self.leftovers_removed[:10],
+            )
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
         self.core = MonitorCore(
             self.strategy,
@@ -439,7 +450,9 @@ class CheckpointMonitor(MeasurementRPCs):
         nothing: re-saves, and registrations, submissions and finishes for a step
         already committed (or below the committed one) that were ignored.
         """
-        return status_view(self.core, self.root, self.server)
+        return status_view(
+            self.core, self.root, self.server, leftovers_removed=len(self.leftovers_removed)
+        )
 
     async def debug_spans(self) -> list[dict[str, Any]]:
         """Spans this process recorded with the ``memory`` exporter (for tests)."""

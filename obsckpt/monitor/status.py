@@ -10,8 +10,13 @@ from obsckpt.telemetry import tracing
 from obsckpt.telemetry.server import MetricsServer
 
 
-def status_view(core: MonitorCore, root: Path, server: MetricsServer) -> dict[str, Any]:
+def status_view(
+    core: MonitorCore, root: Path, server: MetricsServer, *, leftovers_removed: int = 0
+) -> dict[str, Any]:
     """Latest committed steps, pending, failed and abandoned steps, saves in flight.
+
+    ``leftovers_removed`` counts obsckpt's own temp files and scratch
+    directories, left by writes cut short, that the monitor removed at start.
 
     ``resaves`` counts every notification about a closed step that was
     accepted and changed nothing: re-saves proper, and registrations,
@@ -80,4 +85,5 @@ def status_view(core: MonitorCore, root: Path, server: MetricsServer) -> dict[st
         "admission_waiting": core.admission.waiting,
         "metrics": {"address": server.address, "error": server.error},
         "span_export_failures": tracing.export_failures(),
+        "leftovers_removed": leftovers_removed,
     }
