@@ -20,6 +20,7 @@ __all__ = [
     "CliError",
     "DemoError",
     "DeviceSelectionError",
+    "FsyncTimeoutError",
     "IpcLayoutUnknownError",
     "IterationFileError",
     "MegatronLayoutError",
@@ -28,6 +29,7 @@ __all__ = [
     "PartsMismatchError",
     "RayShutDownError",
     "RootInUseError",
+    "RootLockLostError",
     "SaveError",
     "SaveTimeoutError",
     "StateDictLoadError",
@@ -60,6 +62,18 @@ class RootInUseError(CheckpointDirError):
 
 class IterationFileError(ObsckptError, ValueError):
     """An iteration file exists but does not hold a step number."""
+
+
+class RootLockLostError(ObsckptError, RuntimeError):
+    """This monitor no longer owns its checkpoint root, so it commits nothing more.
+
+    It was shut down (its lock released), or its lock file was deleted or
+    replaced while it ran (another monitor may own the root now).
+    """
+
+
+class FsyncTimeoutError(ObsckptError, TimeoutError):
+    """fsyncs did not finish within their timeout (a hung storage server); names the files."""
 
 
 # --- saves and the monitor ---------------------------------------------------
