@@ -24,6 +24,9 @@ __all__ = [
     "IpcLayoutUnknownError",
     "IterationFileError",
     "MegatronLayoutError",
+    "MonitorCallError",
+    "MonitorTimeoutError",
+    "MonitorUnavailableError",
     "NotificationError",
     "ObsckptError",
     "PartsMismatchError",
@@ -31,6 +34,7 @@ __all__ = [
     "RootInUseError",
     "RootLockLostError",
     "SaveError",
+    "SavePathError",
     "SaveTimeoutError",
     "StateDictLoadError",
     "TensorMutatedError",
@@ -116,6 +120,22 @@ class SaveTimeoutError(SaveError, TimeoutError):
 
 class RayShutDownError(ObsckptError, RuntimeError):
     """Ray is not initialized in this process, so the monitor cannot be reached."""
+
+
+class SavePathError(ObsckptError, ValueError):
+    """A save names a path outside its own step directory; refused before anything is written."""
+
+
+class MonitorCallError(ObsckptError, RuntimeError):
+    """A call to the checkpoint monitor raised inside the monitor (the Ray error is its cause)."""
+
+
+class MonitorUnavailableError(ObsckptError, ConnectionError):
+    """The checkpoint monitor cannot be reached now (restarting, or its node is gone); retryable."""
+
+
+class MonitorTimeoutError(MonitorUnavailableError, TimeoutError):
+    """The checkpoint monitor did not answer within ``rpc_timeout``; retryable."""
 
 
 # --- weight sync -------------------------------------------------------------
