@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--all",
         action="store_true",
-        help="check every step that has a manifest (steps removed by retention are skipped)",
+        help="check every step that has a manifest",
     )
     v.add_argument("--json", action="store_true", help="machine-readable output")
     return p

@@ -98,8 +98,13 @@ def describe_step(
     newest = max((s for s in (ck, sd) if s is not None), default=None)
     note = ""
     if has_manifest and not data and step not in (ck, sd):
-        state, kind = "removed", "-"
-        note = "committed once; its files were removed (retention), the manifest is left"
+        # obsckpt's retention removes a step's whole directory: a manifest left alone
+        # means something else removed the files.
+        state, kind = "damaged", "-"
+        note = (
+            "committed once; every file it listed is gone (not obsckpt's retention, which "
+            "removes the whole directory): see `obsckpt verify`"
+        )
     elif step in (ck, sd) or (has_manifest and newest is not None and step < newest):
         # A manifest alone does not make a step committed: a commit interrupted after
         # writing it (the iteration file's write failed, the monitor died) leaves one.
@@ -250,13 +255,13 @@ def _opt(v) -> str:
 
 
 def verify_one(
-    root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]], every: bool
+    root: Path, step: int, latest: dict[str, int | None], missing: dict[int, list[str]]
 ) -> dict:
     """One step checked against its manifest: ok, failed (with its problems) or skipped.
 
     ``missing`` maps the steps an iteration file names but that are not on disk
-    to those files' names; with ``every`` (``verify --all``), a step retention
-    removed is skipped rather than failed.
+    to those files' names. A step whose files are all gone fails like any other:
+    obsckpt's retention removes whole step directories, so it is not among them.
     """
     sdir = layout.step_dir(root, step)
     result = {"step": step, "result": "ok", "on_disk": True, "files": 0, "bytes": 0, "problems": []}
@@ -265,9 +270,6 @@ def verify_one(
         verb = "names" if len(files) == 1 else "name"
         problem = f"{sdir} is missing, but {' and '.join(files)} {verb} it"
         return dict(result, result="failed", on_disk=False, problems=[problem])
-    if every and describe_step(root, step, latest, time.time())["state"] == "removed":
-        # As status shows it: retention removed its files and left the manifest.
-        return dict(result, result="skipped")
     problems = reader.verify_step(sdir)
     if problems:
         if (
@@ -301,7 +303,7 @@ def verify_root(
         root: the checkpoint root (from :func:`open_root`).
         latest: the steps its iteration files name.
         step: the step to check (None: the latest committed).
-        every: check every step that has a manifest (those retention removed are skipped).
+        every: check every step that has a manifest.
         shown: the root as the user gave it, for errors (default ``root``).
 
     Returns:
@@ -333,7 +335,7 @@ def verify_root(
         if newest is None:
             raise CliError(f"{shown}: no committed step to verify (no iteration file); pass --step")
         steps = [newest]
-    return [verify_one(root, s, latest, missing, every) for s in sorted(set(steps) | set(missing))]
+    return [verify_one(root, s, latest, missing) for s in sorted(set(steps) | set(missing))]
 
 
 def verify_report(root: Path, results: list[dict]) -> dict:
@@ -346,9 +348,7 @@ def verify_lines(result: dict) -> tuple[list[str], str]:
     """One step's text: its problems (for stderr) and its result line (for stdout)."""
     step = result["step"]
     problems = [f"step {step}: {p}" for p in result["problems"]]
-    if result["result"] == "skipped":
-        line = f"step {step}: skipped, removed by retention (only its manifest is left)"
-    elif result["result"] == "ok":
+    if result["result"] == "ok":
         line = (
             f"step {step}: OK, {result['files']} files, "
             f"{format_size(result['bytes'])} match the manifest"

@@ -44,12 +44,14 @@ STEP_DIR_PREFIX = "global_step_"
 STEP_DIR_RE = re.compile(r"^global_step_(0|[1-9][0-9]*)$", re.ASCII)
 # Iteration files hold a step number; anything longer than this is not one.
 MAX_ITERATION_BYTES = 64
-# A temp file of a write not yet renamed into place: ``<name>.tmp`` or
-# ``<name>.tmp.<pid>[.<hex>]`` (obsckpt's own). Not part of a step's files.
-_TEMP_NAME_RE = re.compile(r"\.tmp(\.\d+(\.[0-9a-f]+)?)?$")
 # obsckpt's own temp names, as temp_name() makes them: ``<name>.tmp.<pid>.<8 hex>``.
-# Only these are ever swept as leftovers; another tool's ``.tmp`` files are its own.
-_OWN_TEMP_NAME_RE = re.compile(r"\.tmp\.\d+\.[0-9a-f]{8}$")
+# Only these are temp files: a file a save names ``optimizer.tmp`` or ``x.tmp.7`` is
+# data, fsynced, listed in the manifest and checked like any other. Only these are
+# ever swept as leftovers.
+_OWN_TEMP_NAME_RE = re.compile(r"\.tmp\.\d+\.[0-9a-f]{8}$", re.ASCII)
+_OWN_TEMP_SUFFIX_BYTES = len(".tmp.") + 10 + len(".") + 8  # pid up to 2**32 (10 digits)
+# The longest file name a Linux filesystem takes (ext4, xfs, btrfs; NAME_MAX).
+NAME_MAX = 255
 _CRC_RE = re.compile(r"^[0-9a-fA-F]{8}$")
 
 # verl's layout inside a step directory.
@@ -82,16 +84,15 @@ def model_dir(root: str | os.PathLike, step: int, role: str = MODEL_SUBDIR) -> P
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether the file ``name`` is a temp file of an unfinished write (see ``_TEMP_NAME_RE``).
+    """Whether ``name`` is a temp file or scratch directory of an unfinished write.
 
-    Only a suffix counts: ``chat_template.tmpl`` or ``data.tmp.json`` are files of the step.
+    Only the names :func:`temp_name` makes count (``<name>.tmp.<pid>.<8 hex>``):
+    ``optimizer.tmp``, ``w.safetensors.tmp.7`` or ``data.tmp.json`` are files of the step.
     """
-    return _TEMP_NAME_RE.search(name) is not None
-
-
-def is_own_temp_name(name: str) -> bool:
-    """Whether ``name`` is a temp file or scratch directory obsckpt itself made (:func:`temp_name`)."""
     return _OWN_TEMP_NAME_RE.search(name) is not None
+
+
+is_own_temp_name = is_temp_name  # the name the leftover sweep knows it by
 
 
 def temp_name(path: str | os.PathLike) -> str:
@@ -99,8 +100,21 @@ def temp_name(path: str | os.PathLike) -> str:
 
     Unique per write, so two writers of one path (two processes, or two saves
     in one process) never share it; :func:`is_temp_name` recognises it.
+
+    Raises:
+        ValueError: ``path``'s file name is so long that its temp name would pass the
+            filesystem's limit of :data:`NAME_MAX` bytes (naming the name and the limit).
     """
-    return f"{os.fspath(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    room = NAME_MAX - _OWN_TEMP_SUFFIX_BYTES
+    if len(os.fsencode(name)) > room:
+        raise ValueError(
+            f"file name {name[:60]!r}... is {len(os.fsencode(name))} bytes; obsckpt writes "
+            f"a file through a temp file named beside it, so a name may have at most {room} "
+            f"bytes (the filesystem's limit is {NAME_MAX}). Use a shorter name"
+        )
+    return f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,18 +195,27 @@ def step_of_path(path: str | os.PathLike) -> tuple[str, int] | None:
     return None
 
 
+def repair_advice(path: str | os.PathLike) -> str:
+    """What to do about the bad iteration file ``path`` (one deleting nothing)."""
+    root = os.path.dirname(os.fspath(path)) or "."
+    return (
+        f"`obsckpt repair {root}` points it at the latest whole step on disk (it deletes "
+        "nothing); or restore it from a backup"
+    )
+
+
 def parse_iteration(text: str, path: str | os.PathLike) -> int:
     stripped = text.strip()
     if not stripped.isdigit() or not stripped.isascii():
         raise IterationFileError(
             f"{path} holds {text[:40]!r}, not a step number; it must hold one non-negative "
-            "integer. Restore it from a backup or remove it to start from no committed step"
+            f"integer. {repair_advice(path)}"
         )
     value = int(stripped)
     if value > MAX_STEP:
         raise IterationFileError(
             f"{path} names step {stripped[:40]}..., beyond 2**63 - 1: not a step number. "
-            "Restore it from a backup or remove it to start from no committed step"
+            f"{repair_advice(path)}"
         )
     return value
 

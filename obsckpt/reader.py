@@ -22,6 +22,7 @@ from obsckpt.layout import (
     is_temp_name,
     parse_iteration,
     parse_manifest,
+    repair_advice,
     step_of_dir_name,
 )
 
@@ -71,6 +72,41 @@ def _file_type(mode: int) -> str:
     return "special file"
 
 
+# Errors of the moment, not of the file: the same read can succeed later, so the
+# advice is to fix the cause, never to remove or replace the file.
+_TRANSIENT = (
+    "EMFILE ENFILE EIO EAGAIN EINTR ENOMEM ETIMEDOUT ESTALE EBUSY ENOLCK ECONNRESET "
+    "ECONNREFUSED EHOSTUNREACH ENETDOWN ENETUNREACH EREMOTEIO ENOBUFS"
+)
+TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in _TRANSIENT.split() if hasattr(errno, n))
+_CHECKS = {
+    errno.EMFILE: "this process has too many open files: raise its limit (ulimit -n)",
+    errno.ENFILE: "the system has too many open files: raise fs.file-max or close some",
+    errno.ENOMEM: "the host is out of memory",
+    errno.EACCES: "give this process read permission on it",
+    errno.EPERM: "give this process read permission on it",
+}
+
+
+def read_error_advice(exc: OSError) -> str:
+    """What a failed read of a root's file means and what to do, by its errno.
+
+    A transient error (too many open files, an I/O error, a stale NFS handle) says
+    it is transient and what to check; only an error that cannot pass by itself
+    gets advice about the file.
+    """
+    code = exc.errno
+    name = errno.errorcode.get(code, str(code)) if code is not None else "no errno"
+    what = f"{exc.strerror or exc} ({name})"
+    check = _CHECKS.get(code)
+    if code in TRANSIENT_ERRNOS:
+        hint = check or "check the filesystem (dmesg, the mount's health) and retry"
+        return f"{what}; a transient error, not a bad file: {hint}. Leave the file as it is"
+    if check:
+        return f"{what}; {check}"
+    return f"{what}; it must be a regular file holding one non-negative integer"
+
+
 def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
     """The step an iteration file names, None when there is no file.
 
@@ -89,15 +125,11 @@ def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
                 f"{path} is a directory, not an iteration file; remove it (a file naming "
                 "the committed step is written at the next commit)"
             ) from None
-        raise IterationFileError(
-            f"cannot read {path}: {exc.strerror or exc}; it must be a regular file holding "
-            "one non-negative integer. Restore it from a backup or remove it to start from "
-            "no committed step"
-        ) from exc
+        raise IterationFileError(f"cannot read {path}: {read_error_advice(exc)}") from exc
     if len(raw) > MAX_ITERATION_BYTES:
         raise IterationFileError(
             f"{path} is {os.path.getsize(path)} bytes long, not a step number; "
-            "it must hold one non-negative integer"
+            f"it must hold one non-negative integer. {repair_advice(path)}"
         )
     return parse_iteration(raw.decode("utf-8", errors="replace"), path)
 
@@ -171,10 +203,12 @@ def verify_step(sdir: str | os.PathLike) -> list[str]:
     except OSError as exc:  # a directory in its place, a read error
         return [f"{sdir / MANIFEST_NAME}: unreadable manifest ({exc.strerror or exc})"]
     problems = []
+    missing = 0
     for rec in records:
         full = sdir / rec.path
         if not full.is_file():
             problems.append(f"{full}: missing")
+            missing += 1
             continue
         try:
             size, crc = file_crc32(full)
@@ -186,4 +220,27 @@ def verify_step(sdir: str | os.PathLike) -> list[str]:
             problems.append(f"{full}: {what} ({size} bytes, manifest says {rec.size})")
         elif crc != rec.crc32:
             problems.append(f"{full}: corrupted (crc32 {crc:08x}, manifest says {rec.crc32:08x})")
+    if records and missing == len(records):
+        problems.insert(
+            0,
+            f"{sdir}: all {missing} file(s) the manifest lists are gone (obsckpt's retention "
+            "removes a step's whole directory; these were removed by something else)",
+        )
+    problems.extend(f"{sdir / rel}: not listed in the manifest" for rel in unlisted(sdir, records))
     return problems
+
+
+def unlisted(sdir: str | os.PathLike, records: list[FileRecord]) -> list[str]:
+    """Files under the step directory ``sdir`` its manifest does not list (relative paths).
+
+    A commit lists every file of the step, so one not listed was added after it;
+    loaders refuse such a file. obsckpt's own temp files and scratch directories
+    (of a write cut short) are not counted.
+    """
+    listed = {rec.path for rec in records} | {MANIFEST_NAME}
+    top = os.fspath(sdir)
+    extra = []
+    for dirpath, names in walk_files(top):
+        prefix = "" if dirpath == top else os.path.relpath(dirpath, top) + os.sep
+        extra.extend(prefix + name for name in names if prefix + name not in listed)
+    return extra

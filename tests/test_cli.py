@@ -136,19 +136,32 @@ class TestVerify:
         assert "step 4: OK" in out and "step 6: FAILED, not on disk" in out
         assert "but latest_state_dict_iteration.txt names it" in err
 
-    def test_all_skips_steps_removed_by_retention(self, root):
-        """A step holding only its manifest is `removed` in status and skipped by verify --all."""
+    def test_a_step_whose_files_vanished_is_damaged_not_retention(self, root):
+        """A step holding only its manifest is `damaged` in status and fails verify --all:
+        obsckpt's retention removes whole step directories, so something else removed these."""
         shutil.rmtree(layout.step_dir(root, 2) / "actor")
         st = json.loads(run("status", str(root), "--json")[1])
-        assert st["steps"][0]["state"] == "removed"
+        assert st["steps"][0]["state"] == "damaged"
         code, out, err = run("verify", str(root), "--all")
-        assert code == 0, err
-        assert out.splitlines() == [
-            "step 2: skipped, removed by retention (only its manifest is left)",
-            "step 4: OK, 7 files, 24.3 KiB match the manifest",
-        ]
-        # Asked for by number, it is checked, and its files are missing.
-        assert run("verify", str(root), "--step", "2")[0] == 1
+        assert code == 1
+        assert out.splitlines()[0].startswith("step 2: FAILED")
+        assert "are gone" in err and "not obsckpt's retention" not in out
+        assert "step 4: OK, 7 files, 24.3 KiB match the manifest" in out
+
+    def test_a_file_the_manifest_does_not_list_fails(self, root):
+        extra = layout.step_dir(root, 4) / "actor" / "optimizer.tmp"
+        extra.write_bytes(b"added after the commit")
+        code, out, err = run("verify", str(root), "--step", "4")
+        assert code == 1, out
+        assert f"{extra}: not listed in the manifest" in err
+
+    def test_a_file_a_save_names_like_a_temp_file_is_data(self, root):
+        """Only obsckpt's own temp names are left out; `optimizer.tmp` is checked."""
+        step = layout.step_dir(root, 4) / "actor"
+        (step / "optimizer.tmp").write_bytes(b"x")
+        (step / f"model.pt.tmp.{os.getpid()}.0123abcd").write_bytes(b"half")
+        problems = reader.verify_step(layout.step_dir(root, 4))
+        assert problems == [f"{step / 'optimizer.tmp'}: not listed in the manifest"]
 
     def test_step_without_manifest_fails(self, root):
         make_step(root, 6, commit=False)
@@ -203,7 +216,9 @@ class TestStatus:
         def stuck():
             step2.mkdir(parents=True, exist_ok=True)
             # Half of a file, as a writer killed mid-save leaves it.
-            (step2 / f"optim_world_size_1_rank_0.pt.tmp.{os.getpid()}").write_bytes(b"y" * 777)
+            (step2 / f"optim_world_size_1_rank_0.pt.tmp.{os.getpid()}.0badf00d").write_bytes(
+                b"y" * 777
+            )
             started.set()
             gate.wait(60)
 

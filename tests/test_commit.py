@@ -77,7 +77,7 @@ class TestManifest:
         (sdir / "actor").mkdir(parents=True)
         (sdir / "actor" / "model.pt").write_bytes(os.urandom(5000))
         (sdir / "actor" / "optim.pt").write_bytes(os.urandom(300))
-        (sdir / "actor" / "half.pt.tmp.123").write_bytes(b"partial")
+        (sdir / "actor" / "half.pt.tmp.123.0123abcd").write_bytes(b"partial")
         return sdir
 
     def test_finalize_writes_manifest_skipping_temp_files(self, tmp_path):
@@ -89,17 +89,21 @@ class TestManifest:
         assert reader.verify_step(sdir) == []
 
     def test_only_temp_suffixes_are_left_out(self, tmp_path):
-        """A name holding ".tmp" elsewhere is a file of the step, recorded and verified."""
+        """Any name but obsckpt's own temp names is a file of the step, recorded and verified."""
         sdir = self.make_step(tmp_path)
         (sdir / "hf").mkdir()
-        for name in ("chat_template.tmpl", "data.tmp.json", "w.safetensors.tmp", "x.tmp.9.ab12"):
+        names = ("chat_template.tmpl", "data.tmp.json", "w.safetensors.tmp", "x.tmp.9.ab12")
+        for name in (*names, "y.pt.tmp.9.0123abcd"):
             (sdir / "hf" / name).write_bytes(b"t")
         records = commit.finalize_step(sdir)
+        # Only obsckpt's own temp names (<name>.tmp.<pid>.<8 hex>) are left out.
         assert [r.path for r in records] == [
             "actor/model.pt",
             "actor/optim.pt",
             "hf/chat_template.tmpl",
             "hf/data.tmp.json",
+            "hf/w.safetensors.tmp",
+            "hf/x.tmp.9.ab12",
         ]
         (sdir / "hf" / "chat_template.tmpl").unlink()
         assert reader.verify_step(sdir) == [f"{sdir / 'hf' / 'chat_template.tmpl'}: missing"]
@@ -115,9 +119,11 @@ class TestManifest:
         (scratch / "sub" / "tokenizer.json").write_text("{}")
         records = commit.finalize_step(sdir)
         assert [r.path for r in records] == ["actor/model.pt", "actor/optim.pt"]
-        (scratch / "config.json").rename(sdir / "config.json")
         shutil.rmtree(scratch)
         assert reader.verify_step(sdir) == []
+        # A file moved in after the commit is not part of the step: verify names it.
+        (sdir / "config.json").write_text("{}")
+        assert reader.verify_step(sdir) == [f"{sdir / 'config.json'}: not listed in the manifest"]
 
     def test_verify_names_unreadable_files_and_goes_on(self, tmp_path):
         sdir = self.make_step(tmp_path)

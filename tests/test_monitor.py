@@ -269,7 +269,7 @@ class TestSavedPaths:
             for rel, data in payload.items():
                 (hf / rel).parent.mkdir(parents=True, exist_ok=True)
                 (hf / rel).write_bytes(data)
-            (hf / "model.safetensors.tmp.123").write_bytes(b"unfinished")
+            (hf / "model.safetensors.tmp.123.0123abcd").write_bytes(b"unfinished")
 
         coord.save_async("hf_model", save, 5, paths=[hf])
         coord.wait_all(timeout=60)

@@ -7,6 +7,7 @@ Plain files on disk, no Ray: the readers are the same inside the actors.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -413,3 +414,60 @@ class TestShardSet:
         with pytest.raises(StateDictLoadError, match="not a directory") as info:
             load_sharded_state_dict(tmp_path / "actor")
         assert str(tmp_path / "actor") in str(info.value)
+
+
+class TestReadErrorAdvice:
+    """Advice in an error fits its errno: "restore" or "repair" only for a bad file."""
+
+    @pytest.mark.parametrize("code", [errno.EMFILE, errno.EIO, errno.ESTALE, errno.ENFILE])
+    def test_a_transient_error_never_says_to_remove_or_replace_the_file(
+        self, tmp_path, monkeypatch, code
+    ):
+        commit.write_iteration(tmp_path, "checkpoint", 3)
+
+        def failing(path, *a, **k):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+
+        monkeypatch.setattr(reader, "open_regular", failing)
+        with pytest.raises(IterationFileError) as info:
+            reader.read_iteration(tmp_path, "checkpoint")
+        msg = str(info.value)
+        assert errno.errorcode[code] in msg and "transient" in msg
+        for word in ("remove", "restore", "repair", "backup"):
+            assert word not in msg.lower(), msg
+        if code == errno.EMFILE:
+            assert "ulimit -n" in msg
+
+    def test_bad_content_says_how_to_repair_without_deleting(self, tmp_path):
+        (tmp_path / layout.ITERATION_FILES["checkpoint"]).write_text("garbage\n")
+        with pytest.raises(IterationFileError) as info:
+            reader.read_iteration(tmp_path, "checkpoint")
+        msg = str(info.value)
+        assert f"obsckpt repair {tmp_path}" in msg and "deletes nothing" in msg
+        assert "remove it" not in msg
+
+
+class TestTempNames:
+    def test_an_over_long_name_fails_naming_the_name_and_the_limit(self, tmp_path):
+        name = "m" * 240 + ".pt"
+        with pytest.raises(ValueError) as info:
+            layout.temp_name(tmp_path / name)
+        msg = str(info.value)
+        assert name[:60] in msg and "255" in msg and "243 bytes" in msg
+        # The longest name allowed still has a temp name the filesystem takes.
+        longest = tmp_path / ("n" * 231)  # NAME_MAX less the longest temp suffix
+        commit.atomic_write(longest, b"ok")
+        assert longest.read_bytes() == b"ok"
+
+    def test_only_obsckpts_own_temp_names_are_temp_files(self):
+        own = os.path.basename(layout.temp_name("/x/model.pt"))
+        assert layout.is_temp_name(own)
+        for name in (
+            "optimizer.tmp",
+            "w.safetensors.tmp",
+            "data.tmp.77",
+            "x.tmp.9.ab12",
+            "notes.tmp.77.NOTHEX00",
+            "chat_template.tmpl",
+        ):
+            assert not layout.is_temp_name(name), name

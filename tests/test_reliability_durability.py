@@ -113,7 +113,7 @@ class TestCommitDurabilityOrder:
             str(hf.parent),
         }
         assert expected <= synced, f"not fsynced before the save returned: {expected - synced}"
-        assert str(hf / "model.safetensors.tmp.7") not in synced
+        assert str(hf / "model.safetensors.tmp.7.0123abcd") not in synced
 
 
 SAVE_DRIVER = textwrap.dedent(
@@ -125,7 +125,7 @@ SAVE_DRIVER = textwrap.dedent(
 
     def save():
         os.makedirs(os.path.join(hf, "sub"))
-        for rel in ("model.safetensors", "sub/tokenizer.json", "model.safetensors.tmp.7"):
+        for rel in ("model.safetensors", "sub/tokenizer.json", "model.safetensors.tmp.7.0123abcd"):
             with open(os.path.join(hf, rel), "wb") as f:  # no fsync: the save's job
                 f.write(os.urandom(4096))
 
