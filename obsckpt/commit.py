@@ -7,18 +7,19 @@ are :mod:`obsckpt.layout`'s; reading them back is :mod:`obsckpt.reader`'s.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
-from obsckpt.errors import CheckpointDirError
+from obsckpt.errors import CheckpointDirError, FsyncTimeoutError
 from obsckpt.layout import (
     ITERATION_FILES,
     MANIFEST_NAME,
@@ -30,6 +31,19 @@ from obsckpt.layout import (
 )
 from obsckpt.reader import read_iteration, record_file, walk_files
 from obsckpt.validators import validate_step
+
+# How long one round of fsyncs may take before FsyncTimeoutError: generous, since a
+# large checkpoint's files on a busy network filesystem take minutes; past it, the
+# storage is taken to be hung (an fsync stuck on an NFS server never returns).
+FSYNC_TIMEOUT_S = 1800.0
+
+# A commit's phases, in order (finalize_step's ``on_phase``; the ``phase`` label of
+# obsckpt_commit_phase_seconds):
+PHASE_SCAN = "scan"  # listing the step, checking files, writing the temp files
+PHASE_FSYNC_FILES = "fsync_files"  # fsync of files, directories and temp files
+PHASE_MANIFEST = "manifest"  # the manifest renamed in, the step and root fsynced
+PHASE_RENAME_ITERATION = "rename_iteration"  # fence, iteration files renamed, root fsynced
+COMMIT_PHASES = (PHASE_SCAN, PHASE_FSYNC_FILES, PHASE_MANIFEST, PHASE_RENAME_ITERATION)
 
 
 def raise_named(exc: OSError, path: str | os.PathLike) -> NoReturn:
@@ -78,7 +92,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     pending = [_write_temp(path, data)]
     try:
-        fsync_file(pending[0][0])
+        fsync_many([(pending[0][0], False)], phase=f"writing {str(path)!r}")
     except BaseException:
         _discard(pending)
         raise
@@ -134,7 +148,13 @@ def _stage_iterations(root: Path, steps: dict[str, int]) -> list[tuple[Path, Pat
     return pending
 
 
-def _publish(root: Path, pending: list[tuple[Path, Path]]) -> None:
+def _publish(
+    root: Path,
+    pending: list[tuple[Path, Path]],
+    *,
+    phase: str = "publish",
+    timeout_s: float | None = None,
+) -> None:
     try:
         for tmp, path in pending:
             os.replace(tmp, path)
@@ -142,7 +162,7 @@ def _publish(root: Path, pending: list[tuple[Path, Path]]) -> None:
         _discard(pending)
         raise
     if pending:
-        fsync_dir(root)
+        fsync_many([(root, True)], phase=phase, timeout_s=timeout_s)
 
 
 def _write_temp(path: Path, data: bytes) -> tuple[Path, Path]:
@@ -186,22 +206,40 @@ def _reset_fsync_pool_in_child() -> None:
 os.register_at_fork(after_in_child=_reset_fsync_pool_in_child)
 
 
-def fsync_many(targets: Sequence[tuple[str | os.PathLike[str], bool]]) -> None:
-    """fsync files (False) and directories (True) concurrently.
+def fsync_many(
+    targets: Sequence[tuple[str | os.PathLike[str], bool]],
+    *,
+    phase: str = "fsync",
+    timeout_s: float | None = None,
+) -> None:
+    """fsync files (False) and directories (True) concurrently, within ``timeout_s``.
 
     On a journaling filesystem concurrent fsyncs share one journal commit
     instead of waiting for one each, which is most of a commit's latency.
+
+    Args:
+        targets: (path, is_dir) pairs.
+        phase: what the fsyncs are for, named in the timeout's error.
+        timeout_s: the longest wait for all of them (default :data:`FSYNC_TIMEOUT_S`,
+            read at the call). An fsync that is still running then keeps its pool
+            thread; the storage is hung, and later fsyncs will time out too.
+
+    Raises:
+        FsyncTimeoutError: they did not all finish in time; it names the phase, the
+            files still waited for and how long it waited.
+        OSError: an fsync failed (the first, in ``targets``' order).
     """
     global _fsync_pool
-    sync = [fsync_dir if is_dir else fsync_file for _, is_dir in targets]
-    if len(targets) <= 1:
-        for fn, (path, _) in zip(sync, targets, strict=True):
-            fn(path)
+    if not targets:
         return
+    timeout = FSYNC_TIMEOUT_S if timeout_s is None else timeout_s
+    sync = [fsync_dir if is_dir else fsync_file for _, is_dir in targets]
     with _fsync_pool_lock:
         if _fsync_pool is None:
             _fsync_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="obsckpt-fsync")
+    started = time.monotonic()
     try:
+        # Through the pool even for one target: a wait on it can be bounded.
         futures = [
             _fsync_pool.submit(fn, path) for fn, (path, _) in zip(sync, targets, strict=True)
         ]
@@ -211,6 +249,19 @@ def fsync_many(targets: Sequence[tuple[str | os.PathLike[str], bool]]) -> None:
         for fn, (path, _) in zip(sync, targets, strict=True):
             fn(path)
         return
+    _, not_done = concurrent.futures.wait(futures, timeout=timeout)
+    if not_done:
+        waiting = [
+            os.fspath(p) for f, (p, _) in zip(futures, targets, strict=True) if f in not_done
+        ]
+        shown = ", ".join(repr(p) for p in waiting[:5])
+        more = f" and {len(waiting) - 5} more" if len(waiting) > 5 else ""
+        raise FsyncTimeoutError(
+            f"{phase}: {len(waiting)} of {len(targets)} fsyncs had not finished after "
+            f"{time.monotonic() - started:.1f} s (timeout {timeout:g} s): still waiting for "
+            f"{shown}{more}. The storage is not answering (a hung network filesystem "
+            "server?); check it, e.g. whether `ls` or `sync` in that directory returns"
+        )
     for future in futures:
         future.result()
 
@@ -247,6 +298,9 @@ def finalize_step(
     *,
     iterations: dict[str, int] | None = None,
     timings: dict[str, float] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    fence: Callable[[], None] | None = None,
+    fsync_timeout_s: float | None = None,
 ) -> list[FileRecord]:
     """Make every file of a step durable, write its manifest, then move iteration files.
 
@@ -259,15 +313,33 @@ def finalize_step(
        file and the iteration files' temp files (``iterations``: kind → step);
     2. the manifest is renamed into place; the step directory and the root
        (``sdir``'s parent, which holds the step directory) are fsynced;
-    3. the iteration files are renamed into place and the root is fsynced.
+    3. ``fence()`` is called, then the iteration files are renamed into place
+       and the root is fsynced.
 
     So an iteration file never names a step whose files, directories or
-    manifest could be lost in a crash. Returns the manifest's records. If
-    ``timings`` is given, the seconds of each phase are stored in it: ``scan``
-    (listing and checking the files, the manifest and temp files written),
-    ``round1``, ``round2`` and ``publish`` (the three rounds of fsyncs).
+    manifest could be lost in a crash. Returns the manifest's records.
+
+    Args:
+        sdir: the step directory.
+        reported: the files workers reported, by path relative to ``sdir``.
+        iterations: kind → step, the iteration files to move.
+        timings: if given, the seconds of each part are stored in it: ``scan``
+            (listing and checking the files, the manifest and temp files written),
+            ``round1``, ``round2`` and ``publish`` (the three rounds of fsyncs).
+        on_phase: called with each of :data:`COMMIT_PHASES` as it begins (in the
+            calling thread), so a caller can show which one a hung commit is in.
+        fence: called immediately before the iteration files are renamed; it
+            raises (and nothing is renamed) when the caller may no longer commit.
+        fsync_timeout_s: the longest wait for each round of fsyncs (default
+            :data:`FSYNC_TIMEOUT_S`).
+
+    Raises:
+        FsyncTimeoutError: a round of fsyncs did not finish in time (named in it).
+        OSError: a file could not be read, written or fsynced.
     """
     clock = time.perf_counter
+    begin = on_phase if on_phase is not None else (lambda _phase: None)
+    begin(PHASE_SCAN)
     t0 = clock()
     sdir = Path(sdir)
     root = sdir.parent
@@ -302,18 +374,37 @@ def finalize_step(
         if exists:
             manifest.append(_write_temp(sdir / MANIFEST_NAME, manifest_bytes(ordered)))
         pending = _stage_iterations(root, iterations or {})
+        begin(PHASE_FSYNC_FILES)
         t1 = clock()
-        fsync_many(targets + [(tmp, False) for tmp, _ in manifest + pending])
+        fsync_many(
+            targets + [(tmp, False) for tmp, _ in manifest + pending],
+            phase=f"commit of {sdir.name}: {PHASE_FSYNC_FILES}",
+            timeout_s=fsync_timeout_s,
+        )
+        begin(PHASE_MANIFEST)
         t2 = clock()
         if exists:
             os.replace(*manifest[0])
             manifest = []
-            fsync_many([(sdir, True), (root, True)])
+            fsync_many(
+                [(sdir, True), (root, True)],
+                phase=f"commit of {sdir.name}: {PHASE_MANIFEST}",
+                timeout_s=fsync_timeout_s,
+            )
+        begin(PHASE_RENAME_ITERATION)
         t3 = clock()
+        if fence is not None:
+            fence()
     except BaseException:
         _discard(manifest + pending)
         raise
-    _publish(root, pending)
+    _publish(
+        root,
+        pending,
+        phase=f"commit of {sdir.name}: {PHASE_RENAME_ITERATION} (the iteration files are "
+        "renamed; whether they are durable is unknown)",
+        timeout_s=fsync_timeout_s,
+    )
     if timings is not None:
         timings.update(scan=t1 - t0, round1=t2 - t1, round2=t3 - t2, publish=clock() - t3)
     return ordered

@@ -12,6 +12,17 @@ crashed monitor never leaves the root locked. On NFS, Linux carries ``flock``
 as a whole-file POSIX lock to the server, which frees a lost client's locks
 when its lease runs out (90 s by default): a monitor that Ray restarts on
 another node waits that long for it (:data:`RESTART_WAIT_S`).
+
+The lock is also a fence. ``flock`` belongs to the file's inode, so a lock
+file deleted (or replaced) under a running monitor would let a second monitor
+lock a new file at the same path while the first still commits. Each holder
+therefore writes a random ``epoch`` into the file it locked, and
+:meth:`RootLock.check`, called immediately before every iteration-file rename,
+proves that the file at the path is still the one it holds (``os.stat`` of the
+path against ``fstat`` of the held descriptor) and still names its epoch. A
+monitor whose check fails is fenced for good: it commits nothing more, and the
+monitor holding the file now at the path owns the root. A released lock (a
+monitor shut down) fails the check the same way.
 """
 
 from __future__ import annotations
@@ -22,12 +33,14 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from obsckpt.errors import CheckpointDirError, RootInUseError
+from obsckpt.errors import CheckpointDirError, RootInUseError, RootLockLostError
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +57,109 @@ _MAX_INFO_BYTES = 4096
 
 
 class RootLock:
-    """The held lock; :meth:`release` gives it up (so does the process's end)."""
+    """The held lock: :meth:`check` proves it still fences the root; :meth:`release` gives it up.
 
-    def __init__(self, path: Path, fd: int | None) -> None:
+    Args:
+        path: the lock file.
+        fd: the open lock file (None: nothing held).
+        epoch: the token this holder wrote into the file.
+        locked: whether ``fd`` holds the ``flock`` (False on a filesystem without locks:
+            the epoch alone then tells this holder from a later one).
+    """
+
+    def __init__(self, path: Path, fd: int | None, *, epoch: str = "", locked: bool = True) -> None:
         self.path = path
-        self._fd = fd  # None: not held (released, or a filesystem without locks)
+        self.epoch = epoch
+        self._fd = fd
+        self._locked = locked and fd is not None
+        self._inode = _identity(os.fstat(fd)) if fd is not None else None
+        self._lost: str | None = None if fd is not None else "it was never taken"
+        # The check runs in the commit's thread and in status()'s; release on the event loop.
+        self._guard = threading.Lock()
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        """Whether this process holds the ``flock`` on the lock file."""
+        return self._fd is not None and self._locked
+
+    @property
+    def lost(self) -> str | None:
+        """Why this lock no longer fences the root, as last checked (None: it does)."""
+        return self._lost
+
+    def check(self) -> None:
+        """Prove that this holder still owns the root; call immediately before a commit's rename.
+
+        Raises:
+            RootLockLostError: the lock was released, or the lock file at the path was
+                deleted, replaced or rewritten by another holder (for good: a lost lock
+                is never found again), or the file cannot be read to tell.
+        """
+        with self._guard:
+            if self._lost is None:
+                why, final = self._verify()
+                if why is not None and final:
+                    self._lost = why
+                    logger.error(
+                        "obsckpt: the monitor's lock on %s is lost: %s. This monitor commits "
+                        "nothing more; the monitor holding the lock file now at that path (if "
+                        "any) owns the root",
+                        self.path.parent,
+                        why,
+                    )
+            else:
+                why = self._lost
+        if why is not None:
+            raise RootLockLostError(
+                f"this monitor no longer owns checkpoint root {str(self.path.parent)!r}: {why}"
+            )
+
+    def _verify(self) -> tuple[str | None, bool]:
+        """(why the fence fails or None, whether that is for good)."""
+        fd = self._fd
+        if fd is None:
+            return "it was released (the monitor was shut down)", True
+        try:
+            now = os.lstat(self.path)
+        except FileNotFoundError:
+            return f"its lock file {str(self.path)!r} was deleted", True
+        except OSError as exc:
+            return f"its lock file {str(self.path)!r} cannot be checked ({exc})", False
+        if _identity(now) != self._inode:
+            return f"its lock file {str(self.path)!r} was replaced by another file", True
+        try:
+            data = os.pread(fd, _MAX_INFO_BYTES, 0)
+        except OSError as exc:
+            return f"its lock file {str(self.path)!r} cannot be read ({exc})", False
+        epoch = _parse(data).get("epoch")
+        if epoch != self.epoch:
+            return (
+                f"its lock file {str(self.path)!r} names epoch {epoch!r}, not this "
+                f"monitor's {self.epoch!r} (another monitor wrote it)",
+                True,
+            )
+        return None, False
 
     def release(self) -> None:
         """Unlock and close; the file stays (removing it would race a new holder's open)."""
-        fd, self._fd = self._fd, None
+        with self._guard:
+            fd, self._fd = self._fd, None
+            if self._lost is None:
+                self._lost = "it was released (the monitor was shut down)"
         if fd is not None:
             os.close(fd)  # closing the only descriptor of the open file drops its flock
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        info = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def lock_path(root: str | os.PathLike[str]) -> Path:
@@ -113,11 +214,7 @@ def read_holder(root: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     finally:
         os.close(fd)
-    try:
-        info = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
+    return _parse(data)
 
 
 def describe_holder(info: dict[str, Any]) -> str:
@@ -156,7 +253,8 @@ def acquire(
     """Lock ``root`` for this process's monitor, waiting up to ``wait_s`` for a holder to go.
 
     On a filesystem that cannot lock (some FUSE mounts, NFS mounted with
-    ``nolock``) a warning is logged and the returned lock is not held.
+    ``nolock``) a warning is logged and the returned lock is not held; its
+    epoch still fences it off once a later monitor has started on the root.
 
     Raises:
         RootInUseError: another process (or another monitor in this one) holds it.
@@ -180,17 +278,8 @@ def acquire(
             got = _try_lock(held)
         if not (got or _poll(lambda: _try_lock(held), wait_s)):
             raise _in_use(root, read_holder(root), wait_s)
-        info = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "namespace": namespace,
-            "since": time.time(),
-        }
-        # Who holds it, for the error a second monitor gives; not needed for the lock.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        locked = True
     except _NoLocks as exc:
-        _close(held, fd)
         logger.warning(
             "obsckpt: cannot lock %s (%s): this filesystem does not support flock, so a "
             "second job on this checkpoint root would not be refused. Give every job a "
@@ -198,13 +287,38 @@ def acquire(
             path,
             exc.strerror or exc,
         )
-        return RootLock(path, None)
+        # Kept open all the same: the epoch still fences this monitor off once a later
+        # one has started on the root and written its own.
+        locked = False
+    except BaseException:
+        _close(held, fd)
+        raise
+    try:
+        epoch = _write_holder(fd, namespace)
     except BaseException:
         _close(held, fd)
         raise
     if held != fd:
         os.close(fd)  # another open file than the locked one: its flock stays
-    return RootLock(path, held)
+    return RootLock(path, held, epoch=epoch, locked=locked)
+
+
+def _write_holder(fd: int, namespace: str | None) -> str:
+    """Write who holds the lock, and a new epoch, into the lock file; returns the epoch.
+
+    Who holds it is for the error a second monitor gives; the epoch is the fence.
+    """
+    epoch = uuid.uuid4().hex
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "namespace": namespace,
+        "since": time.time(),
+        "epoch": epoch,
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    return epoch
 
 
 def _close(*fds: int) -> None:
