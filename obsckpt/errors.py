@@ -38,6 +38,7 @@ __all__ = [
     "SaveTimeoutError",
     "StateDictLoadError",
     "TensorMutatedError",
+    "WaitTimeoutError",
     "WeightMismatchError",
 ]
 
@@ -116,6 +117,14 @@ class SaveError(ObsckptError, RuntimeError):
 
 class SaveTimeoutError(SaveError, TimeoutError):
     """A save, a join or a wait did not finish within its timeout."""
+
+
+class WaitTimeoutError(ObsckptError, TimeoutError):
+    """A wait inside a save (the writer's helper threads, a staging copy) outlived its bound.
+
+    The message names what was waited for and for how long; the save that
+    waited fails with it (a background save reports it as its error).
+    """
 
 
 class RayShutDownError(ObsckptError, RuntimeError):
