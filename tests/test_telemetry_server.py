@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
+import http.client
 import json
+import select
 import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from obsckpt.telemetry.server import (
+    MetricsServer,
     _is_local,
     publish_file_sd,
     read_file_sd_targets,
@@ -242,3 +250,237 @@ class TestSharedFileSd:
         publish_file_sd(sd, "192.0.2.1:9400", {}, root="/a")
         assert read_file_sd_targets(sd) == ["192.0.2.1:9400"]
         assert "not a file_sd target list" in caplog.text
+
+
+# -- what a scraper can and cannot do to the endpoint ---------------------------------
+
+
+def request(address: str, path: str, headers: dict[str, str] | None = None):
+    """One GET of ``path``: (status, headers, body)."""
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bytes | None:
+    """What the server sent before closing ``sock`` (b"" for nothing); None if still open."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def os_threads() -> int:
+    """Threads of this process, as the kernel counts them."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+@pytest.fixture
+def served(registry):
+    """Starts servers of ``registry`` that count their refusals in it; closes them after."""
+    rejected = Counter("obsckpt_test_rejected", "Refused connections.", registry=registry)
+    servers = []
+
+    def start(**kw) -> tuple[MetricsServer, Counter]:
+        server = serve_metrics(registry, "127.0.0.1", 0, rejected=rejected, **kw)
+        servers.append(server)
+        assert server.error is None, server.error
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+class TestPaths:
+    """Only /metrics (and /healthz) answer; any other path is a 404. /metrics keeps
+    prometheus_client's content negotiation, gzip and ?name[]= filtering."""
+
+    @pytest.mark.parametrize("path", ["/", "/metric", "/metrics/x", "/favicon.ico", "/..%2f"])
+    def test_other_paths_are_not_found(self, served, path):
+        server = served()
+        status, _, body = request(server.address, path)
+        assert status == 404
+        assert b"obsckpt_test_total" not in body and b"/metrics" in body
+
+    def test_healthz_answers(self, served):
+        assert request(served().address, "/healthz")[0] == 200
+
+    def test_metrics_negotiates_like_prometheus_client(self, served, registry):
+        Counter("obsckpt_test_other", "Another sample.", registry=registry).inc(3)
+        address = served().address
+        status, headers, body = request(address, "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert b"obsckpt_test_total 1.0" in body and b"obsckpt_test_other_total 3.0" in body
+
+        _, headers, body = request(address, "/metrics", {"Accept-Encoding": "gzip"})
+        assert headers["Content-Encoding"] == "gzip"
+        assert b"obsckpt_test_total 1.0" in gzip.decompress(body)
+
+        _, headers, body = request(
+            address, "/metrics", {"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+        assert headers["Content-Type"].startswith("application/openmetrics-text")
+        assert body.endswith(b"# EOF\n")
+
+        _, _, body = request(address, "/metrics?name[]=obsckpt_test_other_total")
+        assert b"obsckpt_test_other_total 3.0" in body and b"obsckpt_test_total" not in body
+
+
+class TestConnectionTimeout:
+    """A connection not answered within timeout_s of its accept is closed: idle, or sending
+    its request a byte at a time. The endpoint then serves others."""
+
+    def test_idle_connection_is_dropped(self, served):
+        server = served(timeout_s=0.5)
+        with connect(server.address) as idle:
+            t0 = time.monotonic()
+            assert closed_by_server(idle, timeout=5.0) == b""
+            assert 0.4 < time.monotonic() - t0 < 2.0
+        assert b"obsckpt_test_total 1.0" in request(server.address, "/metrics")[2]
+
+    def test_trickled_request_is_dropped_at_the_deadline(self, served):
+        server = served(timeout_s=1.0)
+        # Each byte comes well within the per-read timeout; only the deadline stops it.
+        trickle = b"GET /metrics HTTP/1.0\r\nX-Pad: " + b"a" * 200
+        with connect(server.address) as slow:
+            t0 = time.monotonic()
+            sent = 0
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                while sent < len(trickle) and time.monotonic() - t0 < 10:
+                    slow.send(trickle[sent : sent + 1])
+                    sent += 1
+                    if select.select([slow], [], [], 0.1)[0]:
+                        break  # closed by the server
+            assert closed_by_server(slow, timeout=5.0) is not None
+        assert sent < len(trickle), "the server waited for the whole trickled request"
+        assert time.monotonic() - t0 < 3.0
+
+
+class TestConnectionBound:
+    """At most max_connections are served at once; more are answered 503 and closed at
+    once, and counted. The endpoint's threads stay bounded however many connect."""
+
+    def test_excess_connections_are_refused_and_counted(self, served, registry):
+        server = served(max_connections=2, timeout_s=30.0)
+        threads_before = os_threads()
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(connect(server.address)) for _ in range(2)]
+            extra = [stack.enter_context(connect(server.address)) for _ in range(50)]
+            for sock in extra:
+                reply = closed_by_server(sock, timeout=5.0)
+                assert reply is not None, "an excess connection was left open"
+                assert reply == b"" or reply.startswith(b"HTTP/1.0 503"), reply
+            assert registry.get_sample_value("obsckpt_test_rejected_total") == 50
+            assert os_threads() <= threads_before + 2
+            # The bound holds: with both held, even a scrape is refused.
+            with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+                fetch(server.address)
+            for sock in held:
+                sock.close()
+            # Closed by their clients, the slots free up.
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    text = fetch(server.address)
+                    break
+                except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+                    assert time.monotonic() < deadline, "the endpoint never served again"
+                    time.sleep(0.05)
+        assert "obsckpt_test_rejected_total 51.0" in text
+
+    def test_close_ends_open_connections_and_their_threads(self, served):
+        threads_before = os_threads()
+        server = served(max_connections=4, timeout_s=60.0)
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(connect(server.address)) for _ in range(4)]
+            deadline = time.monotonic() + 5
+            while os_threads() < threads_before + 5 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the serving thread and one per held connection
+            t0 = time.monotonic()
+            server.close()
+            assert time.monotonic() - t0 < 2.0
+            assert all(closed_by_server(s, timeout=5.0) is not None for s in held)
+        assert os_threads() <= threads_before
+
+
+# The endpoint in a process whose descriptors are all taken: accept() fails with EMFILE
+# while the connection waits in the backlog.
+_EMFILE_CHILD = """
+import json, os, resource, sys, time
+from prometheus_client import CollectorRegistry, Counter
+from obsckpt.telemetry.server import serve_metrics
+
+registry = CollectorRegistry()
+rejected = Counter("obsckpt_test_rejected", "Refused.", registry=registry)
+server = serve_metrics(registry, "127.0.0.1", 0, rejected=rejected)
+print(server.address, flush=True)
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print("full", flush=True)
+sys.stdin.readline()  # the parent connected
+cpu0, t0 = time.process_time(), time.monotonic()
+time.sleep(2.0)
+cpu = time.process_time() - cpu0
+wall = time.monotonic() - t0
+count = registry.get_sample_value("obsckpt_test_rejected_total")
+for fd in held:
+    os.close(fd)
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "rejected": count}), flush=True)
+sys.stdin.readline()  # the parent read its answer
+server.close()
+"""
+
+
+class TestAcceptFailure:
+    """With the process out of descriptors, the endpoint does not spin on the pending
+    connection: it pauses between tries, counts them, and serves it once descriptors free."""
+
+    def test_no_spin_on_emfile_and_recovery(self):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _EMFILE_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            address = child.stdout.readline().strip()
+            assert child.stdout.readline().strip() == "full"
+            with connect(address) as sock:
+                sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                child.stdin.write("connected\n")
+                child.stdin.flush()
+                measured = json.loads(child.stdout.readline())
+                reply = closed_by_server(sock, timeout=10.0)
+            child.stdin.write("done\n")
+            child.stdin.flush()
+            assert child.wait(30) == 0
+        finally:
+            child.kill()
+            child.wait()
+        # A spinning accept loop burns a core and counts thousands of tries.
+        assert measured["cpu_s"] < 0.1 * measured["wall_s"], measured
+        assert 1 <= measured["rejected"] <= 20, measured
+        assert reply is not None and reply.startswith(b"HTTP/1.0 200"), reply
+        assert b"obsckpt_test_rejected_total" in reply

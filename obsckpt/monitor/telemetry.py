@@ -110,7 +110,9 @@ class MonitorTelemetry(MonitorObserver):
         root: str,
     ) -> MetricsServer:
         """Serve /metrics and name the endpoint in ``file_sd_path`` (if given)."""
-        self.server = serve_metrics(self.metrics.registry, host, port)
+        self.server = serve_metrics(
+            self.metrics.registry, host, port, rejected=self.metrics.metrics_connections_rejected
+        )
         self.file_sd_path = file_sd_path
         if not file_sd_path:
             return self.server

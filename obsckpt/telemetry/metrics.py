@@ -272,6 +272,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "Model version (training step) held by the trainer and by the rollout side.",
         "model_version",
     ),
+    MetricSpec(
+        "obsckpt_metrics_connections_rejected_total",
+        "counter",
+        (),
+        "Connections to this /metrics endpoint refused: answered 503 and closed because "
+        "as many as it serves at once were open, or left queued because accept() "
+        "found the process out of file descriptors (each failed try, retried after a pause "
+        "of up to 1 s). Scrapers then see failed scrapes; the first of each minute is logged.",
+        "metrics_connections_rejected",
+    ),
 )
 
 SPANS: tuple[SpanSpec, ...] = (
@@ -445,6 +455,7 @@ class Metrics:
     broadcast_failures: Counter
     upload_duration: Histogram
     model_version: Gauge
+    metrics_connections_rejected: Counter
 
 
 def reference_markdown() -> str:

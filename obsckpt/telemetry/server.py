@@ -1,4 +1,10 @@
-"""The /metrics HTTP endpoint and the Prometheus file_sd target file."""
+"""The /metrics HTTP endpoint and the Prometheus file_sd target file.
+
+The endpoint is prometheus_client's request handler (text or OpenMetrics,
+gzip, ``?name[]=``) behind a server of obsckpt's own: a scraper, however slow
+or numerous, holds a bounded number of the monitor's threads and descriptors
+for a bounded time, so scraping never stands in the way of a commit.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +15,16 @@ import json
 import logging
 import os
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import MetricsHandler
 
 from obsckpt.commit import atomic_write
 
@@ -92,13 +101,208 @@ class _ScrapeCounter:
             return self._cond.wait_for(lambda: self._completed > after, timeout)
 
 
+# A scrape is a request line, a few headers and a few KB back: a connection not done
+# this long after it was accepted is idle or stalled, and is closed.
+CONNECTION_TIMEOUT_S = 5.0
+# Connections served at once, one thread each; more are answered 503 and closed.
+# Prometheus (or an HA pair of them) and a person with curl need a few.
+MAX_CONNECTIONS = 16
+# Connections the kernel queues before the endpoint accepts them.
+LISTEN_BACKLOG = 128
+# How often the serving thread closes connections past their deadline.
+_POLL_INTERVAL_S = 0.5
+# accept() failing for want of a file descriptor: the first pause, and the longest.
+_ACCEPT_PAUSE_S = (0.05, 1.0)
+_FD_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_REJECT_LOG_EVERY_S = 60.0
+_BUSY_REPLY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\n\r\ntoo many connections to this /metrics endpoint\n"
+)
+
+
+class _Handler(MetricsHandler):
+    """prometheus_client's handler (content negotiation, gzip, ?name[]=) at /metrics only."""
+
+    server: _MetricsHTTPServer
+
+    @property
+    def registry(self) -> _ScrapeCounter:  # what MetricsHandler.do_GET serves
+        return self.server.scrapes
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            super().do_GET()
+        elif path == "/healthz":
+            self._reply(200, b"ok\n")
+        else:
+            self._reply(404, b"not found: this endpoint serves /metrics (and /healthz)\n")
+
+    def _reply(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _MetricsHTTPServer(socketserver.TCPServer):
+    """The endpoint's HTTP server: bounded threads, bounded time per connection.
+
+    Each connection is served on its own thread, at most ``max_connections`` at
+    once; one more is answered 503 and closed at once. A connection has
+    ``timeout_s`` from its accept to be answered: the serving thread shuts down
+    those past it, so an idle client, or one that trickles its request a byte at
+    a time, holds its thread no longer. An accept() that fails for want of a file
+    descriptor leaves the connection queued and the listening socket readable;
+    the loop pauses (doubling, up to a second) instead of retrying at once.
+    Refusals and such failures are counted in ``rejected``.
+    """
+
+    allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(
+        self,
+        family: socket.AddressFamily,
+        address: tuple,
+        scrapes: _ScrapeCounter,
+        *,
+        rejected: Counter | None,
+        max_connections: int,
+        timeout_s: float,
+    ) -> None:
+        self.address_family = family
+        self.scrapes = scrapes
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._rejected = rejected
+        self._lock = threading.Lock()
+        # Open connections -> when each must be done (monotonic); the thread serving each.
+        self._deadlines: dict[socket.socket, float] = {}
+        self._threads: set[threading.Thread] = set()
+        self._closing = threading.Event()
+        self._pause_s = 0.0
+        self._warned_at: float | None = None
+        self._thread: threading.Thread | None = None
+        super().__init__(address, _Handler)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self.serve_forever,
+            kwargs={"poll_interval": _POLL_INTERVAL_S},
+            name="obsckpt-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting, end the open connections, join every thread; close the socket."""
+        self._closing.set()
+        self.shutdown()  # returns once serve_forever has
+        with self._lock:
+            for conn in self._deadlines:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            threads = [*self._threads, self._thread]
+        for thread in threads:
+            if thread is not None:
+                thread.join(self.timeout_s)
+        self.server_close()
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        try:
+            conn = self.socket.accept()
+        except OSError as exc:
+            if exc.errno in _FD_ERRNOS:
+                self._pause_s = min(max(2 * self._pause_s, _ACCEPT_PAUSE_S[0]), _ACCEPT_PAUSE_S[1])
+                self._count_rejected(
+                    f"accept() failed ({exc.strerror}): this process has no file descriptor "
+                    f"left; retrying in {self._pause_s:.2f} s"
+                )
+                self._closing.wait(self._pause_s)
+            raise  # socketserver drops the failed accept and polls again
+        self._pause_s = 0.0
+        return conn
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        with self._lock:
+            admitted = len(self._deadlines) < self.max_connections
+            if admitted:
+                self._deadlines[request] = time.monotonic() + self.timeout_s
+        if not admitted:
+            self._refuse(request, f"{self.max_connections} connections are open already")
+            return
+        thread = threading.Thread(
+            target=self._serve,
+            args=(request, client_address),
+            name="obsckpt-metrics-connection",
+            daemon=True,
+        )
+        with self._lock:
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # the process is out of threads
+            with self._lock:
+                self._threads.discard(thread)
+                del self._deadlines[request]
+            self._refuse(request, f"cannot start a thread for it: {exc}")
+
+    def _serve(self, request: socket.socket, client_address: object) -> None:
+        try:
+            request.settimeout(self.timeout_s)
+            self.finish_request(request, client_address)
+        except OSError as exc:  # a reset, a timeout, or shut down at its deadline
+            logger.debug("obsckpt: /metrics connection from %s ended: %s", client_address, exc)
+        except Exception:  # noqa: BLE001 - one failed request must not end the endpoint
+            logger.exception("obsckpt: /metrics request from %s failed", client_address)
+        finally:
+            # Forgotten before it is closed, so service_actions never shuts down a
+            # descriptor number the process has since reused.
+            with self._lock:
+                del self._deadlines[request]
+                self._threads.discard(threading.current_thread())
+            self.shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Shut down connections past their deadline; their threads then return."""
+        now = time.monotonic()
+        with self._lock:
+            for conn, deadline in self._deadlines.items():
+                if now >= deadline:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+
+    def _refuse(self, request: socket.socket, why: str) -> None:
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(_BUSY_REPLY)
+        self.close_request(request)
+        self._count_rejected(why)
+
+    def _count_rejected(self, why: str) -> None:
+        if self._rejected is not None:
+            self._rejected.inc()
+        now = time.monotonic()
+        if self._warned_at is None or now - self._warned_at >= _REJECT_LOG_EVERY_S:
+            self._warned_at = now
+            logger.warning(
+                "obsckpt: /metrics at %s refused a connection: %s. Counted in "
+                "obsckpt_metrics_connections_rejected_total; logged at most once a minute",
+                host_port(*self.server_address[:2]),
+                why,
+            )
+
+
 @dataclass(slots=True)
 class MetricsServer:
     """A running (or failed) /metrics endpoint. ``address`` is None when not serving."""
 
     address: str | None = None
     error: str | None = None
-    _server: object = field(default=None, repr=False)
+    _server: _MetricsHTTPServer | None = field(default=None, repr=False)
     _scrapes: _ScrapeCounter | None = field(default=None, repr=False)
 
     def close(self, *, final_scrape_timeout_s: float = 0.0) -> None:
@@ -125,8 +329,7 @@ class MetricsServer:
                         due,
                     )
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
         self.address = None
 
@@ -154,31 +357,63 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer:
+def serve_metrics(
+    registry: CollectorRegistry,
+    host: str,
+    port: int | None,
+    *,
+    rejected: Counter | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    timeout_s: float = CONNECTION_TIMEOUT_S,
+) -> MetricsServer:
     """Serve ``registry`` at http://host:port/metrics; never raises for a busy port.
 
     A port already in use is logged and reported in ``MetricsServer.error``:
-    the job keeps running without an endpoint.
+    the job keeps running without an endpoint. Scrapers cannot hold the
+    process's threads or descriptors: see ``_MetricsHTTPServer``.
+
+    Args:
+        rejected: counts connections refused (``max_connections`` open already)
+            and accepts that failed for want of a file descriptor.
+        max_connections: connections served at once.
+        timeout_s: time a connection has, from its accept, to be answered.
     """
     if port is None:
         return MetricsServer()
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise ValueError(f"max_connections must be a positive int, got {max_connections!r}")
+    if max_connections < 1 or not timeout_s > 0:
+        raise ValueError(
+            f"max_connections must be >= 1 and timeout_s > 0 seconds, got {max_connections!r} "
+            f"and {timeout_s!r}"
+        )
     host = _bare_host(host)
+    # "" means every interface to socket.bind, but not to getaddrinfo.
+    bind_host = host or "0.0.0.0"
     scrapes = _ScrapeCounter(registry)
     try:
-        # "" means every interface to socket.bind, but not to getaddrinfo, which
-        # prometheus_client asks first.
-        server, _thread = start_http_server(port, addr=host or "0.0.0.0", registry=scrapes)
+        [(family, _, _, _, sockaddr), *_] = socket.getaddrinfo(
+            bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        server = _MetricsHTTPServer(
+            family,
+            sockaddr,
+            scrapes,
+            rejected=rejected,
+            max_connections=max_connections,
+            timeout_s=timeout_s,
+        )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             msg = (
-                f"metrics port {port} on {host or '0.0.0.0'} is already in use; metrics are not "
+                f"metrics port {port} on {bind_host} is already in use; metrics are not "
                 "served. Pass another metrics_port, or 0 to pick a free one"
             )
         else:
-            where = host_port(host or "0.0.0.0", port)
-            msg = f"cannot serve metrics on {where}: {exc.strerror or exc}"
+            msg = f"cannot serve metrics on {host_port(bind_host, port)}: {exc.strerror or exc}"
         logger.error("obsckpt: %s", msg)
         return MetricsServer(error=msg)
+    server.start()
     actual_port = server.server_address[1]
     return MetricsServer(
         address=host_port(advertised_host(host), actual_port), _server=server, _scrapes=scrapes
