@@ -5,6 +5,18 @@ whose memory is page-aligned (staging buffers are, see
 :mod:`obsckpt.staging`) are written to disk from that memory with
 ``O_DIRECT``, without a copy; everything else goes through a few aligned
 chunks. The file's CRC32 is computed on the way and goes into the manifest.
+
+Records start on a 4 KiB boundary (so aligned tensors can be written
+directly), which would cost up to a page for each small tensor. Storages
+smaller than ``PACK_MAX`` (64 KiB) are therefore packed (see
+:class:`obsckpt.tree.StoragePacker`): copied, one after
+the other, into one storage per dtype, written as one record. A small tensor
+loaded back (plain ``torch.load``, ``weights_only=True`` included) is a view
+into that packed storage, with its own size, stride and dtype; its
+``storage_offset()`` counts from the start of the pack, and tensors that
+shared a storage when saved share it again. Storages of ``PACK_MAX``
+bytes or more keep a record of their own, as ``torch.save``
+writes them.
 """
 
 from __future__ import annotations
@@ -14,12 +26,13 @@ import ctypes
 import errno
 import functools
 import inspect
+import logging
 import math
 import mmap
 import os
-import pickle
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -27,9 +40,10 @@ import torch
 
 from obsckpt.commit import fsync_dir, raise_named
 from obsckpt.env import OBSCKPT_DIRECT_IO, from_env_if_absent
+from obsckpt.errors import WaitTimeoutError
 from obsckpt.layout import FileRecord, temp_name
 from obsckpt.reader import crc32
-from obsckpt.tree import cpu_storages
+from obsckpt.tree import StoragePacker, cpu_storages
 
 # The writer's chunks, for the bytes that cannot be written from where they lie
 # (headers, pickles, small or unaligned tensors): big enough for full-speed
@@ -47,6 +61,12 @@ _WRITERS = 4
 _CRC_THREADS = 2
 _CRC32_POLY = 0xEDB88320
 ALIGN = 4096
+# The longest the writer waits for its helper threads (a write to the
+# filesystem that hangs): generous, as a write of a large shard to a slow
+# network filesystem takes minutes; tests make it small.
+WAIT_TIMEOUT_S = 1800.0
+
+logger = logging.getLogger(__name__)
 
 
 def _direct_io() -> bool:
@@ -204,6 +224,8 @@ class _PipelinedSink:
         self._chunk: mmap.mmap | None = None
         self._fill = 0
         self._error: BaseException | None = None
+        self._stopped = False  # the helpers were told to stop
+        self._closed = False
         name = os.path.basename(path)
         workers = [(self._checksum, "crc")] * _CRC_THREADS + [(self._write, "writer")] * _WRITERS
         self._threads = [
@@ -218,9 +240,26 @@ class _PipelinedSink:
             chunk = mmap.mmap(-1, _IO_CHUNK)  # page-aligned, as O_DIRECT requires
             self._chunks.append(chunk)
             return chunk
-        chunk = self._free.get()
+        try:
+            chunk = self._free.get(timeout=WAIT_TIMEOUT_S)
+        except queue.Empty:
+            raise self._timeout("a chunk to be written and freed") from None
         self._raise_if_failed()
         return chunk
+
+    def _timeout(self, what: str) -> WaitTimeoutError:
+        """The error of a wait for the helpers that outlived WAIT_TIMEOUT_S; the helpers skip
+        what is left (the save is abandoned)."""
+        with self._lock:
+            pending = len(self._users)
+        error = WaitTimeoutError(
+            f"writing {self.path}: waited {WAIT_TIMEOUT_S:g} s for {what}, in vain "
+            f"({pending} pieces not yet written and checksummed of the {self.size} bytes "
+            "handed to the writer threads): a write to the filesystem hangs. The save is "
+            "abandoned; check the storage's health"
+        )
+        self._error = self._error or error
+        return error
 
     def reserve(self, nbytes: int) -> None:
         """Allocate the file's blocks up to ``nbytes`` before writing them.
@@ -305,7 +344,8 @@ class _PipelinedSink:
         self.size += len(view)
         self.direct_bytes += len(view)
         if wait:
-            done.wait()
+            if not done.wait(WAIT_TIMEOUT_S):
+                raise self._timeout(f"a direct write of {len(view)} bytes")
             self._raise_if_failed()
 
     def _copy(self, view: memoryview) -> None:
@@ -368,7 +408,8 @@ class _PipelinedSink:
                     padded = -(-self._fill // ALIGN) * ALIGN
                     self._chunk[self._fill : padded] = bytes(padded - self._fill)
                 self._submit_chunk(padded)
-            self._stop()
+            if not self._stop():
+                raise self._timeout("its helper threads to finish")
             self._raise_if_failed()
             for seq in range(self._seq):
                 crc, n = self._crcs[seq]
@@ -379,54 +420,91 @@ class _PipelinedSink:
                 os.fsync(self.fd)
             except OSError as exc:  # on a descriptor: the error names no file
                 raise_named(exc, self.path)
-        finally:
-            self.close()
+        except BaseException:
+            self.close(quiet=True)  # an error closing must not hide the one that ended the write
+            raise
+        self.close()
 
-    def _stop(self) -> None:
-        if any(t.is_alive() for t in self._threads):
+    def _stop(self) -> bool:
+        """Tell the helpers to stop and join them, for WAIT_TIMEOUT_S at most; False if one
+        is still busy (a write that hangs). A second call does not wait again."""
+        if not self._stopped:
+            self._stopped = True
             for _ in range(_CRC_THREADS):
                 self._to_crc.put(None)
             for _ in range(_WRITERS):
                 self._to_disk.put(None)
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
             for t in self._threads:
-                t.join()
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
-    def close(self) -> None:
-        self._stop()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def close(self, *, quiet: bool = False) -> None:
+        """Stop the helpers, close the file and free the chunks; ``quiet``: log a failure
+        to close instead of raising it (an error is already on its way)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._stop():
+            # A helper is still in a write: closing the descriptor now could hand its
+            # number to another file before that write returns. The last one out closes.
+            self._error = self._error or WaitTimeoutError(f"writing {self.path} was abandoned")
+            name = f"obsckpt-close-{os.path.basename(self.path)}"
+            threading.Thread(target=self._close_after_helpers, name=name, daemon=True).start()
+            return
+        try:
+            self._close_now()
+        except OSError as exc:
+            if not quiet:
+                raise_named(exc, self.path)
+            logger.warning(
+                "obsckpt: closing %s after a failed write failed too: %s", self.path, exc
+            )
+
+    def _close_after_helpers(self) -> None:
+        for t in self._threads:
+            t.join()
+        with contextlib.suppress(OSError):
+            self._close_now()
+
+    def _close_now(self) -> None:
         for chunk in self._chunks:
             # A chunk still exported (by a view torch holds) is unmapped by the collector
             # instead; failing here would hide the error that ended the write.
             with contextlib.suppress(BufferError):
                 chunk.close()
         self._chunks.clear()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
-    """``torch.save(obj, sink)`` without torch's own per-record CRC32.
+    """``torch.save(obj, sink)`` with small storages packed, without torch's per-record CRC32.
 
     The whole file's CRC32 is computed here (it goes into the manifest), so
     torch computing another one per record would only halve the write speed.
-    Falls back to plain ``torch.save`` where torch's writer has another shape.
+    Falls back to plain ``torch.save`` (still packing) where torch's writer
+    has another shape.
     """
     storages = cpu_storages(obj)
     sink.owned = set(storages)
     # The tensors' bytes, each record's header and alignment, and the pickle.
     sink.reserve(sum(storages.values()) + len(storages) * 2 * ALIGN + (1 << 20))
+    packer = StoragePacker(obj)
+    pickle_module = packer.pickle_module()
     if _save is None:
-        torch.save(obj, sink)  # type: ignore[arg-type]
+        torch.save(obj, sink, pickle_module=pickle_module)  # type: ignore[arg-type]
         return
     try:
         # Records start on a page boundary, so aligned tensors are written from their memory.
         alignment = max(ALIGN, _get_storage_alignment())
         writer = torch._C.PyTorchFileWriter(sink, False, alignment)  # type: ignore[call-overload]
     except TypeError:  # pragma: no cover - a torch whose writer takes other arguments
-        torch.save(obj, sink)  # type: ignore[arg-type]
+        torch.save(obj, sink, pickle_module=pickle_module)  # type: ignore[arg-type]
         return
     try:
-        _save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        _save(obj, writer, pickle_module, torch.serialization.DEFAULT_PROTOCOL, False)
     except BaseException:
         # An unfinished writer finishes the file in its destructor, whenever the
         # collector frees it, and an error there (the sink refusing writes) aborts
@@ -437,8 +515,32 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     writer.write_end_of_file()
 
 
+def _remove_temp(tmp: str) -> None:
+    """Remove a failed write's temp file; a failure to is logged, never raised over the
+    error that failed the write."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning(
+            "obsckpt: could not remove the temp file %s of a failed write (%s); it is left "
+            "behind (the monitor removes obsckpt's leftovers at its next start)",
+            tmp,
+            exc,
+        )
+
+
 def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
-    """``torch.save`` to a temp file, fsync, rename into place, fsync the directory."""
+    """``torch.save`` to a temp file, fsync, rename into place, fsync the directory.
+
+    Small storages are packed (see the module's docstring); the file loads
+    with plain ``torch.load``.
+
+    Raises:
+        WaitTimeoutError: a write to the filesystem hung for ``WAIT_TIMEOUT_S``.
+        OSError: the write failed (its errno kept); the temp file is removed.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -448,14 +550,12 @@ def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
         try:
             _torch_save(obj, sink)
             sink.finish()
-        finally:
-            sink.close()
+        except BaseException:
+            sink.close(quiet=True)
+            raise
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _remove_temp(tmp)
         raise
     fsync_dir(directory)
     return FileRecord(path=os.path.abspath(path), size=sink.size, crc32=sink.crc)

@@ -1,15 +1,31 @@
 """Walking a (nested) state dict: the tensors staging copies, the storages the writer writes.
 
 DTensor and FSDP1's ShardedTensor leaves are recognised only once their
-modules are loaded (see :func:`dtensor_type`).
+modules are loaded (see :func:`dtensor_type`). :class:`StoragePacker` finds
+the small storages the writer packs into one storage per dtype.
 """
 
 from __future__ import annotations
 
+import ctypes
+import pickle
 import sys
+import types
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
+
+# Storages smaller than this are packed into one storage per dtype (see
+# StoragePacker): a record of their own would cost up to a page of alignment each.
+# At 64 KiB a page is at most 6% of a storage kept apart, and the copy into
+# the pack costs less than the records it saves (docs/performance.md).
+PACK_MAX = 64 << 10
+# Where a packed storage starts in its pack: torch's own record alignment for
+# storages that fill a cache line, 16 bytes (any dtype's size) below that.
+_PACK_ALIGN = 64
+_PACK_ALIGN_TINY = 16
 
 
 def dtensor_type() -> type[Any] | None:
@@ -81,3 +97,124 @@ def cpu_storages(obj: Any) -> dict[int, int]:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return found
+
+
+def _packable(t: Any) -> bool:
+    """Whether ``t`` is a tensor ``torch.save`` would pickle as a plain view of a CPU storage."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_nested
+        and not t._backward_hooks
+        and not torch._utils._get_obj_state(t)
+    )
+
+
+class _NullFile:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+class StoragePacker:
+    """The small storages of an object, copied into one packed storage per dtype.
+
+    A first pass pickles the object into nothing to find every storage and
+    how it is referenced; a storage smaller than :data:`PACK_MAX`, seen only
+    through plain tensors of one dtype, is copied into its dtype's pack.
+    :meth:`pickle_module` then hands ``torch.save`` a pickler that writes
+    each tensor of such a storage as ``torch.save`` would (the same rebuild
+    function and arguments, so ``weights_only`` loads accept it) but over
+    the pack, at the storage's offset in it.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        found: dict[int, tuple[torch.UntypedStorage, set[torch.dtype]]] = {}
+        shared: set[int] = set()  # storages also pickled other than by a plain tensor
+
+        class Finder(pickle.Pickler):
+            def reducer_override(self, o: Any) -> Any:
+                if _packable(o):
+                    storage = o.untyped_storage()
+                    found.setdefault(storage._cdata, (storage, set()))[1].add(o.dtype)
+                    return (int, ())
+                if isinstance(o, np.ndarray) and not o.dtype.hasobject:
+                    return (int, ())  # holds no tensor: its bytes need no copy here
+                return NotImplemented
+
+            def persistent_id(self, o: Any) -> Any:
+                if isinstance(o, torch.storage.TypedStorage):
+                    shared.add(o._untyped_storage._cdata)
+                    return 0
+                if torch.is_storage(o):
+                    shared.add(o._cdata)
+                    return 0
+                return None
+
+        Finder(_NullFile(), protocol=2).dump(obj)
+        self.places: dict[int, tuple[Any, int]] = {}  # storage -> (its pack, element offset)
+        self.packs: list[torch.Tensor] = []
+        layout: dict[torch.dtype, list[tuple[torch.UntypedStorage, int]]] = {}
+        ends: dict[torch.dtype, int] = {}
+        for cdata, (storage, dtypes) in found.items():
+            nbytes = storage.nbytes()
+            if cdata in shared or len(dtypes) != 1 or nbytes >= PACK_MAX:
+                continue
+            (dtype,) = dtypes
+            align = _PACK_ALIGN if nbytes >= _PACK_ALIGN else _PACK_ALIGN_TINY
+            offset = -(-ends.get(dtype, 0) // align) * align
+            layout.setdefault(dtype, []).append((storage, offset))
+            ends[dtype] = offset + nbytes
+        for dtype, members in layout.items():
+            itemsize = dtype.itemsize
+            pack = torch.empty(-(-ends[dtype] // itemsize) * itemsize, dtype=torch.uint8)
+            if dtype in torch.storage._new_dtypes():  # torch pickles these untyped
+                storage: Any = pack.untyped_storage()
+            else:
+                storage = torch.storage.TypedStorage(
+                    wrap_storage=pack.untyped_storage(), dtype=dtype, _internal=True
+                )
+            base = pack.data_ptr()
+            for member, offset in members:
+                if member.nbytes():
+                    ctypes.memmove(base + offset, member.data_ptr(), member.nbytes())
+                self.places[member._cdata] = (storage, offset // itemsize)
+            self.packs.append(pack)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.packs)
+
+    def pickle_module(self) -> types.ModuleType:
+        """A stand-in for :mod:`pickle` whose ``Pickler`` writes packed tensors over their pack."""
+        places = self.places
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, o: Any) -> Any:
+                if type(o) is not torch.Tensor or not places or not _packable(o):
+                    return NotImplemented
+                place = places.get(o.untyped_storage()._cdata)
+                if place is None:
+                    return NotImplemented
+                storage, offset = place
+                args: tuple[Any, ...] = (
+                    storage,
+                    offset + o.storage_offset(),
+                    tuple(o.size()),
+                    o.stride(),
+                    o.requires_grad,
+                    OrderedDict(),
+                )
+                rebuild = torch._utils._rebuild_tensor_v2
+                if isinstance(storage, torch.UntypedStorage):
+                    rebuild = torch._utils._rebuild_tensor_v3
+                    args += (o.dtype,)
+                metadata = torch._utils.get_tensor_metadata(o)
+                if metadata:
+                    args += (metadata,)
+                return (rebuild, args)
+
+        module = types.ModuleType("obsckpt_packed_pickle")
+        module.Pickler = Pickler  # type: ignore[attr-defined]
+        return module
