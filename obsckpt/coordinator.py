@@ -31,12 +31,12 @@ from types import TracebackType
 from typing import Any
 
 from obsckpt import layout, validators
-from obsckpt.errors import SaveError, SaveTimeoutError
-from obsckpt.file_records import path_list, run_and_record
+from obsckpt.errors import SaveError, SavePathError, SaveTimeoutError
+from obsckpt.file_records import check_targets, path_list, run_and_record
 from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
 from obsckpt.save_job import SaveErrors, SaveJob
-from obsckpt.save_threads import THREADS
+from obsckpt.save_threads import STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.slot_staging import SlotStaging, StagedSave
 from obsckpt.telemetry import tracing
 from obsckpt.validators import validate_parts, validate_slot, validate_step
@@ -52,8 +52,23 @@ class CheckpointCoordinator:
         rank: this process's rank, reported with measurements (default: from
             ``RANK`` or torch.distributed).
         save_timeout: seconds after which a running save is reported failed (its
-            step never commits) and a join on its slot gives up; None waits forever.
+            step never commits) and a join on its slot gives up; None sets no
+            bound (the wait is still watched, see ``stall_warning_s``).
         rpc_timeout: seconds to wait for a monitor RPC that is not an admission.
+        stall_warning_s: while a wait without a bound lasts (a slot's join and
+            :meth:`wait_all` under ``save_timeout=None``, a save or :meth:`prepare`
+            waiting for a slot's prepare), a warning naming the slot, the step and
+            the time waited is logged every this many seconds.
+
+    A save writes only into its own step's directory, ``<root>/global_step_<N>``
+    under the monitor's root: a ``path`` or ``paths=`` entry anywhere else (another
+    step's directory, the root's own files, a directory outside any step) is
+    refused with :class:`SavePathError` before anything is written, and the step
+    it was to save fails (it never waits for that save). A background save
+    (:meth:`save_async`, :meth:`save_state_dict_async`) of a step the monitor has
+    already committed for its kind writes nothing: the monitor decides when it
+    admits the save, the skip is logged and counted as a re-save, and the
+    committed files stay as the manifest lists them.
     """
 
     def __init__(
@@ -63,9 +78,13 @@ class CheckpointCoordinator:
         rank: int | None = None,
         save_timeout: float | None = None,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S,
+        stall_warning_s: float = STALL_WARNING_S,
     ) -> None:
         if save_timeout is not None and not validators.positive_seconds(save_timeout):
             raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
+        if not validators.positive_seconds(stall_warning_s):
+            raise ValueError(f"stall_warning_s must be positive seconds, got {stall_warning_s!r}")
+        self.stall_warning_s = stall_warning_s
         self._monitor = checkpoint_monitor
         # The link holds the rank and rpc_timeout it reports with (properties below).
         self._link = MonitorLink(
@@ -81,7 +100,12 @@ class CheckpointCoordinator:
         self._lock = threading.Lock()
         self._saves: dict[str, SaveJob] = {}
         self._errors = SaveErrors()  # background failures not yet raised by wait_all
-        self._staging = SlotStaging(self._link, save_running=self._save_running, logger=logger)
+        self._staging = SlotStaging(
+            self._link,
+            save_running=self._save_running,
+            logger=logger,
+            stall_warning_s=stall_warning_s,
+        )
         self._logger = logger
 
     def __enter__(self) -> CheckpointCoordinator:
@@ -162,30 +186,35 @@ class CheckpointCoordinator:
             save_fn: zero-argument callable doing the I/O.
             global_step: the training step.
             is_state_dict: True for state-dict (weight sync) saves.
-            paths: files ``save_fn`` writes (optional). A directory stands for
-                every file under it: name one only if this save alone writes
-                into it (not a directory that other ranks' saves share).
+            paths: files ``save_fn`` writes (optional), each inside this step's
+                directory (else :class:`SavePathError` before ``save_fn`` runs). A
+                directory stands for every file under it: name one only if this
+                save alone writes into it (not a directory that other ranks' saves share).
             trace_context: W3C carrier of the step's trace (default: the current context).
             part: this save's index among ``parts`` (e.g. the rank), for a save
                 made of several parts, one per process; with ``parts``.
             parts: how many parts make up the save (e.g. the world size). Every
                 part is reported with its own files; the step counts the save
                 as ONE finished save once every part has finished ok.
-            unless_committed: do not run ``save_fn`` if, when the monitor admits
-                the save, the step of this kind is already committed (or being
-                committed, or below the committed step): the monitor decides
-                for every rank at one point, so no rank rewrites a file the
-                iteration file vouches for while another rank skips. Logged and
-                counted as a re-save; nothing is written and no error raised.
+            unless_committed: kept for callers that pass it: a background save
+                never runs ``save_fn`` if, when the monitor admits it, the step of
+                this kind is already committed (or being committed, or below the
+                committed step). The monitor decides for every rank at one point,
+                so no rank rewrites a file the iteration file vouches for while
+                another rank skips. Logged and counted as a re-save; nothing is
+                written and no error raised.
 
         Raises:
             ValueError: ``part``/``parts`` malformed (both or neither; 0 <= part < parts).
+            SavePathError: a ``paths`` entry lies outside this step's directory
+                (the step fails; nothing ran).
         """
         validate_slot(name)
         validate_step(global_step)
         validate_parts(part, parts)
         files = path_list(paths)
         self._require_monitor()
+        self._check_targets(files, name, global_step, is_state_dict, part, parts)
         job = self._job(name, global_step, is_state_dict, part, parts, unless_committed)
         self._submit(job, lambda: run_and_record(save_fn, files), trace_context)
 
@@ -204,9 +233,13 @@ class CheckpointCoordinator:
     ) -> bool:
         """Run ``save_fn`` on this thread with monitor notifications (for saves with barriers).
 
-        ``part``/``parts`` mark one part of a save made of several, and
-        ``unless_committed`` skips a step already committed (see :meth:`save_async`).
-        Returns False when ``unless_committed`` skipped it, else True. What
+        ``part``/``parts`` mark one part of a save made of several (see
+        :meth:`save_async`). ``save_fn`` runs on the caller's thread, where it may
+        hold collectives with ranks that save without obsckpt, so a step already
+        committed is skipped only with ``unless_committed=True`` (pass it when
+        every rank saves through obsckpt). Returns False when it skipped, else True.
+        A ``paths`` entry outside this step's directory raises :class:`SavePathError`
+        before ``save_fn`` runs. What
         ``save_fn`` raises (or checking ``paths`` raises) is raised as it is,
         after the failure is reported, with a note naming the slot and step; a
         failure of the save around it (the monitor unreachable, ``save_timeout``
@@ -217,6 +250,7 @@ class CheckpointCoordinator:
         validate_parts(part, parts)
         files = path_list(paths)
         self._require_monitor()
+        self._check_targets(files, name, global_step, is_state_dict, part, parts)
         job = self._job(
             name, global_step, is_state_dict, part, parts, unless_committed, background=False
         )
@@ -255,8 +289,12 @@ class CheckpointCoordinator:
         and renames it into place. A save that had to allocate its staging
         (no :meth:`prepare` for these shapes) is logged and counted in
         ``obsckpt_staging_cold_saves_total``. ``part``/``parts`` mark one part
-        of a save made of several, e.g. each rank's shard, and
-        ``unless_committed`` skips a step already committed (see :meth:`save_async`).
+        of a save made of several, e.g. each rank's shard; a step already
+        committed is not written (see :meth:`save_async`).
+
+        Raises:
+            SavePathError: ``path`` lies outside this step's directory, checked
+                before anything is copied or written (the step fails).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
         from obsckpt.torchfile import write_torch_file
@@ -266,8 +304,9 @@ class CheckpointCoordinator:
         validate_parts(part, parts)
         path = os.fspath(path)
         self._require_monitor()
+        self._check_targets([path], name, global_step, is_state_dict, part, parts)
         try:
-            join_wait = self._join(name, trace_context)
+            join_wait = self._join(name, trace_context, global_step)
             snapshot, copier = self._staging.snapshot(
                 name, state_dict, global_step, overlap=overlap
             )
@@ -303,7 +342,10 @@ class CheckpointCoordinator:
         the staging arena is mapped and its pages faulted in (registered with
         CUDA when pinned), and save threads are started. Only shapes and
         dtypes are read (``meta`` tensors will do). A save of the slot waits for
-        a background prepare of it to finish.
+        a background prepare of it to finish, and a prepare for an earlier one;
+        these waits have no bound (allocating and pinning take as long as they
+        take) but are watched: every ``stall_warning_s`` a warning names the
+        slot and the time waited.
 
         Returns:
             A future, done when the slot is prepared; its result is the bytes staged.
@@ -325,7 +367,13 @@ class CheckpointCoordinator:
             jobs = dict(self._saves)
         self._staging.wait_prepared(deadline)
         for job in jobs.values():
-            job.wait_ended(_left(deadline))
+            wait_watched(
+                job.wait_ended,
+                _left(deadline),
+                lambda job=job: f"slot {job.slot!r} to finish its save of step {job.step} (close)",
+                warn_every=self.stall_warning_s,
+                log=self.logger,
+            )
         self._staging.release(keep={n for n, job in jobs.items() if not job.ended()})
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -333,6 +381,9 @@ class CheckpointCoordinator:
 
         A save that ran past ``save_timeout`` is not waited for: its
         :class:`SaveTimeoutError` is raised (it keeps its slot until it returns).
+        With ``timeout=None`` (and no ``save_timeout``) the wait has no bound, but
+        every ``stall_warning_s`` it logs a warning naming the saves still running
+        (slot and step) and how long it has waited.
 
         Raises:
             SaveTimeoutError: saves still running after ``timeout`` seconds, or past
@@ -341,7 +392,19 @@ class CheckpointCoordinator:
         """
         with self._lock:
             jobs = list(self._saves.values())
-        wait_futures([job.outcome for job in jobs], timeout)
+        outcomes = [job.outcome for job in jobs]
+
+        def still_running() -> str:
+            left = [f"{j.slot!r} (step {j.step})" for j in jobs if not j.outcome.done()]
+            return f"{len(left)} of {len(jobs)} saves in wait_all: {', '.join(left)}"
+
+        wait_watched(
+            lambda t: not wait_futures(outcomes, t).not_done,
+            timeout,
+            still_running,
+            warn_every=self.stall_warning_s,
+            log=self.logger,
+        )
         running = [job for job in jobs if not job.outcome.done()]
         if running:
             names = ", ".join(f"{job.slot!r} (step {job.step})" for job in running)
@@ -414,11 +477,44 @@ class CheckpointCoordinator:
                 "default_local_dir=...))"
             )
 
-    def _join(self, name: str, trace_context: dict | None = None) -> float:
-        """Wait for the previous save of ``name`` (see :meth:`SaveJob.join`); seconds waited."""
+    def _join(self, name: str, trace_context: dict | None = None, step: int | None = None) -> float:
+        """Wait for the previous save of ``name`` (see :meth:`SaveJob.join`); seconds waited.
+
+        Bounded by ``save_timeout``; without one, watched (a warning every
+        ``stall_warning_s`` names the slot, both steps and the time waited).
+        """
         with self._lock:
             prev = self._saves.get(name)
-        return 0.0 if prev is None else prev.join(trace_context, self.save_timeout)
+        if prev is None:
+            return 0.0
+        return prev.join(
+            trace_context, self.save_timeout, warn_every=self.stall_warning_s, next_step=step
+        )
+
+    def _check_targets(
+        self,
+        paths: list[str] | None,
+        name: str,
+        step: int,
+        is_state_dict: bool,
+        part: int | None,
+        parts: int | None,
+    ) -> None:
+        """Refuse a target outside ``step``'s directory before anything is written.
+
+        The refused save is reported failed before admission, so a step that
+        registered it fails now instead of waiting for it.
+
+        Raises:
+            SavePathError: see :func:`obsckpt.file_records.check_targets`.
+        """
+        if not paths:
+            return
+        try:
+            check_targets(paths, root=self._link.checkpoint_root(), step=step, slot=name)
+        except SavePathError as exc:
+            self._job(name, step, is_state_dict, part, parts).fail_unstarted(exc)
+            raise
 
     def _job(
         self,
@@ -432,7 +528,8 @@ class CheckpointCoordinator:
         on_skip: Callable[[], None] | None = None,
         background: bool = True,
     ) -> SaveJob:
-        """A save of slot ``name``; a ``background`` one's failure waits for :meth:`wait_all`."""
+        """A save of slot ``name``; a ``background`` one's failure waits for :meth:`wait_all`,
+        and it is not written into a step already committed for its kind."""
         return SaveJob(
             name,
             step,
@@ -442,7 +539,9 @@ class CheckpointCoordinator:
             save_timeout=self.save_timeout,
             part=part,
             parts=parts,
-            unless_committed=unless_committed,
+            # A background save never writes into a committed step: nothing waits on
+            # it that could hang (a synchronous save's function may hold collectives).
+            unless_committed=unless_committed or background,
             on_skip=on_skip,
             on_error=self._errors.add if background else None,
         )
@@ -458,7 +557,7 @@ class CheckpointCoordinator:
         """Run ``job`` on a save thread once the slot's previous save has ended."""
         if join_wait is None:
             try:
-                join_wait = self._join(job.slot, trace_context)
+                join_wait = self._join(job.slot, trace_context, job.step)
             except SaveTimeoutError as exc:
                 job.fail_unstarted(exc)
                 raise

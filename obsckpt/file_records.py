@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from obsckpt import commit, layout, reader
+from obsckpt.errors import SavePathError
 from obsckpt.layout import FileRecord
 
 
@@ -31,6 +32,44 @@ def path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:
             "pass [path]"
         )
     return [os.fspath(p) for p in paths]
+
+
+def check_targets(paths: Iterable[str], *, root: str, step: int, slot: str) -> None:
+    """Refuse any of ``paths`` outside ``<root>/global_step_<step>``, before anything is written.
+
+    A save's step commits only what is under its own step directory: a path in
+    another step's directory (a committed one's file would change under its
+    manifest), in the root itself (the iteration files), or outside any step is
+    refused here, in the caller, instead of after the write.
+
+    Raises:
+        SavePathError: one line naming the path, the step directory it lies in
+            and the save's step.
+    """
+    own = layout.step_dir(root, step)
+    for path in paths:
+        located = layout.step_of_path(path)
+        if located is not None and located[1] == step and _same_dir(located[0], root):
+            continue
+        where = os.path.abspath(path)
+        if located is None:
+            why = "it lies in no global_step_<N> directory (obsckpt commits only step directories)"
+        elif located[1] != step:
+            why = f"it lies in step directory {layout.step_dir(*located)} (step {located[1]})"
+        else:
+            why = (
+                f"it lies in step directory {layout.step_dir(*located)} of another root "
+                f"(the monitor commits under {root})"
+            )
+        raise SavePathError(
+            f"save {slot!r} of step {step} refused before writing {where}: {why}, not in its "
+            f"own step directory {own}; write each step's files under its own directory"
+        )
+
+
+def _same_dir(a: str, b: str) -> bool:
+    a, b = os.path.abspath(a), os.path.abspath(b)
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
 def run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[FileRecord]:

@@ -16,28 +16,71 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 import threading
 import time
-import traceback
+from collections.abc import Awaitable
 from typing import Any
 
 from obsckpt import validators
-from obsckpt.errors import RayShutDownError
+from obsckpt.errors import (
+    MonitorCallError,
+    MonitorTimeoutError,
+    MonitorUnavailableError,
+    ObsckptError,
+    RayShutDownError,
+)
+from obsckpt.options import MONITOR_ACTOR_NAME
 
 logger = logging.getLogger(__name__)
 
+_identity_warned = threading.Event()
+
 
 def ray_identity() -> tuple[str, str]:
-    """(node id, job id) of this process in Ray, or ("local", "local") outside Ray."""
+    """(node id, job id) of this process in Ray.
+
+    The save strategies key admission on them (``single_node`` on the node,
+    ``single_process`` on node, job and pid), so two processes must never share
+    an invented identity: where Ray cannot tell, this host's name and this
+    process's pid stand in (logged once per process).
+    """
+    why = "Ray is not initialized in this process"
     try:
         import ray
 
         if ray.is_initialized():
             ctx = ray.get_runtime_context()
-            return ctx.get_node_id(), ctx.get_job_id()
-    except Exception:  # noqa: BLE001 - identity is informational
-        pass
-    return "local", "local"
+            node_id, job_id = ctx.get_node_id(), ctx.get_job_id()
+            if node_id and job_id:
+                return node_id, job_id
+            why = f"Ray's runtime context has node id {node_id!r} and job id {job_id!r}"
+    except Exception as exc:  # noqa: BLE001 - the fallback below still names this process
+        why = f"Ray's runtime context failed: {one_line(exc)}"
+    node_id, job_id = f"host:{socket.gethostname()}", f"pid:{os.getpid()}"
+    if not _identity_warned.is_set():
+        _identity_warned.set()
+        logger.warning(
+            "obsckpt: %s; this process reports its saves as node %r, job %r", why, node_id, job_id
+        )
+    return node_id, job_id
+
+
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` on one line, without terminal colour codes.
+
+    A Ray task error is summarised by its cause: its own text is the remote
+    traceback, many lines long.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return one_line(cause)
+    text = " ".join(_ANSI_RE.sub("", str(exc)).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text}"
 
 
 def default_rank() -> int | None:
@@ -85,6 +128,49 @@ def _part_kwargs(part: int | None, parts: int | None) -> dict[str, int | None]:
 DEFAULT_RPC_TIMEOUT_S = 300.0
 
 
+def monitor_error(
+    exc: BaseException, what: str, monitor: str, timeout: float | None = None
+) -> BaseException:
+    """What a failed call ``what`` to ``monitor`` raises in its caller, with ``exc`` as its cause.
+
+    Ray's own errors carry the remote traceback (many lines, in colour) in their
+    text; the caller gets obsckpt's exception with one line instead:
+    :class:`MonitorUnavailableError` (retryable) when the actor cannot be reached,
+    :class:`MonitorTimeoutError` when it did not answer in time, the monitor's
+    own obsckpt exception when it raised one, else :class:`MonitorCallError`.
+    Anything else (not from Ray) is returned as it is.
+    """
+    from ray import exceptions as rex
+
+    if isinstance(exc, rex.GetTimeoutError):
+        error: BaseException = MonitorTimeoutError(
+            f"{monitor} did not answer {what} within rpc_timeout={timeout} s (overloaded, "
+            "or restarting); the call is retryable"
+        )
+    elif isinstance(exc, rex.RayActorError):
+        state = (
+            "is restarting or unreachable"
+            if isinstance(exc, rex.ActorUnavailableError)
+            else "has died"
+        )
+        error = MonitorUnavailableError(
+            f"{monitor} {state} ({type(exc).__name__}) during {what}; the call is retryable "
+            "once the monitor is back (Ray restarts it up to max_restarts times)"
+        )
+    elif isinstance(exc, rex.RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ObsckptError) and "\n" not in str(cause):
+            return cause
+        error = MonitorCallError(f"{monitor} failed {what}: {one_line(exc)}")
+    elif isinstance(exc, rex.RayError):
+        error = MonitorUnavailableError(
+            f"{monitor} could not be reached for {what}: {one_line(exc)}; the call is retryable"
+        )
+    else:
+        return exc
+    return error
+
+
 class MonitorLink:
     """One process's side of the monitor protocol.
 
@@ -92,15 +178,25 @@ class MonitorLink:
         monitor: the :class:`~obsckpt.monitor.CheckpointMonitor` actor handle.
         rank: the rank reported with every save (None: unknown).
         rpc_timeout: seconds to wait for an RPC that is not an admission.
+        namespace: the monitor's Ray namespace, for error messages (None: not named).
 
     Raises:
         ValueError: ``rank`` or ``rpc_timeout`` malformed (also when set later).
     """
 
-    def __init__(self, monitor: Any, *, rank: int | None, rpc_timeout: float) -> None:
+    def __init__(
+        self,
+        monitor: Any,
+        *,
+        rank: int | None,
+        rpc_timeout: float,
+        namespace: str | None = None,
+    ) -> None:
         self.monitor = monitor
         self.rank = rank
         self.rpc_timeout = rpc_timeout
+        self._namespace = namespace
+        self._root: str | None = None
         self._lock = threading.Lock()
         self._leases: set[int] = set()
         self._heartbeat: threading.Thread | None = None
@@ -124,6 +220,41 @@ class MonitorLink:
     def rpc_timeout(self, value: float) -> None:
         self._rpc_timeout = validators.validate_rpc_timeout(value)
 
+    def describe(self) -> str:
+        """The monitor as an error names it: its actor name, Ray handle and namespace if known."""
+        where = f", namespace {self._namespace!r}" if self._namespace is not None else ""
+        return f"the checkpoint monitor (actor {MONITOR_ACTOR_NAME!r}, {self.monitor!r}{where})"
+
+    def _get(self, ref_of: Any, what: str, timeout: float | None) -> Any:
+        """``ray.get`` of the call ``ref_of()`` makes, its failure as obsckpt's (see :func:`monitor_error`)."""
+        ray = _connected_ray()
+        try:
+            return ray.get(ref_of(), timeout=timeout)
+        except Exception as exc:
+            error = monitor_error(exc, what, self.describe(), timeout)
+            if error is exc:
+                raise
+            raise error from exc
+
+    async def _await(self, ref: Awaitable[Any], what: str) -> Any:
+        """``await ref``, its failure as obsckpt's (see :func:`monitor_error`)."""
+        try:
+            return await ref
+        except Exception as exc:
+            error = monitor_error(exc, what, self.describe())
+            if error is exc:
+                raise
+            raise error from exc
+
+    def checkpoint_root(self) -> str:
+        """The directory the monitor commits steps under (asked once, then remembered)."""
+        if self._root is None:
+            root = self._get(
+                lambda: self.monitor.checkpoint_root.remote(), "checkpoint_root", self.rpc_timeout
+            )
+            self._root = os.fspath(root)
+        return self._root
+
     # -- a save's calls ------------------------------------------------
 
     def admit(
@@ -144,10 +275,10 @@ class MonitorLink:
         heartbeats renew until :meth:`drop_lease`. ``unless_closed``: the
         monitor skips the save if the step of its kind is already closed.
         """
-        ray = _connected_ray()
+        _connected_ray()
         node_id, job_id = ray_identity()
-        reply = ray.get(
-            self.monitor.notify_started.remote(
+        reply = self._get(
+            lambda: self.monitor.notify_started.remote(
                 node_id=node_id,
                 job_id=job_id,
                 step=step,
@@ -159,7 +290,9 @@ class MonitorLink:
                 trace_context=carrier,
                 **_part_kwargs(part, parts),
                 **({"unless_closed": True} if unless_closed else {}),
-            )
+            ),
+            f"notify_started (slot {slot!r}, step {step})",
+            None,
         )
         reply = reply if isinstance(reply, dict) else {}
         if reply.get("heartbeat_s") and reply.get("ticket") is not None:
@@ -185,11 +318,13 @@ class MonitorLink:
         """Report that a save ended (``ok=True`` or ``ok=False``) with its measurements.
 
         Raises:
-            Exception: the RPC failed or timed out; the monitor may not have counted the save.
+            MonitorUnavailableError: the monitor cannot be reached or did not answer in
+                time (retryable); the monitor may not have counted the save.
+            ObsckptError: the monitor refused the report (its own error, or
+                :class:`MonitorCallError`).
         """
-        ray = _connected_ray()
-        ray.get(
-            self.monitor.notify_finished.remote(
+        self._get(
+            lambda: self.monitor.notify_finished.remote(
                 step,
                 kind == "state_dict",
                 ticket=ticket,
@@ -198,7 +333,8 @@ class MonitorLink:
                 **_part_kwargs(part, parts),
                 **report,
             ),
-            timeout=self.rpc_timeout,
+            f"notify_finished (slot {slot!r}, step {step})",
+            self.rpc_timeout,
         )
 
     def failed(
@@ -227,7 +363,7 @@ class MonitorLink:
                 part=part,
                 parts=parts,
                 ok=False,
-                error="".join(traceback.format_exception_only(type(exc), exc)).strip(),
+                error=one_line(exc),
                 join_wait_s=join_wait,
                 admitted=admitted,
             )
@@ -236,7 +372,7 @@ class MonitorLink:
                 "obsckpt: could not report the failure of %r step %d to the monitor: %s",
                 slot,
                 step,
-                report_exc,
+                one_line(report_exc),
             )
 
     def record_staging(
@@ -254,7 +390,9 @@ class MonitorLink:
                 pid=os.getpid(),
             )
         except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
-            logger.warning("obsckpt: reporting staging bytes of slot %r failed: %s", slot, exc)
+            logger.warning(
+                "obsckpt: reporting staging bytes of slot %r failed: %s", slot, one_line(exc)
+            )
 
     # -- a step's calls ------------------------------------------------
 
@@ -262,38 +400,50 @@ class MonitorLink:
         self, step: int, *, state_dict_thread_count: int = 0, checkpoint_thread_count: int = 0
     ) -> None:
         """Register how many saves of each kind ``step`` expects; waits for the monitor."""
-        _connected_ray().get(
-            self._register_thread_count(step, state_dict_thread_count, checkpoint_thread_count),
-            timeout=self.rpc_timeout,
+        self._get(
+            lambda: self._register_thread_count(
+                step, state_dict_thread_count, checkpoint_thread_count
+            ),
+            f"register_thread_count (step {step})",
+            self.rpc_timeout,
         )
 
     async def register_thread_count_async(
         self, step: int, *, state_dict_thread_count: int = 0, checkpoint_thread_count: int = 0
     ) -> None:
         """:meth:`register_thread_count`, awaited on the caller's event loop."""
-        await self._register_thread_count(step, state_dict_thread_count, checkpoint_thread_count)
+        await self._await(
+            self._register_thread_count(step, state_dict_thread_count, checkpoint_thread_count),
+            f"register_thread_count (step {step})",
+        )
 
     def monitor_step(
         self, step: int, is_state_dict: bool = False, *, trace_context: dict | None = None
     ) -> None:
         """Submit ``step`` for commit (it commits once its saves finish); waits for the monitor."""
-        _connected_ray().get(
-            self._monitor_step(step, is_state_dict, trace_context), timeout=self.rpc_timeout
+        self._get(
+            lambda: self._monitor_step(step, is_state_dict, trace_context),
+            f"monitor_step (step {step})",
+            self.rpc_timeout,
         )
 
     async def monitor_step_async(
         self, step: int, is_state_dict: bool = False, *, trace_context: dict | None = None
     ) -> None:
         """:meth:`monitor_step`, awaited on the caller's event loop."""
-        await self._monitor_step(step, is_state_dict, trace_context)
+        await self._await(
+            self._monitor_step(step, is_state_dict, trace_context), f"monitor_step (step {step})"
+        )
 
     def latest_steps(self) -> dict[str, int | None]:
         """The monitor's latest committed step of each kind."""
-        return _connected_ray().get(self.monitor.latest_steps.remote(), timeout=self.rpc_timeout)
+        return self._get(
+            lambda: self.monitor.latest_steps.remote(), "latest_steps", self.rpc_timeout
+        )
 
     def status(self) -> dict[str, Any]:
         """The monitor's status view (latest, pending, failed and abandoned steps, ...)."""
-        return _connected_ray().get(self.monitor.status.remote(), timeout=self.rpc_timeout)
+        return self._get(lambda: self.monitor.status.remote(), "status", self.rpc_timeout)
 
     def _register_thread_count(self, step: int, state_dict: int, checkpoint: int) -> Any:
         return self.monitor.register_thread_count.remote(
@@ -326,11 +476,14 @@ class MonitorLink:
                     self._heartbeat = None
                     return
             try:
-                ray = _connected_ray()
-                ray.get(self.monitor.heartbeat.remote(tickets), timeout=self.rpc_timeout)
+                self._get(
+                    lambda t=tickets: self.monitor.heartbeat.remote(t),
+                    "heartbeat",
+                    self.rpc_timeout,
+                )
             except RayShutDownError:
                 with self._lock:
                     self._heartbeat = None
                 return  # nothing to renew with; a save that ends later fails the same way
             except Exception as exc:  # noqa: BLE001 - the next beat may get through
-                logger.warning("obsckpt: heartbeat to the monitor failed: %s", exc)
+                logger.warning("obsckpt: heartbeat to the monitor failed: %s", one_line(exc))

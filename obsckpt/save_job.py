@@ -25,7 +25,8 @@ from opentelemetry.trace import Status, StatusCode
 from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.file_records import relative_record
 from obsckpt.layout import FileRecord
-from obsckpt.monitor_link import MonitorLink
+from obsckpt.monitor_link import MonitorLink, one_line
+from obsckpt.save_threads import STALL_WARNING_S, wait_watched
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
@@ -119,11 +120,20 @@ class SaveJob:
             raise cause
         raise error
 
-    def join(self, trace_context: dict | None, timeout: float | None) -> float:
+    def join(
+        self,
+        trace_context: dict | None,
+        timeout: float | None,
+        *,
+        warn_every: float = STALL_WARNING_S,
+        next_step: int | None = None,
+    ) -> float:
         """Wait for :meth:`run` to return before another save writes to the slot.
 
         The wait's span joins the caller's ``trace_context`` (else the current
-        context). Returns the seconds waited.
+        context). Returns the seconds waited. A long wait (``timeout`` None
+        included) logs a warning every ``warn_every`` seconds naming the slot,
+        this save's step, the waiting save's ``next_step`` and the time waited.
 
         Raises:
             SaveTimeoutError: still running after ``timeout`` seconds.
@@ -137,7 +147,14 @@ class SaveJob:
             span_attr.RANK: self._link.rank,
         }
         with tracing.span("obsckpt.join_wait", carrier=trace_context, attributes=attrs):
-            finished = self.wait_ended(timeout)
+            waiter = "" if next_step is None else f"; its save of step {next_step} waits"
+            finished = wait_watched(
+                self.wait_ended,
+                timeout,
+                lambda: f"slot {self.slot!r} to finish its save of step {self.step}{waiter}",
+                warn_every=warn_every,
+                log=self._logger,
+            )
         waited = time.perf_counter() - t0
         if not finished:
             raise SaveTimeoutError(
@@ -310,7 +327,8 @@ class SaveJob:
             what += " finished, but reporting it to the monitor failed"
         else:
             what += " failed"
-        error = SaveError(f"{what}: {type(exc).__name__}: {exc}", slot=self.slot, step=self.step)
+        # One line: a Ray error's own text is the remote traceback, in colour.
+        error = SaveError(f"{what}: {one_line(exc)}", slot=self.slot, step=self.step)
         error.__cause__ = exc
         self._logger.error("obsckpt: %s", error, exc_info=exc)
         if reporting:

@@ -35,6 +35,42 @@ EXIT_WAIT_ENV = OBSCKPT_EXIT_WAIT_S
 _EXIT_WAIT_S = 60.0
 
 
+# Seconds between the warnings of a wait that has no bound (a slot's join, wait_all,
+# a prepare): a stuck save shows in the log, named, instead of as a silent hang.
+STALL_WARNING_S = 60.0
+
+
+def wait_watched(
+    wait: Callable[[float | None], bool],
+    timeout: float | None,
+    what: Callable[[], str],
+    *,
+    warn_every: float = STALL_WARNING_S,
+    log: logging.Logger | None = None,
+) -> bool:
+    """Wait with ``wait(seconds)`` (True once done) up to ``timeout`` (None: no limit).
+
+    Every ``warn_every`` seconds still waiting it logs a warning: ``what()``
+    (e.g. "slot 'model' (step 4)") and how long it has waited. Returns whether
+    the wait ended before ``timeout``.
+    """
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        chunk = warn_every if left is None else min(warn_every, left)
+        if wait(chunk):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        (log or logger).warning(
+            "obsckpt: still waiting for %s after %.0f s%s",
+            what(),
+            time.monotonic() - start,
+            "" if timeout is None else f" (gives up after {timeout:.0f} s)",
+        )
+
+
 def _exit_wait_s() -> float:
     """Seconds to wait at exit for running saves: ``OBSCKPT_EXIT_WAIT_S``, read now, else 60."""
     try:

@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from obsckpt.errors import SaveTimeoutError
 from obsckpt.monitor_link import MonitorLink
-from obsckpt.save_threads import THREADS
+from obsckpt.save_threads import STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.validators import validate_slot
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class SlotStaging:
         link: where each slot's staging bytes are reported.
         save_running: whether a slot has a save running (its staging is in use).
         logger: where cold saves and take-overs are logged.
+        stall_warning_s: while a save or a prepare waits for the slot's prepare,
+            a warning naming the slot is logged every this many seconds.
     """
 
     def __init__(
@@ -86,8 +89,10 @@ class SlotStaging:
         *,
         save_running: Callable[[str], bool],
         logger: logging.Logger,
+        stall_warning_s: float = STALL_WARNING_S,
     ) -> None:
         self.logger = logger
+        self.stall_warning_s = stall_warning_s
         self._link = link
         self._save_running = save_running
         # Guards the four fields below. Taken before the coordinator's slot-table lock
@@ -135,7 +140,7 @@ class SlotStaging:
             previous = self._preparing.get(slot)
             self._preparing[slot] = future
         if previous is not None:
-            previous.exception()  # one prepare of a slot at a time
+            self._wait_prepare(slot, previous)  # one prepare of a slot at a time
         if background:
             threading.Thread(target=run, name=f"obsckpt-prepare-{slot}", daemon=True).start()
         else:
@@ -181,6 +186,16 @@ class SlotStaging:
             except FutureTimeoutError:
                 pass  # its slot is still being prepared; it keeps its staging
 
+    def _wait_prepare(self, slot: str, future: Future) -> None:
+        """Wait for ``future``, a prepare of ``slot``; watched (a warning every ``stall_warning_s``)."""
+        wait_watched(
+            lambda t: not wait_futures([future], t).not_done,
+            None,
+            lambda: f"the prepare() of slot {slot!r}",
+            warn_every=self.stall_warning_s,
+            log=self.logger,
+        )
+
     def release(self, *, keep: set[str]) -> None:
         """Release the staging of every slot not in ``keep`` nor being prepared."""
         with self._lock:
@@ -207,6 +222,8 @@ class SlotStaging:
         if wait_prepare:
             with self._lock:
                 future = self._preparing.pop(slot, None)
+            if future is not None:
+                self._wait_prepare(slot, future)
             if future is not None and future.exception() is not None:
                 self.logger.warning(
                     "obsckpt: prepare() of slot %r failed (%s); the save allocates its staging",

@@ -225,3 +225,43 @@ class TestCommitTimes:
         assert core.tracker.latest == {"checkpoint": 1, "state_dict": 1}
         assert core.unix(core.last_commit["checkpoint"]) == clock.wall
         assert observer.events[-1] == ("step_committed", record)
+
+
+class TestRefusedReport:
+    """A report naming a file outside its step is refused only after it is counted as a
+    failure: its admission is released, its step failed, and nothing stays in flight."""
+
+    @pytest.mark.parametrize("path", ["/elsewhere/global_step_4/m.pt", "../global_step_4/m.pt"])
+    def test_the_save_is_released_and_its_step_failed_before_the_refusal(
+        self, clock, observer, path
+    ):
+        from obsckpt.errors import NotificationError
+
+        core = core_of(clock, observer, strategy=SaveStrategy.SINGLE_THREAD)
+        core.register(5, checkpoint_count=1)
+        core.submit(5, "checkpoint")
+        ticket = start(core, 5)
+        with pytest.raises(NotificationError, match=r"save 'model' of step 5 reported a file"):
+            core.finish(
+                5,
+                "checkpoint",
+                ticket=ticket.ticket,
+                slot="model",
+                rank=0,
+                ok=True,
+                error=None,
+                duration_s=1.0,
+                nbytes=1,
+                join_wait_s=None,
+                files=[{"path": path, "size": 1, "crc32": "00000000"}],
+                part=None,
+                parts=None,
+                admitted=True,
+            )
+        assert not core.tickets and core.admission.running == {}
+        assert core.tracker.pending() == []
+        [(step, kind, record)] = core.tracker.failed()
+        assert (step, kind, record.in_flight) == (5, "checkpoint", 0)
+        assert "outside the step directory" in record.error
+        # The single-thread strategy admits the next save at once: nothing holds it.
+        assert start(core, 6).admitted == clock.mono

@@ -19,7 +19,7 @@ from typing import Any
 
 from obsckpt import validators
 from obsckpt.admission import Admission, SaveStrategy
-from obsckpt.errors import PartsMismatchError
+from obsckpt.errors import NotificationError, PartsMismatchError
 from obsckpt.layout import KINDS, FileRecord
 from obsckpt.monitor.events import Clock, CommitRecord, MonitorObserver, SystemClock
 from obsckpt.telemetry.metrics import validate_bytes, validate_seconds
@@ -51,6 +51,20 @@ class CommitJob:
     whole_at: float
     # Finished saves counted for it (a full checkpoint's include its state-dict saves).
     saves: int
+
+
+def _file_records(
+    files: list[dict[str, Any]] | None, step: int, slot: str | None
+) -> tuple[list[FileRecord], str | None]:
+    """The records a report names, or none and why they are refused (one line)."""
+    try:
+        return [FileRecord.from_json(f) for f in files or ()], None
+    except ValueError as exc:
+        return [], (
+            f"save {slot!r} of step {step} reported a file the monitor refuses ({exc}); "
+            "a save reports only files inside its own step directory. The step will not "
+            "be committed"
+        )
 
 
 class MonitorCore:
@@ -256,7 +270,16 @@ class MonitorCore:
         parts: int | None,
         admitted: bool,
     ) -> None:
-        """A save ended, successfully (``ok``) or not (notify_finished's arguments)."""
+        """A save ended, successfully (``ok``) or not (notify_finished's arguments).
+
+        A report naming a file outside the step's directory (an absolute path, a
+        ``..``) is refused, but only once the save is counted as failed: its
+        admission is released and its step fails, as for any failed save, so
+        the step never stays pending with the save counted as running.
+
+        Raises:
+            NotificationError: ``files`` names a file outside the step's directory.
+        """
         validate_step(step)
         validate_parts(part, parts)
         rank = validate_rank(rank)
@@ -270,6 +293,10 @@ class MonitorCore:
                 f"admitted=False reports a save that failed before admission, so ok must "
                 f"be False (step {step}, slot {slot!r})"
             )
+        # Parsed before anything changes; a bad record turns the report into a failure.
+        records, refused = _file_records(files, step, slot)
+        if refused is not None:
+            ok, error = False, refused
         if self.tickets.take_expired(ticket):
             # Its lease ran out and the save was already counted as failed; the
             # process was only slow. Its step stays failed.
@@ -281,7 +308,6 @@ class MonitorCore:
         if info is not None and info.parts is not None:
             part, parts = info.part, info.parts
         started = info is not None and info.step is not None
-        records = [FileRecord.from_json(f) for f in files or ()]
         if duration_s is None and info is not None and info.admitted is not None:
             duration_s = self.now() - info.admitted
         self.observer.save_finished(
@@ -301,6 +327,8 @@ class MonitorCore:
             reason = f"a save was admitted before the monitor restarted (ticket {ticket})"
             if self.tracker.lose(step, reason):
                 self.observer.step_abandoned(step, kind, reason)
+            if refused is not None:
+                raise NotificationError(refused)
             return
         resave = info is not None and info.resave
         if not resave and self.tracker.closed(step, kind):
@@ -317,6 +345,8 @@ class MonitorCore:
             part=part,
             parts=parts,
         )
+        if refused is not None:
+            raise NotificationError(refused)
 
     def release(self, ticket: int | None, *, expired: bool = False) -> Ticket | None:
         """Close ``ticket`` (None: a Trinity caller's) and free its admission."""
