@@ -38,6 +38,8 @@ __all__ = [
     "SaveTimeoutError",
     "StateDictLoadError",
     "TensorMutatedError",
+    "UnsafeCheckpointError",
+    "UnverifiedCheckpointError",
     "WaitTimeoutError",
     "WeightMismatchError",
 ]
@@ -179,6 +181,14 @@ class MegatronLayoutError(StateDictLoadError):
 
 class AdapterOnlyError(StateDictLoadError):
     """A step's model shards hold only LoRA adapter weights, not a whole model."""
+
+
+class UnverifiedCheckpointError(StateDictLoadError):
+    """A file to be loaded is not part of a whole committed step, or does not match its manifest."""
+
+
+class UnsafeCheckpointError(StateDictLoadError):
+    """A file to be loaded refers to a Python global that loading could run code from."""
 
 
 # --- the command line and the demo --------------------------------------------

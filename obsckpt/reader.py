@@ -88,12 +88,14 @@ _CHECKS = {
 }
 
 
-def read_error_advice(exc: OSError) -> str:
+def read_error_advice(
+    exc: OSError, must: str | None = "a regular file holding one non-negative integer"
+) -> str:
     """What a failed read of a root's file means and what to do, by its errno.
 
     A transient error (too many open files, an I/O error, a stale NFS handle) says
     it is transient and what to check; only an error that cannot pass by itself
-    gets advice about the file.
+    gets advice about the file: what it ``must`` be, where given.
     """
     code = exc.errno
     name = errno.errorcode.get(code, str(code)) if code is not None else "no errno"
@@ -104,7 +106,7 @@ def read_error_advice(exc: OSError) -> str:
         return f"{what}; a transient error, not a bad file: {hint}. Leave the file as it is"
     if check:
         return f"{what}; {check}"
-    return f"{what}; it must be a regular file holding one non-negative integer"
+    return f"{what}; it must be {must}" if must else what
 
 
 def read_iteration(root: str | os.PathLike, kind: str) -> int | None:

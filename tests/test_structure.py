@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rootlock",
             "tree",
             "torchfile",
+            "loading",
             "staging",
             "file_records",
             "save_threads",

@@ -220,11 +220,16 @@ class TestShardFiles:
     """Plain-file checks that need no Ray."""
 
     def test_truncated_file_is_a_load_error(self, tmp_path):
-        write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)
+        write_step(tmp_path, 1, {0: state_dict(1)}, committed=True)
         path = shard_path(tmp_path, 1, 1, 0)
         path.write_bytes(path.read_bytes()[:100])
-        with pytest.raises(StateDictLoadError, match="cannot be loaded"):
+        with pytest.raises(StateDictLoadError, match="is truncated: 100 bytes"):
             load_sharded_state_dict(path.parent)
+
+    def test_an_uncommitted_step_is_never_loaded(self, tmp_path):
+        write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)
+        with pytest.raises(StateDictLoadError, match="never committed by obsckpt"):
+            load_sharded_state_dict(layout.model_dir(tmp_path, 1))
 
     def test_mixed_world_sizes_are_refused(self, tmp_path):
         write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)

@@ -11,23 +11,17 @@ does not read.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import pickle
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from obsckpt import layout, reader
+from obsckpt import layout
 from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
-from obsckpt.reader import crc32
+from obsckpt.loading import CommittedStep
 
-# What torch.load(weights_only=True) names when it refuses an object of a file.
-_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
 _NAMED_RANKS = 8
 # What verl's Megatron checkpoint manager writes in a role's directory: its
@@ -124,118 +118,34 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
     return world, ranks
 
 
-def _manifest_records(sdir: Path) -> dict[str, layout.FileRecord] | None:
-    """The step's manifest records by path; None when the step has no manifest."""
-    manifest = sdir / layout.MANIFEST_NAME
-    try:
-        return {r.path: r for r in reader.read_manifest(sdir)}
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise StateDictLoadError(f"{manifest} is unreadable: {exc}") from exc
-    except OSError as exc:
-        raise StateDictLoadError(f"{manifest} is unreadable: {exc.strerror or exc}") from exc
-
-
-def _read_checked(path: Path, record: layout.FileRecord | None) -> bytes:
-    try:
-        with open(reader.open_regular(path), "rb") as f:
-            data = f.read()
-    except IsADirectoryError:
-        raise StateDictLoadError(f"{path} is a directory, not a regular file") from None
-    except OSError as exc:
-        raise StateDictLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if record is not None:
-        if len(data) != record.size:
-            raise StateDictLoadError(
-                f"{path} is {len(data)} bytes, the step's manifest says {record.size}"
-            )
-        crc = crc32(data)
-        if crc != record.crc32:
-            raise StateDictLoadError(
-                f"{path} is corrupted (crc32 {crc:08x}, the step's manifest says {record.crc32:08x})"
-            )
-    return data
-
-
-def _torch_load(data: bytes, path: Path) -> Any:
-    """``torch.load`` with ``weights_only=True``, always: shard files may come from anywhere.
-
-    A file that holds other objects is refused, never loaded with
-    ``weights_only=False``: unpickling it could run any code its writer chose.
-    """
-    # DTensor shards unpickle under weights_only only once their module is imported.
-    with contextlib.suppress(ImportError):
-        import torch.distributed.tensor  # noqa: F401
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        refused = _REFUSED_GLOBAL.search(str(exc))
-        if refused is None:
-            raise StateDictLoadError(
-                f"{path} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
-            ) from exc
-        if "ShardedTensor" in refused.group(1):
-            hint = (
-                "FSDP1's default sharded state dict holds ShardedTensors, which cannot be "
-                "merged without a process group; save with ShardedStateDictConfig("
-                "_use_dtensor=True) as fsdp_save_state_dict does"
-            )
-        else:
-            hint = (
-                "loading it otherwise could run code from the file. Save tensors, DTensors "
-                "and plain containers only, or, if the file is trusted, allow the class with "
-                "torch.serialization.add_safe_globals"
-            )
-        raise StateDictLoadError(
-            f"{path} cannot be loaded with torch.load(weights_only=True): it refers to "
-            f"{refused.group(1)}, which weights_only refuses; {hint}"
-        ) from exc
-    except Exception as exc:  # noqa: BLE001
-        raise StateDictLoadError(
-            f"{path} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
-        ) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    """``Type: first line``: torch's errors run to several lines of advice."""
-    text = str(exc).strip().split("\n", 1)[0]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def load_sharded_state_dict(
     model_dir: str | os.PathLike, *, manifest_dir: str | os.PathLike | None = None
 ) -> dict[str, torch.Tensor]:
     """Load every rank's shard file in ``model_dir`` and merge them into a full state dict.
 
-    With ``manifest_dir`` (the ``global_step_<N>`` directory) and a
-    ``manifest.json`` in it, every shard must be listed there and is checked
-    against its size and CRC32. Files are loaded with ``weights_only=True`` only.
+    Read through :mod:`obsckpt.loading`: ``model_dir`` must lie in a committed
+    step, every shard must be listed in its manifest and match its size and
+    CRC32, and files are loaded with ``weights_only=True`` only. ``manifest_dir``
+    (the ``global_step_<N>`` directory) is accepted for callers that pass it; it
+    must be the step directory holding ``model_dir``.
 
     Raises:
         StateDictLoadError: a shard is missing, not in the manifest, corrupt, holds
-            objects ``weights_only`` refuses, or cannot be merged.
+            objects ``weights_only`` refuses, or cannot be merged; or the step is
+            not committed (:class:`~obsckpt.errors.UnverifiedCheckpointError`).
     """
     model_dir = Path(model_dir)
     world, paths = shard_files(model_dir)
-    records = _manifest_records(Path(manifest_dir)) if manifest_dir is not None else None
+    step = CommittedStep.of(model_dir)
+    if manifest_dir is not None and os.path.abspath(manifest_dir) != os.fspath(step.dir):
+        raise StateDictLoadError(
+            f"manifest_dir {manifest_dir} is not the step directory {step.dir} that holds "
+            f"{model_dir}; pass that one (or none)"
+        )
     shards: dict[int, Mapping[str, Any]] = {}
     for rank in range(world):
         path = paths[rank]
-        record = None
-        if records is not None:
-            rel = os.path.relpath(path, manifest_dir)
-            record = records.get(rel)
-            if record is None:
-                # Put there after the commit (the commit lists every file of the step):
-                # not the committed step's weights, and nothing to check them against.
-                raise StateDictLoadError(
-                    f"{path} is not listed in {Path(manifest_dir) / layout.MANIFEST_NAME}, so "
-                    "it is not part of the committed step; remove the files that were "
-                    "added to the step directory after its commit"
-                )
-        data = _read_checked(path, record)
-        obj = _torch_load(data, path)
+        obj = step.torch_load(path, map_location="cpu")
         if not isinstance(obj, Mapping):
             raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
         if rank == 0 and is_adapter_only(obj):

@@ -1,0 +1,456 @@
+"""The one read path for loading a checkpoint: verified against its commit, no code from disk.
+
+Every loader in obsckpt (the FSDP and Megatron managers, the Synchronizer's
+checkpoint sync, the demo's resume) reads through :class:`CommittedStep`:
+
+1. the file must lie in a ``global_step_<N>`` directory whose step is
+   committed: its ``manifest.json`` present, parseable and of a known format,
+   and an iteration file naming that step or a later one;
+2. the file must be listed in that manifest (a file added after the commit is
+   refused by name), and its bytes must match the listed size and CRC32;
+3. only then is it deserialised, with ``torch.load(weights_only=True)`` and the
+   few globals of :data:`ALLOWED_GLOBALS`; a file naming any other global is
+   refused with its path and the global.
+
+The file is read once: into a private memory file (``memfd``) that no other
+process can change, its CRC32 computed on the way, and ``torch.load`` then
+maps that memory (``mmap=True``) instead of copying it again; the loaded
+tensors live in it. Where ``memfd`` is missing the bytes are read into memory
+and loaded from there.
+
+Code that calls ``torch.load`` itself (verl's checkpoint managers) is run
+inside :func:`verified_torch_load`, which sends this thread's ``torch.load``
+calls through the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import mmap
+import os
+import pickle
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from obsckpt import layout, reader
+from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
+
+_CHUNK = 16 << 20
+# What torch.load(weights_only=True) says when it refuses a global: "Unsupported global:
+# GLOBAL x.y" (torch <= 2.12) or "unsupported GLOBAL x.y" (later wordings).
+_REFUSED_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as pickles of enum members use it, for the allowed enums only."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED_ENUMS):
+        # Worded as torch words a refused global, so the error names it the same way.
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL builtins.getattr ({cls!r:.60})")
+    if name not in cls.__members__:
+        raise pickle.UnpicklingError(f"{cls.__name__} has no member {name!r}")
+    return cls.__members__[name]
+
+
+def _sharded_tensor_globals() -> list[tuple[Any, str]]:
+    """FSDP1's ShardedTensor (verl's FSDP1 manager saves model and optimizer shards as them)."""
+    try:
+        from torch.distributed import remote_device
+        from torch.distributed._shard import metadata as shard_metadata
+        from torch.distributed._shard.sharded_tensor import api, shard
+        from torch.distributed._shard.sharded_tensor import metadata as st_metadata
+        from torch.distributed._shard.sharding_spec import chunk_sharding_spec
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        return []
+    _ALLOWED_ENUMS.add(st_metadata.MEM_FORMAT_ENCODING)
+    why = "FSDP1's sharded state dicts (ShardedTensor), as verl's FSDP1 manager saves them"
+    return [
+        (api.ShardedTensor, why),
+        (shard.Shard, why),
+        (st_metadata.ShardedTensorMetadata, why),
+        (st_metadata.TensorProperties, why),
+        (st_metadata.MEM_FORMAT_ENCODING, why),
+        (shard_metadata.ShardMetadata, why),
+        (chunk_sharding_spec.ChunkShardingSpec, why),
+        (remote_device._remote_device, why),
+        # Pickles of enum members call getattr(EnumClass, "NAME"): only that is allowed.
+        ((_enum_member, "builtins.getattr"), "enum members in ShardedTensor's metadata"),
+    ]
+
+
+def _numpy_globals() -> list[tuple[Any, str]]:
+    """NumPy arrays: verl's extra_state holds ``np.random.get_state()`` (a uint32 array)."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # NumPy 2
+    except ImportError:  # pragma: no cover - NumPy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    why = "NumPy's RNG state (np.random.get_state()) in verl's extra_state RNG record"
+    allowed: list[tuple[Any, str]] = [(_reconstruct, why), (np.ndarray, why), (np.dtype, why)]
+    dtypes = getattr(np, "dtypes", None)  # NumPy >= 1.25 pickles dtypes by their class
+    if dtypes is not None:
+        for name in ("UInt32DType", "Int64DType", "Float64DType", "UInt8DType"):
+            if hasattr(dtypes, name):
+                allowed.append((getattr(dtypes, name), why))
+    return allowed
+
+
+_ALLOWED_ENUMS: set[type] = set()
+# Every global a checkpoint may name besides torch's own weights_only set (tensors,
+# storages, dtypes, plain containers), each with why it is needed. Nothing here can run
+# code of the file's choosing: classes rebuilt from plain fields, and one getattr that
+# only looks up enum members.
+ALLOWED_GLOBALS: list[tuple[Any, str]] = [*_numpy_globals(), *_sharded_tensor_globals()]
+
+
+def _import_tensor_subclasses() -> None:
+    # DTensor (FSDP2's shards) unpickles under weights_only once its module is imported.
+    with contextlib.suppress(ImportError):
+        import torch.distributed.tensor  # noqa: F401
+
+
+class CommittedStep:
+    """A committed step, opened to read its files: each checked against the manifest first.
+
+    Use :meth:`of` to open the step holding a path.
+    """
+
+    def __init__(self, sdir: Path, records: dict[str, layout.FileRecord]) -> None:
+        self.dir = sdir
+        self.records = records
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> CommittedStep:
+        """The committed step ``path`` (the step directory or a path inside it) belongs to.
+
+        Raises:
+            UnverifiedCheckpointError: ``path`` is not inside a ``global_step_<N>``
+                directory, or that step has no manifest, an unreadable one, or is
+                not committed (no iteration file names it or a later step).
+        """
+        path = os.fspath(path)
+        if "://" in path:
+            raise UnverifiedCheckpointError(
+                f"{path} is remote: obsckpt verifies a step on a local filesystem. Copy the "
+                "whole global_step_<N> directory (with its manifest.json) to local disk first"
+            )
+        located = layout.step_of_path(path)
+        if located is None:
+            raise UnverifiedCheckpointError(
+                f"{path} is not inside a {layout.STEP_DIR_PREFIX}<N> directory: obsckpt loads "
+                "only files of a committed step, checked against its manifest"
+            )
+        root, step = located
+        sdir = layout.step_dir(root, step)
+        manifest = sdir / layout.MANIFEST_NAME
+        try:
+            records = {r.path: r for r in reader.read_manifest(sdir)}
+        except FileNotFoundError:
+            raise UnverifiedCheckpointError(
+                f"{manifest} is missing: step {step} was never committed by obsckpt (its "
+                "commit did not finish, or another tool wrote it), so nothing says its files "
+                "are whole. Resume from a committed step (`obsckpt status "
+                f"{root}` lists them)"
+            ) from None
+        except ValueError as exc:
+            raise UnverifiedCheckpointError(f"{manifest} is unreadable: {exc}") from exc
+        except OSError as exc:
+            raise UnverifiedCheckpointError(
+                f"{manifest} is unreadable: {reader.read_error_advice(exc, must=None)}"
+            ) from exc
+        latest = cls._latest(root)
+        if latest is None or step > latest:
+            raise UnverifiedCheckpointError(
+                f"step {step} in {root} is not committed: its manifest was written but no "
+                f"iteration file names it or a later step (latest committed: "
+                f"{'none' if latest is None else latest}); its commit did not finish"
+            )
+        return cls(sdir, records)
+
+    @staticmethod
+    def _latest(root: str) -> int | None:
+        steps = []
+        for kind in layout.KINDS:
+            try:
+                named = reader.read_iteration(root, kind)
+            except ValueError as exc:
+                raise UnverifiedCheckpointError(str(exc)) from exc
+            if named is not None:
+                steps.append(named)
+        return max(steps, default=None)
+
+    def record(self, path: str | os.PathLike) -> layout.FileRecord:
+        """The manifest's record of ``path``; refused by name when it lists none."""
+        rel = os.path.relpath(os.path.abspath(path), self.dir)
+        rec = self.records.get(rel)
+        if rec is None:
+            raise UnverifiedCheckpointError(
+                f"{path} is not listed in {self.dir / layout.MANIFEST_NAME}, so it is not part "
+                "of the committed step (a commit lists every file of its step): it was added "
+                "afterwards and is not loaded. Remove it, or resume from another step"
+            )
+        return rec
+
+    @contextlib.contextmanager
+    def open_verified(self, path: str | os.PathLike) -> Iterator[str | io.BytesIO]:
+        """``path``'s bytes, checked against the manifest, as a path or buffer to load from.
+
+        Yields a ``/proc/self/fd`` path of a private memory file holding the bytes
+        (valid inside the ``with``), or a BytesIO where memory files are unavailable.
+
+        Raises:
+            UnverifiedCheckpointError: not listed, unreadable, or its size or CRC32
+                differs from the manifest's.
+        """
+        rec = self.record(path)
+        try:
+            src = reader.open_regular(path)
+        except FileNotFoundError:
+            raise UnverifiedCheckpointError(
+                f"{path} is missing, but {self.dir / layout.MANIFEST_NAME} lists it: the "
+                "step is damaged; resume from another step"
+            ) from None
+        except OSError as exc:
+            raise UnverifiedCheckpointError(
+                f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
+            ) from exc
+        memfd = -1
+        try:
+            size = os.fstat(src).st_size
+            self._check_size(path, size, rec)
+            memfd = _memfd(size)
+            if memfd < 0:
+                data = bytearray(size)
+                self._read_into(src, memoryview(data), path, rec)
+                yield io.BytesIO(data)
+                return
+            with mmap.mmap(memfd, size, flags=mmap.MAP_SHARED) if size else _empty() as mm:
+                view = memoryview(mm)
+                try:
+                    self._read_into(src, view, path, rec)
+                finally:
+                    view.release()
+            yield f"/proc/self/fd/{memfd}"
+        finally:
+            os.close(src)
+            if memfd >= 0:
+                os.close(memfd)  # the mapping torch.load made keeps the memory alive
+
+    def _check_size(self, path: Any, size: int, rec: layout.FileRecord) -> None:
+        if size != rec.size:
+            what = "truncated" if size < rec.size else "grown"
+            raise UnverifiedCheckpointError(
+                f"{path} is {what}: {size} bytes, the step's manifest says {rec.size}; the "
+                "step is damaged (see `obsckpt verify`), resume from another step"
+            )
+
+    def _read_into(self, fd: int, view: memoryview, path: Any, rec: layout.FileRecord) -> None:
+        crc = 0
+        offset = 0
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            while offset < len(view):
+                n = f.readinto(view[offset : offset + _CHUNK])
+                if not n:
+                    break
+                crc = reader.crc32(view[offset : offset + n], crc)
+                offset += n
+            if offset != rec.size or f.read(1):
+                raise UnverifiedCheckpointError(
+                    f"{path} changed size while it was read; the step's manifest says "
+                    f"{rec.size} bytes. Something is writing into a committed step"
+                )
+        if crc != rec.crc32:
+            raise UnverifiedCheckpointError(
+                f"{path} is corrupted: crc32 {crc:08x}, the step's manifest says "
+                f"{rec.crc32:08x}. The step is damaged (see `obsckpt verify`); resume from "
+                "another step"
+            )
+
+    def read_bytes(self, path: str | os.PathLike) -> bytes:
+        """``path``'s bytes, checked against the manifest (for safetensors and JSON)."""
+        with self.open_verified(path) as source:
+            if isinstance(source, io.BytesIO):
+                return source.getvalue()
+            with open(source, "rb") as f:
+                return f.read()
+
+    def torch_load(self, path: str | os.PathLike, map_location: Any = None) -> Any:
+        """``torch.load`` of ``path`` after its check, with ``weights_only=True`` always.
+
+        Raises:
+            UnverifiedCheckpointError: see :meth:`open_verified`.
+            UnsafeCheckpointError: the file names a global outside :data:`ALLOWED_GLOBALS`.
+        """
+        with self.open_verified(path) as source:
+            mapped = isinstance(source, str) and _is_zip(source)
+            return safe_torch_load(source, path, map_location=map_location, mapped=mapped)
+
+    def verify_all(self, under: str | os.PathLike | None = None) -> int:
+        """Check every file under ``under`` (default: the whole step); the number checked.
+
+        For loaders that read files themselves (Megatron's distributed checkpoint):
+        every file must be listed and match, and every listed file must be there.
+        """
+        top = Path(under) if under is not None else self.dir
+        checked = 0
+        for dirpath, names in reader.walk_files(os.fspath(top)):
+            for name in names:
+                full = Path(dirpath) / name
+                if full == self.dir / layout.MANIFEST_NAME:
+                    continue
+                with self.open_verified(full):
+                    checked += 1
+        prefix = os.path.relpath(top, self.dir)
+        for rel in self.records:
+            inside = prefix == "." or rel.startswith(prefix + os.sep)
+            if inside and not (self.dir / rel).is_file():
+                raise UnverifiedCheckpointError(
+                    f"{self.dir / rel} is missing, but {self.dir / layout.MANIFEST_NAME} lists "
+                    "it: the step is damaged; resume from another step"
+                )
+        return checked
+
+
+def _empty() -> contextlib.nullcontext[bytearray]:
+    return contextlib.nullcontext(bytearray())
+
+
+def _memfd(size: int) -> int:
+    """A private memory file of ``size`` bytes, or -1 where there are none."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return -1
+    try:
+        fd = os.memfd_create("obsckpt-load", os.MFD_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _is_zip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == _ZIP_MAGIC
+
+
+def safe_torch_load(
+    source: Any, shown: Any, *, map_location: Any = None, mapped: bool = False
+) -> Any:
+    """``torch.load(source, weights_only=True)`` with :data:`ALLOWED_GLOBALS`, errors named.
+
+    ``shown`` is the path errors name (``source`` may be a buffer or a memory file).
+
+    Raises:
+        UnsafeCheckpointError: the file names a global outside the allowlist.
+        UnverifiedCheckpointError: it is not a file ``torch.save`` wrote.
+    """
+    _import_tensor_subclasses()
+    allowed = [entry for entry, _why in ALLOWED_GLOBALS]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return _ORIGINAL_LOAD(source, map_location=map_location, weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as exc:
+        refused = _REFUSED_GLOBAL.search(str(exc))
+        if refused is None:
+            raise UnverifiedCheckpointError(
+                f"{shown} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
+            ) from exc
+        raise UnsafeCheckpointError(
+            f"{shown} refers to the global {refused.group(1)}, which obsckpt does not load: "
+            "unpickling it could run code from the file. obsckpt loads tensors, plain "
+            "containers and the globals in obsckpt.loading.ALLOWED_GLOBALS only; save "
+            "such state as tensors and plain values"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - torch's legacy reader fails in many ways
+        raise UnverifiedCheckpointError(
+            f"{shown} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: the line that says what failed``: torch's errors run to several lines."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "error" in line.lower():
+            return f"{type(exc).__name__}: {line[:300]}"
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
+def load(path: str | os.PathLike, map_location: Any = None) -> Any:
+    """Load one file of a committed step: checked against its manifest, weights only."""
+    return CommittedStep.of(path).torch_load(path, map_location=map_location)
+
+
+_ORIGINAL_LOAD = torch.load
+_scope = threading.local()
+
+
+def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+    step: CommittedStep | None = getattr(_scope, "step", None)
+    if step is None:  # another thread's call, outside any verified_torch_load
+        return _ORIGINAL_LOAD(f, map_location, *args, **kwargs)
+    if not isinstance(f, (str, os.PathLike)):
+        raise UnverifiedCheckpointError(
+            f"a checkpoint loader read {type(f).__name__} {f!r:.80}, not a file of the step "
+            f"{step.dir}: obsckpt verifies files of a committed step only"
+        )
+    inside = os.path.abspath(f).startswith(os.fspath(step.dir) + os.sep)
+    if not inside:
+        raise UnverifiedCheckpointError(
+            f"a checkpoint loader read {f}, outside the step {step.dir} being loaded: "
+            "obsckpt verifies files of a committed step only"
+        )
+    return step.torch_load(f, map_location=map_location)
+
+
+@contextlib.contextmanager
+def verified_torch_load(path: str | os.PathLike) -> Iterator[CommittedStep]:
+    """Send this thread's ``torch.load`` calls through :meth:`CommittedStep.torch_load`.
+
+    For code that calls ``torch.load`` itself (verl's managers, with
+    ``weights_only=False``): inside the ``with``, each of this thread's loads must
+    name a file of the committed step holding ``path``, is checked against the
+    manifest and is loaded with ``weights_only=True``. Other threads' loads are
+    untouched.
+    """
+    step = CommittedStep.of(path)
+    previous = getattr(_scope, "step", None)
+    _scope.step = step
+    with _LOAD_PATCH:
+        _LOAD_PATCH.users += 1
+        if _LOAD_PATCH.users == 1:
+            torch.load = _verified_load  # type: ignore[assignment]
+    try:
+        yield step
+    finally:
+        _scope.step = previous
+        with _LOAD_PATCH:
+            _LOAD_PATCH.users -= 1
+            if _LOAD_PATCH.users == 0:
+                torch.load = _ORIGINAL_LOAD
+
+
+class _PatchCount:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.users = 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+_LOAD_PATCH = _PatchCount()
