@@ -29,7 +29,7 @@ DESIGN_METRICS = {
 }
 # Labels whose values are fixed in metrics.py, and the two that callers fill in,
 # which the monitor bounds (slot: max_slot_labels; rank: the world size).
-BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "role"}
+BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "role", "phase"}
 CALLER_LABELS = {"slot", "rank"}
 
 

@@ -20,12 +20,19 @@ from prometheus_client import CollectorRegistry
 
 from obsckpt import commit, layout, reader, rootlock
 from obsckpt.admission import Admission, SaveStrategy
+from obsckpt.errors import RootLockLostError
 from obsckpt.layout import KINDS
 from obsckpt.monitor.commit_io import CommitRunner, StepWriter
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.monitor.lease_watch import LeaseWatch
-from obsckpt.monitor.lifecycle import in_actor, recover_last_commits, start_actor, was_restarted
+from obsckpt.monitor.lifecycle import (
+    DeadNodes,
+    in_actor,
+    recover_last_commits,
+    start_actor,
+    was_restarted,
+)
 from obsckpt.monitor.measurements import MeasurementRPCs
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
@@ -45,6 +52,11 @@ logger = logging.getLogger("obsckpt.monitor")
 # The longest a clean shutdown waits for Prometheus's last scrape: above the shipped
 # 10 s scrape interval.
 _FINAL_SCRAPE_WAIT_S = 15.0
+# The longest a shutdown waits for a running commit before it releases the root (that
+# commit is then refused at its rename: the root may have another owner by then).
+_COMMIT_DRAIN_S = 30.0
+# The longest status() waits to check the root's lock file (a hung filesystem).
+_FENCE_CHECK_S = 5.0
 
 
 class CheckpointMonitor(MeasurementRPCs):
@@ -141,10 +153,18 @@ class CheckpointMonitor(MeasurementRPCs):
             # Saves on a node Ray reports dead are lost, leased or not.
             watch_nodes=in_actor(),
         )
-        # Commits what is ready, one at a time.
-        self._committer = CommitRunner(self.core, StepWriter(self.root))
+        # Commits what is ready, one at a time, each proving first that this monitor
+        # still owns the root (the lock's fence).
+        self._committer = CommitRunner(
+            self.core,
+            StepWriter(self.root, self._root_lock.check),
+            phases=self.telemetry,
+            clock=self.clock,
+        )
+        self.telemetry.attach_fence(lambda: self._root_lock.lost)
         self.core.mark_found_on_disk(reader.steps_on_disk(self.root))
-        self._lease_watch = LeaseWatch(self.core, self._commit_ready_steps)
+        self._dead_nodes = DeadNodes(on_failure=self.telemetry.node_query_failed)
+        self._lease_watch = LeaseWatch(self.core, self._commit_ready_steps, self._dead_nodes)
         if restarted:
             # Ray restarted this monitor within the job: its last commit is the
             # iteration file's, or a stalled job would go unnoticed until the next.
@@ -450,8 +470,19 @@ class CheckpointMonitor(MeasurementRPCs):
         nothing: re-saves, and registrations, submissions and finishes for a step
         already committed (or below the committed one) that were ignored.
         """
+        # A lock file deleted or replaced while no commit ran is found here too.
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._root_lock.check), _FENCE_CHECK_S)
+        except (RootLockLostError, TimeoutError):
+            pass  # shown below as "fenced" (a check that hung shows nothing new)
         return status_view(
-            self.core, self.root, self.server, leftovers_removed=len(self.leftovers_removed)
+            self.core,
+            self.root,
+            self.server,
+            leftovers_removed=len(self.leftovers_removed),
+            fenced=self._root_lock.lost,
+            committing=self._committer.progress.current(),
+            node_queries_failed=self._dead_nodes.failures,
         )
 
     async def debug_spans(self) -> list[dict[str, Any]]:
@@ -461,12 +492,22 @@ class CheckpointMonitor(MeasurementRPCs):
     async def shutdown(self) -> None:
         """Stop serving /metrics, withdraw the file_sd target and unlock the root.
 
-        End the actor with ray.kill afterwards.
+        End the actor with ray.kill afterwards. From the release on, this monitor
+        commits nothing: a step that becomes whole later fails, its iteration file
+        unmoved, and status() says ``fenced``.
 
         Only this monitor's entry leaves the file_sd file: other jobs' monitors,
         and one started since on this root, keep theirs.
         """
         # Once the job is done another job may use the root (ray.kill, or the
-        # process's end, would drop the lock too).
+        # process's end, would drop the lock too). A commit still running is given
+        # a while to end; after the release, every commit is refused at its rename.
+        if not await self._committer.wait_idle(_COMMIT_DRAIN_S):
+            logger.warning(
+                "obsckpt monitor: a commit still runs %.0f s into shutdown (%s); releasing "
+                "the root anyway: that commit will be refused before its rename",
+                _COMMIT_DRAIN_S,
+                self._committer.progress.current(),
+            )
         self._root_lock.release()
         await asyncio.to_thread(self.telemetry.close, self.clock.time(), _FINAL_SCRAPE_WAIT_S)

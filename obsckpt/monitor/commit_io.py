@@ -10,11 +10,16 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from obsckpt import commit, layout, reader
+from obsckpt.errors import RootLockLostError
 from obsckpt.layout import FileRecord
 from obsckpt.monitor.core import CommitJob, MonitorCore
+from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.telemetry import attributes, tracing
 
 
@@ -33,15 +38,95 @@ def storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
     return f"{what}; the next step commits once it can be written"
 
 
+class PhaseObserver(Protocol):
+    """Told of each phase of a commit as it starts and ends (from the commit's thread)."""
+
+    def commit_phase_started(self, phase: str, unix_time: float) -> None: ...
+
+    def commit_phase_ended(self, phase: str, seconds: float) -> None: ...
+
+
+class CommitProgress:
+    """Which phase the running commit is in, and since when.
+
+    Moved on from the commit's worker thread (finalize_step's ``on_phase``), read
+    by status() on the event loop; each change is told to the observer, so a hung
+    fsync shows in the metrics while it hangs.
+
+    Args:
+        observer: told of each phase's start and end (None: nobody).
+        clock: the monotonic clock for durations, the wall clock for the start time.
+    """
+
+    def __init__(self, observer: PhaseObserver | None, clock: Clock) -> None:
+        self._observer = observer
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._step: tuple[int, str] | None = None
+        self._phase: tuple[str, float, float] | None = None  # name, monotonic, unix
+
+    def begin(self, step: int, kind: str) -> None:
+        with self._lock:
+            self._step = (step, kind)
+
+    def enter(self, phase: str) -> None:
+        """``phase`` starts now (the one before it, if any, ends)."""
+        self._leave()
+        now, unix = self._clock.monotonic(), self._clock.time()
+        with self._lock:
+            self._phase = (phase, now, unix)
+        if self._observer is not None:
+            self._observer.commit_phase_started(phase, unix)
+
+    def end(self) -> None:
+        """The commit ended, done or not."""
+        self._leave()
+        with self._lock:
+            self._step = None
+
+    def _leave(self) -> None:
+        with self._lock:
+            phase, self._phase = self._phase, None
+        if phase is not None and self._observer is not None:
+            self._observer.commit_phase_ended(phase[0], self._clock.monotonic() - phase[1])
+
+    def current(self) -> dict[str, Any] | None:
+        """The running commit (step, kind, phase, when the phase started), or None."""
+        with self._lock:
+            step, phase = self._step, self._phase
+        if step is None:
+            return None
+        return {
+            "step": step[0],
+            "kind": step[1],
+            "phase": None if phase is None else phase[0],
+            "phase_started": None if phase is None else phase[2],
+            "phase_s": None if phase is None else self._clock.monotonic() - phase[1],
+        }
+
+
 class StepWriter:
     """Commits steps under one checkpoint root.
 
     Args:
         root: the checkpoint root.
+        fence: raises when this monitor may no longer commit into ``root``
+            (:meth:`obsckpt.rootlock.RootLock.check`); called before a commit writes
+            anything and again immediately before its iteration files are renamed.
+        fsync_timeout_s: the longest wait for each round of a commit's fsyncs
+            (default :data:`obsckpt.commit.FSYNC_TIMEOUT_S`).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        fence: Callable[[], None] | None = None,
+        *,
+        fsync_timeout_s: float | None = None,
+    ) -> None:
         self.root = root
+        self.fence = fence if fence is not None else (lambda: None)
+        self.fsync_timeout_s = fsync_timeout_s
         # Whether this process sees the step directories the workers write: then a
         # step directory missing at commit was removed, not written on another node.
         self.sees_step_dirs = bool(reader.steps_on_disk(root))
@@ -50,13 +135,22 @@ class StepWriter:
         return layout.step_dir(self.root, step).is_dir()
 
     def write(
-        self, step: int, kind: str, files: dict[str, FileRecord], phases: dict[str, float]
+        self,
+        step: int,
+        kind: str,
+        files: dict[str, FileRecord],
+        phases: dict[str, float],
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         """fsync ``step``'s files, write its manifest and move the iteration file(s).
 
         Raises:
+            RootLockLostError: this monitor no longer owns the root; nothing was renamed.
+            FsyncTimeoutError: the storage did not finish an fsync in time.
             OSError: the step directory is gone or the storage refused a write.
         """
+        # A monitor fenced off writes nothing at all, not even a manifest.
+        self.fence()
         sdir = layout.step_dir(self.root, step)
         if sdir.is_dir():
             self.sees_step_dirs = True
@@ -74,7 +168,15 @@ class StepWriter:
             current = reader.read_iteration(self.root, "state_dict")
             if current is None or current < step:
                 steps["state_dict"] = step
-        commit.finalize_step(sdir, files, iterations=steps, timings=phases)
+        commit.finalize_step(
+            sdir,
+            files,
+            iterations=steps,
+            timings=phases,
+            on_phase=on_phase,
+            fence=self.fence,
+            fsync_timeout_s=self.fsync_timeout_s,
+        )
 
 
 class CommitRunner:
@@ -87,11 +189,21 @@ class CommitRunner:
     Args:
         core: decides which step commits next, and records the outcome.
         writer: the commit I/O.
+        phases: told of each commit phase as it starts and ends (the telemetry).
+        clock: times the phases (default: the system's clocks).
     """
 
-    def __init__(self, core: MonitorCore, writer: StepWriter) -> None:
+    def __init__(
+        self,
+        core: MonitorCore,
+        writer: StepWriter,
+        *,
+        phases: PhaseObserver | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.core = core
         self.writer = writer
+        self.progress = CommitProgress(phases, clock if clock is not None else SystemClock())
         self._task: asyncio.Task[None] | None = None
 
     async def commit_ready(self) -> None:
@@ -111,6 +223,14 @@ class CommitRunner:
         # Shielded: a cancelled RPC must not stop a commit halfway (its step would
         # stay "committing" for ever); the commit runs to its end on its own.
         await asyncio.shield(self._task)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the running commits to end; whether they did."""
+        task = self._task
+        if task is None or task.done():
+            return True
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        return bool(done)
 
     async def _commit_in_order(self) -> None:
         try:
@@ -135,19 +255,30 @@ class CommitRunner:
             return
         attrs = {attributes.STEP: step, attributes.KIND: kind}
         phases: dict[str, float] = {}
+        iteration_file = layout.ITERATION_FILES[kind]
+        latest = self.core.tracker.latest[kind]
+        names = f"{iteration_file} still names {'no step' if latest is None else f'step {latest}'}"
+        self.progress.begin(step, kind)
         try:
             with tracing.span("obsckpt.commit", carrier=job.record.carrier, attributes=attrs):
                 files = self.core.commit_files(job)
-                await asyncio.to_thread(self.writer.write, step, kind, files, phases)
+                await asyncio.to_thread(
+                    self.writer.write, step, kind, files, phases, self.progress.enter
+                )
+        except RootLockLostError as exc:
+            self.core.commit_failed(
+                job,
+                f"commit of step {step} ({kind}) refused: {exc}. It is not committed and "
+                f"{names}. This monitor commits nothing more: end it (ray.kill) and let "
+                "one monitor hold the root (`obsckpt status DIR` names the holder)",
+            )
+            return
         except Exception as exc:  # noqa: BLE001 - a failed commit fails the step, not the monitor
             msg = f"commit of step {step} ({kind}) failed: {exc}"
             if isinstance(exc, OSError):
-                latest = self.core.tracker.latest[kind]
-                msg += (
-                    f"; it is not committed and {layout.ITERATION_FILES[kind]} still names "
-                    f"{'no step' if latest is None else f'step {latest}'}. "
-                    + storage_hint(exc, self.writer.root)
-                )
+                msg += f"; it is not committed and {names}. " + storage_hint(exc, self.writer.root)
             self.core.commit_failed(job, msg)
             return
+        finally:
+            self.progress.end()
         self.core.commit_done(job, phases)

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from obsckpt.monitor.core import MonitorCore
-from obsckpt.monitor.lifecycle import dead_nodes
+from obsckpt.monitor.lifecycle import DeadNodes
 
 
 class LeaseWatch:
@@ -20,11 +20,18 @@ class LeaseWatch:
     Args:
         core: the monitor's core.
         after_expiry: awaited after a check that failed saves (commits what it unblocked).
+        dead_nodes: the dead nodes' ids, asked in a thread (default: Ray's, see DeadNodes).
     """
 
-    def __init__(self, core: MonitorCore, after_expiry: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        core: MonitorCore,
+        after_expiry: Callable[[], Awaitable[None]],
+        dead_nodes: Callable[[], set[str]] | None = None,
+    ) -> None:
         self.core = core
         self._after_expiry = after_expiry
+        self.dead_nodes = dead_nodes if dead_nodes is not None else DeadNodes()
         self._task: asyncio.Task[None] | None = None
 
     def ensure_running(self) -> None:
@@ -46,7 +53,7 @@ class LeaseWatch:
             checked = now
             expired = self.core.expire_stale_leases()
             if self.core.watch_nodes:
-                gone = await asyncio.to_thread(dead_nodes)
+                gone = await asyncio.to_thread(self.dead_nodes)
                 expired += self.core.expire_on_nodes(gone)
             if expired:
                 await self._after_expiry()

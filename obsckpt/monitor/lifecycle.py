@@ -6,14 +6,18 @@ Ray is imported inside the functions: a monitor made in-process (tests) and
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from obsckpt import commit, layout, rootlock
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
+
+logger = logging.getLogger("obsckpt.monitor")
 
 
 def was_restarted() -> bool:
@@ -41,14 +45,62 @@ def in_actor() -> bool:
         return False
 
 
-def dead_nodes() -> set[str]:
-    """Ids of the nodes Ray reports dead (empty when it cannot tell)."""
-    try:
-        import ray
+def _ray_nodes() -> list[dict[str, Any]]:
+    import ray
 
-        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
-    except Exception:  # noqa: BLE001 - the next check may get through
-        return set()
+    return ray.nodes()
+
+
+class DeadNodes:
+    """Ids of the nodes Ray reports dead; the last ones known while Ray cannot be asked.
+
+    A failed query is counted (``failures``, and ``on_failure``) and logged once
+    per run of failures, not at every lease check; it never reads as "no node is
+    dead", which would keep the saves of a dead node running until their leases
+    run out.
+
+    Args:
+        list_nodes: Ray's node table (default ``ray.nodes``; tests pass their own).
+        on_failure: called at each failed query (the monitor counts it in a metric).
+    """
+
+    def __init__(
+        self,
+        list_nodes: Callable[[], list[dict[str, Any]]] | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        self._list_nodes = list_nodes if list_nodes is not None else _ray_nodes
+        self._on_failure = on_failure if on_failure is not None else (lambda: None)
+        self.known: set[str] = set()
+        self.failures = 0
+        self._failing = False
+
+    def __call__(self) -> set[str]:
+        try:
+            dead = {n["NodeID"] for n in self._list_nodes() if not n.get("Alive", True)}
+        except Exception as exc:  # noqa: BLE001 - the next check may get through
+            self.failures += 1
+            self._on_failure()
+            if not self._failing:
+                self._failing = True
+                logger.warning(
+                    "obsckpt monitor: cannot ask Ray which nodes are dead (%s: %s); keeping "
+                    "the %d dead node(s) known so far and asking again at each lease check "
+                    "(saves on a node that dies meanwhile fail when their leases run out)",
+                    type(exc).__name__,
+                    exc,
+                    len(self.known),
+                )
+            return set(self.known)
+        if self._failing:
+            self._failing = False
+            logger.info(
+                "obsckpt monitor: Ray answers which nodes are dead again (%d failed "
+                "queries so far)",
+                self.failures,
+            )
+        self.known = dead
+        return set(dead)
 
 
 def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | None]) -> None:

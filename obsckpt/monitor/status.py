@@ -11,12 +11,23 @@ from obsckpt.telemetry.server import MetricsServer
 
 
 def status_view(
-    core: MonitorCore, root: Path, server: MetricsServer, *, leftovers_removed: int = 0
+    core: MonitorCore,
+    root: Path,
+    server: MetricsServer,
+    *,
+    leftovers_removed: int = 0,
+    fenced: str | None = None,
+    committing: dict[str, Any] | None = None,
+    node_queries_failed: int = 0,
 ) -> dict[str, Any]:
     """Latest committed steps, pending, failed and abandoned steps, saves in flight.
 
     ``leftovers_removed`` counts obsckpt's own temp files and scratch
     directories, left by writes cut short, that the monitor removed at start.
+    ``fenced`` says why the monitor no longer owns its root (None while it
+    does); ``committing`` is the commit running now, with its phase and since
+    when; ``node_queries_failed`` counts the times Ray could not be asked which
+    nodes are dead.
 
     ``resaves`` counts every notification about a closed step that was
     accepted and changed nothing: re-saves proper, and registrations,
@@ -86,4 +97,7 @@ def status_view(
         "metrics": {"address": server.address, "error": server.error},
         "span_export_failures": tracing.export_failures(),
         "leftovers_removed": leftovers_removed,
+        "fenced": fenced,
+        "committing": committing,
+        "node_queries_failed": node_queries_failed,
     }

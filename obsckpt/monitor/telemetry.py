@@ -98,6 +98,25 @@ class MonitorTelemetry(MonitorObserver):
                 _unix_reader(core, self._oldest_pending, kind)
             )
 
+    def attach_fence(self, lost: Callable[[], str | None]) -> None:
+        """Show whether the monitor lost its root (``lost()``: why, or None) at each scrape."""
+        self.metrics.monitor_fenced.set_function(lambda: 0.0 if lost() is None else 1.0)
+
+    # -- commit phases (called from the commit's thread) --------------------------
+
+    def commit_phase_started(self, phase: str, unix_time: float) -> None:
+        """A commit entered ``phase`` at ``unix_time``."""
+        self.metrics.commit_phase_started.labels(phase).set(unix_time)
+
+    def commit_phase_ended(self, phase: str, seconds: float) -> None:
+        """A commit left ``phase`` (done, failed or timed out) after ``seconds``."""
+        self.metrics.commit_phase.labels(phase).observe(max(0.0, seconds))
+        self.metrics.commit_phase_started.labels(phase).set(0)
+
+    def node_query_failed(self) -> None:
+        """Ray could not be asked which nodes are dead."""
+        self.metrics.node_query_failures.inc()
+
     # -- the endpoint ---------------------------------------------------------
 
     def serve(

@@ -14,6 +14,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from obsckpt.admission import STRATEGIES
+from obsckpt.commit import COMMIT_PHASES
 from obsckpt.layout import KINDS
 from obsckpt.telemetry.attributes import SPAN_ATTRIBUTES
 from obsckpt.validators import non_negative_int
@@ -273,6 +274,41 @@ METRICS: tuple[MetricSpec, ...] = (
         "model_version",
     ),
     MetricSpec(
+        "obsckpt_commit_phase_seconds",
+        "histogram",
+        ("phase",),
+        "Time each phase of a commit took (scan: listing and checking the step's files; "
+        "fsync_files; manifest: the manifest renamed in, the step and root fsynced; "
+        "rename_iteration: the fence check, the iteration files renamed, the root "
+        "fsynced), failed or timed-out phases included.",
+        "commit_phase",
+    ),
+    MetricSpec(
+        "obsckpt_commit_phase_started_timestamp_seconds",
+        "gauge",
+        ("phase",),
+        "Unix time the commit phase now in progress started; 0 for the other phases and "
+        "while no commit runs. time() minus it is how long a hung fsync has been waiting.",
+        "commit_phase_started",
+    ),
+    MetricSpec(
+        "obsckpt_monitor_fenced",
+        "gauge",
+        (),
+        "1 once this monitor no longer owns its checkpoint root and commits nothing more: "
+        "it was shut down, or its lock file (.obsckpt-monitor.lock) was found deleted, "
+        "replaced or rewritten by another monitor; 0 while it owns the root.",
+        "monitor_fenced",
+    ),
+    MetricSpec(
+        "obsckpt_node_queries_failed_total",
+        "counter",
+        (),
+        "Times the monitor could not ask Ray which nodes are dead (ray.nodes() raised); "
+        "it keeps the dead nodes it knew.",
+        "node_query_failures",
+    ),
+    MetricSpec(
         "obsckpt_metrics_connections_rejected_total",
         "counter",
         (),
@@ -314,6 +350,7 @@ _KNOWN_LABELS: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
     "backend": BACKENDS,
     "role": ROLES,
+    "phase": COMMIT_PHASES,
 }
 
 
@@ -455,6 +492,10 @@ class Metrics:
     broadcast_failures: Counter
     upload_duration: Histogram
     model_version: Gauge
+    commit_phase: Histogram
+    commit_phase_started: Gauge
+    monitor_fenced: Gauge
+    node_query_failures: Counter
     metrics_connections_rejected: Counter
 
 
@@ -493,6 +534,8 @@ def reference_markdown() -> str:
         + ", ".join(f"`{r}`" for r in ROLES)
         + "; `strategy` is "
         + ", ".join(f"`{s}`" for s in STRATEGIES)
+        + "; `phase` is "
+        + ", ".join(f"`{p}`" for p in COMMIT_PHASES)
         + ".",
         "Series whose labels take only these values exist at zero from the first scrape;",
         "`slot` and `rank` series appear with the first save that reports them.",
