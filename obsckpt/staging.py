@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt.errors import TensorMutatedError
+from obsckpt.errors import TensorMutatedError, WaitTimeoutError
 from obsckpt.torchfile import ALIGN, DIRECT_MIN
 from obsckpt.tree import PLAIN_TENSORS, dtensor_type, sharded_tensor_type, tensor_leaves
 
@@ -37,14 +37,14 @@ from obsckpt.tree import PLAIN_TENSORS, dtensor_type, sharded_tensor_type, tenso
 # state of many small tensors does not pay a page each.
 _SMALL_ALIGN = 64
 _CUDA_HOST_REGISTER_PORTABLE = 1
+# The longest the writer (finish) or the next use of the buffers (settle) waits
+# for an overlapped copy to end: generous (a copy of a whole shard's state to
+# host memory takes seconds); past it the copy is taken to hang. Tests make it small.
+STAGING_TIMEOUT_S = 600.0
 
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _cuda_host_register(address: int, nbytes: int) -> bool:
@@ -138,21 +138,80 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _signature(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype)
-
-
-def _alias_key(t: torch.Tensor) -> tuple | None:
-    """What makes two leaves the same tensor (same memory, dtype and view); None: not known."""
-    if t.is_meta or t.is_quantized or t.numel() == 0:
-        return None
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-
 def _in_arena(t: torch.Tensor) -> bool:
     # A quantized tensor's scale and zero point live beside its bytes, and may
     # change from one save to the next: it is copied into a buffer of its own.
-    return t.numel() > 0 and not t.is_quantized
+    return t.numel() > 0 and not t.is_quantized and t.layout == torch.strided
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``t``'s elements lie in."""
+    size = t.element_size()
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.storage_offset() * size
+    return start, start + (last + 1) * size
+
+
+class _Placement:
+    """Where each tensor of a state goes in a slot's arena, storage by storage.
+
+    Tensors that share a storage (views, tied weights) get one buffer, the
+    part of their storage they cover (from a 16-byte boundary, so every
+    view's offset in it is a whole number of elements), and each is staged
+    as a view into it with its own size, stride and offset: the snapshot
+    shares storages and keeps strides as the state did, and ``torch.save``
+    writes it as it would write the state. ``meta`` tensors (``prepare``)
+    know no storage: each is taken as a storage of its own.
+
+    Attributes:
+        groups: per buffer, ``(index of its source tensor, start, end)``: the
+            bytes ``[start, end)`` of the source's storage it holds. The
+            source is the group's tensor of the smallest element size, so the
+            copy is one contiguous copy in its dtype.
+        places: per tensor, ``(group, byte offset in the group's buffer)``;
+            None where the tensor gets a buffer of its own (see _in_arena).
+        signature: what must not change for the buffers to be reused.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.groups: list[tuple[int, int, int]] = []
+        self.places: list[tuple[int, int] | None] = []
+        by_storage: dict[tuple, int] = {}
+        spans = []
+        for i, t in enumerate(tensors):
+            if not _in_arena(t):
+                self.places.append(None)
+                spans.append((0, 0))
+                continue
+            key = (i,) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
+            g = by_storage.setdefault(key, len(self.groups))
+            start, end = _span(t)
+            spans.append((start, end))
+            if g == len(self.groups):
+                self.groups.append((i, start, end))
+            else:
+                source, lo, hi = self.groups[g]
+                if t.element_size() < tensors[source].element_size():
+                    source = i
+                self.groups[g] = (source, min(lo, start), max(hi, end))
+            self.places.append((g, 0))
+        # Offsets only now that every group's start is known.
+        self.groups = [(source, lo - lo % 16, hi) for source, lo, hi in self.groups]
+        for i, place in enumerate(self.places):
+            if place is not None:
+                self.places[i] = (place[0], spans[i][0] - self.groups[place[0]][1])
+        self.signature = [
+            (tuple(t.shape), t.dtype, t.stride() if p else None, p)
+            for t, p in zip(tensors, self.places, strict=True)
+        ] + [hi - lo for _, lo, hi in self.groups]
+
+    def source(self, tensors: list[torch.Tensor], group: int) -> torch.Tensor:
+        """The bytes of ``group``'s storage to copy, as a view of its source tensor
+        (a view: it shares the tensor's version counter, which the mutation check reads)."""
+        i, lo, hi = self.groups[group]
+        t = tensors[i]
+        size = t.element_size()
+        return t.as_strided(((hi - lo) // size,), (1,), lo // size)
 
 
 def _rebuild_sharded(obj: Any, it) -> Any:
@@ -192,9 +251,10 @@ class StagingBuffers:
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._arena: Arena | None = None
-        self._signatures: list[tuple] = []
+        self._signatures: list = []
         # None where a tensor gets a buffer of its own at each save (see _in_arena).
         self._buffers: list[torch.Tensor | None] = []
+        self._groups: list[torch.Tensor] = []  # each storage's buffer (see _Placement)
         self._pinned = False  # whether the current buffers are pinned
         self._stream = None  # side CUDA stream of overlapped copies
         self._copy: StagingCopy | None = None  # the last overlapped copy into the buffers
@@ -224,43 +284,59 @@ class StagingBuffers:
         """
         found: list[tuple[str, torch.Tensor]] = []
         tensor_leaves(obj, found)
-        return self._ensure([t for _, t in found], populate=True)
+        tensors = [t for _, t in found]
+        return self._ensure(tensors, _Placement(tensors), populate=True)
 
-    def layout_of(self, obj: Any) -> tuple[list[tuple], bool]:
-        """What decides whether these buffers can stage ``obj``: its tensors' shapes
-        and dtypes, and whether they need pinning (see :meth:`fits`)."""
+    def layout_of(self, obj: Any) -> tuple[list, bool]:
+        """What decides whether these buffers can stage ``obj``: its tensors' shapes,
+        dtypes, strides and shared storages, and whether they need pinning (see :meth:`fits`)."""
         found: list[tuple[str, torch.Tensor]] = []
         tensor_leaves(obj, found)
         tensors = [t for _, t in found]
         pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
-        return [_signature(t) for t in tensors], pin
+        return _Placement(tensors).signature, pin
 
-    def fits(self, layout: tuple[list[tuple], bool]) -> bool:
+    def fits(self, layout: tuple[list, bool]) -> bool:
         """Whether a state of ``layout`` (:meth:`layout_of`) is staged without allocating."""
         signatures, pin = layout
         return self._arena is not None and signatures == self._signatures and self._pinned >= pin
 
-    def _ensure(self, tensors: list[torch.Tensor], *, populate: bool) -> bool:
+    def _ensure(
+        self, tensors: list[torch.Tensor], placement: _Placement, *, populate: bool
+    ) -> bool:
         self._settle_copy()
-        signatures = [_signature(t) for t in tensors]
+        signatures = placement.signature
         pin = self.pin_memory and any(t.is_cuda or t.is_meta for t in tensors)
         if signatures == self._signatures and self._arena is not None and self._pinned >= pin:
             return False
         t0 = time.perf_counter()
         self.release()
-        shared = [_in_arena(t) for t in tensors]
-        sizes = [_nbytes(t) if ok else 0 for t, ok in zip(tensors, shared, strict=True)]
-        offsets, total = _layout(sizes)
+        offsets, total = _layout([hi - lo for _, lo, hi in placement.groups])
         arena = Arena(total, pin=pin, populate=populate)
+        groups = []
+        for (source, lo, hi), offset in zip(placement.groups, offsets, strict=True):
+            raw = arena.view(offset, (hi - lo,), torch.uint8)
+            groups.append(raw.view(tensors[source].dtype))
         buffers: list[torch.Tensor | None] = []
-        for t, ok, offset in zip(tensors, shared, offsets, strict=True):
-            if ok:
-                buffers.append(arena.view(offset, t.shape, t.dtype))
-            elif t.is_quantized:
+        first: dict[tuple, torch.Tensor] = {}
+        for t, place in zip(tensors, placement.places, strict=True):
+            if place is not None:
+                g, offset = place
+                view = (g, offset, t.dtype, tuple(t.shape), t.stride())
+                if view not in first:  # the same tensor twice (tied weights): one buffer
+                    storage = groups[g].untyped_storage()
+                    first[view] = torch.empty((0,), dtype=t.dtype).set_(
+                        storage, offset // t.element_size(), t.shape, t.stride()
+                    )
+                buffers.append(first[view])
+            elif t.is_quantized or t.layout != torch.strided:
                 buffers.append(None)
             else:  # empty: pinned like its neighbours (a ShardedTensor checks its shards agree)
-                buffers.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin))
+                buffers.append(
+                    torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=pin)
+                )
         self._arena, self._signatures, self._buffers = arena, signatures, buffers
+        self._groups = groups
         self._pinned = pin
         self.allocations += 1
         self.last_allocation_s = time.perf_counter() - t0
@@ -272,7 +348,7 @@ class StagingBuffers:
         if self._arena is not None:
             self._arena.release()
         self._arena = None
-        self._signatures, self._buffers = [], []
+        self._signatures, self._buffers, self._groups = [], [], []
         self._pinned = False
 
     def _settle_copy(self) -> None:
@@ -295,22 +371,20 @@ class StagingBuffers:
         """
         found: list[tuple[str, torch.Tensor]] = []
         tensor_leaves(obj, found)
-        self._ensure([t for _, t in found], populate=False)
-        buffers = [
-            torch.empty_like(src, device="cpu") if buf is None else buf
-            for (_, src), buf in zip(found, self._buffers, strict=True)
+        tensors = [t for _, t in found]
+        placement = _Placement(tensors)
+        self._ensure(tensors, placement, populate=False)
+        buffers = list(self._buffers)
+        # One copy per storage: tensors sharing one (tied weights, views) share its
+        # buffer, so the file holds its bytes once and they load back sharing it.
+        copies = [
+            (found[source][0], placement.source(tensors, g), self._groups[g])
+            for g, (source, _, _) in enumerate(placement.groups)
         ]
-        copies = []
-        first: dict[tuple, int] = {}
         for i, (key, src) in enumerate(found):
-            alias = _alias_key(src)
-            j = i if alias is None else first.setdefault(alias, i)
-            if j != i:
-                # The same tensor under another key (tied weights): one buffer, so the
-                # file holds its bytes once and it loads back tied, as torch.save's does.
-                buffers[i] = buffers[j]
-                continue
-            copies.append((key, src, buffers[i]))
+            if buffers[i] is None:
+                buffers[i] = torch.empty_like(src, device="cpu")
+                copies.append((key, src, buffers[i]))
         return self._rebuild(obj, iter(buffers)), copies
 
     def _rebuild(self, obj: Any, it) -> Any:
@@ -486,10 +560,30 @@ class StagingCopy:
         """
         if not self._started and not self.done.is_set():
             return
-        self.done.wait()
-        if self._event is not None:
-            self._event.synchronize()
+        self._wait_copied("the next use of its staging buffers")
         self._forget_sources()
+
+    def _wait_copied(self, waiter: str) -> None:
+        """Until the copy thread is done and the side stream's copies have run, for
+        STAGING_TIMEOUT_S at most. Raises WaitTimeoutError naming ``waiter`` after that."""
+        deadline = time.monotonic() + STAGING_TIMEOUT_S
+        if self.done.wait(STAGING_TIMEOUT_S):
+            delay = 1e-4
+            while self._event is not None and not self._event.query():
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(delay)  # no synchronize(): it could not be given up
+                delay = min(2 * delay, 0.01)
+            else:
+                return
+            stuck = "its CUDA copies on the side stream had not run"
+        else:
+            stuck = "the copy thread had not finished" + ("" if self._started else " (or started)")
+        raise WaitTimeoutError(
+            f"{waiter} waited {STAGING_TIMEOUT_S:g} s for the overlapped staging copy of "
+            f"{len(self.copies)} storages, and {stuck}; the save is abandoned (a copy that "
+            "hangs: check the GPU and the host's memory)"
+        )
 
     def _forget_sources(self) -> None:
         """Let go of the sources and buffers once copied: the caller may keep this object
@@ -499,10 +593,14 @@ class StagingCopy:
             self.copies, self.versions, self._cuda, self._cpu = [], [], [], []
 
     def finish(self) -> None:
-        """For the writer: block until every copy is in host memory; raise a mutation found."""
-        self.done.wait()
+        """For the writer: block until every copy is in host memory; raise a mutation found.
+
+        Raises:
+            WaitTimeoutError: the copies had not ended after ``STAGING_TIMEOUT_S``.
+            TensorMutatedError: a source was changed before its copy had finished.
+        """
+        self._wait_copied("the writer")
         if self._event is not None:
-            self._event.synchronize()
             with self._lock:
                 # Changes queued without waiting may have run before the copies.
                 self._cuda_sources_unchanged()

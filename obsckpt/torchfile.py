@@ -61,10 +61,11 @@ _WRITERS = 4
 _CRC_THREADS = 2
 _CRC32_POLY = 0xEDB88320
 ALIGN = 4096
-# The longest the writer waits for its helper threads (a write to the
-# filesystem that hangs): generous, as a write of a large shard to a slow
-# network filesystem takes minutes; tests make it small.
-WAIT_TIMEOUT_S = 1800.0
+# The longest the writer waits on its helper threads without any of them
+# finishing a piece (16 MiB at most): past it a write to the filesystem is taken
+# to hang and the save fails. Generous, for a stalled network filesystem that
+# recovers; a large file on a slow disk makes progress all along. Tests make it small.
+WAIT_TIMEOUT_S = 600.0
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,9 @@ class _PipelinedSink:
         self._fill = 0
         self._error: BaseException | None = None
         self._stopped = False  # the helpers were told to stop
+        # When a piece was last handed to the helpers or finished by them: a wait
+        # fails once WAIT_TIMEOUT_S pass after it.
+        self._progress = time.monotonic()
         self._closed = False
         name = os.path.basename(path)
         workers = [(self._checksum, "crc")] * _CRC_THREADS + [(self._write, "writer")] * _WRITERS
@@ -240,23 +244,33 @@ class _PipelinedSink:
             chunk = mmap.mmap(-1, _IO_CHUNK)  # page-aligned, as O_DIRECT requires
             self._chunks.append(chunk)
             return chunk
-        try:
-            chunk = self._free.get(timeout=WAIT_TIMEOUT_S)
-        except queue.Empty:
-            raise self._timeout("a chunk to be written and freed") from None
+        while True:
+            try:
+                chunk = self._free.get(timeout=self._patience("a chunk to be written and freed"))
+                break
+            except queue.Empty:
+                pass
         self._raise_if_failed()
         return chunk
 
+    def _patience(self, what: str) -> float:
+        """Seconds a wait for ``what`` may still last: until WAIT_TIMEOUT_S pass with no
+        piece handed over or finished. Raises WaitTimeoutError once they have."""
+        left = self._progress + WAIT_TIMEOUT_S - time.monotonic()
+        if left <= 0:
+            raise self._timeout(what)
+        return left
+
     def _timeout(self, what: str) -> WaitTimeoutError:
-        """The error of a wait for the helpers that outlived WAIT_TIMEOUT_S; the helpers skip
-        what is left (the save is abandoned)."""
+        """The error of a wait for the helpers during which none finished a piece for
+        WAIT_TIMEOUT_S; the helpers skip what is left (the save is abandoned)."""
         with self._lock:
             pending = len(self._users)
         error = WaitTimeoutError(
-            f"writing {self.path}: waited {WAIT_TIMEOUT_S:g} s for {what}, in vain "
-            f"({pending} pieces not yet written and checksummed of the {self.size} bytes "
-            "handed to the writer threads): a write to the filesystem hangs. The save is "
-            "abandoned; check the storage's health"
+            f"writing {self.path}: waited for {what}, and no write finished in "
+            f"{WAIT_TIMEOUT_S:g} s ({pending} pieces still to write or checksum, of the "
+            f"{self.size} bytes handed to the writer threads): a write to the filesystem "
+            "hangs. The save is abandoned; check the storage's health"
         )
         self._error = self._error or error
         return error
@@ -281,6 +295,7 @@ class _PipelinedSink:
         if offset + padded > self._reserved:
             # _reserved is finite here: nothing exceeds math.inf.
             self.reserve(max(offset + padded, int(self._reserved) + _RESERVE_STEP))
+        self._progress = time.monotonic()
         self._to_crc.put((self._seq, buf, nbytes, token))
         self._seq += 1
         self._to_disk.put((buf, padded, offset, token))
@@ -293,6 +308,7 @@ class _PipelinedSink:
         self._chunk, self._fill = None, 0
 
     def _release(self, token: Any) -> None:
+        self._progress = time.monotonic()
         with self._lock:
             self._users[id(token)] -= 1
             done = self._users[id(token)] == 0
@@ -344,8 +360,9 @@ class _PipelinedSink:
         self.size += len(view)
         self.direct_bytes += len(view)
         if wait:
-            if not done.wait(WAIT_TIMEOUT_S):
-                raise self._timeout(f"a direct write of {len(view)} bytes")
+            what = f"a direct write of {len(view)} bytes"
+            while not done.wait(self._patience(what)):
+                pass
             self._raise_if_failed()
 
     def _copy(self, view: memoryview) -> None:
@@ -426,17 +443,21 @@ class _PipelinedSink:
         self.close()
 
     def _stop(self) -> bool:
-        """Tell the helpers to stop and join them, for WAIT_TIMEOUT_S at most; False if one
-        is still busy (a write that hangs). A second call does not wait again."""
+        """Tell the helpers to stop and join them; False if one is still busy once
+        WAIT_TIMEOUT_S passed with no piece finished (a write that hangs). A second
+        call does not wait again."""
         if not self._stopped:
             self._stopped = True
+            self._progress = time.monotonic()
             for _ in range(_CRC_THREADS):
                 self._to_crc.put(None)
             for _ in range(_WRITERS):
                 self._to_disk.put(None)
-            deadline = time.monotonic() + WAIT_TIMEOUT_S
-            for t in self._threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+            while alive := [t for t in self._threads if t.is_alive()]:
+                left = self._progress + WAIT_TIMEOUT_S - time.monotonic()
+                if left <= 0:
+                    return False
+                alive[0].join(left)
         return not any(t.is_alive() for t in self._threads)
 
     def close(self, *, quiet: bool = False) -> None:
@@ -462,6 +483,8 @@ class _PipelinedSink:
             )
 
     def _close_after_helpers(self) -> None:
+        # Without a bound: this thread blocks nothing, and the descriptor may only be
+        # closed once the kernel has returned the hung write.
         for t in self._threads:
             t.join()
         with contextlib.suppress(OSError):
@@ -538,7 +561,7 @@ def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
     with plain ``torch.load``.
 
     Raises:
-        WaitTimeoutError: a write to the filesystem hung for ``WAIT_TIMEOUT_S``.
+        WaitTimeoutError: no write to the filesystem finished for ``WAIT_TIMEOUT_S``.
         OSError: the write failed (its errno kept); the temp file is removed.
     """
     path = os.fspath(path)

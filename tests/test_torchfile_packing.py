@@ -1,0 +1,237 @@
+"""Small storages are packed; strides, dtypes and shared storages come back as torch.save keeps them.
+
+The writer gives each record a 4 KiB boundary so large tensors can be written
+with O_DIRECT; storages under ``PACK_MAX`` are instead copied into one packed
+storage per dtype and load back as views into it. Staging keeps strides and
+shared storages too, so a staged snapshot is written as the state itself
+would be.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+import obsckpt.tree
+from obsckpt.reader import file_crc32
+from obsckpt.staging import StagingBuffers, StagingCopy
+from obsckpt.torchfile import ALIGN, write_torch_file
+
+MiB = 1 << 20
+
+
+def _mixed_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    big = torch.randn(1024, 1024, generator=g)
+    return {
+        "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(17, dtype=torch.int64),
+        "scalar": torch.tensor(0.25),
+        "empty": torch.empty(0, 3),
+        "empty_t": torch.empty(3, 0).t(),
+        "transposed": torch.randn(4, 9, generator=g).t(),
+        "sliced": torch.randn(10, 10, generator=g)[2:7, ::3],
+        "views": [base[1:3], base[:, 5], base.t()],  # three views of one storage
+        "tied": (base, base),
+        "big": big,
+        "big_t": big.t(),  # a large storage seen through two views
+        "large_bf16": torch.randn(3, MiB, generator=g).to(torch.bfloat16),
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "meta": {"lr": 0.1, "name": "adam"},
+    }
+
+
+def _leaves(obj, key=""):
+    if isinstance(obj, torch.Tensor):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{key}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{key}.{i}")
+
+
+def _assert_same_tensors(loaded, expected) -> None:
+    got, want = dict(_leaves(loaded)), dict(_leaves(expected))
+    assert got.keys() == want.keys()
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype, key
+        assert got[key].shape == t.shape, key
+        assert got[key].stride() == t.stride(), key
+        assert torch.equal(got[key], t), key
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _records(path) -> dict[str, tuple[int, int]]:
+    """Each tensor record of a torch.save zip: name -> (offset of its bytes, size)."""
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            if "/data/" not in info.filename:
+                continue
+            f.seek(info.header_offset + 26)
+            name_len = int.from_bytes(f.read(2), "little")
+            extra_len = int.from_bytes(f.read(2), "little")
+            offset = info.header_offset + 30 + name_len + extra_len
+            out[info.filename.split("/data/")[1]] = (offset, info.file_size)
+    return out
+
+
+def _optimizer_state(params: int) -> dict:
+    """An Adam-like state: per parameter a scalar int64 step and two small moments."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "state": {
+            i: {
+                "step": torch.tensor(i, dtype=torch.int64),
+                "exp_avg": torch.randn(24, generator=g),
+                "exp_avg_sq": torch.rand(24, generator=g),
+            }
+            for i in range(params)
+        },
+        "param_groups": [{"lr": 1e-3, "params": list(range(params))}],
+    }
+
+
+class TestPackedFile:
+    """A file with small storages packed loads with plain torch.load, equal in every respect."""
+
+    def test_mixed_state_loads_back_equal_with_strides_and_sharing(self, tmp_path):
+        state = _mixed_state()
+        path = tmp_path / "mixed.pt"
+        rec = write_torch_file(state, path)
+        assert file_crc32(path) == (rec.size, rec.crc32)
+        for mmap in (False, True):
+            loaded = torch.load(path, weights_only=True, mmap=mmap)
+            _assert_same_tensors(loaded, state)
+            views = loaded["views"]
+            # Views of one storage share one again, at the same distances apart.
+            assert len({_storage(v) for v in views}) == 1
+            assert {_storage(t) for t in loaded["tied"]} == {_storage(views[0])}
+            assert views[0].storage_offset() - views[2].storage_offset() == 8
+            assert _storage(loaded["big"]) == _storage(loaded["big_t"])
+            assert type(loaded["param"]) is torch.nn.Parameter
+            assert loaded["meta"] == {"lr": 0.1, "name": "adam"}
+        loaded["views"][2][1, 1] = 123.0  # base[1, 1] seen through the other views too
+        assert loaded["views"][0][0, 1] == 123.0 and loaded["tied"][0][1, 1] == 123.0
+
+    def test_one_record_per_dtype_of_small_storages_and_large_ones_page_aligned(self, tmp_path):
+        state = _mixed_state()
+        path = tmp_path / "mixed.pt"
+        write_torch_file(state, path)
+        reference = tmp_path / "reference.pt"
+        torch.save(state, reference)
+        records = _records(path)
+        # float32, bfloat16 and int64 packs (one holding every small float32 storage,
+        # the 0-byte ones included), and the two large storages.
+        assert len(records) == 5, records
+        assert len(_records(reference)) == 11
+        large = {t.untyped_storage().nbytes() for t in (state["big"], state["large_bf16"])}
+        assert {size for _, size in records.values()} >= large
+        for offset, size in records.values():
+            if size in large:
+                assert offset % ALIGN == 0
+
+    def test_many_small_tensors_cost_no_more_than_torch_save(self, tmp_path, monkeypatch):
+        state = _optimizer_state(1400)  # 4,200 tensors
+        reference = tmp_path / "reference.pt"
+        torch.save(state, reference)
+        rec = write_torch_file(state, tmp_path / "packed.pt")
+        assert rec.size <= 1.2 * reference.stat().st_size
+        _assert_same_tensors(torch.load(tmp_path / "packed.pt", weights_only=True), state)
+        # Without packing each one costs a page of alignment: the check above can fail.
+        monkeypatch.setattr(obsckpt.tree, "PACK_MAX", 0)
+        unpacked = write_torch_file(state, tmp_path / "unpacked.pt")
+        assert unpacked.size > 5 * reference.stat().st_size
+
+    def test_storage_seen_as_two_dtypes_is_refused_as_torch_save_refuses_it(self, tmp_path):
+        t = torch.zeros(4)
+        state = {"f": t, "i": t.view(torch.int32)}
+        with pytest.raises(RuntimeError, match="view the same data as different types"):
+            torch.save(state, tmp_path / "reference.pt")
+        with pytest.raises(RuntimeError, match="view the same data as different types"):
+            write_torch_file(state, tmp_path / "packed.pt")
+        assert os.listdir(tmp_path) == ["reference.pt"]  # the temp file was removed
+
+    @pytest.mark.filterwarnings("ignore::UserWarning")  # TypedStorage is deprecated
+    def test_storage_also_pickled_on_its_own_keeps_its_record(self, tmp_path):
+        """A storage referenced other than through plain tensors is left to torch.save."""
+        t = torch.arange(6, dtype=torch.float32)
+        state = {"tensor": t[1:4], "storage": t.storage(), "other": torch.ones(3)}
+        path = tmp_path / "m.pt"
+        write_torch_file(state, path)
+        assert len(_records(path)) == 2  # t's storage on its own, the pack holding "other"
+        loaded = torch.load(path, weights_only=False)
+        assert torch.equal(loaded["tensor"], t[1:4]) and torch.equal(loaded["other"], torch.ones(3))
+        assert _storage(loaded["tensor"]) == loaded["storage"].data_ptr()
+
+
+class TestStagedSnapshot:
+    """Staging keeps each tensor's strides and the storages its tensors share."""
+
+    @pytest.mark.parametrize("overlap", [False, True])
+    def test_snapshot_keeps_strides_and_shared_storages(self, tmp_path, overlap):
+        state = _mixed_state()
+        staging = StagingBuffers(pin_memory=False)
+        if overlap:
+            snapshot, copies = staging.plan(state)
+            copier = StagingCopy(staging, copies)
+            copier.start()
+            copier.finish()
+        else:
+            snapshot = staging.stage(state)
+        _assert_same_tensors(snapshot, state)
+        views = snapshot["views"]
+        assert len({_storage(v) for v in views}) == 1
+        assert _storage(snapshot["big"]) == _storage(snapshot["big_t"])
+        assert snapshot["big"].data_ptr() % ALIGN == 0
+        path = tmp_path / "staged.pt"
+        rec = write_torch_file(snapshot, path)
+        assert file_crc32(path) == (rec.size, rec.crc32)
+        loaded = torch.load(path, weights_only=True)
+        _assert_same_tensors(loaded, state)
+        assert len({_storage(v) for v in loaded["views"]}) == 1
+        reference = tmp_path / "reference.pt"
+        torch.save(state, reference)
+        assert rec.size <= reference.stat().st_size + 64 * 1024
+
+    def test_only_the_covered_part_of_a_storage_is_staged(self):
+        whole = torch.randn(4 * MiB)
+        staging = StagingBuffers(pin_memory=False)
+        snapshot = staging.stage({"head": whole[:10], "strided": whole[100:200:10]})
+        assert staging.bytes_allocated == ALIGN  # 200 floats, not 16 MiB
+        assert torch.equal(snapshot["head"], whole[:10])
+        assert torch.equal(snapshot["strided"], whole[100:200:10])
+        assert snapshot["strided"].stride() == (10,)
+
+    def test_buffers_are_reused_until_the_sharing_changes(self):
+        staging = StagingBuffers(pin_memory=False)
+        base = torch.randn(8, 8)
+        first = staging.stage({"a": base, "b": base.t()})
+        base2 = torch.randn(8, 8)
+        second = staging.stage({"a": base2, "b": base2.t()})
+        assert staging.allocations == 1 and second["a"].data_ptr() == first["a"].data_ptr()
+        assert torch.equal(second["b"], base2.t())
+        third = staging.stage({"a": torch.randn(8, 8), "b": torch.randn(8, 8).t()})
+        assert staging.allocations == 2
+        assert _storage(third["a"]) != _storage(third["b"])
+
+    def test_a_change_through_another_view_fails_the_overlapped_save(self):
+        from obsckpt.errors import TensorMutatedError
+
+        base = torch.randn(64, 64)
+        staging = StagingBuffers(pin_memory=False)
+        snapshot, copies = staging.plan({"rows": base[:32], "cols": base[:, :32]})
+        copier = StagingCopy(staging, copies)
+        base[40].add_(1)  # before the copy runs: the state is no longer the call's
+        copier.start(lambda run: run())
+        with pytest.raises(TensorMutatedError):
+            copier.finish()
