@@ -1,0 +1,180 @@
+"""Every wait on the save path has a bound, and cleanup never hides the error that failed a save.
+
+The bounds are module constants (minutes in production); here they are made
+small, and a real writer or copy thread is held on an Event so the wait
+outlives its bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import obsckpt.staging as staging_mod
+import obsckpt.torchfile as torchfile
+from obsckpt.errors import ObsckptError, WaitTimeoutError
+from obsckpt.staging import StagingBuffers, StagingCopy
+from obsckpt.torchfile import write_torch_file
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """The sink's writes block until the returned Event is set (a hung filesystem)."""
+    gate = threading.Event()
+    pwrite = torchfile._PipelinedSink._pwrite
+
+    def held(self, buf, n, offset):
+        gate.wait(30)
+        pwrite(self, buf, n, offset)
+
+    monkeypatch.setattr(torchfile._PipelinedSink, "_pwrite", held)
+    monkeypatch.setattr(torchfile, "WAIT_TIMEOUT_S", 0.3)
+    yield gate
+    gate.set()
+
+
+class TestWriterWaits:
+    """A write that hangs fails the save with WaitTimeoutError after the bound, and the
+    file's descriptor is closed once the write returns."""
+
+    def test_join_of_a_hung_writer_thread_is_bounded(self, tmp_path, held_writes):
+        fds = _open_fds()
+        path = tmp_path / "model.pt"
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeoutError, match=r"no write finished in 0\.3 s") as info:
+            write_torch_file({"w": torch.randn(100)}, path)
+        assert time.monotonic() - t0 < 10
+        assert isinstance(info.value, (ObsckptError, TimeoutError))
+        assert str(tmp_path) in str(info.value) and "helper threads" in str(info.value)
+        assert os.listdir(tmp_path) == []  # the temp file is gone, nothing renamed
+        held_writes.set()
+        deadline = time.monotonic() + 10
+        while _open_fds() > fds and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _open_fds() == fds
+
+    def test_wait_for_a_free_chunk_is_bounded(self, tmp_path, held_writes, monkeypatch):
+        monkeypatch.setattr(torchfile, "_IO_CHUNK", 64 << 10)
+        monkeypatch.setattr(torchfile, "_IO_CHUNKS", 1)
+        # Above the packing threshold and below the direct-write size: copied through chunks.
+        state = {f"t{i}": torch.randn(100_000 // 4) for i in range(4)}
+        with pytest.raises(WaitTimeoutError, match="a chunk to be written and freed"):
+            write_torch_file(state, tmp_path / "model.pt")
+
+    def test_a_slow_write_that_progresses_is_not_a_hang(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(torchfile, "WAIT_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(torchfile, "_IO_CHUNK", 64 << 10)
+        monkeypatch.setattr(torchfile, "_IO_CHUNKS", 1)
+        pwrite = torchfile._PipelinedSink._pwrite
+
+        def slow(self, buf, n, offset):
+            time.sleep(0.05)  # 20+ pieces: 1 s and more in all, 0.05 s apart
+            pwrite(self, buf, n, offset)
+
+        monkeypatch.setattr(torchfile._PipelinedSink, "_pwrite", slow)
+        state = {f"t{i}": torch.randn(100_000 // 4) for i in range(12)}
+        write_torch_file(state, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+class TestStagingWaits:
+    """The writer's and the next save's waits for an overlapped copy are bounded."""
+
+    @staticmethod
+    def _held_copy(gate: threading.Event) -> tuple[StagingBuffers, StagingCopy, threading.Thread]:
+        staging = StagingBuffers(pin_memory=False)
+        _, copies = staging.plan({"w": torch.randn(1000), "b": torch.randn(10)})
+        copier = StagingCopy(staging, copies)
+        thread = threading.Thread(target=lambda: (gate.wait(30), copier.run()))
+        copier.start(lambda run: thread.start())
+        return staging, copier, thread
+
+    def test_finish_is_bounded(self, monkeypatch):
+        monkeypatch.setattr(staging_mod, "STAGING_TIMEOUT_S", 0.2)
+        gate = threading.Event()
+        _, copier, thread = self._held_copy(gate)
+        with pytest.raises(WaitTimeoutError, match=r"the writer waited 0\.2 s .* 2 storages"):
+            copier.finish()
+        gate.set()
+        thread.join(10)
+        copier.finish()  # the copy ended: the wait returns
+
+    def test_settle_before_the_buffers_are_reused_is_bounded(self, monkeypatch):
+        monkeypatch.setattr(staging_mod, "STAGING_TIMEOUT_S", 0.2)
+        gate = threading.Event()
+        staging, copier, thread = self._held_copy(gate)
+        with pytest.raises(WaitTimeoutError, match="the next use of its staging buffers"):
+            copier.settle()
+        # The next snapshot into the same buffers waits for that copy too, and gives up.
+        with pytest.raises(WaitTimeoutError, match="copy thread had not finished"):
+            staging.stage({"w": torch.randn(1000), "b": torch.randn(10)})
+        gate.set()
+        thread.join(10)
+        snapshot = staging.stage({"w": torch.ones(1000), "b": torch.ones(10)})
+        assert torch.equal(snapshot["w"], torch.ones(1000))
+
+    def test_a_copy_never_started_is_reported_as_such(self, monkeypatch):
+        monkeypatch.setattr(staging_mod, "STAGING_TIMEOUT_S", 0.1)
+        staging = StagingBuffers(pin_memory=False)
+        _, copies = staging.plan({"w": torch.randn(10)})
+        with pytest.raises(WaitTimeoutError, match=r"had not finished \(or started\)"):
+            StagingCopy(staging, copies).finish()
+
+
+class TestCleanupKeepsTheError:
+    """A failed write whose temp file cannot be removed raises the write's error; the
+    removal's failure is logged once."""
+
+    @pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS, errno.EIO])
+    def test_unlink_failure_does_not_mask_the_write_error(
+        self, tmp_path, monkeypatch, caplog, code
+    ):
+        unlink = os.unlink
+        refused = []
+
+        def failing_unlink(path, *args, **kwargs):
+            if ".tmp." in os.fspath(path):
+                refused.append(os.fspath(path))
+                raise OSError(code, os.strerror(code), os.fspath(path))
+            return unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", failing_unlink)
+        state = {"w": torch.randn(10), "not_picklable": lambda: None}
+        with caplog.at_level(logging.WARNING, logger="obsckpt.torchfile"):
+            with pytest.raises(Exception) as info:  # noqa: PT011 - the type is pickle's
+                write_torch_file(state, tmp_path / "model.pt")
+        assert not isinstance(info.value, OSError), info.value
+        assert "lambda" in str(info.value)
+        [record] = [r for r in caplog.records if r.name == "obsckpt.torchfile"]
+        assert refused[0] in record.getMessage() and os.strerror(code) in record.getMessage()
+        assert len(refused) == 1
+
+    def test_write_error_keeps_its_errno_when_cleanup_fails(self, tmp_path, monkeypatch, caplog):
+        def full(self, buf, n, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(torchfile._PipelinedSink, "_pwrite", full)
+        unlink = os.unlink
+
+        def failing_unlink(path, *args, **kwargs):
+            if ".tmp." in os.fspath(path):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", failing_unlink)
+        with caplog.at_level(logging.WARNING, logger="obsckpt.torchfile"):
+            with pytest.raises(OSError) as info:
+                write_torch_file({"w": torch.randn(10)}, tmp_path / "model.pt")
+        assert info.value.errno == errno.ENOSPC
+        assert sum("could not remove the temp file" in r.getMessage() for r in caplog.records) == 1
