@@ -15,6 +15,11 @@ against the second save of the same slot right after (``first_save_vs_warm``),
 and the very first save of the run, which allocated its staging on the
 caller's path (in the details as ``cold_first_save_s``, and against the warm
 stall above as ``cold_first_save_vs_warm``).
+
+Last, ``small_tensor_bytes_vs_torch_save``: the file obsckpt's writer makes of
+an optimizer state of ~4,000 small tensors (one scalar ``step`` per
+parameter), against ``torch.save``'s of the same state (one write each; sizes
+do not vary between runs).
 """
 
 from __future__ import annotations
@@ -115,6 +120,65 @@ def sync_save(state: dict[str, torch.Tensor], path: str) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def optimizer_state(params: int, numel: int = 32) -> dict[str, Any]:
+    """An Adam-like optimizer state: per parameter a scalar int64 ``step`` and two small moments."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "state": {
+            i: {
+                "step": torch.tensor(1000, dtype=torch.int64),
+                "exp_avg": torch.randn(numel, generator=g),
+                "exp_avg_sq": torch.rand(numel, generator=g),
+            }
+            for i in range(params)
+        },
+        "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(range(params))}],
+    }
+
+
+def small_tensor_bytes(bench_dir: str, params: int = 1334) -> Result:
+    """File bytes of obsckpt's writer ÷ ``torch.save``'s for ``3 × params`` small tensors."""
+    from obsckpt.torchfile import write_torch_file
+    from obsckpt.tree import PACK_MAX
+
+    state = optimizer_state(params)
+    ours = os.path.join(bench_dir, "small-tensors-obsckpt.pt")
+    theirs = os.path.join(bench_dir, "small-tensors-torch-save.pt")
+    t0 = time.perf_counter()
+    record = write_torch_file(state, ours)
+    t1 = time.perf_counter()
+    sync_s = sync_save(state, theirs)
+    reference = os.path.getsize(theirs)
+    loaded = torch.load(ours, weights_only=True)
+    loaded_ok = all(
+        torch.equal(loaded["state"][i][k], v) and loaded["state"][i][k].dtype == v.dtype
+        for i in range(0, params, max(1, params // 16))
+        for k, v in state["state"][i].items()
+    )
+    del loaded
+    os.unlink(ours)
+    os.unlink(theirs)
+    if not loaded_ok:
+        raise RuntimeError(f"{ours} did not load back equal to the state that was saved")
+    return Result(
+        "small_tensor_bytes_vs_torch_save",
+        record.size / reference,
+        "<=",
+        1.2,
+        unit="x",
+        limit="torch.save's own bytes: the tensors' bytes, the pickle and a zip record per storage",
+        details={
+            "tensors": 3 * params,
+            "obsckpt_file_bytes": record.size,
+            "torch_save_file_bytes": reference,
+            "pack_max_bytes": PACK_MAX,
+            "obsckpt_write_s": round(t1 - t0, 6),
+            "torch_save_fsync_s": round(sync_s, 6),
+            "torch_load_ok": loaded_ok,
+        },
+    )
 
 
 def _prepared_first_saves(coord, state, root: str, sizes: Sizes, log) -> tuple[list, list, list]:
@@ -341,4 +405,6 @@ def run_save_benchmarks(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list
         )
     if not loaded_ok:
         raise RuntimeError(f"{last} did not load back equal to the state that was saved")
+    results.append(small_tensor_bytes(bench_dir))
+    log(f"  small tensors: file {results[-1].value:.3f} x torch.save's")
     return results
