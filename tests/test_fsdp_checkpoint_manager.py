@@ -17,6 +17,7 @@ import ray
 import torch
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
 from obsckpt.sync.group import free_port
 
 
@@ -166,6 +167,57 @@ def test_save_resume_and_retention(namespace, tmp_path):
         (other / f"model_world_size_4_rank_{rank}.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"saved by 4 ranks .* this job runs 2 ranks"):
         both("load", str(root), 9)
+
+    # Step 4 was saved but never committed: nothing of it is loaded.
+    with pytest.raises(UnverifiedCheckpointError, match="step 4 in .* is not committed|never"):
+        both("load", str(root), 4)
+
+    # One flipped byte in a committed model shard: refused, not trained on.
+    sdir = root / "global_step_3"
+    shard = sdir / "actor" / "model_world_size_2_rank_1.pt"
+    good = shard.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x01
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(
+        UnverifiedCheckpointError, match=r"model_world_size_2_rank_1.pt is corrupted"
+    ):
+        both("load", str(root), 3)
+    shard.write_bytes(good)
+
+    # Someone who can write the step replaces a file with a pickle that runs code, and
+    # rewrites the manifest to match: the load refuses it, and its code never runs.
+    marker = tmp_path / "code-ran"
+    extra = sdir / "actor" / "extra_state_world_size_2_rank_0.pt"
+    torch.save({"rng": RunsCode(str(marker)), "lr_scheduler": None}, extra)
+    rewrite_manifest(sdir)
+    with pytest.raises(UnsafeCheckpointError, match="extra_state_world_size_2_rank_0.pt refers"):
+        both("load", str(root), 3)
+    assert not marker.exists()
+
+
+class RunsCode:
+    """Unpickling this runs code: it creates the file named in its argument."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def rewrite_manifest(sdir) -> None:
+    """The manifest of ``sdir`` rewritten to match whatever its files hold now."""
+    from obsckpt import commit as disk
+    from obsckpt import layout, reader
+
+    records = [
+        reader.record_file(os.path.join(d, n), sdir)
+        for d, names in reader.walk_files(str(sdir))
+        for n in names
+        if n != layout.MANIFEST_NAME
+    ]
+    disk.atomic_write(sdir / layout.MANIFEST_NAME, layout.manifest_bytes(records))
 
 
 class TestCommittedFilesStay:

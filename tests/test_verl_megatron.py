@@ -20,6 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer, layout
+from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import (
     megatron_save_state_dict,
     megatron_sync_weight_nccl,
@@ -364,8 +365,15 @@ class TestMegatronCheckpointManager:
         with torch.no_grad():
             for p in engine.module.parameters():
                 p.add_(1)
-        manager.load_checkpoint(str(layout.model_dir(root, 3)))
+        # Step 3 was never committed: nothing of it is loaded.
+        with pytest.raises(UnverifiedCheckpointError, match="step 3 was never committed"):
+            manager.load_checkpoint(str(layout.model_dir(root, 3)))
+        manager.load_checkpoint(str(layout.model_dir(root, 2)))
         assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+        # A file put into the committed step afterwards is refused by name.
+        (layout.model_dir(root, 2) / "extra.pt").write_bytes(b"x")
+        with pytest.raises(UnverifiedCheckpointError, match="extra.pt is not listed"):
+            manager.load_checkpoint(str(layout.model_dir(root, 2)))
 
     def test_unreadable_iteration_file_skips_retention_not_the_save(self, monitor, tmp_path):
         """Retention cannot tell which step is committed: it deletes nothing, and the save

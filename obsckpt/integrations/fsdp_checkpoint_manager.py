@@ -45,7 +45,7 @@ from verl.utils.checkpoint.fsdp_checkpoint_manager import (
     FSDPCheckpointManager as VerlFSDPCheckpointManager,
 )
 
-from obsckpt import commit, layout, reader
+from obsckpt import commit, layout, loading, reader
 from obsckpt.coordinator import CheckpointCoordinator
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
@@ -277,16 +277,24 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         hdfs_path: str | None = None,
         del_local_after_load: bool = False,
     ) -> None:
-        """Wait for this rank's saves in flight, then load as verl does.
+        """Wait for this rank's saves in flight, then load as verl does, verified.
+
+        Each file verl's loader reads goes through :mod:`obsckpt.loading`: it
+        must belong to a committed step, be listed in its manifest and match its
+        size and CRC32, and is loaded with ``weights_only=True`` (verl asks for
+        ``weights_only=False``, which would run code from the file).
 
         Raises:
             FileNotFoundError: ``local_path`` was saved by a different number of
                 ranks (the message names both and what to do), or lacks a file.
+            UnverifiedCheckpointError: the step is not committed, or a file is not
+                listed in its manifest or does not match it.
+            UnsafeCheckpointError: a file names a global loading could run code from.
         """
         self.coordinator.wait_all()
         if local_path is None:  # verl loads nothing then
             return
-        if "://" not in local_path:  # verl copies remote ones
+        if "://" not in local_path:  # only lists names; the load below verifies the files
             check_world_size(
                 local_path,
                 self.world_size,
@@ -301,7 +309,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                     if wanted
                 ],
             )
-        super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        with loading.verified_torch_load(local_path):
+            super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
     def wait_on_save_thread(self, timeout: float | None = None) -> None:
         """Wait for every background save of this rank; raises the first failure."""

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from obsckpt import loading
 from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
@@ -346,9 +347,24 @@ class MegatronCheckpointManager:
         return {"state_dict": 0, "checkpoint": int(written)}
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:
-        """Wait for this rank's saves in flight, then load as verl does."""
+        """Wait for this rank's saves in flight, verify the step, then load as verl does.
+
+        Megatron's distributed checkpoint is read by Megatron itself, so every
+        file under ``local_path`` is first checked against the committed step's
+        manifest (listed, same size and CRC32; a listed file missing fails too),
+        and the ``torch.load`` calls verl makes are sent through
+        :mod:`obsckpt.loading` (``weights_only=True``). Megatron reads its
+        distributed checkpoint's ``.metadata`` with ``pickle`` itself: obsckpt
+        checks those bytes against the manifest but cannot restrict what they load.
+
+        Raises:
+            UnverifiedCheckpointError: the step is not committed, or a file is not
+                listed in its manifest or does not match it.
+        """
         self.coordinator.wait_all()
-        return self.base.load_checkpoint(local_path, *args, **kwargs)
+        with loading.verified_torch_load(local_path) as step:
+            step.verify_all(local_path)
+            return self.base.load_checkpoint(local_path, *args, **kwargs)
 
     def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
         """Delete step directories beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
