@@ -105,6 +105,22 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     no_commit_due = due((commit_at + int(t.no_commit_seconds)) // 60 + 1, t.no_commit_for)
     lag_due = due(11, t.weight_sync_for)
 
+    # ObsckptCommitPhaseStuck: a commit enters fsync_files at t=60 s and its fsync hangs.
+    stuck_min = math.ceil(t.commit_phase_stuck_seconds / 60)
+    stuck_fire = stuck_min + 2 + math.ceil(duration_seconds(t.commit_phase_stuck_for) / 60) + 1
+    stuck_len = stuck_fire + 5
+    stuck_due = due((start + int(t.commit_phase_stuck_seconds)) // 60 + 1, t.commit_phase_stuck_for)
+    phase_gauge = "obsckpt_commit_phase_started_timestamp_seconds"
+    hung = {"job": JOB, "instance": INSTANCE, "phase": "fsync_files"}
+
+    def phase_labels(phase: str) -> str:
+        return f'{_TARGET},phase="{phase}"'
+
+    def stuck(minute: int) -> dict:
+        """The stuck alert firing for the hung fsync_files phase at ``minute``."""
+        alert = "ObsckptCommitPhaseStuck"
+        return _check(minute, alert, _expected(alert, rules, hung, minute * 60 - start))
+
     def lagging(instance: str) -> dict:
         """The lag alert firing for the monitor at ``instance``, ``behind`` versions behind."""
         alert = "ObsckptWeightSyncLagging"
@@ -479,6 +495,39 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                 _series("obsckpt_model_version", f'{_TARGET},role="rollout"', f"0x{lag_fire + 5}"),
             ],
             "alert_rule_test": [_check(lag_fire, "ObsckptWeightSyncLagging")],
+        },
+        {
+            "name": "commit phase stuck: an fsync that hangs fires while it hangs",
+            "interval": "1m",
+            "input_series": [
+                _series(phase_gauge, phase_labels("scan"), f"0x{stuck_len}"),
+                _series(phase_gauge, phase_labels("fsync_files"), f"0 {start}x{stuck_len}"),
+                _series(phase_gauge, phase_labels("rename_iteration"), f"0x{stuck_len}"),
+            ],
+            "alert_rule_test": [_check(stuck_min, "ObsckptCommitPhaseStuck"), stuck(stuck_fire)],
+        },
+        {
+            "name": "commit phase stuck: a failed scrape does not reset the for timer",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    phase_gauge,
+                    phase_labels("fsync_files"),
+                    f"{start}x{stuck_due - 1} stale {start}x5",
+                ),
+            ],
+            "alert_rule_test": [_check(stuck_due - 1, "ObsckptCommitPhaseStuck"), stuck(stuck_due)],
+        },
+        {
+            "name": "commit phase stuck: phases that end, and no commit running, stay quiet",
+            "interval": "1m",
+            "input_series": [
+                # A slow fsync round of 3 minutes, then the commit's other phases.
+                _series(phase_gauge, phase_labels("fsync_files"), f"0 {start}x3 0x{stuck_len}"),
+                _series(phase_gauge, phase_labels("manifest"), f"0x4 240 0x{stuck_len}"),
+                _series(phase_gauge, phase_labels("scan"), f"0x{stuck_len + 5}"),
+            ],
+            "alert_rule_test": [_check(stuck_fire, "ObsckptCommitPhaseStuck")],
         },
     ]
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}

@@ -39,6 +39,10 @@ class AlertThresholds:
         finished_quiet_for: how long after a monitor's clean shutdown (the end of
             a job) ObsckptMonitorDown stays quiet about the scrape job having no
             target at all.
+        commit_phase_stuck_seconds: how long one phase of a running commit (an fsync
+            round, a rename) may take before it counts as hung; below the fsync
+            timeout (obsckpt.commit.FSYNC_TIMEOUT_S), so the alert fires while it hangs.
+        commit_phase_stuck_for: how long that must persist.
         runbook_base: URL (or path) of docs/runbook.md; anchors are appended.
     """
 
@@ -53,10 +57,17 @@ class AlertThresholds:
     weight_sync_for: str = "10m"
     missed_scrape_window: str = "2m"
     finished_quiet_for: str = "7d"
+    commit_phase_stuck_seconds: float = 600.0
+    commit_phase_stuck_for: str = "1m"
     runbook_base: str = RUNBOOK_PATH
 
     def __post_init__(self) -> None:
-        for name in ("commit_stall_seconds", "no_commit_seconds", "weight_sync_max_lag"):
+        for name in (
+            "commit_stall_seconds",
+            "no_commit_seconds",
+            "weight_sync_max_lag",
+            "commit_phase_stuck_seconds",
+        ):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -67,7 +78,13 @@ class AlertThresholds:
             if value < 0 or (value == 0 and name != "weight_sync_max_lag"):
                 limit = "not be negative" if name == "weight_sync_max_lag" else "be positive"
                 raise ValueError(f"{name} must {limit}, got {value!r}")
-        for name in ("commit_stall_for", "no_commit_for", "monitor_down_for", "weight_sync_for"):
+        for name in (
+            "commit_stall_for",
+            "no_commit_for",
+            "monitor_down_for",
+            "weight_sync_for",
+            "commit_phase_stuck_for",
+        ):
             _check_duration(name, getattr(self, name))
         # A range of 0 is a PromQL error: the whole rule file would fail to load.
         for name in ("failure_window", "missed_scrape_window", "finished_quiet_for"):
@@ -122,6 +139,7 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
     stall = _num(t.commit_stall_seconds)
     no_commit = _num(t.no_commit_seconds)
     lag = _num(t.weight_sync_max_lag)
+    stuck = _num(t.commit_phase_stuck_seconds)
     job = t.monitor_job
     window = t.missed_scrape_window
 
@@ -270,6 +288,32 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     f"(threshold {lag}). Rollouts are generated with stale weights."
                 ),
                 "runbook_url": runbook("ObsckptWeightSyncLagging"),
+            },
+        },
+        {
+            "alert": "ObsckptCommitPhaseStuck",
+            # A commit's phase start is 0 except while that phase runs: the alert sees a
+            # hung fsync while it hangs, before the fsync timeout fails the step.
+            "expr": (
+                "(time() - "
+                f"{last('obsckpt_commit_phase_started_timestamp_seconds')}) > {stuck}\n"
+                f"and {last('obsckpt_commit_phase_started_timestamp_seconds')} > 0\n"
+            ),
+            "for": t.commit_phase_stuck_for,
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": (
+                    "Checkpoint commit stuck in {{ $labels.phase }} (job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "The commit running in the monitor {{ $labels.instance }} has been in its "
+                    '{{ $labels.phase }} phase for {{ $value | printf "%.0f" }} s '
+                    f"(threshold {stuck} s): an fsync or rename on the checkpoint storage "
+                    "is not returning (a hung network filesystem?). Commits run one at a "
+                    "time, so no later step commits until it returns or its fsync times out."
+                ),
+                "runbook_url": runbook("ObsckptCommitPhaseStuck"),
             },
         },
     ]

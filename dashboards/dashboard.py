@@ -274,6 +274,44 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 height=4,
                 instant=True,
             ),
+            PanelSpec(
+                "Commit phase time",
+                "Where a commit's time goes: scan, fsync_files, manifest, rename_iteration "
+                "(failed and timed-out phases included).",
+                "s",
+                quantiles("obsckpt_commit_phase_seconds", ("phase",), "{{phase}}"),
+                width=8,
+            ),
+            PanelSpec(
+                "Commit phase in progress",
+                "How long the running commit has been in its phase, per monitor; empty while "
+                "none runs (the start timestamp is 0). ObsckptCommitPhaseStuck fires past its "
+                "threshold (a hung fsync).",
+                "s",
+                [
+                    (
+                        "time() - max by (instance, phase) "
+                        f"({m('obsckpt_commit_phase_started_timestamp_seconds')} > 0)",
+                        "{{instance}} {{phase}}",
+                    )
+                ],
+                width=8,
+            ),
+            PanelSpec(
+                "Fenced monitors and failed node queries",
+                "Monitors that no longer own their root and commit nothing (shut down, or "
+                "their lock file deleted or replaced), and failed asks of Ray for dead nodes.",
+                "none",
+                [
+                    (f"max by (instance) ({m('obsckpt_monitor_fenced')})", "fenced {{instance}}"),
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_node_queries_failed_total')}[{RATE}]))",
+                        "node queries failed {{instance}}",
+                    ),
+                ],
+                width=8,
+            ),
         ],
     ),
     (

@@ -27,6 +27,7 @@ CONTRACT_ALERTS = (
     "ObsckptSaveFailures",
     "ObsckptMonitorDown",
     "ObsckptWeightSyncLagging",
+    "ObsckptCommitPhaseStuck",
 )
 
 
