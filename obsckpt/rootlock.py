@@ -22,7 +22,9 @@ proves that the file at the path is still the one it holds (``os.stat`` of the
 path against ``fstat`` of the held descriptor) and still names its epoch. A
 monitor whose check fails is fenced for good: it commits nothing more, and the
 monitor holding the file now at the path owns the root. A released lock (a
-monitor shut down) fails the check the same way.
+monitor shut down) fails the check the same way. A lock file found deleted
+(with nothing at the path) is made and locked anew by the check: whichever
+monitor locks a file at the path first owns the root.
 """
 
 from __future__ import annotations
@@ -65,11 +67,24 @@ class RootLock:
         epoch: the token this holder wrote into the file.
         locked: whether ``fd`` holds the ``flock`` (False on a filesystem without locks:
             the epoch alone then tells this holder from a later one).
+        info: who holds it (host, pid, namespace, since), written again with the
+            epoch into a lock file made anew.
     """
 
-    def __init__(self, path: Path, fd: int | None, *, epoch: str = "", locked: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fd: int | None,
+        *,
+        epoch: str = "",
+        locked: bool = True,
+        info: dict[str, Any] | None = None,
+    ) -> None:
         self.path = path
         self.epoch = epoch
+        # Times the lock file was found deleted and locked anew by this holder.
+        self.recreated = 0
+        self._info = dict(info or {})
         self._fd = fd
         self._locked = locked and fd is not None
         self._inode = _identity(os.fstat(fd)) if fd is not None else None
@@ -92,8 +107,9 @@ class RootLock:
 
         Raises:
             RootLockLostError: the lock was released, or the lock file at the path was
-                deleted, replaced or rewritten by another holder (for good: a lost lock
-                is never found again), or the file cannot be read to tell.
+                replaced or rewritten by another holder, or deleted and locked anew by
+                another monitor (for good: a lost lock is never found again), or the file
+                cannot be read (or made again) to tell.
         """
         with self._guard:
             if self._lost is None:
@@ -122,7 +138,7 @@ class RootLock:
         try:
             now = os.lstat(self.path)
         except FileNotFoundError:
-            return f"its lock file {str(self.path)!r} was deleted", True
+            return self._retake()
         except OSError as exc:
             return f"its lock file {str(self.path)!r} cannot be checked ({exc})", False
         if _identity(now) != self._inode:
@@ -138,6 +154,44 @@ class RootLock:
                 f"monitor's {self.epoch!r} (another monitor wrote it)",
                 True,
             )
+        return None, False
+
+    def _retake(self) -> tuple[str | None, bool]:
+        """The lock file is gone: lock a new one at the path, unless another monitor has.
+
+        Whoever creates and locks the new file first owns the root: a monitor that
+        started meanwhile has made this one's check find its file (replaced, for
+        good); one that starts later is refused by the new lock.
+        """
+        gone = f"its lock file {str(self.path)!r} was deleted"
+        try:
+            fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+            )
+        except FileExistsError:
+            return f"{gone} and another monitor has created one since", True
+        except OSError as exc:
+            # The root itself may be gone for now (moved away); a later check tries again.
+            return f"{gone} and cannot be created again ({exc.strerror or exc})", False
+        try:
+            if self._locked and not _try_lock(fd):
+                os.close(fd)
+                return f"{gone} and another monitor has locked a new one since", True
+            os.pwrite(fd, json.dumps({**self._info, "epoch": self.epoch}).encode(), 0)
+        except OSError as exc:  # _NoLocks too: the filesystem changed under the root
+            os.close(fd)
+            return f"{gone} and cannot be locked again ({exc.strerror or exc})", False
+        old, self._fd = self._fd, fd
+        self._inode = _identity(os.fstat(fd))
+        if old is not None:
+            os.close(old)
+        self.recreated += 1
+        logger.warning(
+            "obsckpt: the monitor's lock file %s was deleted while it ran; it locked a new "
+            "one and still owns the root (a monitor that had started on the root meanwhile "
+            "would have fenced it off instead)",
+            self.path,
+        )
         return None, False
 
     def release(self) -> None:
@@ -293,32 +347,23 @@ def acquire(
     except BaseException:
         _close(held, fd)
         raise
-    try:
-        epoch = _write_holder(fd, namespace)
-    except BaseException:
-        _close(held, fd)
-        raise
-    if held != fd:
-        os.close(fd)  # another open file than the locked one: its flock stays
-    return RootLock(path, held, epoch=epoch, locked=locked)
-
-
-def _write_holder(fd: int, namespace: str | None) -> str:
-    """Write who holds the lock, and a new epoch, into the lock file; returns the epoch.
-
-    Who holds it is for the error a second monitor gives; the epoch is the fence.
-    """
-    epoch = uuid.uuid4().hex
+    # Who holds it is for the error a second monitor gives; the epoch is the fence.
     info = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "namespace": namespace,
         "since": time.time(),
-        "epoch": epoch,
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
-    return epoch
+    epoch = uuid.uuid4().hex
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**info, "epoch": epoch}).encode(), 0)
+    except BaseException:
+        _close(held, fd)
+        raise
+    if held != fd:
+        os.close(fd)  # another open file than the locked one: its flock stays
+    return RootLock(path, held, epoch=epoch, locked=locked, info=info)
 
 
 def _close(*fds: int) -> None:

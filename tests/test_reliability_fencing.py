@@ -23,6 +23,7 @@ from reliability_helpers import scrape, wait_for
 from obsckpt import (
     CheckpointMonitor,
     FsyncTimeoutError,
+    RootInUseError,
     RootLockLostError,
     commit,
     layout,
@@ -109,19 +110,44 @@ class TestShutdownFences:
 
 
 class TestLostLockFile:
-    """A lock file deleted or replaced under a running monitor fences it off for good;
-    the monitor holding the file now at the path is the one committer."""
+    """A lock file deleted under a running monitor is found; whichever monitor locks a file
+    at the path first owns the root, and the other commits nothing."""
 
-    def test_deleted_lock_is_reported_and_nothing_commits(self, namespace, tmp_path):
+    def test_deleted_lock_is_locked_anew_and_a_newcomer_is_refused(self, namespace, tmp_path):
+        root = tmp_path / "ckpt"
+        monitor = make_actor(namespace, root)
+        address = ray.get(monitor.metrics_address.remote())
+        commit_step(monitor, root, 1)
+        epoch = rootlock.read_holder(root)["epoch"]
+        rootlock.lock_path(root).unlink()
+
+        status = ray.get(monitor.status.remote())
+        assert status["fenced"] is None and status["lock_recreated"] == 1
+        holder = rootlock.locked_by(root)
+        assert holder is not None and holder["epoch"] == epoch
+        # The root is not free: a second job's monitor is refused, naming the first.
+        with pytest.raises(RootInUseError, match=namespace):
+            CheckpointMonitor.get_actor(
+                namespace=namespace + "-second", default_local_dir=str(root), metrics_port=None
+            )
+        commit_step(monitor, root, 2)
+        assert scrape(address).value("obsckpt_monitor_fenced") == 0
+        ray.get(monitor.shutdown.remote())
+
+    def test_lock_deleted_and_rewritten_fences_the_monitor(self, namespace, tmp_path):
+        """A lock file put back with another holder's epoch (a newcomer on a filesystem
+        without flock): the monitor reports it and the next step fails, unrenamed."""
         root = tmp_path / "ckpt"
         monitor = make_actor(namespace, root)
         address = ray.get(monitor.metrics_address.remote())
         assert scrape(address).value("obsckpt_monitor_fenced") == 0
         commit_step(monitor, root, 1)
-        rootlock.lock_path(root).unlink()
+        path = rootlock.lock_path(root)
+        path.unlink()
+        path.write_text('{"epoch": "a-newer-monitor"}')
 
         status = ray.get(monitor.status.remote())
-        assert "was deleted" in status["fenced"] and rootlock.LOCK_NAME in status["fenced"]
+        assert "replaced by another file" in status["fenced"]
         assert scrape(address).value("obsckpt_monitor_fenced") == 1
         before = inode(root / ITERATION)
         write_step(root, 2)
@@ -190,6 +216,22 @@ class TestTheFence:
         assert "someone-else" in lock.lost
         lock.release()
         assert "someone-else" in lock.lost  # the first reason stays
+
+    def test_a_deleted_file_is_locked_anew_unless_another_holder_was_first(self, tmp_path):
+        lock = rootlock.acquire(tmp_path)
+        path = rootlock.lock_path(tmp_path)
+        path.unlink()
+        lock.check()  # made and locked anew
+        assert lock.recreated == 1 and lock.lost is None
+        with pytest.raises(RootInUseError):
+            rootlock.acquire(tmp_path)
+        path.unlink()
+        newcomer = rootlock.acquire(tmp_path)  # first this time
+        with pytest.raises(RootLockLostError, match="replaced by another file"):
+            lock.check()
+        newcomer.check()
+        lock.release()
+        newcomer.release()
 
     def test_without_flock_a_later_monitor_fences_the_earlier(self, tmp_path, monkeypatch):
         # Some FUSE mounts and NFS mounted with nolock answer flock with ENOLCK.

@@ -481,6 +481,7 @@ class CheckpointMonitor(MeasurementRPCs):
             self.server,
             leftovers_removed=len(self.leftovers_removed),
             fenced=self._root_lock.lost,
+            lock_recreated=self._root_lock.recreated,
             committing=self._committer.progress.current(),
             node_queries_failed=self._dead_nodes.failures,
         )

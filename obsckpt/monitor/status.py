@@ -17,6 +17,7 @@ def status_view(
     *,
     leftovers_removed: int = 0,
     fenced: str | None = None,
+    lock_recreated: int = 0,
     committing: dict[str, Any] | None = None,
     node_queries_failed: int = 0,
 ) -> dict[str, Any]:
@@ -25,7 +26,8 @@ def status_view(
     ``leftovers_removed`` counts obsckpt's own temp files and scratch
     directories, left by writes cut short, that the monitor removed at start.
     ``fenced`` says why the monitor no longer owns its root (None while it
-    does); ``committing`` is the commit running now, with its phase and since
+    does); ``lock_recreated`` counts the times its lock file was found deleted
+    and locked anew; ``committing`` is the commit running now, with its phase and since
     when; ``node_queries_failed`` counts the times Ray could not be asked which
     nodes are dead.
 
@@ -98,6 +100,7 @@ def status_view(
         "span_export_failures": tracing.export_failures(),
         "leftovers_removed": leftovers_removed,
         "fenced": fenced,
+        "lock_recreated": lock_recreated,
         "committing": committing,
         "node_queries_failed": node_queries_failed,
     }
