@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -541,3 +543,65 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert "stopped at once: saves still in flight are left uncommitted" in err
     assert "Traceback" not in err
     assert reader.verify_step(layout.step_dir(root, committed)) == []
+
+
+class _RunsCode:
+    """Unpickling this runs code: it creates the file named in its argument."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.slow
+class TestResumeNeverRunsCodeFromDisk:
+    """--resume from a step whose file was replaced by a code-running pickle (its manifest
+    rewritten to match, as whoever can write the shard can do) fails naming the file and
+    the global; the pickle's code never runs."""
+
+    def test_crafted_pickle(self, ray_cluster, tmp_path):
+        root = tmp_path / "ckpt"
+        common = dict(
+            sync_method="checkpoint",
+            device="cpu",
+            ckpt_dir=str(root),
+            metrics_host="127.0.0.1",
+            commit_timeout=60.0,
+            progress=False,
+        )
+        first = run_demo(
+            DemoConfig(steps=2, save_every=2, **common),
+            out=io.StringIO(),
+            err=io.StringIO(),
+            handle_signals=False,
+        )
+        assert first.exit_code == 0 and first.checkpoint_steps == [2]
+        sdir = layout.step_dir(root, 2)
+        extra = sdir / "actor" / "extra_state_world_size_2_rank_0.pt"
+        marker = tmp_path / "code-ran"
+        torch.save({"rng": _RunsCode(str(marker)), "lr_scheduler": None}, extra)
+        records = [
+            reader.record_file(os.path.join(d, n), sdir)
+            for d, names in reader.walk_files(str(sdir))
+            for n in names
+            if n != layout.MANIFEST_NAME
+        ]
+        commit.atomic_write(sdir / layout.MANIFEST_NAME, layout.manifest_bytes(records))
+
+        with pytest.raises(DemoError) as info:
+            run_demo(
+                DemoConfig(steps=1, save_every=2, resume=True, **common),
+                out=io.StringIO(),
+                err=io.StringIO(),
+                handle_signals=False,
+            )
+        said = str(info.value)
+        assert re.search(
+            r"--resume: committed step 2 cannot be loaded: .*extra_state_world_size_2_rank_0\.pt "
+            r"refers to the global (io|builtins)\.open",
+            said,
+        ), said
+        assert "\n" not in said and "Traceback" not in said
+        assert not marker.exists()

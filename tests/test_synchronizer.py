@@ -65,6 +65,16 @@ def write_step(root, step: int, shards: dict[int, dict], *, committed: bool = Tr
         commit.write_iteration(root, "state_dict", step)
 
 
+class _RunsCode:
+    """Unpickling this runs code: it creates the file named in its argument."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 class TestMemorySync:
     """Versions only move forward; waiters wake on a newer version or return at their timeout."""
 
@@ -208,12 +218,36 @@ class TestCheckpointSync:
         status = ray.get(sync.status.remote())
         assert status["load_failures"] == 2 and "ranks [1]" in status["failed_steps"][5]
 
-        # A later good step is picked up; the bad ones are not retried.
+        # Committed, then its manifest deleted and a shard corrupted: the check does not
+        # switch off without a manifest, the step is refused.
         write_step(root, 6, {0: state_dict(6), 1: state_dict(6)})
-        assert ray.get(sync.poll_once.remote()) == 6
+        (layout.step_dir(root, 6) / layout.MANIFEST_NAME).unlink()
+        victim = shard_path(root, 6, 2, 0)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        assert ray.get(sync.poll_once.remote()) == 2
+        status = ray.get(sync.status.remote())
+        assert (
+            status["load_failures"] == 3
+            and "manifest.json is missing" in (status["failed_steps"][6])
+        )
+
+        # A shard replaced by a pickle that runs code, its manifest rewritten to match:
+        # refused by name, and the code never runs.
+        marker = tmp_path / "code-ran"
+        write_step(root, 7, {0: {"w": _RunsCode(str(marker))}})
+        assert ray.get(sync.poll_once.remote()) == 2
+        status = ray.get(sync.status.remote())
+        assert status["load_failures"] == 4 and "refers to the global" in status["failed_steps"][7]
+        assert not marker.exists()
+
+        # A later good step is picked up; the bad ones are not retried.
+        write_step(root, 8, {0: state_dict(8), 1: state_dict(8)})
+        assert ray.get(sync.poll_once.remote()) == 8
         got, _ = ray.get(sync.get_model_state_dict.remote())
-        assert equal(got, state_dict(6))
-        assert ray.get(sync.status.remote())["load_failures"] == 2
+        assert equal(got, state_dict(8))
+        assert ray.get(sync.status.remote())["load_failures"] == 4
 
 
 class TestShardFiles:

@@ -41,7 +41,8 @@ from obsckpt.demo.plan import plan_line, resolve_plan
 from obsckpt.demo.progress import Progress
 from obsckpt.demo.root import committed_on_disk, prepare_root
 from obsckpt.demo.signals import StartupStopped, StopSignals, stop_reason
-from obsckpt.errors import DemoError
+from obsckpt.errors import DemoError, StateDictLoadError
+from obsckpt.monitor_link import one_line
 
 __all__ = ["DemoConfig", "DemoResult", "StartupStopped", "run_demo"]
 
@@ -231,7 +232,12 @@ def _resume(
     import ray
 
     if resumed:
-        ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
+        try:
+            ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
+        except StateDictLoadError as exc:  # refused by obsckpt.loading, on a rank
+            raise DemoError(
+                f"--resume: committed step {resumed} cannot be loaded: {one_line(exc)}"
+            ) from exc
         progress.note(f"resumed from committed step {resumed}")
     if synchronizer is not None:
         if cfg.resume:
