@@ -14,7 +14,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -286,10 +285,18 @@ def closed_by_server(sock: socket.socket, timeout: float) -> bytes | None:
     return data
 
 
-def os_threads() -> int:
-    """Threads of this process, as the kernel counts them."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+def endpoint_threads(besides: set[threading.Thread] = frozenset()) -> set[threading.Thread]:
+    """The live threads endpoints started (accept loops and connections), but ``besides``."""
+    return {
+        t for t in threading.enumerate() if t.name.startswith("obsckpt-metrics") and t.is_alive()
+    } - set(besides)
+
+
+def wait_until(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -379,17 +386,19 @@ class TestConnectionBound:
     once, and counted. The endpoint's threads stay bounded however many connect."""
 
     def test_excess_connections_are_refused_and_counted(self, served, registry):
+        before = endpoint_threads()
         server = served(max_connections=2, timeout_s=30.0)
-        threads_before = os_threads()
         with contextlib.ExitStack() as stack:
             held = [stack.enter_context(connect(server.address)) for _ in range(2)]
+            # The accept loop and one thread per held connection.
+            wait_until(lambda: len(endpoint_threads(before)) == 3, "the held connections' threads")
             extra = [stack.enter_context(connect(server.address)) for _ in range(50)]
             for sock in extra:
                 reply = closed_by_server(sock, timeout=5.0)
                 assert reply is not None, "an excess connection was left open"
                 assert reply == b"" or reply.startswith(b"HTTP/1.0 503"), reply
             assert registry.get_sample_value("obsckpt_test_rejected_total") == 50
-            assert os_threads() <= threads_before + 2
+            assert len(endpoint_threads(before)) == 3
             # The bound holds: with both held, even a scrape is refused.
             with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
                 fetch(server.address)
@@ -407,18 +416,16 @@ class TestConnectionBound:
         assert "obsckpt_test_rejected_total 51.0" in text
 
     def test_close_ends_open_connections_and_their_threads(self, served):
-        threads_before = os_threads()
+        before = endpoint_threads()
         server = served(max_connections=4, timeout_s=60.0)
         with contextlib.ExitStack() as stack:
             held = [stack.enter_context(connect(server.address)) for _ in range(4)]
-            deadline = time.monotonic() + 5
-            while os_threads() < threads_before + 5 and time.monotonic() < deadline:
-                time.sleep(0.02)  # the serving thread and one per held connection
+            wait_until(lambda: len(endpoint_threads(before)) == 5, "the held connections' threads")
             t0 = time.monotonic()
             server.close()
             assert time.monotonic() - t0 < 2.0
+            assert endpoint_threads(before) == set(), "close() left threads running"
             assert all(closed_by_server(s, timeout=5.0) is not None for s in held)
-        assert os_threads() <= threads_before
 
 
 # The endpoint in a process whose descriptors are all taken: accept() fails with EMFILE

@@ -122,13 +122,10 @@ _BUSY_REPLY = (
 
 
 class _Handler(MetricsHandler):
-    """prometheus_client's handler (content negotiation, gzip, ?name[]=) at /metrics only."""
+    """prometheus_client's handler (content negotiation, gzip, ?name[]=) at /metrics only.
 
-    server: _MetricsHTTPServer
-
-    @property
-    def registry(self) -> _ScrapeCounter:  # what MetricsHandler.do_GET serves
-        return self.server.scrapes
+    ``_Handler.factory(registry)`` makes the class that serves ``registry``.
+    """
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
@@ -174,7 +171,6 @@ class _MetricsHTTPServer(socketserver.TCPServer):
         timeout_s: float,
     ) -> None:
         self.address_family = family
-        self.scrapes = scrapes
         self.max_connections = max_connections
         self.timeout_s = timeout_s
         self._rejected = rejected
@@ -186,7 +182,8 @@ class _MetricsHTTPServer(socketserver.TCPServer):
         self._pause_s = 0.0
         self._warned_at: float | None = None
         self._thread: threading.Thread | None = None
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler.factory(scrapes))
+        self.where = host_port(*self.socket.getsockname()[:2])
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -226,7 +223,9 @@ class _MetricsHTTPServer(socketserver.TCPServer):
         self._pause_s = 0.0
         return conn
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
+    def process_request(  # type: ignore[override]  # a TCP server's requests are sockets
+        self, request: socket.socket, client_address: object
+    ) -> None:
         with self._lock:
             admitted = len(self._deadlines) < self.max_connections
             if admitted:
@@ -241,6 +240,8 @@ class _MetricsHTTPServer(socketserver.TCPServer):
             daemon=True,
         )
         with self._lock:
+            # Kept until they have ended (close() joins them), dropped at the next accept.
+            self._threads = {t for t in self._threads if t.is_alive()}
             self._threads.add(thread)
         try:
             thread.start()
@@ -263,7 +264,6 @@ class _MetricsHTTPServer(socketserver.TCPServer):
             # descriptor number the process has since reused.
             with self._lock:
                 del self._deadlines[request]
-                self._threads.discard(threading.current_thread())
             self.shutdown_request(request)
 
     def service_actions(self) -> None:
@@ -291,7 +291,7 @@ class _MetricsHTTPServer(socketserver.TCPServer):
             logger.warning(
                 "obsckpt: /metrics at %s refused a connection: %s. Counted in "
                 "obsckpt_metrics_connections_rejected_total; logged at most once a minute",
-                host_port(*self.server_address[:2]),
+                self.where,
                 why,
             )
 
