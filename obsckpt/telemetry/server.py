@@ -175,7 +175,7 @@ class _MetricsHTTPServer(socketserver.TCPServer):
         self.timeout_s = timeout_s
         self._rejected = rejected
         self._lock = threading.Lock()
-        # Open connections -> when each must be done (monotonic); the thread serving each.
+        # Open connections -> when each must be done (monotonic); the threads serving them.
         self._deadlines: dict[socket.socket, float] = {}
         self._threads: set[threading.Thread] = set()
         self._closing = threading.Event()
