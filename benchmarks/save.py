@@ -188,25 +188,24 @@ def _prepared_first_saves(coord, state, root: str, sizes: Sizes, log) -> tuple[l
     is compared with: same slot, same moment, so machine noise hits both alike.
     """
     prepares, firsts, seconds = [], [], []
-    step = sizes.save_reps + 3  # after the overlapped saves' steps
     for rep in range(min(3, sizes.save_reps)):
         coord.close()  # the slots so far are released: each measurement starts from nothing
         slot = f"prepared{rep}"
+        # After the overlapped saves' steps; each slot's files inside their own step.
+        step = sizes.save_reps + 3 + 2 * rep
+        paths = [os.path.join(root, f"global_step_{s}", slot, "model.pt") for s in (step, step + 1)]
         t0 = time.perf_counter()
         coord.prepare(slot, state)
         t1 = time.perf_counter()
-        coord.save_state_dict_async(
-            slot, state, os.path.join(root, slot, f"global_step_{step}", "model.pt"), step
-        )
+        coord.save_state_dict_async(slot, state, paths[0], step)
         t2 = time.perf_counter()
         coord.wait_all()
         t3 = time.perf_counter()
-        coord.save_state_dict_async(
-            slot, state, os.path.join(root, slot, f"global_step_{step + 1}", "model.pt"), step + 1
-        )
+        coord.save_state_dict_async(slot, state, paths[1], step + 1)
         t4 = time.perf_counter()
         coord.wait_all()
-        shutil.rmtree(os.path.join(root, slot), ignore_errors=True)
+        for path in paths:
+            shutil.rmtree(os.path.dirname(os.path.dirname(path)), ignore_errors=True)
         prepares.append(t1 - t0)
         firsts.append(t2 - t1)
         seconds.append(t4 - t3)
