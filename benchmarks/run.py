@@ -31,7 +31,17 @@ if ROOT not in sys.path:
 from benchmarks.common import SIZES, Result, loadavg, machine_info  # noqa: E402
 
 SMOKE_ENV = "OBSCKPT_BENCH_SMOKE"
-BENCHMARKS = ("save", "peers", "rss", "telemetry", "commit_lag", "broadcast", "gpu", "ipc")
+BENCHMARKS = (
+    "save",
+    "load",
+    "peers",
+    "rss",
+    "telemetry",
+    "commit_lag",
+    "broadcast",
+    "gpu",
+    "ipc",
+)
 # Benchmarks another one includes: run alone when named alone.
 PART_OF = {"ipc": "gpu"}
 
@@ -268,6 +278,10 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
         from benchmarks.save import run_save_benchmarks
 
         return _with_monitor(name, bench_dir, run_id, ray, run_save_benchmarks, sizes)
+    if name == "load":
+        from benchmarks.load import run_verified_load
+
+        return run_verified_load(sizes, bench_dir, _log)
     if name == "peers":
         from benchmarks.peers import run_peers
 
