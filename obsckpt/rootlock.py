@@ -55,6 +55,10 @@ START_WAIT_S = 5.0
 # server keeps a lost client's locks until its lease ends (90 s by default).
 RESTART_WAIT_S = 120.0
 _POLL_S = 0.25
+# How often a watched lock checks its file between commits: a deleted lock file is
+# made anew (or its holder fenced off) within this time, so a monitor starting on
+# the root meanwhile is refused.
+WATCH_INTERVAL_S = 2.0
 _MAX_INFO_BYTES = 4096
 
 
@@ -89,8 +93,11 @@ class RootLock:
         self._locked = locked and fd is not None
         self._inode = _identity(os.fstat(fd)) if fd is not None else None
         self._lost: str | None = None if fd is not None else "it was never taken"
-        # The check runs in the commit's thread and in status()'s; release on the event loop.
+        # The check runs in the commit's thread, status()'s and the watcher; release on
+        # the event loop.
         self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def held(self) -> bool:
@@ -129,6 +136,28 @@ class RootLock:
             raise RootLockLostError(
                 f"this monitor no longer owns checkpoint root {str(self.path.parent)!r}: {why}"
             )
+
+    def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
+        """Check the lock every ``interval_s`` in a thread until it is released or lost.
+
+        Between commits nothing else looks at the lock file: a deleted one is made
+        anew within ``interval_s`` (so a monitor starting on the root is refused),
+        or this holder is found fenced off and says so (status, metric) before its
+        next commit.
+        """
+        if self._watcher is not None or self._fd is None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.check()
+                except RootLockLostError:
+                    if self._lost is not None:
+                        return  # for good (logged by check)
+
+        self._watcher = threading.Thread(target=run, name="obsckpt-root-fence", daemon=True)
+        self._watcher.start()
 
     def _verify(self) -> tuple[str | None, bool]:
         """(why the fence fails or None, whether that is for good)."""
@@ -196,12 +225,16 @@ class RootLock:
 
     def release(self) -> None:
         """Unlock and close; the file stays (removing it would race a new holder's open)."""
+        self._stop.set()
         with self._guard:
             fd, self._fd = self._fd, None
             if self._lost is None:
                 self._lost = "it was released (the monitor was shut down)"
         if fd is not None:
             os.close(fd)  # closing the only descriptor of the open file drops its flock
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5.0)  # a check hung on the filesystem is left behind
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:

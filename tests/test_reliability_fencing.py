@@ -75,6 +75,15 @@ def inode(path) -> int:
     return os.stat(path).st_ino
 
 
+def replace_lock_file(root) -> None:
+    """Put a new lock file at the path at once, as a monitor that started just after a
+    deletion would have (the holder's watcher cannot make one in between)."""
+    path = rootlock.lock_path(root)
+    spare = path.with_name("spare-lock")
+    spare.write_text('{"epoch": "a-newer-monitor"}')
+    os.replace(spare, path)
+
+
 def failed_steps(status: dict) -> dict[int, str]:
     return {f["step"]: f["error"] for f in status["failed"] if f["kind"] == "checkpoint"}
 
@@ -134,17 +143,15 @@ class TestLostLockFile:
         assert scrape(address).value("obsckpt_monitor_fenced") == 0
         ray.get(monitor.shutdown.remote())
 
-    def test_lock_deleted_and_rewritten_fences_the_monitor(self, namespace, tmp_path):
-        """A lock file put back with another holder's epoch (a newcomer on a filesystem
-        without flock): the monitor reports it and the next step fails, unrenamed."""
+    def test_replaced_lock_fences_the_monitor(self, namespace, tmp_path):
+        """Another file put at the path (another monitor's, made after a deletion): the
+        monitor reports it and the next step fails, its iteration file never renamed."""
         root = tmp_path / "ckpt"
         monitor = make_actor(namespace, root)
         address = ray.get(monitor.metrics_address.remote())
         assert scrape(address).value("obsckpt_monitor_fenced") == 0
         commit_step(monitor, root, 1)
-        path = rootlock.lock_path(root)
-        path.unlink()
-        path.write_text('{"epoch": "a-newer-monitor"}')
+        replace_lock_file(root)
 
         status = ray.get(monitor.status.remote())
         assert "replaced by another file" in status["fenced"]
@@ -159,13 +166,13 @@ class TestLostLockFile:
         assert failures == 1
         ray.get(monitor.shutdown.remote())
 
-    def test_second_monitor_after_a_deletion_is_the_only_committer(self, namespace, tmp_path):
+    def test_second_monitor_after_a_replacement_is_the_only_committer(self, namespace, tmp_path):
         root = tmp_path / "ckpt"
         first = make_actor(namespace, root)
         commit_step(first, root, 1)
         ticket = start_save(first, 2)
-        rootlock.lock_path(root).unlink()
-        # flock is on the inode: the second monitor locks a new file at the path.
+        replace_lock_file(root)
+        # flock is on the inode: the second monitor locks the new file at the path.
         second = make_actor(namespace + "-second", root)
         write_step(root, 2)
         finish_save(first, 2, ticket)
@@ -232,6 +239,21 @@ class TestTheFence:
         newcomer.check()
         lock.release()
         newcomer.release()
+
+    def test_the_watcher_finds_a_deletion_between_commits(self, tmp_path):
+        lock = rootlock.acquire(tmp_path)
+        lock.watch(interval_s=0.05)
+        path = rootlock.lock_path(tmp_path)
+        path.unlink()
+        wait_for(lambda: lock.recreated == 1, 5, "the lock file made anew")
+        assert rootlock.read_holder(tmp_path)["epoch"] == lock.epoch
+        assert rootlock.locked_by(tmp_path) is not None
+        replace_lock_file(tmp_path)
+        wait_for(lambda: lock.lost, 5, "the holder fenced off")
+        assert "replaced by another file" in lock.lost
+        watcher = [t for t in threading.enumerate() if t.name == "obsckpt-root-fence"]
+        lock.release()
+        assert not any(t.is_alive() for t in watcher)
 
     def test_without_flock_a_later_monitor_fences_the_earlier(self, tmp_path, monkeypatch):
         # Some FUSE mounts and NFS mounted with nolock answer flock with ENOLCK.

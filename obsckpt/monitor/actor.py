@@ -162,6 +162,8 @@ class CheckpointMonitor(MeasurementRPCs):
             clock=self.clock,
         )
         self.telemetry.attach_fence(lambda: self._root_lock.lost)
+        # Between commits too: a lock file deleted while the job runs is made anew.
+        self._root_lock.watch()
         self.core.mark_found_on_disk(reader.steps_on_disk(self.root))
         self._dead_nodes = DeadNodes(on_failure=self.telemetry.node_query_failed)
         self._lease_watch = LeaseWatch(self.core, self._commit_ready_steps, self._dead_nodes)
