@@ -183,7 +183,8 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
     all_dcps = list(dcps)
 
     def ckpt(step: int) -> str:
-        return os.path.join(root, "obsckpt", f"global_step_{step}", "model.pt")
+        # Inside the monitor's root (``root``): a save outside its step directory is refused.
+        return os.path.join(root, f"global_step_{step}", "obsckpt", "model.pt")
 
     stalls, durables, faults, syncs = [], [], [], []
 
@@ -197,7 +198,7 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
         t2 = time.perf_counter()
         stalls.append(t1 - t0)
         durables.append(t2 - t0)
-        shutil.rmtree(os.path.dirname(ckpt(rep - 1)), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(os.path.dirname(ckpt(rep - 1))), ignore_errors=True)
         return f"obsckpt stall {stalls[-1] * 1e3:.1f} ms, durable {durables[-1]:.3f} s"
 
     failed: dict[str, str] = {}  # DCP settings this torch could not run, with why
