@@ -300,7 +300,8 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             PanelSpec(
                 "Fenced monitors and failed node queries",
                 "Monitors that no longer own their root and commit nothing (shut down, or "
-                "their lock file deleted or replaced), and failed asks of Ray for dead nodes.",
+                "their lock file replaced by another monitor's), and failed asks of Ray for "
+                "dead nodes.",
                 "none",
                 [
                     (f"max by (instance) ({m('obsckpt_monitor_fenced')})", "fenced {{instance}}"),

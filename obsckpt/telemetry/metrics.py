@@ -296,8 +296,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "1 once this monitor no longer owns its checkpoint root and commits nothing more: "
-        "it was shut down, or its lock file (.obsckpt-monitor.lock) was found deleted, "
-        "replaced or rewritten by another monitor; 0 while it owns the root.",
+        "it was shut down, or its lock file (.obsckpt-monitor.lock) was found replaced or "
+        "rewritten by another monitor (a deleted one is made anew while no other monitor "
+        "has taken the root); 0 while it owns the root.",
         "monitor_fenced",
     ),
     MetricSpec(
