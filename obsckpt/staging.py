@@ -161,7 +161,7 @@ class _Placement:
     as a view into it with its own size, stride and offset: the snapshot
     shares storages and keeps strides as the state did, and ``torch.save``
     writes it as it would write the state. ``meta`` tensors (``prepare``)
-    know no storage: each is taken as a storage of its own.
+    have no address: their storage objects tell which share one.
 
     Attributes:
         groups: per buffer, ``(index of its source tensor, start, end)``: the
@@ -183,7 +183,9 @@ class _Placement:
                 self.places.append(None)
                 spans.append((0, 0))
                 continue
-            key = (i,) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
+            storage = t.untyped_storage()
+            # A meta storage has no address, but views of one share its object.
+            key = (storage._cdata,) if t.is_meta else (t.device, storage.data_ptr())
             g = by_storage.setdefault(key, len(self.groups))
             start, end = _span(t)
             spans.append((start, end))

@@ -224,6 +224,19 @@ class TestStagedSnapshot:
         assert staging.allocations == 2
         assert _storage(third["a"]) != _storage(third["b"])
 
+    def test_prepare_from_meta_tensors_knows_tied_weights(self):
+        def model(device: str) -> dict:
+            with torch.device(device):
+                m = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+            m[1].weight = m[0].weight
+            return m.state_dict()
+
+        staging = StagingBuffers(pin_memory=False)
+        assert staging.prepare(model("meta")) is True
+        snapshot = staging.stage(model("cpu"))
+        assert staging.allocations == 1  # the prepared layout was the real one
+        assert _storage(snapshot["0.weight"]) == _storage(snapshot["1.weight"])
+
     def test_a_change_through_another_view_fails_the_overlapped_save(self):
         from obsckpt.errors import TensorMutatedError
 
