@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from obsckpt import commit, inspection, layout, validators
+from obsckpt import commit, inspection, layout, repair, rootlock, validators
 from obsckpt.demo.config import (
     DEVICES,
     EXIT_FAILED,
@@ -83,6 +83,32 @@ def cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 err.write(p + "\n")
             out.write(line + "\n")
     return EXIT_FAILED if any(r["result"] == "failed" for r in results) else EXIT_OK
+
+
+def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``obsckpt repair DIR [--dry-run]``: rewind iteration files naming a step that is not whole.
+
+    Deletes nothing. 0 when every iteration file names a whole step afterwards
+    (or did already), 1 with ``--dry-run`` when one does not.
+    """
+    root, _latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,))
+    holder = rootlock.locked_by(root)
+    if holder is not None and not args.dry_run:
+        raise CliError(
+            f"{args.dir}: a running monitor holds this root ({rootlock.describe_holder(holder)}); "
+            "stop its job before repairing it"
+        )
+    bad = repair.check_iterations(root, checksums=True)
+    if not bad:
+        out.write("every iteration file names a whole step; nothing to repair\n")
+        return EXIT_OK
+    if args.dry_run:
+        for b in bad:
+            out.write(b.describe() + "\n")
+        return EXIT_FAILED
+    for line in repair.rewind(root):
+        out.write(line + "\n")
+    return EXIT_OK
 
 
 # Top-level modules of the ``demo`` extra that the job's processes import.
@@ -413,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every step that has a manifest",
     )
     v.add_argument("--json", action="store_true", help="machine-readable output")
+    r = sub.add_parser(
+        "repair",
+        help="point iteration files that name a step that is not whole at the latest whole "
+        "step (deletes nothing)",
+    )
+    r.add_argument("dir", metavar="DIR", help="the checkpoint root")
+    r.add_argument(
+        "--dry-run", action="store_true", help="say what would change; exit 1 if anything would"
+    )
     return p
 
 
@@ -441,6 +476,8 @@ def main(
             return cmd_status(args, out)
         if args.command == "verify":
             return cmd_verify(args, out, err)
+        if args.command == "repair":
+            return cmd_repair(args, out, err)
         if argv is None:  # the `obsckpt demo` command itself, not a call from Python
             supervisor = os.environ.pop(OBSCKPT_DEMO_DRIVER, None)
             if supervisor is None and os.name == "posix":

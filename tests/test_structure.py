@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tree",
             "torchfile",
             "loading",
+            "repair",
             "staging",
             "file_records",
             "save_threads",

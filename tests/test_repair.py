@@ -1,0 +1,134 @@
+"""Iteration files naming a step that is not whole: found, and rewound by `obsckpt repair`
+to the latest whole step, atomically, deleting nothing. Plain files, no Ray."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from obsckpt import commit, layout, reader, repair, rootlock
+from obsckpt.cli import main
+from obsckpt.torchfile import write_torch_file
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def step(root, n: int, *, full: bool = True, commit_it: bool = True) -> None:
+    sdir = layout.step_dir(root, n)
+    write_torch_file(
+        {"w": torch.full((4,), float(n))}, sdir / "actor" / "model_world_size_1_rank_0.pt"
+    )
+    if full:
+        write_torch_file({"m": torch.zeros(2)}, sdir / "actor" / "optim_world_size_1_rank_0.pt")
+    if commit_it:
+        commit.finalize_step(sdir, iterations={"checkpoint": n} if full else {"state_dict": n})
+
+
+def files(root) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "iteration" not in p.name
+    }
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "ckpt"
+    step(r, 2)
+    step(r, 4)
+    step(r, 5, full=False)
+    return r
+
+
+class TestCheck:
+    def test_whole_root(self, root):
+        assert repair.check_iterations(root) == []
+        assert cli("repair", str(root)) == (
+            0,
+            "every iteration file names a whole step; nothing to repair\n",
+            "",
+        )
+
+    def test_a_step_not_on_disk(self, root):
+        commit.write_iteration(root, "checkpoint", 1000000)
+        (bad,) = repair.check_iterations(root)
+        assert (bad.kind, bad.named, bad.latest_whole) == ("checkpoint", 1000000, 4)
+        assert "global_step_1000000 does not exist" in bad.problem
+        text = bad.describe()
+        assert "latest_checkpointed_iteration.txt names step 1000000" in text
+        assert "the latest whole step on disk is step 4" in text
+
+    def test_an_uncommitted_step_and_a_truncated_one(self, root):
+        step(root, 6, commit_it=False)
+        commit.write_iteration(root, "checkpoint", 6)
+        shard = layout.model_dir(root, 5) / "model_world_size_1_rank_0.pt"
+        shard.write_bytes(shard.read_bytes()[:10])
+        bad = {b.kind: b for b in repair.check_iterations(root)}
+        assert "no manifest.json" in bad["checkpoint"].problem
+        assert bad["checkpoint"].latest_whole == 4
+        assert "is 10 bytes, the manifest says" in bad["state_dict"].problem
+        assert bad["state_dict"].latest_whole == 4  # the state dict of full checkpoint 4
+
+    def test_a_root_verl_wrote_before_obsckpt_is_not_judged(self, tmp_path):
+        root = tmp_path / "verl"
+        for n in (1, 2):
+            step(root, n, commit_it=False)
+        commit.write_iteration(root, "checkpoint", 2)
+        assert repair.check_iterations(root) == []
+
+
+class TestRepair:
+    def test_dry_run_changes_nothing(self, root):
+        commit.write_iteration(root, "checkpoint", 1000000)
+        code, out, _ = cli("repair", str(root), "--dry-run")
+        assert code == 1 and "names step 1000000" in out
+        assert reader.read_iteration(root, "checkpoint") == 1000000
+
+    def test_rewinds_to_the_latest_whole_step_and_deletes_nothing(self, root):
+        before = files(root)
+        commit.write_iteration(root, "checkpoint", 1000000)
+        code, out, err = cli("repair", str(root))
+        assert code == 0, err
+        assert "latest_checkpointed_iteration.txt: step 1000000 -> 4" in out
+        assert reader.read_iteration(root, "checkpoint") == 4
+        assert reader.read_iteration(root, "state_dict") == 5
+        assert files(root) == before
+        assert repair.check_iterations(root) == []
+
+    def test_a_candidate_with_a_bad_checksum_is_passed_over(self, root):
+        """The step a file is pointed at is checked in full, CRC32s included."""
+        shard = layout.model_dir(root, 4) / "model_world_size_1_rank_0.pt"
+        data = bytearray(shard.read_bytes())
+        data[-50] ^= 0x01
+        shard.write_bytes(bytes(data))
+        commit.write_iteration(root, "checkpoint", 1000000)
+        assert cli("repair", str(root))[0] == 0
+        assert reader.read_iteration(root, "checkpoint") == 2
+
+    def test_with_no_whole_step_the_file_is_moved_aside(self, tmp_path):
+        root = tmp_path / "ckpt"
+        step(root, 3, commit_it=False)
+        commit.write_iteration(root, "checkpoint", 3)
+        (root / "global_step_3" / "manifest.json").write_text("{}")  # a manifest, unreadable
+        code, out, _ = cli("repair", str(root))
+        assert code == 0 and "no whole step to name" in out
+        assert reader.read_iteration(root, "checkpoint") is None
+        (aside,) = root.glob("latest_checkpointed_iteration.txt.bad-*")
+        assert aside.read_text().strip() == "3"
+
+    def test_refused_while_a_monitor_holds_the_root(self, root):
+        commit.write_iteration(root, "checkpoint", 1000000)
+        lock = rootlock.acquire(root)
+        try:
+            code, _, err = cli("repair", str(root))
+        finally:
+            lock.release()
+        assert code == 2 and "a running monitor holds this root" in err
+        assert reader.read_iteration(root, "checkpoint") == 1000000
