@@ -152,7 +152,7 @@ class StoragePacker:
                     return 0
                 return None
 
-        Finder(_NullFile(), protocol=2).dump(obj)
+        Finder(_NullFile(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
         self.places: dict[int, tuple[Any, int]] = {}  # storage -> (its pack, element offset)
         self.packs: list[torch.Tensor] = []
         layout: dict[torch.dtype, list[tuple[torch.UntypedStorage, int]]] = {}

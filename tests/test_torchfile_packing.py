@@ -140,6 +140,23 @@ class TestPackedFile:
             if size in large:
                 assert offset % ALIGN == 0
 
+    def test_dtypes_torch_pickles_untyped_and_conjugate_views(self, tmp_path):
+        state = {
+            "u16": torch.arange(10, dtype=torch.int32).to(torch.uint16)[::2],
+            "f8": torch.randn(4, 4).to(torch.float8_e4m3fn).t(),
+            "conj": torch.randn(3, dtype=torch.complex64).conj(),
+            "neg": torch.randn(3)._neg_view(),
+        }
+        path = tmp_path / "m.pt"
+        write_torch_file(state, path)
+        assert len(_records(path)) == 4  # one pack per dtype
+        loaded = torch.load(path, weights_only=True)
+        for key, t in state.items():
+            got = loaded[key]
+            assert (got.dtype, got.shape, got.stride()) == (t.dtype, t.shape, t.stride()), key
+            assert (got.is_conj(), got.is_neg()) == (t.is_conj(), t.is_neg()), key
+            assert torch.equal(got.to(torch.complex64), t.to(torch.complex64)), key
+
     def test_many_small_tensors_cost_no_more_than_torch_save(self, tmp_path, monkeypatch):
         state = _optimizer_state(1400)  # 4,200 tensors
         reference = tmp_path / "reference.pt"
