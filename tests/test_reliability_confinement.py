@@ -26,6 +26,7 @@ from obsckpt import (
     MonitorUnavailableError,
     NotificationError,
     ObsckptError,
+    SaveError,
     SavePathError,
     SaveStrategy,
     layout,
@@ -275,6 +276,15 @@ class TestErrorsCrossingRay:
         assert_one_line(info.value)
         assert "'checkpoint_monitor'" in str(info.value) and "retryable" in str(info.value)
         assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+        # The trainer's awaited calls and a background save say the same.
+        with pytest.raises(MonitorUnavailableError, match=r"during register_thread_count"):
+            submit(coord, 1, ck=1)
+        coord.save_async("model", lambda: None, 1)
+        with pytest.raises(SaveError) as saved:
+            coord.wait_all(timeout=60)
+        assert_one_line(saved.value)
+        assert "failed: MonitorUnavailableError: the checkpoint monitor" in str(saved.value)
+        assert isinstance(saved.value.__cause__, MonitorUnavailableError)
 
     def test_ray_unavailable_and_timeout_errors_map_to_retryable_ones(self, ray_cluster):
         unavailable = ray.exceptions.ActorUnavailableError("restarting\n\x1b[31mdetail", None)
