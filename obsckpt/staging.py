@@ -148,8 +148,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[start, end)`` of its storage that ``t``'s elements lie in."""
     size = t.element_size()
     last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
-    start = t.storage_offset() * size
-    return start, start + (last + 1) * size
+    start = int(t.storage_offset()) * size
+    return start, start + int(last + 1) * size
 
 
 class _Placement:
@@ -385,8 +385,9 @@ class StagingBuffers:
         ]
         for i, (key, src) in enumerate(found):
             if buffers[i] is None:
-                buffers[i] = torch.empty_like(src, device="cpu")
-                copies.append((key, src, buffers[i]))
+                own = torch.empty_like(src, device="cpu")
+                buffers[i] = own
+                copies.append((key, src, own))
         return self._rebuild(obj, iter(buffers)), copies
 
     def _rebuild(self, obj: Any, it) -> Any:

@@ -157,14 +157,14 @@ class StoragePacker:
         self.packs: list[torch.Tensor] = []
         layout: dict[torch.dtype, list[tuple[torch.UntypedStorage, int]]] = {}
         ends: dict[torch.dtype, int] = {}
-        for cdata, (storage, dtypes) in found.items():
-            nbytes = storage.nbytes()
+        for cdata, (small, dtypes) in found.items():
+            nbytes = small.nbytes()
             if cdata in shared or len(dtypes) != 1 or nbytes >= PACK_MAX:
                 continue
             (dtype,) = dtypes
             align = _PACK_ALIGN if nbytes >= _PACK_ALIGN else _PACK_ALIGN_TINY
             offset = -(-ends.get(dtype, 0) // align) * align
-            layout.setdefault(dtype, []).append((storage, offset))
+            layout.setdefault(dtype, []).append((small, offset))
             ends[dtype] = offset + nbytes
         for dtype, members in layout.items():
             itemsize = dtype.itemsize
@@ -206,7 +206,7 @@ class StoragePacker:
                     o.requires_grad,
                     OrderedDict(),
                 )
-                rebuild = torch._utils._rebuild_tensor_v2
+                rebuild: Any = torch._utils._rebuild_tensor_v2
                 if isinstance(storage, torch.UntypedStorage):
                     rebuild = torch._utils._rebuild_tensor_v3
                     args += (o.dtype,)
