@@ -569,3 +569,45 @@ class TestDataFile:
             assert sorted(os.listdir(root / "global_step_3")) == ["actor"]
         finally:
             kill_named(monitor, "checkpoint_monitor")
+
+
+IMPORT_ORDERS = {
+    "install, then verl's module": (
+        "verl_install.install()\n"
+        "from verl.utils.checkpoint import fsdp_checkpoint_manager as verl_mod\n"
+        "import obsckpt.integrations.fsdp_checkpoint_manager as ours\n"
+    ),
+    "obsckpt's module, then install": (
+        "import obsckpt.integrations.fsdp_checkpoint_manager as ours\n"
+        "verl_install.install()\n"
+        "from verl.utils.checkpoint import fsdp_checkpoint_manager as verl_mod\n"
+    ),
+    "install, then obsckpt's module (which imports verl's)": (
+        "verl_install.install()\n"
+        "import obsckpt.integrations.fsdp_checkpoint_manager as ours\n"
+        "from verl.utils.checkpoint import fsdp_checkpoint_manager as verl_mod\n"
+    ),
+}
+CHECK_NAMES = (
+    "from verl.workers.engine.fsdp import transformer_impl\n"
+    "from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager as named\n"
+    "assert named is ours.FSDPCheckpointManager, named\n"
+    "assert verl_mod.FSDPCheckpointManager is ours.FSDPCheckpointManager\n"
+    "assert transformer_impl.FSDPCheckpointManager is ours.FSDPCheckpointManager\n"
+    "base = ours.FSDPCheckpointManager.__mro__[1]\n"
+    "assert base is verl_install.original(verl_mod.__name__, 'FSDPCheckpointManager')\n"
+    "assert base.__module__ == verl_mod.__name__ and base is not ours.FSDPCheckpointManager\n"
+    "print('ok')\n"
+)
+
+
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_install_works_in_any_import_order(order):
+    """Every name verl's code imports the manager by is obsckpt's, whichever of install(),
+    verl's module and obsckpt's module comes first; obsckpt's class still builds on verl's."""
+    script = "from obsckpt.integrations import verl_install\n" + IMPORT_ORDERS[order] + CHECK_NAMES
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

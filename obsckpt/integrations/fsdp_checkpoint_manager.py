@@ -41,12 +41,10 @@ from typing import Any, TypeVar
 import ray
 import torch
 import torch.distributed
-from verl.utils.checkpoint.fsdp_checkpoint_manager import (
-    FSDPCheckpointManager as VerlFSDPCheckpointManager,
-)
 
 from obsckpt import commit, layout, loading, reader
 from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.integrations import verl_install
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
@@ -63,6 +61,10 @@ from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+# verl's class, even where verl_install has bound obsckpt's to verl's name.
+VerlFSDPCheckpointManager = verl_install.original(
+    "verl.utils.checkpoint.fsdp_checkpoint_manager", "FSDPCheckpointManager"
+)
 
 
 class FSDPCheckpointManager(VerlFSDPCheckpointManager):
@@ -579,3 +581,7 @@ def hf_model_class(config: Any, model: Any = None) -> Any:
         "verl exports *ForTokenClassification, *ForCausalLM and *ForConditionalGeneration; "
         "drop 'hf_model' from checkpoint.save_contents"
     )
+
+
+# Where verl's module was patched while this one was being imported, bind it now.
+verl_install.bind_pending()

@@ -72,6 +72,7 @@ __all__ = [
     "checkpoint_root",
     "install",
     "is_patched",
+    "original",
     "link_for",
     "monitor_for",
     "patch",
@@ -111,7 +112,21 @@ MANAGER_SITES: dict[str, tuple[str, str, str]] = {
         "obsckpt.integrations.verl_megatron",
         "MegatronCheckpointManager",
     ),
+    # Where verl defines them: code that imports a manager from there (verl's own tests,
+    # users' scripts) gets obsckpt's too. verl's class stays reachable (see ORIGINALS).
+    "verl.utils.checkpoint.fsdp_checkpoint_manager": (
+        "FSDPCheckpointManager",
+        "obsckpt.integrations.fsdp_checkpoint_manager",
+        "FSDPCheckpointManager",
+    ),
+    "verl.utils.checkpoint.megatron_checkpoint_manager": (
+        "MegatronCheckpointManager",
+        "obsckpt.integrations.verl_megatron",
+        "MegatronCheckpointManager",
+    ),
 }
+# On a patched verl module: {name: verl's own object that name was bound to}.
+ORIGINALS = "_obsckpt_originals"
 # verl module -> (trainer class, the method that builds the workers). verl 0.9 runs the
 # V1 trainer unless trainer.use_v1=false; verl 0.7 has only RayPPOTrainer.
 TRAINER_SITES: dict[str, tuple[str, str]] = {
@@ -121,6 +136,7 @@ TRAINER_SITES: dict[str, tuple[str, str]] = {
 
 _lock = threading.RLock()
 _patched: set[str] = set()
+_pending: set[str] = set()
 _finder: _PatchOnImport | None = None
 _ray_init_wrapped = False
 
@@ -226,6 +242,30 @@ def is_patched(module_name: str) -> bool:
     return module_name in _patched
 
 
+def original(module_name: str, attr: str) -> Any:
+    """verl's own ``attr`` of ``module_name``, whether or not :func:`patch` rebound it.
+
+    obsckpt's managers build on verl's classes through this, so the import order
+    of verl's modules, obsckpt's and :func:`install` does not matter.
+    """
+    import importlib
+
+    module = importlib.import_module(module_name)
+    return vars(module).get(ORIGINALS, {}).get(attr, getattr(module, attr))
+
+
+def _replacement(source: str, source_attr: str) -> Any:
+    """obsckpt's object, or None while its module is still being imported."""
+    import importlib
+
+    loading = sys.modules.get(source)
+    if loading is not None and not hasattr(loading, source_attr):
+        # obsckpt's module imported verl's, whose import brought us here: its class does
+        # not exist yet. bind_pending() binds it once that module has run.
+        return None
+    return getattr(importlib.import_module(source), source_attr)
+
+
 def _apply(name: str, module: Any) -> None:
     with _lock:
         if name in _patched:
@@ -235,11 +275,28 @@ def _apply(name: str, module: Any) -> None:
         else:
             attr, source, source_attr = MANAGER_SITES[name]
             if hasattr(module, attr):
-                import importlib
-
-                setattr(module, attr, getattr(importlib.import_module(source), source_attr))
+                originals = vars(module).setdefault(ORIGINALS, {})
+                originals.setdefault(attr, getattr(module, attr))
+                replacement = _replacement(source, source_attr)
+                if replacement is None:
+                    _pending.add(name)
+                    return
+                setattr(module, attr, replacement)
+        _pending.discard(name)
         _patched.add(name)
         logger.info("obsckpt: patched %s", name)
+
+
+def bind_pending() -> None:
+    """Patch the verl modules whose patch waited for obsckpt's manager module to finish.
+
+    Called by that module's last lines; does nothing when none waits.
+    """
+    with _lock:
+        for name in sorted(_pending):
+            module = sys.modules.get(name)
+            if module is not None:
+                _apply(name, module)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -253,8 +253,12 @@ class MegatronCheckpointManager:
     ) -> None:
         if base_class is None:
             try:
-                from verl.utils.checkpoint.megatron_checkpoint_manager import (
-                    MegatronCheckpointManager as base_class,
+                from obsckpt.integrations.verl_install import original
+
+                # verl's class, even where verl_install bound this one to verl's name.
+                base_class = original(
+                    "verl.utils.checkpoint.megatron_checkpoint_manager",
+                    "MegatronCheckpointManager",
                 )
             except ModuleNotFoundError as exc:
                 from obsckpt.integrations import _is_verl_missing, _verl_missing
@@ -377,3 +381,14 @@ class MegatronCheckpointManager:
             shutil.rmtree(step_dir, ignore_errors=True)
         self.saved_paths = [p for p in self.saved_paths if p not in doomed]
         return doomed
+
+
+def _bind_pending() -> None:
+    import sys
+
+    install = sys.modules.get("obsckpt.integrations.verl_install")
+    if install is not None:  # patched while this module was being imported: bind it now
+        install.bind_pending()
+
+
+_bind_pending()
