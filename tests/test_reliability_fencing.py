@@ -30,6 +30,7 @@ from obsckpt import (
     reader,
     rootlock,
 )
+from obsckpt.monitor import actor as actor_module
 from obsckpt.monitor.lifecycle import DeadNodes
 from obsckpt.monitor.telemetry import MonitorTelemetry
 
@@ -116,6 +117,50 @@ class TestShutdownFences:
         commit_step(new, root, 3)
         assert ray.get(new.status.remote())["fenced"] is None
         ray.get(new.shutdown.remote())
+
+
+class TestShutdownDuringACommit:
+    """shutdown() lets a running commit end within its drain wait; one still running
+    after it is refused at its rename, since the root is released by then."""
+
+    def _run(self, root, registry, release: threading.Event, release_after_s: float):
+        async def scenario() -> dict:
+            monitor = CheckpointMonitor(
+                default_local_dir=root, metrics_port=None, registry=registry
+            )
+            run = asyncio.create_task(monitor.monitor_step(1))
+            gauge = "obsckpt_commit_phase_started_timestamp_seconds"
+            while not registry.get_sample_value(gauge, {"phase": "fsync_files"}):
+                await asyncio.sleep(0.01)
+            asyncio.get_running_loop().call_later(release_after_s, release.set)
+            await monitor.shutdown()
+            await run
+            return await monitor.status()
+
+        return asyncio.run(scenario())
+
+    def test_a_commit_that_ends_in_time_commits(self, tmp_path, monkeypatch):
+        release, hung = threading.Event(), []
+        monkeypatch.setattr(commit, "fsync_file", blocking_fsync(release, hung))
+        root = tmp_path / "ckpt"
+        write_step(root, 1)
+        status = self._run(root, CollectorRegistry(), release, 0.3)
+        assert reader.read_iteration(root, "checkpoint") == 1
+        assert status["latest"]["checkpoint"] == 1 and "shut down" in status["fenced"]
+
+    def test_a_commit_past_the_drain_wait_is_refused(self, tmp_path, monkeypatch, caplog):
+        release, hung = threading.Event(), []
+        monkeypatch.setattr(commit, "fsync_file", blocking_fsync(release, hung))
+        monkeypatch.setattr(actor_module, "_COMMIT_DRAIN_S", 0.2)
+        root = tmp_path / "ckpt"
+        write_step(root, 1)
+        with caplog.at_level(logging.WARNING, logger="obsckpt.monitor"):
+            status = self._run(root, CollectorRegistry(), release, 0.5)
+        assert "releasing the root anyway" in caplog.text
+        assert reader.read_iteration(root, "checkpoint") is None
+        assert not (root / ITERATION).exists()
+        error = failed_steps(status)[1]
+        assert error.startswith("commit of step 1 (checkpoint) refused") and "released" in error
 
 
 class TestLostLockFile:
