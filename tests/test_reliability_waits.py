@@ -23,8 +23,17 @@ from obsckpt.staging import StagingBuffers, StagingCopy
 from obsckpt.torchfile import write_torch_file
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds_to(name: str) -> list[str]:
+    """This process's descriptors open on a file whose path contains ``name``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since it was listed
+            continue
+        if name in target:
+            found.append(target)
+    return found
 
 
 @pytest.fixture
@@ -48,7 +57,6 @@ class TestWriterWaits:
     file's descriptor is closed once the write returns."""
 
     def test_join_of_a_hung_writer_thread_is_bounded(self, tmp_path, held_writes):
-        fds = _open_fds()
         path = tmp_path / "model.pt"
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError, match=r"no write finished in 0\.3 s") as info:
@@ -57,11 +65,14 @@ class TestWriterWaits:
         assert isinstance(info.value, (ObsckptError, TimeoutError))
         assert str(tmp_path) in str(info.value) and "helper threads" in str(info.value)
         assert os.listdir(tmp_path) == []  # the temp file is gone, nothing renamed
+        # Its descriptor stays open while the write hangs (its number cannot be handed to
+        # another file under the write), and is closed once the write returns.
+        assert len(_fds_to("model.pt.tmp.")) == 1
         held_writes.set()
         deadline = time.monotonic() + 10
-        while _open_fds() > fds and time.monotonic() < deadline:
+        while _fds_to("model.pt.tmp.") and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _open_fds() == fds
+        assert _fds_to("model.pt.tmp.") == []
 
     def test_wait_for_a_free_chunk_is_bounded(self, tmp_path, held_writes, monkeypatch):
         monkeypatch.setattr(torchfile, "_IO_CHUNK", 64 << 10)
