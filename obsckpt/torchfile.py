@@ -246,20 +246,18 @@ class _PipelinedSink:
             return chunk
         while True:
             try:
-                chunk = self._free.get(timeout=self._patience("a chunk to be written and freed"))
+                chunk = self._free.get(timeout=max(self._patience(), 1e-3))
                 break
             except queue.Empty:
-                pass
+                if self._patience() <= 0:
+                    raise self._timeout("a chunk to be written and freed") from None
         self._raise_if_failed()
         return chunk
 
-    def _patience(self, what: str) -> float:
-        """Seconds a wait for ``what`` may still last: until WAIT_TIMEOUT_S pass with no
-        piece handed over or finished. Raises WaitTimeoutError once they have."""
-        left = self._progress + WAIT_TIMEOUT_S - time.monotonic()
-        if left <= 0:
-            raise self._timeout(what)
-        return left
+    def _patience(self) -> float:
+        """Seconds a wait on the helpers may still last: until WAIT_TIMEOUT_S pass with
+        no piece handed to them or finished by them."""
+        return self._progress + WAIT_TIMEOUT_S - time.monotonic()
 
     def _timeout(self, what: str) -> WaitTimeoutError:
         """The error of a wait for the helpers during which none finished a piece for
@@ -360,9 +358,9 @@ class _PipelinedSink:
         self.size += len(view)
         self.direct_bytes += len(view)
         if wait:
-            what = f"a direct write of {len(view)} bytes"
-            while not done.wait(self._patience(what)):
-                pass
+            while not done.wait(max(self._patience(), 1e-3)):
+                if self._patience() <= 0:
+                    raise self._timeout(f"a direct write of {len(view)} bytes")
             self._raise_if_failed()
 
     def _copy(self, view: memoryview) -> None:
@@ -454,10 +452,9 @@ class _PipelinedSink:
             for _ in range(_WRITERS):
                 self._to_disk.put(None)
             while alive := [t for t in self._threads if t.is_alive()]:
-                left = self._progress + WAIT_TIMEOUT_S - time.monotonic()
-                if left <= 0:
+                if self._patience() <= 0:
                     return False
-                alive[0].join(left)
+                alive[0].join(self._patience())
         return not any(t.is_alive() for t in self._threads)
 
     def close(self, *, quiet: bool = False) -> None:

@@ -98,6 +98,23 @@ class TestWriterWaits:
         loaded = torch.load(tmp_path / "model.pt", weights_only=True)
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
+    def test_a_pause_of_the_saving_thread_is_not_a_hang(self, tmp_path, monkeypatch):
+        """The bound counts from the last piece handed over or finished: a free chunk
+        found after the saver itself paused longer than the bound is taken."""
+        monkeypatch.setattr(torchfile, "WAIT_TIMEOUT_S", 0.2)
+        monkeypatch.setattr(torchfile, "_IO_CHUNK", 64 << 10)
+        monkeypatch.setattr(torchfile, "_IO_CHUNKS", 1)
+        path = tmp_path / "raw.bin"
+        sink = torchfile._PipelinedSink(str(path))
+        try:
+            sink.write(b"a" * (64 << 10))  # fills the one chunk: handed to the writers
+            time.sleep(0.5)  # e.g. a slow device-to-host copy of the next storage
+            sink.write(b"b" * (64 << 10))
+            sink.finish()
+        finally:
+            sink.close()
+        assert path.read_bytes() == b"a" * (64 << 10) + b"b" * (64 << 10)
+
 
 class TestStagingWaits:
     """The writer's and the next save's waits for an overlapped copy are bounded."""
