@@ -91,6 +91,18 @@ class TestOneOutcome:
         with pytest.raises(SaveError, match="finished, but reporting it to the monitor failed"):
             job.outcome.result(timeout=5)
 
+    def test_a_failure_is_one_line_without_colour_and_keeps_its_cause(self):
+        """A Ray error's text is its remote traceback, in colour: the SaveError is one line."""
+        remote = RuntimeError("ray::CheckpointMonitor.notify_finished()\n  \x1b[36mFile x\x1b[0m")
+        job = _job(FakeLink(finish_error=remote))
+        job.run(lambda: [], None, 0.0)
+        error = job.outcome.exception(timeout=5)
+        assert str(error) == (
+            "background save 'model' of step 3 (checkpoint) finished, but reporting it to "
+            "the monitor failed: RuntimeError: ray::CheckpointMonitor.notify_finished() File x"
+        )
+        assert error.__cause__ is remote
+
 
 class TestWatchdog:
     """A save past ``save_timeout`` fails once, by the watchdog; its late end reports nothing."""
