@@ -35,7 +35,8 @@ from obsckpt.options import MONITOR_ACTOR_NAME
 
 logger = logging.getLogger(__name__)
 
-_identity_warned = threading.Event()
+# Whether this process has logged that Ray could not tell its identity (once is enough).
+_identity_warned = False
 
 
 def ray_identity() -> tuple[str, str]:
@@ -58,9 +59,10 @@ def ray_identity() -> tuple[str, str]:
             why = f"Ray's runtime context has node id {node_id!r} and job id {job_id!r}"
     except Exception as exc:  # noqa: BLE001 - the fallback below still names this process
         why = f"Ray's runtime context failed: {one_line(exc)}"
+    global _identity_warned
     node_id, job_id = f"host:{socket.gethostname()}", f"pid:{os.getpid()}"
-    if not _identity_warned.is_set():
-        _identity_warned.set()
+    if not _identity_warned:
+        _identity_warned = True
         logger.warning(
             "obsckpt: %s; this process reports its saves as node %r, job %r", why, node_id, job_id
         )
