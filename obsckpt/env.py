@@ -21,6 +21,8 @@ OBSCKPT_DIRECT_IO = "OBSCKPT_DIRECT_IO"
 OBSCKPT_EXIT_WAIT_S = "OBSCKPT_EXIT_WAIT_S"
 # How long verl's patched trainer waits for a step's commit (seconds).
 OBSCKPT_VERL_COMMIT_TIMEOUT_S = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
+# "1": a checkpoint manager's save_checkpoint returns only once its files are durable.
+OBSCKPT_SYNC_SAVE = "OBSCKPT_SYNC_SAVE"
 # Set in `obsckpt demo`'s driver process: the id of the process that started it.
 OBSCKPT_DEMO_DRIVER = "OBSCKPT_DEMO_DRIVER"
 
@@ -29,6 +31,7 @@ VARIABLES = (
     OBSCKPT_DIRECT_IO,
     OBSCKPT_EXIT_WAIT_S,
     OBSCKPT_VERL_COMMIT_TIMEOUT_S,
+    OBSCKPT_SYNC_SAVE,
     OBSCKPT_DEMO_DRIVER,
 )
 

@@ -12,11 +12,12 @@ checkpoint sync, the demo's resume) reads through :class:`CommittedStep`:
    few globals of :data:`ALLOWED_GLOBALS`; a file naming any other global is
    refused with its path and the global.
 
-The file is read once: into a private memory file (``memfd``) that no other
-process can change, its CRC32 computed on the way, and ``torch.load`` then
-maps that memory (``mmap=True``) instead of copying it again; the loaded
-tensors live in it. Where ``memfd`` is missing the bytes are read into memory
-and loaded from there.
+The file is opened once and checked through that descriptor (a CRC32 pass
+over a read-only mapping, which brings it into the page cache); ``torch.load``
+then reads the same open file from the page cache, so it is read from disk
+once. A file changed while it was loaded (its size or times moved) fails the
+load, and what was read is dropped. The tensors are ordinary memory, not a
+mapping of the file.
 
 Code that calls ``torch.load`` itself (verl's checkpoint managers) is run
 inside :func:`verified_torch_load`, which sends this thread's ``torch.load``
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
-import io
 import mmap
 import os
 import pickle
@@ -43,11 +42,9 @@ import torch
 from obsckpt import layout, reader
 from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
 
-_CHUNK = 16 << 20
 # What torch.load(weights_only=True) says when it refuses a global: "Unsupported global:
 # GLOBAL x.y" (torch <= 2.12) or "unsupported GLOBAL x.y" (later wordings).
 _REFUSED_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)")
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _enum_member(cls: Any, name: str) -> Any:
@@ -201,19 +198,24 @@ class CommittedStep:
         return rec
 
     @contextlib.contextmanager
-    def open_verified(self, path: str | os.PathLike) -> Iterator[str | io.BytesIO]:
-        """``path``'s bytes, checked against the manifest, as a path or buffer to load from.
+    def open_verified(self, path: str | os.PathLike) -> Iterator[str]:
+        """``path`` checked against the manifest, as a path to load from inside the ``with``.
 
-        Yields a ``/proc/self/fd`` path of a private memory file holding the bytes
-        (valid inside the ``with``), or a BytesIO where memory files are unavailable.
+        The file is opened once; its size and CRC32 are checked through that
+        descriptor (which brings it into the page cache: the load that follows
+        reads it from there, not from disk again), and the path yielded names
+        the same open file (``/proc/self/fd/<n>``), so a file renamed into its
+        place meanwhile is not what is loaded. When the ``with`` ends, the file
+        must not have changed (size, modification and change times): a write
+        into it during the load fails the load.
 
         Raises:
-            UnverifiedCheckpointError: not listed, unreadable, or its size or CRC32
-                differs from the manifest's.
+            UnverifiedCheckpointError: not listed, unreadable, its size or CRC32
+                differs from the manifest's, or it changed while it was loaded.
         """
         rec = self.record(path)
         try:
-            src = reader.open_regular(path)
+            fd = reader.open_regular(path)
         except FileNotFoundError:
             raise UnverifiedCheckpointError(
                 f"{path} is missing, but {self.dir / layout.MANIFEST_NAME} lists it: the "
@@ -223,47 +225,26 @@ class CommittedStep:
             raise UnverifiedCheckpointError(
                 f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
             ) from exc
-        memfd = -1
         try:
-            size = os.fstat(src).st_size
-            self._check_size(path, size, rec)
-            memfd = _memfd()
-            if memfd < 0:
-                data = bytearray(size)
-                self._read_into(src, memoryview(data), path, rec)
-                yield io.BytesIO(data)
-                return
+            before = os.fstat(fd)
+            self._check_size(path, before.st_size, rec)
             try:
-                self._copy_checked(src, memfd, size, path, rec)
+                crc = _crc_of(fd, before.st_size)
             except OSError as exc:
                 raise UnverifiedCheckpointError(
                     f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
                 ) from exc
-            yield f"/proc/self/fd/{memfd}"
+            self._check_crc(path, crc, rec)
+            yield f"/proc/self/fd/{fd}" if _PROC_FD else os.fspath(path)
+            after = os.fstat(fd)
+            if _stamp(after) != _stamp(before):
+                raise UnverifiedCheckpointError(
+                    f"{path} changed while it was loaded (size {before.st_size} -> "
+                    f"{after.st_size}): something is writing into a committed step; what was "
+                    "read is dropped"
+                )
         finally:
-            os.close(src)
-            if memfd >= 0:
-                os.close(memfd)  # the mapping torch.load made keeps the memory alive
-
-    def _copy_checked(
-        self, src: int, memfd: int, size: int, path: Any, rec: layout.FileRecord
-    ) -> None:
-        """Copy ``src`` into the memory file ``memfd``; check its size and CRC32 there."""
-        if not _send(src, memfd, size):  # sendfile refused: copy through user space
-            os.ftruncate(memfd, size)
-            with mmap.mmap(memfd, size, flags=mmap.MAP_SHARED) if size else _empty() as mm:
-                view = memoryview(mm)
-                try:
-                    self._read_into(src, view, path, rec)
-                finally:
-                    view.release()
-            return
-        copied = os.fstat(memfd).st_size
-        if copied != rec.size or os.pread(src, 1, copied):
-            self._changed(path, rec)
-        # Checked in the private copy, which no other process can change.
-        with mmap.mmap(memfd, size, prot=mmap.PROT_READ) if size else _empty() as mm:
-            self._check_crc(path, reader.crc32(mm), rec)
+            os.close(fd)
 
     def _check_size(self, path: Any, size: int, rec: layout.FileRecord) -> None:
         if size != rec.size:
@@ -272,26 +253,6 @@ class CommittedStep:
                 f"{path} is {what}: {size} bytes, the step's manifest says {rec.size}; the "
                 "step is damaged (see `obsckpt verify`), resume from another step"
             )
-
-    def _read_into(self, fd: int, view: memoryview, path: Any, rec: layout.FileRecord) -> None:
-        crc = 0
-        offset = 0
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            while offset < len(view):
-                n = f.readinto(view[offset : offset + _CHUNK])
-                if not n:
-                    break
-                crc = reader.crc32(view[offset : offset + n], crc)
-                offset += n
-            if offset != rec.size or f.read(1):
-                self._changed(path, rec)
-        self._check_crc(path, crc, rec)
-
-    def _changed(self, path: Any, rec: layout.FileRecord) -> None:
-        raise UnverifiedCheckpointError(
-            f"{path} changed size while it was read; the step's manifest says "
-            f"{rec.size} bytes. Something is writing into a committed step"
-        )
 
     def _check_crc(self, path: Any, crc: int, rec: layout.FileRecord) -> None:
         if crc != rec.crc32:
@@ -303,11 +264,8 @@ class CommittedStep:
 
     def read_bytes(self, path: str | os.PathLike) -> bytes:
         """``path``'s bytes, checked against the manifest (for safetensors and JSON)."""
-        with self.open_verified(path) as source:
-            if isinstance(source, io.BytesIO):
-                return source.getvalue()
-            with open(source, "rb") as f:
-                return f.read()
+        with self.open_verified(path) as source, open(source, "rb") as f:
+            return f.read()
 
     def torch_load(self, path: str | os.PathLike, map_location: Any = None) -> Any:
         """``torch.load`` of ``path`` after its check, with ``weights_only=True`` always.
@@ -317,8 +275,7 @@ class CommittedStep:
             UnsafeCheckpointError: the file names a global outside :data:`ALLOWED_GLOBALS`.
         """
         with self.open_verified(path) as source:
-            mapped = isinstance(source, str) and _is_zip(source)
-            return safe_torch_load(source, path, map_location=map_location, mapped=mapped)
+            return safe_torch_load(source, path, map_location=map_location)
 
     def verify_all(self, under: str | os.PathLike | None = None) -> int:
         """Check every file under ``under`` (default: the whole step); the number checked.
@@ -346,47 +303,22 @@ class CommittedStep:
         return checked
 
 
-def _empty() -> contextlib.nullcontext[bytearray]:
-    return contextlib.nullcontext(bytearray())
+_PROC_FD = os.path.isdir("/proc/self/fd")
 
 
-def _memfd() -> int:
-    """A new private memory file, or -1 where there are none."""
-    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
-        return -1
-    try:
-        return os.memfd_create("obsckpt-load", os.MFD_CLOEXEC)
-    except OSError:
-        return -1
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _send(src: int, dst: int, size: int) -> bool:
-    """Copy ``src`` (up to its end) into ``dst`` in the kernel; False where sendfile cannot.
-
-    No page of it passes through this process: the copy costs what a read does,
-    without the faults of writing into fresh memory.
-    """
-    offset = 0
-    while True:
-        try:
-            n = os.sendfile(dst, src, offset, max(size - offset, _CHUNK))
-        except OSError as exc:
-            if offset == 0 and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                return False
-            raise
-        if n == 0:
-            return True
-        offset += n
+def _crc_of(fd: int, size: int) -> int:
+    """CRC32 of the open file ``fd`` (``size`` bytes), through a read-only mapping."""
+    if size == 0:
+        return 0
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        return reader.crc32(mm)
 
 
-def _is_zip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == _ZIP_MAGIC
-
-
-def safe_torch_load(
-    source: Any, shown: Any, *, map_location: Any = None, mapped: bool = False
-) -> Any:
+def safe_torch_load(source: Any, shown: Any, *, map_location: Any = None) -> Any:
     """``torch.load(source, weights_only=True)`` with :data:`ALLOWED_GLOBALS`, errors named.
 
     ``shown`` is the path errors name (``source`` may be a buffer or a memory file).
@@ -399,7 +331,7 @@ def safe_torch_load(
     allowed = [entry for entry, _why in ALLOWED_GLOBALS]
     try:
         with torch.serialization.safe_globals(allowed):
-            return _ORIGINAL_LOAD(source, map_location=map_location, weights_only=True, mmap=mapped)
+            return _ORIGINAL_LOAD(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         refused = _REFUSED_GLOBAL.search(str(exc))
         if refused is None:

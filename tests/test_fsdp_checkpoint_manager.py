@@ -34,11 +34,12 @@ class Rank:
         self.namespace = namespace
         self.restart_manager()
 
-    def restart_manager(self) -> None:
+    def restart_manager(self, sync_save: bool | None = None) -> None:
         """A new manager, as a restarted worker builds it: it knows nothing of earlier saves."""
         from obsckpt.integrations import FSDPCheckpointManager
 
         self.manager = FSDPCheckpointManager(
+            sync_save=sync_save,
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.scheduler,
@@ -68,6 +69,15 @@ class Rank:
         counts = self.manager.save_checkpoint(path, global_step=step, max_ckpt_to_keep=keep)
         self.manager.wait_on_save_thread(timeout=120)
         return counts
+
+    def save_and_list(self, root: str, step: int) -> list[str]:
+        """Save, then at once (no wait) this rank's files that are already in place."""
+        from obsckpt import layout
+
+        path = os.path.join(root, f"global_step_{step}", "actor")
+        self.manager.save_checkpoint(path, global_step=step, max_ckpt_to_keep=None)
+        mine = [layout.shard_name(k, 2, self.manager.rank) for k in layout.SHARD_KINDS]
+        return sorted(n for n in os.listdir(path) if n in mine)
 
     def save_state_dict(self, root: str, step: int) -> int:
         path = os.path.join(root, f"global_step_{step}", "actor")
@@ -167,6 +177,14 @@ def test_save_resume_and_retention(namespace, tmp_path):
         (other / f"model_world_size_4_rank_{rank}.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"saved by 4 ranks .* this job runs 2 ranks"):
         both("load", str(root), 9)
+
+    # sync_save: save_checkpoint returns with this rank's files in place, as verl's does.
+    both("restart_manager", True)
+    both("train", 5)
+    for rank, names in enumerate(both("save_and_list", str(root), 5)):
+        assert names == sorted(
+            f"{k}_world_size_2_rank_{rank}.pt" for k in ("model", "optim", "extra_state")
+        )
 
     # Step 4 was saved but never committed: nothing of it is loaded.
     with pytest.raises(UnverifiedCheckpointError, match="step 4 in .* is not committed|never"):

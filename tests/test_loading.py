@@ -46,7 +46,7 @@ class TestWhatIsLoaded:
         sdir = committed(tmp_path, 3)
         got = loading.load(sdir / SHARD)
         assert torch.equal(got["w"], torch.arange(6.0))
-        # It lives in private memory, not in the file: the file can go.
+        # It lives in memory of its own, not in the file: the file can go.
         (sdir / SHARD).unlink()
         assert got["w"].sum().item() == 15.0
 
@@ -106,20 +106,24 @@ class TestWhatIsLoaded:
         assert loading.load(sdir / SHARD)["w"].tolist() == [1.0, 1.0, 1.0]
         assert loading.load(sdir / "legacy.pt")["w"].tolist() == [1.0, 1.0]
 
-    @pytest.mark.parametrize("where", ["no memory files", "no sendfile"])
-    def test_without_memory_files_or_sendfile_the_same_checks_hold(
-        self, tmp_path, monkeypatch, where
-    ):
-        if where == "no memory files":
-            monkeypatch.setattr(loading, "_memfd", lambda: -1)
-        else:
-            monkeypatch.setattr(loading, "_send", lambda src, dst, size: False)
+    def test_without_proc_the_path_itself_is_loaded(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(loading, "_PROC_FD", False)
         sdir = committed(tmp_path, 1)
         assert torch.equal(loading.load(sdir / SHARD)["w"], torch.arange(6.0))
-        data = bytearray((sdir / SHARD).read_bytes())
-        data[len(data) // 2] ^= 0x10
-        (sdir / SHARD).write_bytes(bytes(data))
-        with pytest.raises(UnverifiedCheckpointError, match="is corrupted"):
+
+    def test_a_file_written_into_while_it_loads_is_dropped(self, tmp_path, monkeypatch):
+        sdir = committed(tmp_path, 1)
+        real = loading.safe_torch_load
+
+        def load_while_someone_writes(source, shown, **kwargs):
+            obj = real(source, shown, **kwargs)
+            with open(sdir / SHARD, "r+b") as f:  # in place: same inode, same size
+                f.seek(100)
+                f.write(b"\0")
+            return obj
+
+        monkeypatch.setattr(loading, "safe_torch_load", load_while_someone_writes)
+        with pytest.raises(UnverifiedCheckpointError, match="changed while it was loaded"):
             loading.load(sdir / SHARD)
 
 

@@ -44,6 +44,7 @@ import torch.distributed
 
 from obsckpt import commit, layout, loading, reader
 from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.integrations import verl_install
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
@@ -61,6 +62,14 @@ from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"{OBSCKPT_SYNC_SAVE}={text!r}: set it to 1 (synchronous saves) or 0")
+    return text == "1"
+
+
 # verl's class, even where verl_install has bound obsckpt's to verl's name.
 VerlFSDPCheckpointManager = verl_install.original(
     "verl.utils.checkpoint.fsdp_checkpoint_manager", "FSDPCheckpointManager"
@@ -79,6 +88,13 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         coordinator: a coordinator to use (default: one for this rank).
         synchronizer: the Synchronizer handle (default: looked up on first upload).
         save_timeout: passed to the default coordinator.
+        sync_save: ``save_checkpoint`` returns only once this rank's files are durable
+            (written, fsynced, renamed into place and reported to the monitor), as
+            verl's own synchronous save does, for code that reads the files right
+            after it returns (verl's own tests do). Default: the ``OBSCKPT_SYNC_SAVE``
+            variable (``1``), else off: saves run in the background and training
+            stalls only for the snapshot. The step still commits when the trainer
+            submits it (verl_install's trainer does, and waits for the commit).
     """
 
     def __init__(
@@ -89,9 +105,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         coordinator: CheckpointCoordinator | None = None,
         synchronizer: Any = None,
         save_timeout: float | None = None,
+        sync_save: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.sync_save = from_env_if_absent(sync_save, OBSCKPT_SYNC_SAVE, False, _flag)
         self.ray_namespace = ray_namespace or None
         if monitor is None and coordinator is None:
             monitor = self._lookup(MONITOR_ACTOR_NAME)
@@ -271,6 +289,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         if self.rank == 0:
             self.previous_saved_paths.append(local_path)
             self.enforce_retention(max_ckpt_to_keep)
+        if self.sync_save:
+            self.coordinator.wait_all()
         return counts
 
     def load_checkpoint(
