@@ -52,6 +52,8 @@ SYNCHRONIZER_ACTOR_NAME = "synchronizer"
 ACTOR_NAME = MONITOR_ACTOR_NAME  # the monitor's, as obsckpt.monitor has always exported it
 
 DEFAULT_LEASE_TIMEOUT_S = 120.0
+# What a starting monitor does with an iteration file naming a step that is not whole.
+ON_BAD_ITERATION = ("refuse", "rewind")
 
 
 def lookup_actor(
@@ -114,6 +116,11 @@ class MonitorOptions:
             expires a save.
         max_slot_labels: distinct slot names kept as the ``slot`` label of the
             metrics; saves of later new slots are recorded as ``slot="_other"``.
+        on_bad_iteration: what a starting monitor does when an iteration file names
+            a step that is not whole (missing, no manifest, a listed file gone or of
+            another size): ``"refuse"`` (the default) fails its start with one line
+            saying so; ``"rewind"`` points the file at the latest whole step on disk
+            first, as ``obsckpt repair`` does (logged; nothing is deleted).
     """
 
     default_local_dir: str
@@ -126,8 +133,13 @@ class MonitorOptions:
     trace_exporter: str | None = None
     lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S
     max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS
+    on_bad_iteration: str = "refuse"
 
     def __post_init__(self) -> None:
+        if self.on_bad_iteration not in ON_BAD_ITERATION:
+            raise ValueError(
+                f"on_bad_iteration must be one of {ON_BAD_ITERATION}, got {self.on_bad_iteration!r}"
+            )
         if self.default_local_dir is None:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
         # The strategy and paths are normalised in place: a frozen dataclass allows it here.

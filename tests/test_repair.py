@@ -1,15 +1,27 @@
 """Iteration files naming a step that is not whole: found, and rewound by `obsckpt repair`
-to the latest whole step, atomically, deleting nothing. Plain files, no Ray."""
+to the latest whole step, atomically, deleting nothing. Plain files; the monitor's start-up check with a local Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import time
 
 import pytest
+import ray
 import torch
 
-from obsckpt import commit, layout, reader, repair, rootlock
+from obsckpt import (
+    CheckpointCoordinator,
+    CheckpointMonitor,
+    commit,
+    layout,
+    reader,
+    repair,
+    rootlock,
+)
 from obsckpt.cli import main
+from obsckpt.errors import IterationFileError
 from obsckpt.torchfile import write_torch_file
 
 
@@ -132,3 +144,53 @@ class TestRepair:
             lock.release()
         assert code == 2 and "a running monitor holds this root" in err
         assert reader.read_iteration(root, "checkpoint") == 1000000
+
+
+class TestMonitorStart:
+    """A monitor never starts on a root whose iteration file names a step that is not whole
+    (it would take every newer save for a re-save, and commit nothing); with
+    on_bad_iteration="rewind" it repairs the file first and commits from there."""
+
+    @pytest.mark.parametrize("named", ["not on disk", "uncommitted"])
+    def test_refused_with_one_line_that_says_how_to_repair(self, namespace, root, named):
+        if named == "uncommitted":
+            step(root, 1000000, commit_it=False)
+        commit.write_iteration(root, "checkpoint", 1000000)
+        with pytest.raises(IterationFileError) as info:
+            CheckpointMonitor.get_actor(
+                namespace=namespace, default_local_dir=str(root), metrics_port=None
+            )
+        msg = str(info.value)
+        assert "\n" not in msg
+        assert "latest_checkpointed_iteration.txt names step 1000000" in msg
+        assert "the latest whole step on disk is step 4" in msg
+        assert f"obsckpt repair {root}" in msg and "on_bad_iteration='rewind'" in msg
+        with pytest.raises(ValueError):  # no monitor was left running
+            ray.get_actor("checkpoint_monitor", namespace=namespace)
+        assert reader.read_iteration(root, "checkpoint") == 1000000
+
+    def test_rewind_repairs_and_later_steps_commit(self, namespace, root):
+        commit.write_iteration(root, "checkpoint", 1000000)
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            default_local_dir=str(root),
+            metrics_port=None,
+            on_bad_iteration="rewind",
+        )
+        status = ray.get(monitor.status.remote())
+        assert status["iteration_repairs"] == [
+            f"{root / 'latest_checkpointed_iteration.txt'}: step 1000000 -> 4 "
+            f"({layout.step_dir(root, 1000000)} does not exist)"
+        ]
+        assert reader.read_iteration(root, "checkpoint") == 4
+        coord = CheckpointCoordinator(monitor, rank=0)
+        path = layout.model_dir(root, 6) / "model_world_size_1_rank_0.pt"
+        coord.save_state_dict_async("model", {"w": torch.ones(2)}, str(path), 6)
+        coord.wait_all(timeout=60)
+        asyncio.run(coord.register_and_monitor(6, checkpoint_thread_count=1))
+        for _ in range(200):
+            if reader.read_iteration(root, "checkpoint") == 6:
+                break
+            time.sleep(0.05)
+        assert reader.read_iteration(root, "checkpoint") == 6
+        ray.kill(monitor)

@@ -28,6 +28,7 @@ from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.monitor.lease_watch import LeaseWatch
 from obsckpt.monitor.lifecycle import (
     DeadNodes,
+    check_iterations_at_start,
     in_actor,
     recover_last_commits,
     start_actor,
@@ -87,6 +88,7 @@ class CheckpointMonitor(MeasurementRPCs):
         registry: CollectorRegistry | None = None,
         lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S,
         max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
+        on_bad_iteration: str = "refuse",
         options: MonitorOptions | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -102,6 +104,7 @@ class CheckpointMonitor(MeasurementRPCs):
                 trace_exporter=trace_exporter,
                 lease_timeout_s=lease_timeout_s,
                 max_slot_labels=max_slot_labels,
+                on_bad_iteration=on_bad_iteration,
             )
         self.options = options
         # The monitor's process is obsckpt's own: its endpoint serves no *_created series.
@@ -130,6 +133,11 @@ class CheckpointMonitor(MeasurementRPCs):
     def _start(
         self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
     ) -> None:
+        # A job's start: iteration files must name whole steps (a restarted monitor's
+        # were written by the one it replaces, in this job).
+        self.iteration_repairs = (
+            [] if restarted else check_iterations_at_start(self.root, options.on_bad_iteration)
+        )
         latest = {k: reader.read_iteration(self.root, k) for k in KINDS}
         # A job's start, under the root's lock and before any save is admitted: no
         # writer can still be using a temp file older than the last commit. (A monitor
@@ -229,6 +237,7 @@ class CheckpointMonitor(MeasurementRPCs):
         max_restarts: int = -1,
         lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S,
         max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
+        on_bad_iteration: str = "refuse",
     ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -272,6 +281,7 @@ class CheckpointMonitor(MeasurementRPCs):
             trace_exporter=trace_exporter,
             lease_timeout_s=lease_timeout_s,
             max_slot_labels=max_slot_labels,
+            on_bad_iteration=on_bad_iteration,
         )
         return start_actor(cls, options, max_restarts=max_restarts)
 
@@ -486,6 +496,7 @@ class CheckpointMonitor(MeasurementRPCs):
             lock_recreated=self._root_lock.recreated,
             committing=self._committer.progress.current(),
             node_queries_failed=self._dead_nodes.failures,
+            iteration_repairs=self.iteration_repairs,
         )
 
     async def debug_spans(self) -> list[dict[str, Any]]:

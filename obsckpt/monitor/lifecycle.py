@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from obsckpt import commit, layout, rootlock
+from obsckpt import commit, layout, repair, rootlock
+from obsckpt.errors import IterationFileError
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
 
@@ -116,6 +117,30 @@ def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | 
         core.set_last_commit_age(kind, core.clock.time() - when)
 
 
+def check_iterations_at_start(root: str | os.PathLike[str], on_bad: str) -> list[str]:
+    """Check that ``root``'s iteration files name whole steps; what was rewound, if anything.
+
+    With ``on_bad="rewind"`` a file naming a step that is not whole is pointed at
+    the latest whole one (:func:`obsckpt.repair.rewind`, which deletes nothing).
+
+    Raises:
+        IterationFileError: one names a step that is not whole and ``on_bad`` is
+            ``"refuse"``; one line naming the file, the step, the latest whole
+            step and the two ways to repair it.
+    """
+    bad = repair.check_iterations(root)
+    if not bad:
+        return []
+    if on_bad == "rewind":
+        return repair.rewind(root)
+    raise IterationFileError(
+        f"{bad[0].describe()}. A monitor started on it would take every newer save for a "
+        "re-save of a committed step, and a resume would load a step that is not whole. "
+        f"Run `obsckpt repair {root}`, or start the monitor with on_bad_iteration='rewind', "
+        "to point it at the latest whole step (nothing is deleted)"
+    )
+
+
 def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -> Any:
     """The monitor actor of ``options.namespace``, created from ``cls`` if none runs.
 
@@ -135,6 +160,8 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
         # None runs in this namespace: a monitor holding the root is another job's
         # (or one this job just killed, whose process is ending).
         rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
+        if options.on_bad_iteration == "refuse":  # the actor checks again, under the lock
+            check_iterations_at_start(root, "refuse")
     actor_options: dict[str, Any] = dict(
         name=MONITOR_ACTOR_NAME,
         get_if_exists=True,

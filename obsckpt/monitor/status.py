@@ -20,6 +20,7 @@ def status_view(
     lock_recreated: int = 0,
     committing: dict[str, Any] | None = None,
     node_queries_failed: int = 0,
+    iteration_repairs: list[str] | None = None,
 ) -> dict[str, Any]:
     """Latest committed steps, pending, failed and abandoned steps, saves in flight.
 
@@ -29,7 +30,8 @@ def status_view(
     does); ``lock_recreated`` counts the times its lock file was found deleted
     and locked anew; ``committing`` is the commit running now, with its phase and since
     when; ``node_queries_failed`` counts the times Ray could not be asked which
-    nodes are dead.
+    nodes are dead; ``iteration_repairs`` says which iteration files the monitor
+    pointed at the latest whole step at start (``on_bad_iteration="rewind"``).
 
     ``resaves`` counts every notification about a closed step that was
     accepted and changed nothing: re-saves proper, and registrations,
@@ -103,4 +105,5 @@ def status_view(
         "lock_recreated": lock_recreated,
         "committing": committing,
         "node_queries_failed": node_queries_failed,
+        "iteration_repairs": list(iteration_repairs or []),
     }
