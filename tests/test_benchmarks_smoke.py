@@ -34,6 +34,8 @@ EXPECTED = {
     "first_save_vs_warm": "<= 1.5",
     "peer_dcp_stall_ratio": ">= 1.3",
     "peer_dcp_durable_ratio": ">= 1.1",
+    "small_tensor_bytes_vs_torch_save": "<= 1.2",
+    "verified_load_vs_plain": "<= 1.15",
 }
 GPU_ONLY = (
     "gpu_stall_vs_d2h",
@@ -43,6 +45,7 @@ GPU_ONLY = (
     "gpu_overlapped_stall_vs_d2h",
     "nccl_bucketed_vs_per_tensor",
     "nccl_broadcast_vs_raw",
+    "verified_load_vs_plain_cuda",
 )
 
 
