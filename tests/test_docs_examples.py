@@ -76,6 +76,43 @@ class TestReadmeUsage:
             assert torch.equal(saved[key], value)
 
 
+class TestReadmeTrace:
+    """README's example makes one trace per step: run as written (its own process, tracing
+    to memory), the saves on their background threads and the submission are all in the
+    trace of the step's obsckpt.checkpoint span, none a root of its own."""
+
+    def test_one_trace_per_step(self, ray_cluster, namespace, tmp_path):
+        import json
+        import os
+        import subprocess
+        import sys
+
+        code = example("README.md", "CheckpointCoordinator(monitor)")
+        code = fill(code, '"/tmp/obsckpt-example"', repr(str(tmp_path / "ckpt")))
+        code = fill(code, 'namespace="job"', f"namespace={namespace!r}")
+        code += (
+            "\nimport json\nfrom obsckpt.telemetry import tracing\ncoord.close()\n"
+            "ray.kill(monitor)\nprint('SPANS ' + json.dumps(tracing.finished_spans()))\n"
+        )
+        env = dict(
+            os.environ,
+            OTEL_TRACES_EXPORTER="memory",
+            RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address,
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith("SPANS "))
+        spans = json.loads(line.removeprefix("SPANS "))
+        names = sorted(sp["name"] for sp in spans)
+        assert names.count("obsckpt.checkpoint") == 1 and names.count("obsckpt.save") == 2, names
+        assert len({sp["trace_id"] for sp in spans}) == 1, spans
+        ids = {sp["span_id"] for sp in spans}
+        roots = [sp["name"] for sp in spans if sp["parent_span_id"] not in ids]
+        assert roots == ["obsckpt.checkpoint"], roots
+
+
 class TestWeightSyncExamples:
     """docs/weight_sync.md's Synchronizer and broadcast examples deliver the trainer's weights."""
 
