@@ -20,15 +20,27 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as common_m
 from grafana_foundation_sdk.models import dashboard as dash_m
 
+from dashboards.alerts import AlertThresholds
+
 UID = "obsckpt"
 TITLE = "obsckpt: checkpointing"
 DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TEMPO_UID = "tempo"
 
-# Every query carries this matcher; a test checks it.
-JOB = 'job=~"$job"'
+# Every query carries these matchers, so several monitors (training jobs) in one
+# scrape job, or in one Ray namespace, are told apart; a test checks it. A target
+# without the namespace label (a static scrape config) matches the "All" value .*.
+JOB = 'job=~"$job", instance=~"$instance", obsckpt_namespace=~"$namespace"'
 RATE = "$__rate_interval"
+# Latencies are histograms observed once per save: a rate over $__rate_interval
+# (about a minute) is empty between saves, so a job saving every 10 minutes or every
+# hour would show no latency at all. They are read over $window (default 2h,
+# longer than the longest save interval worth supporting) instead.
+WINDOW = "$window"
+WINDOWS = ("2h", "15m", "1h", "6h", "1d")
 QUANTILES = (0.5, 0.95, 0.99)
+# Alert thresholds drawn on the panels they refer to.
+ALERTS = AlertThresholds()
 
 
 def m(metric: str, *matchers: str) -> str:
@@ -37,11 +49,16 @@ def m(metric: str, *matchers: str) -> str:
 
 
 def quantiles(metric: str, by: tuple[str, ...], legend: str) -> list[tuple[str, str]]:
-    """p50/p95/p99 targets of a histogram, aggregated over everything but ``by``."""
+    """Mean and p50/p95/p99 targets of a histogram over ``$window``, by ``by``."""
     keys = ", ".join(("le", *by))
-    return [
+    group = f"sum by ({', '.join(by)})" if by else "sum"
+    mean = (
+        f"{group} (increase({m(metric + '_sum')}[{WINDOW}]))"
+        f" / {group} (increase({m(metric + '_count')}[{WINDOW}]))"
+    )
+    return [(mean, f"mean {legend}".rstrip())] + [
         (
-            f"histogram_quantile({q:g}, sum by ({keys}) (rate({m(metric + '_bucket')}[{RATE}])))",
+            f"histogram_quantile({q:g}, sum by ({keys}) (increase({m(metric + '_bucket')}[{WINDOW}])))",
             f"p{round(q * 100)} {legend}".rstrip(),
         )
         for q in QUANTILES
@@ -65,7 +82,21 @@ class PanelSpec:
     width: int = 12
     height: int = 8
     instant: bool = False
+    # (value, colour) steps, the first from -infinity (value None): a stat panel is
+    # coloured by them, a time series draws them as lines. None: a stat panel shows
+    # its value uncoloured (a step number, a count, a timestamp), a time series
+    # draws no line.
+    thresholds: tuple[tuple[float | None, str], ...] | None = None
     extra: dict = field(default_factory=dict)
+
+
+# Red as soon as anything failed; green at 0.
+FAILURES_RED = ((None, "green"), (1, "red"))
+
+
+def alert_line(seconds: float, colour: str = "red") -> tuple[tuple[float | None, str], ...]:
+    """Green below an alert's threshold, ``colour`` at and above it."""
+    return ((None, "green"), (seconds, colour))
 
 
 ROWS: list[tuple[str, list[PanelSpec]]] = [
@@ -74,9 +105,14 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Latest committed step",
-                "Step named by latest_*_iteration.txt.",
+                "Step named by latest_*_iteration.txt, per monitor (one per training job).",
                 "none",
-                [(f"max by (kind) ({m('obsckpt_latest_step')})", "{{kind}}")],
+                [
+                    (
+                        f"max by (instance, kind) ({m('obsckpt_latest_step')})",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
                 viz="stat",
                 width=4,
                 height=5,
@@ -96,6 +132,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     )
                 ],
                 viz="stat",
+                thresholds=alert_line(ALERTS.no_commit_seconds, "orange"),
                 width=4,
                 height=5,
             ),
@@ -103,14 +140,20 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "Pending steps",
                 "Steps with saves started or registered that are not committed, failed or superseded.",
                 "none",
-                [(f"sum by (kind) ({m('obsckpt_pending_steps')})", "{{kind}}")],
+                [
+                    (
+                        f"sum by (instance, kind) ({m('obsckpt_pending_steps')})",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
                 viz="stat",
                 width=4,
                 height=5,
             ),
             PanelSpec(
                 "Oldest pending step age",
-                "Empty when nothing is pending (the start timestamp is 0).",
+                "Of the monitors scraped, the oldest pending step; red past the threshold of "
+                "ObsckptCommitStalled. Empty when nothing is pending (the start timestamp is 0).",
                 "s",
                 [
                     (
@@ -120,6 +163,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     )
                 ],
                 viz="stat",
+                thresholds=alert_line(ALERTS.commit_stall_seconds),
                 width=4,
                 height=5,
             ),
@@ -127,7 +171,12 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "Saves in flight",
                 "Saves admitted by the monitor and not yet finished.",
                 "none",
-                [(f"sum by (kind) ({m('obsckpt_saves_in_flight')})", "{{kind}}")],
+                [
+                    (
+                        f"sum by (instance, kind) ({m('obsckpt_saves_in_flight')})",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
                 viz="stat",
                 width=4,
                 height=5,
@@ -136,8 +185,14 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "Failed steps",
                 "Steps that will never commit because a save failed, since the monitor started.",
                 "none",
-                [(f"sum by (kind) ({m('obsckpt_step_failures_total')})", "{{kind}}")],
+                [
+                    (
+                        f"sum by (instance, kind) ({m('obsckpt_step_failures_total')})",
+                        "{{instance}} {{kind}}",
+                    )
+                ],
                 viz="stat",
+                thresholds=FAILURES_RED,
                 width=4,
                 height=5,
             ),
@@ -148,9 +203,18 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Save latency by slot and kind",
-                "Admission to fsync of one background save.",
+                "Admission to fsync of one background save: the last save (its slowest rank, "
+                "kept until the next save), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_save_duration_seconds", ("slot", "kind"), "{{slot}} {{kind}}"),
+                [
+                    (
+                        f"max by (slot) ({m('obsckpt_rank_last_save_duration_seconds')})",
+                        "last {{slot}}",
+                    ),
+                    *quantiles(
+                        "obsckpt_save_duration_seconds", ("slot", "kind"), "{{slot}} {{kind}}"
+                    ),
+                ],
             ),
             PanelSpec(
                 "Save throughput",
@@ -203,7 +267,8 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Commit lag",
-                "From a step's first save start to its iteration file commit.",
+                "From a step's first save start to its iteration file commit: mean and "
+                "percentiles over $window.",
                 "s",
                 quantiles("obsckpt_commit_lag_seconds", ("kind",), "{{kind}}"),
             ),
@@ -220,7 +285,8 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Time since last commit",
-                "Per monitor (one per training job); empty until its first commit of a kind.",
+                "Per monitor (one per training job); empty until its first commit of a kind. "
+                "The line: ObsckptNoRecentCommit's threshold.",
                 "s",
                 [
                     (
@@ -230,6 +296,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     )
                 ],
                 width=8,
+                thresholds=alert_line(ALERTS.no_commit_seconds, "orange"),
             ),
             PanelSpec(
                 "Pending and abandoned steps",
@@ -238,23 +305,31 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "by a later commit).",
                 "none",
                 [
-                    (f"sum by (kind) ({m('obsckpt_pending_steps')})", "pending {{kind}}"),
-                    (f"sum({m('obsckpt_abandoned_steps')})", "abandoned"),
+                    (
+                        f"sum by (instance, kind) ({m('obsckpt_pending_steps')})",
+                        "pending {{instance}} {{kind}}",
+                    ),
+                    (
+                        f"sum by (instance) ({m('obsckpt_abandoned_steps')})",
+                        "abandoned {{instance}}",
+                    ),
                 ],
                 width=8,
             ),
             PanelSpec(
                 "Oldest pending step age",
-                "Grows until the step commits; ObsckptCommitStalled fires past its threshold.",
+                "Per monitor; grows until the step commits. ObsckptCommitStalled fires past "
+                "the line (its threshold).",
                 "s",
                 [
                     (
-                        "time() - (min by (kind) "
+                        "time() - (max by (instance, kind) "
                         f"({m('obsckpt_oldest_pending_step_start_timestamp_seconds')} > 0))",
-                        "{{kind}}",
+                        "{{instance}} {{kind}}",
                     )
                 ],
                 width=8,
+                thresholds=alert_line(ALERTS.commit_stall_seconds),
             ),
             PanelSpec(
                 "Clean monitor shutdowns",
@@ -277,7 +352,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             PanelSpec(
                 "Commit phase time",
                 "Where a commit's time goes: scan, fsync_files, manifest, rename_iteration "
-                "(failed and timed-out phases included).",
+                "(failed and timed-out phases included); mean and percentiles over $window.",
                 "s",
                 quantiles("obsckpt_commit_phase_seconds", ("phase",), "{{phase}}"),
                 width=8,
@@ -296,6 +371,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     )
                 ],
                 width=8,
+                thresholds=alert_line(ALERTS.commit_phase_stuck_seconds),
             ),
             PanelSpec(
                 "Fenced monitors and failed node queries",
@@ -371,6 +447,21 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 width=6,
             ),
             PanelSpec(
+                "Rejected /metrics connections",
+                "Scrapes this monitor's /metrics endpoint refused (too many open at once, or "
+                "out of file descriptors): Prometheus sees failed scrapes, and "
+                "ObsckptMonitorDown may follow.",
+                "none",
+                [
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_metrics_connections_rejected_total')}[{RATE}]))",
+                        "{{instance}}",
+                    )
+                ],
+                width=12,
+            ),
+            PanelSpec(
                 "Saves past the slot limit",
                 'Saves recorded under slot="_other": their slot was not among the first '
                 "max_slot_labels slots of its monitor (slot names that carry a step or a "
@@ -392,24 +483,25 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Broadcast duration",
-                "One weight broadcast from trainer rank 0 to the rollout side.",
+                "One weight broadcast from trainer rank 0 to the rollout side: mean and "
+                "percentiles over $window.",
                 "s",
                 quantiles("obsckpt_broadcast_duration_seconds", ("backend",), "{{backend}}"),
                 width=8,
             ),
             PanelSpec(
                 "Broadcast bandwidth",
-                "Bytes per second averaged over time, and while a broadcast runs.",
+                "Bytes per second averaged over time, and while a broadcast runs, over $window.",
                 "Bps",
                 [
                     (
-                        f"sum by (backend) (rate({m('obsckpt_broadcast_bytes_total')}[{RATE}]))",
+                        f"sum by (backend) (rate({m('obsckpt_broadcast_bytes_total')}[{WINDOW}]))",
                         "{{backend}} average",
                     ),
                     (
-                        f"sum by (backend) (rate({m('obsckpt_broadcast_bytes_total')}[{RATE}]))"
+                        f"sum by (backend) (increase({m('obsckpt_broadcast_bytes_total')}[{WINDOW}]))"
                         " / sum by (backend) "
-                        f"(rate({m('obsckpt_broadcast_duration_seconds_sum')}[{RATE}]))",
+                        f"(increase({m('obsckpt_broadcast_duration_seconds_sum')}[{WINDOW}]))",
                         "{{backend}} while broadcasting",
                     ),
                 ],
@@ -417,7 +509,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "State dict upload duration",
-                "One state dict upload to the Synchronizer.",
+                "One state dict upload to the Synchronizer: mean and percentiles over $window.",
                 "s",
                 quantiles("obsckpt_state_dict_upload_duration_seconds", (), ""),
                 width=8,
@@ -441,14 +533,15 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Weight-sync failures",
-                "Weight syncs that raised (peer died or stalled past the timeout); "
-                "each breaks its group, which is formed again for the next sync.",
+                "Weight syncs that raised (peer died or stalled past the timeout) per "
+                "monitor, over $window; each breaks its group, which is formed again for the "
+                "next sync. ObsckptWeightSyncFailures fires on any.",
                 "none",
                 [
                     (
-                        "sum by (backend, method, reason) "
-                        f"(increase({m('obsckpt_broadcast_failures_total')}[{RATE}]))",
-                        "{{method}} {{backend}} {{reason}}",
+                        "sum by (instance, backend, method, reason) "
+                        f"(increase({m('obsckpt_broadcast_failures_total')}[{WINDOW}]))",
+                        "{{instance}} {{method}} {{backend}} {{reason}}",
                     ),
                 ],
                 width=8,
@@ -463,13 +556,28 @@ def _target(ref: str, expr: str, legend: str, instant: bool) -> prom_b.Dataquery
     return query.instant() if instant else query.range()
 
 
+def _thresholds(steps: tuple[tuple[float | None, str], ...]) -> dash_b.ThresholdsConfig:
+    return (
+        dash_b.ThresholdsConfig()
+        .mode(dash_m.ThresholdsMode.ABSOLUTE)
+        .steps([dash_m.Threshold(value=value, color=colour) for value, colour in steps])
+    )
+
+
 def _panel(spec: PanelSpec, panel_id: int):
     if spec.viz == "stat":
+        # Without thresholds of its own a stat panel gets Grafana's default (red at
+        # 80): a step number or a timestamp would read as an alarm. Those show
+        # uncoloured; the others are coloured by the alert they refer to.
+        colour = spec.thresholds is not None
         panel = (
             stat.Panel()
             .graph_mode(common_m.BigValueGraphMode.AREA)
-            .color_mode(common_m.BigValueColorMode.VALUE)
+            .color_mode(
+                common_m.BigValueColorMode.VALUE if colour else common_m.BigValueColorMode.NONE
+            )
             .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+            .thresholds(_thresholds(spec.thresholds if colour else ((None, "text"),)))
         )
     elif spec.viz == "bargauge":
         panel = (
@@ -495,6 +603,10 @@ def _panel(spec: PanelSpec, panel_id: int):
             )
             .fill_opacity(10)
         )
+        if spec.thresholds is not None:
+            panel = panel.thresholds(_thresholds(spec.thresholds)).thresholds_style(
+                common_b.GraphThresholdsStyleConfig().mode(common_m.GraphTresholdsStyleMode.DASHED)
+            )
     else:
         raise ValueError(f"panel {spec.title!r}: unknown viz {spec.viz!r}")
     panel = (
@@ -509,6 +621,43 @@ def _panel(spec: PanelSpec, panel_id: int):
     for i, (expr, legend) in enumerate(spec.targets):
         panel = panel.with_target(_target(chr(ord("A") + i), expr, legend, spec.instant))
     return panel
+
+
+def _alert_list(panel_id: int) -> dash_b.Panel:
+    """The obsckpt alerts Prometheus evaluates, firing and pending, for the selected job."""
+    return (
+        dash_b.Panel()
+        .type("alertlist")
+        .id(panel_id)
+        .title("obsckpt alerts")
+        .description(
+            "Alert rules of deploy/prometheus/rules (data source-managed) that are firing or "
+            "pending for the selected jobs; each links its runbook section."
+        )
+        .span(24)
+        .height(6)
+        .options(
+            {
+                "viewMode": "list",
+                "groupMode": "default",
+                "groupBy": [],
+                "maxItems": 20,
+                "sortOrder": 1,
+                "dashboardAlerts": False,
+                "alertName": "Obsckpt",
+                "alertInstanceLabelFilter": '{job=~"$job"}',
+                "datasource": "${datasource}",
+                "showInstances": True,
+                "stateFilter": {
+                    "firing": True,
+                    "pending": True,
+                    "noData": False,
+                    "normal": False,
+                    "error": True,
+                },
+            }
+        )
+    )
 
 
 def _traces_link() -> dash_b.DashboardLink:
@@ -532,6 +681,22 @@ def _traces_link() -> dash_b.DashboardLink:
         .icon("external link")
         .target_blank(True)
         .keep_time(True)
+    )
+
+
+def _all_of(name: str, label: str, query: str) -> dash_b.QueryVariable:
+    """A multi-value variable whose "All" matches every value, and no label at all."""
+    return (
+        dash_b.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(query)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(dash_m.VariableOption(selected=True, text="All", value="$__all"))
+        .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dash_m.VariableSort.ALPHABETICAL_ASC)
     )
 
 
@@ -559,6 +724,31 @@ def build_dashboard() -> dict:
             .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(dash_m.VariableSort.ALPHABETICAL_ASC)
         )
+        .with_variable(
+            _all_of(
+                "namespace",
+                "Ray namespace",
+                'label_values(obsckpt_latest_step{job=~"$job"}, obsckpt_namespace)',
+            )
+        )
+        .with_variable(
+            _all_of(
+                "instance",
+                "Monitor",
+                "label_values(obsckpt_latest_step"
+                '{job=~"$job", obsckpt_namespace=~"$namespace"}, instance)',
+            )
+        )
+        .with_variable(
+            dash_b.IntervalVariable("window")
+            .label("Latency window")
+            .description(
+                "Window of the latency percentiles: longer than the save interval, or "
+                "the panels are empty between saves."
+            )
+            .values(",".join(WINDOWS))
+            .current(dash_m.VariableOption(selected=True, text=WINDOWS[0], value=WINDOWS[0]))
+        )
     )
     panel_id = 1
     for title, specs in ROWS:
@@ -566,6 +756,9 @@ def build_dashboard() -> dict:
         panel_id += 1
         for spec in specs:
             builder = builder.with_panel(_panel(spec, panel_id))
+            panel_id += 1
+        if title == "Overview":
+            builder = builder.with_panel(_alert_list(panel_id))
             panel_id += 1
     # Round-trip through JSON: the SDK's objects serialise themselves via to_json.
     return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
@@ -597,9 +790,23 @@ def panel_queries(dashboard: dict | None = None) -> list[PanelQuery]:
     ]
 
 
-def expand(expr: str, *, job: str = ".+", rate_interval: str = "1m") -> str:
+def expand(
+    expr: str,
+    *,
+    job: str = ".+",
+    instance: str = ".*",
+    namespace: str = ".*",
+    window: str = WINDOWS[0],
+    rate_interval: str = "1m",
+) -> str:
     """``expr`` with the dashboard variables replaced, ready for Prometheus' HTTP API."""
-    out = expr.replace("$__rate_interval", rate_interval).replace("$job", job)
+    out = (
+        expr.replace("$__rate_interval", rate_interval)
+        .replace("$job", job)
+        .replace("$instance", instance)
+        .replace("$namespace", namespace)
+        .replace("$window", window)
+    )
     leftover = re.findall(r"\$\w+", out)
     if leftover:
         raise ValueError(f"query still has variables {leftover} after expansion: {out}")

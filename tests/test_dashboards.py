@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import build_dashboard, expand, panel_queries
+from dashboards import AlertThresholds, build_dashboard, expand, panel_queries
 from dashboards.build import DASHBOARD, ROOT, generated_files, main, stale_files
 from dashboards.dashboard import JOB
 from obsckpt.telemetry.metrics import METRICS
@@ -107,8 +107,87 @@ class TestQueries:
             assert 'job=~"obsckpt"' in out
 
     def test_expand_rejects_unknown_variables(self):
-        with pytest.raises(ValueError, match=r"\$instance"):
-            expand('up{instance="$instance"}')
+        with pytest.raises(ValueError, match=r"\$cluster"):
+            expand('up{cluster="$cluster"}')
+
+    def test_no_latency_reads_a_rate_interval(self):
+        """A histogram read over $__rate_interval is empty between saves minutes apart."""
+        for expr in _exprs():
+            if "_bucket" in expr or "_seconds_sum" in expr:
+                assert "$__rate_interval" not in expr and "[$window]" in expr, expr
+
+
+class TestVariables:
+    """Monitors of several jobs, in one scrape job or one Ray namespace, are told apart."""
+
+    def test_instance_and_namespace_variables(self):
+        variables = {v["name"]: v for v in build_dashboard()["templating"]["list"]}
+        assert {"datasource", "job", "namespace", "instance", "window"} <= set(variables)
+        for name in ("namespace", "instance"):
+            # "All" must match a target without the label too (a static scrape config).
+            assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+            assert variables[name]["multi"]
+        assert "obsckpt_namespace" in variables["namespace"]["query"]
+        assert variables["window"]["current"]["value"] == "2h"
+
+    def test_every_query_uses_them(self):
+        for expr in _exprs():
+            for name, matchers in SELECTOR.findall(expr):
+                assert 'instance=~"$instance"' in matchers, f"{name} in {expr!r}"
+                assert 'obsckpt_namespace=~"$namespace"' in matchers, f"{name} in {expr!r}"
+
+
+def _panels(viz: str) -> list[dict]:
+    return [p for p in build_dashboard()["panels"] if p["type"] == viz]
+
+
+def _steps(panel: dict) -> list[tuple[float | None, str]]:
+    thresholds = panel["fieldConfig"]["defaults"]["thresholds"]
+    assert thresholds["mode"] == "absolute"
+    return [(step["value"], step["color"]) for step in thresholds["steps"]]
+
+
+class TestThresholds:
+    """Colours mean something: failures above 0, ages past their alert; none on counters."""
+
+    def test_every_stat_panel_sets_its_own_thresholds(self):
+        for panel in _panels("stat"):
+            steps = _steps(panel)
+            assert all(value != 80 for value, _ in steps), f"{panel['title']}: Grafana's default"
+            coloured = panel["options"]["colorMode"] != "none"
+            assert coloured == (len(steps) > 1), panel["title"]
+
+    def test_colours_by_meaning(self):
+        alerts = AlertThresholds()
+        stats = {p["title"]: p for p in _panels("stat")}
+        assert _steps(stats["Failed steps"]) == [(None, "green"), (1, "red")]
+        assert _steps(stats["Oldest pending step age"]) == [
+            (None, "green"),
+            (alerts.commit_stall_seconds, "red"),
+        ]
+        assert _steps(stats["Time since last commit"])[1] == (alerts.no_commit_seconds, "orange")
+        for title in ("Latest committed step", "Clean monitor shutdowns", "Pending steps"):
+            assert stats[title]["options"]["colorMode"] == "none", title
+
+    def test_alert_thresholds_drawn_on_time_series(self):
+        alerts = AlertThresholds()
+        series = {p["title"]: p for p in _panels("timeseries")}
+        for title, value in (
+            ("Oldest pending step age", alerts.commit_stall_seconds),
+            ("Time since last commit", alerts.no_commit_seconds),
+            ("Commit phase in progress", alerts.commit_phase_stuck_seconds),
+        ):
+            panel = series[title]
+            assert panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] in (
+                "line",
+                "dashed",
+            ), title
+            assert value in [v for v, _ in _steps(panel)], title
+
+    def test_alert_list_panel(self):
+        [panel] = _panels("alertlist")
+        assert panel["options"]["alertName"] == "Obsckpt"
+        assert panel["options"]["stateFilter"]["firing"]
 
 
 def _panel_exprs(title: str, viz: str) -> list[str]:
@@ -190,3 +269,144 @@ class TestSeveralMonitors:
             },
         ]
         assert _evaluate(promtool, tmp_path, self.SERIES, cases) == ""
+
+
+# The panels that read a latency histogram, and the labels each aggregates by.
+LATENCY_PANELS = {
+    "Save latency by slot and kind": ("kind", "slot"),
+    "Thread-join waits": ("slot",),
+    "Admission waits": ("strategy",),
+    "Commit lag": ("kind",),
+    "Commit phase time": ("phase",),
+    "Broadcast duration": ("backend",),
+    "State dict upload duration": (),
+}
+# Every observation lands in the (1, 2] bucket and is 1.5 s: the mean is 1.5 and
+# Prometheus interpolates p50/p95/p99 linearly inside the bucket.
+EXPECTED = {"mean": 1.5, "p50": 1.5, "p95": 1.95, "p99": 1.99, "last": 1.5}
+HIST_LABELS = (
+    'job="obsckpt",instance="a:9400",slot="actor",kind="checkpoint",strategy="all",'
+    'phase="scan",backend="nccl",method="broadcast"'
+)
+LABEL_VALUES = {"slot": "actor", "kind": "checkpoint", "strategy": "all", "phase": "scan"}
+LABEL_VALUES["backend"] = "nccl"
+
+
+def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str, str]:
+    """Every latency histogram of the dashboard, one save every ``save_every_s``.
+
+    The counters are 0 at the first scrape; the first save lands at the next one.
+    """
+    saves = [0] + [
+        1 + (i * scrape_s - scrape_s) // save_every_s for i in range(1, length_s // scrape_s + 1)
+    ]
+    text = lambda scale: " ".join(f"{n * scale:g}" for n in saves)  # noqa: E731
+    series: dict[str, str] = {}
+    for metric in {
+        "obsckpt_save_duration_seconds",
+        "obsckpt_thread_join_wait_seconds",
+        "obsckpt_save_admission_wait_seconds",
+        "obsckpt_commit_lag_seconds",
+        "obsckpt_commit_phase_seconds",
+        "obsckpt_broadcast_duration_seconds",
+        "obsckpt_state_dict_upload_duration_seconds",
+    }:
+        series[f'{metric}_bucket{{{HIST_LABELS},le="1"}}'] = text(0)
+        series[f'{metric}_bucket{{{HIST_LABELS},le="2"}}'] = text(1)
+        series[f'{metric}_bucket{{{HIST_LABELS},le="+Inf"}}'] = text(1)
+        series[f"{metric}_sum{{{HIST_LABELS}}}"] = text(1.5)
+        series[f"{metric}_count{{{HIST_LABELS}}}"] = text(1)
+    last = " ".join("_" if n == 0 else "1.5" for n in saves)
+    series[
+        'obsckpt_rank_last_save_duration_seconds{job="obsckpt",instance="a:9400",slot="actor",rank="0"}'
+    ] = last
+    return series
+
+
+def _latency_cases(eval_times: list[str], window: str) -> list[dict]:
+    board = build_dashboard()
+    cases = []
+    for panel in board["panels"]:
+        if panel["title"] not in LATENCY_PANELS or panel["type"] != "timeseries":
+            continue
+        for target in panel["targets"]:
+            kind = target["legendFormat"].split(" ", 1)[0]
+            by = ("slot",) if kind == "last" else LATENCY_PANELS[panel["title"]]
+            labels = ",".join(f'{k}="{LABEL_VALUES[k]}"' for k in sorted(by))
+            for at in eval_times:
+                cases.append(
+                    {
+                        # Rounded: extrapolated increases are off in the 10th digit.
+                        "expr": f"round({expand(target['expr'], job='obsckpt', window=window)}, 0.001)",
+                        "eval_time": at,
+                        "exp_samples": [{"labels": f"{{{labels}}}", "value": EXPECTED[kind]}],
+                    }
+                )
+    return cases
+
+
+def _evaluate_at(
+    promtool: str, tmp_path: Path, interval: str, series: dict[str, str], cases: list[dict]
+) -> str:
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": interval,
+        "tests": [
+            {
+                "interval": interval,
+                "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                "promql_expr_test": cases,
+            }
+        ],
+    }
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, width=10_000))
+    result = subprocess.run(
+        [promtool, "test", "rules", "tests.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return result.stdout + result.stderr if result.returncode else ""
+
+
+@pytest.mark.needs_promtool
+class TestLatencyAtSparseSaves:
+    """Latency panels show the last value, mean and percentiles however rarely a job saves.
+
+    Synthetic histograms with one save every 5 s, 10 min or 1 h, scraped by the
+    real Prometheus engine (promtool); each panel query is evaluated between saves.
+    """
+
+    def test_every_latency_panel_is_covered(self):
+        titles = {p["title"] for p in build_dashboard()["panels"]}
+        assert set(LATENCY_PANELS) <= titles
+        quantile_panels = {
+            q.panel for q in panel_queries() if q.expr.startswith("histogram_quantile(")
+        }
+        assert quantile_panels == set(LATENCY_PANELS)
+
+    @pytest.mark.parametrize(
+        ("save_every_s", "scrape", "length_s", "eval_times"),
+        [
+            (5, "5s", 3600, ["5m", "32m", "1h"]),
+            (600, "1m", 4 * 3600, ["5m", "19m", "2h", "3h55m"]),
+            (3600, "1m", 5 * 3600, ["5m", "55m", "65m", "3h30m", "4h59m"]),
+        ],
+        ids=["every-5s", "every-10min", "every-1h"],
+    )
+    def test_panels_have_data_between_saves(
+        self, promtool, tmp_path, save_every_s, scrape, length_s, eval_times
+    ):
+        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        series = _sparse_series(save_every_s, scrape_s, length_s)
+        cases = _latency_cases(eval_times, window="2h")
+        assert _evaluate_at(promtool, tmp_path, scrape, series, cases) == ""
+
+    def test_a_rate_interval_window_would_be_empty(self, promtool, tmp_path):
+        """The same cases over a one-minute window fail: the test sees an empty panel."""
+        series = _sparse_series(600, 60, 3600)
+        cases = _latency_cases(["5m"], window="1m")
+        out = _evaluate_at(promtool, tmp_path, "1m", series, cases)
+        assert "histogram_quantile" in out and "FAILED" in out
