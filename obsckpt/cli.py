@@ -17,6 +17,7 @@ SIGINT, 143 SIGTERM, 129 SIGHUP).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -451,6 +452,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """Exit as argparse does, with the subcommand's usage and a suggestion for a misspelled flag."""
+    # argparse has no public accessor for a subcommand's parser or its flags.
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    known = list(sub._option_string_actions)
+    hints = []
+    for arg in extra:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+        if arg.startswith("-") and close:
+            hints.append(f"{arg} (did you mean {close[0]}?)")
+        else:
+            hints.append(arg)
+    sub.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
 def main(
     argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> int:
@@ -459,7 +475,9 @@ def main(
     err = err or sys.stderr
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the subcommand's usage, and the flag meant where one is close
+            _unrecognized(parser, args.command, extra)
     except SystemExit as exc:  # argparse has printed its usage message
         return int(exc.code or 0)
     if argv is None and args.command == "demo":

@@ -644,3 +644,29 @@ def test_the_command_line_and_the_demo_settings_import_without_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+class TestUsageErrors:
+    """A mistyped flag gets the subcommand's usage and the flag meant, exit code 2."""
+
+    @pytest.mark.parametrize(
+        ("argv", "usage", "hint"),
+        [
+            (["demo", "--stpes", "3"], "usage: obsckpt demo", "--stpes (did you mean --steps?)"),
+            (["verify", "x", "--jsn"], "usage: obsckpt verify", "--jsn (did you mean --json?)"),
+            (
+                ["repair", "x", "--dryrun"],
+                "usage: obsckpt repair",
+                "--dryrun (did you mean --dry-run?)",
+            ),
+        ],
+    )
+    def test_misspelled_flag(self, argv, usage, hint, capsys):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert usage in err and f"unrecognized arguments: {hint}" in err
+
+    def test_a_word_that_is_no_flag_gets_no_guess(self, capsys):
+        assert main(["status", "x", "extra"]) == 2
+        err = capsys.readouterr().err
+        assert "usage: obsckpt status" in err and "unrecognized arguments: extra\n" in err
