@@ -46,7 +46,14 @@ test-verl-min: $(VERL_MIN_VENV)/.installed
 	$(VERL_MIN_VENV)/bin/python -c 'import verl; assert verl.__version__ == "0.7.1", verl.__version__'
 	$(VERL_MIN_VENV)/bin/python -m pytest $(VERL_MIN_TESTS) $(PYTEST_ARGS)
 
-demo: setup
+# The demo's environment: the demo extra only (no test or lint tools); `make test`
+# later adds the rest to the same environment.
+$(VENV)/.installed-demo: pyproject.toml constraints.txt Makefile | $(UV_DEP)
+	$(UV) venv --quiet --allow-existing --python python3 $(VENV)
+	$(UVINSTALL) --python $(PY) -e ".[demo]"
+	@touch $@
+
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/obsckpt demo
 
 lint: setup
