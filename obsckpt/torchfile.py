@@ -512,7 +512,14 @@ def _torch_save(obj: Any, sink: _PipelinedSink) -> None:
     # The tensors' bytes, each record's header and alignment, and the pickle.
     sink.reserve(sum(storages.values()) + len(storages) * 2 * ALIGN + (1 << 20))
     packer = StoragePacker(obj)
-    pickle_module = packer.pickle_module()
+    try:
+        _save_packed(obj, sink, packer.pickle_module())
+    finally:
+        packer.close()
+
+
+def _save_packed(obj: Any, sink: _PipelinedSink, pickle_module: Any) -> None:
+    """Write ``obj`` into ``sink`` with torch's writer, pickled with ``pickle_module``."""
     if _save is None:
         torch.save(obj, sink, pickle_module=pickle_module)  # type: ignore[arg-type]
         return

@@ -117,6 +117,92 @@ class _NullFile:
         return len(data)
 
 
+def _offset_dtensor_reduction(o: Any) -> Any:
+    """How ``torch.save`` pickles a DTensor at offset 0, for one at another offset;
+    ``NotImplemented`` for anything else (pickled as torch pickles it).
+
+    A DTensor takes its local tensor's storage offset, and torch pickles it
+    without its storage (a wrapper's, which has no data) only while its
+    ``data_ptr()``, that offset in bytes, is 0. Over a local tensor at
+    another offset (a view into a packed storage once loaded, or into a
+    staging buffer shared with other tensors) torch would pickle that
+    storage and fail ("invalid python storage"). The local tensor, in the
+    DTensor's state, keeps its own offset.
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or type(o) is not dtensor or not o.storage_offset():
+        return NotImplemented
+    o._clear_non_serializable_cached_data()
+    args = (type(o), o.dtype, tuple(o.size()), o.stride(), 0, o.layout, o.device, o.requires_grad)
+    rebuild = torch._utils._rebuild_wrapper_subclass
+    state = torch._utils._get_obj_state(o)
+    return (torch._tensor._rebuild_from_type_v2, (rebuild, type(o), args, state))
+
+
+class _StorageFinder(pickle.Pickler):
+    """Pickles an object into nothing to find the storages of its plain tensors.
+
+    A class of the module, not of a call, with what it finds on the instance:
+    a class is a reference cycle, and one holding the storages (staging
+    buffers) would keep them mapped until the collector runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(_NullFile(), protocol=torch.serialization.DEFAULT_PROTOCOL)
+        # storage -> (the storage, the dtypes of the plain tensors seen over it)
+        self.found: dict[int, tuple[torch.UntypedStorage, set[torch.dtype]]] = {}
+        self.shared: set[int] = set()  # storages also pickled other than by a plain tensor
+
+    def reducer_override(self, o: Any) -> Any:
+        if _packable(o):
+            storage = o.untyped_storage()
+            self.found.setdefault(storage._cdata, (storage, set()))[1].add(o.dtype)
+            return (int, ())
+        if isinstance(o, np.ndarray) and not o.dtype.hasobject:
+            return (int, ())  # holds no tensor: its bytes need no copy here
+        return _offset_dtensor_reduction(o)
+
+    def persistent_id(self, o: Any) -> Any:
+        if isinstance(o, torch.storage.TypedStorage):
+            self.shared.add(o._untyped_storage._cdata)
+            return 0
+        if torch.is_storage(o):
+            self.shared.add(o._cdata)
+            return 0
+        return None
+
+
+class _PackedPickler(pickle.Pickler):
+    """Writes each tensor of a packed storage over its pack (see StoragePacker.pickle_module)."""
+
+    # storage -> (its pack, element offset); set on the subclass made for each save
+    places: dict[int, tuple[Any, int]] = {}
+
+    def reducer_override(self, o: Any) -> Any:
+        place = None
+        if type(o) is torch.Tensor and self.places and _packable(o):
+            place = self.places.get(o.untyped_storage()._cdata)
+        if place is None:
+            return _offset_dtensor_reduction(o)
+        storage, offset = place
+        args: tuple[Any, ...] = (
+            storage,
+            offset + o.storage_offset(),
+            tuple(o.size()),
+            o.stride(),
+            o.requires_grad,
+            OrderedDict(),
+        )
+        rebuild: Any = torch._utils._rebuild_tensor_v2
+        if isinstance(storage, torch.UntypedStorage):
+            rebuild = torch._utils._rebuild_tensor_v3
+            args += (o.dtype,)
+        metadata = torch._utils.get_tensor_metadata(o)
+        if metadata:
+            args += (metadata,)
+        return (rebuild, args)
+
+
 class StoragePacker:
     """The small storages of an object, copied into one packed storage per dtype.
 
@@ -126,33 +212,15 @@ class StoragePacker:
     :meth:`pickle_module` then hands ``torch.save`` a pickler that writes
     each tensor of such a storage as ``torch.save`` would (the same rebuild
     function and arguments, so ``weights_only`` loads accept it) but over
-    the pack, at the storage's offset in it.
+    the pack, at the storage's offset in it. :meth:`close` lets go of the
+    packs once the object is written.
     """
 
     def __init__(self, obj: Any) -> None:
-        found: dict[int, tuple[torch.UntypedStorage, set[torch.dtype]]] = {}
-        shared: set[int] = set()  # storages also pickled other than by a plain tensor
-
-        class Finder(pickle.Pickler):
-            def reducer_override(self, o: Any) -> Any:
-                if _packable(o):
-                    storage = o.untyped_storage()
-                    found.setdefault(storage._cdata, (storage, set()))[1].add(o.dtype)
-                    return (int, ())
-                if isinstance(o, np.ndarray) and not o.dtype.hasobject:
-                    return (int, ())  # holds no tensor: its bytes need no copy here
-                return NotImplemented
-
-            def persistent_id(self, o: Any) -> Any:
-                if isinstance(o, torch.storage.TypedStorage):
-                    shared.add(o._untyped_storage._cdata)
-                    return 0
-                if torch.is_storage(o):
-                    shared.add(o._cdata)
-                    return 0
-                return None
-
-        Finder(_NullFile(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+        finder = _StorageFinder()
+        finder.dump(obj)
+        found, shared = finder.found, finder.shared
+        del finder  # its memo holds every object pickled
         self.places: dict[int, tuple[Any, int]] = {}  # storage -> (its pack, element offset)
         self.packs: list[torch.Tensor] = []
         layout: dict[torch.dtype, list[tuple[torch.UntypedStorage, int]]] = {}
@@ -187,34 +255,18 @@ class StoragePacker:
         return sum(p.numel() for p in self.packs)
 
     def pickle_module(self) -> types.ModuleType:
-        """A stand-in for :mod:`pickle` whose ``Pickler`` writes packed tensors over their pack."""
-        places = self.places
+        """A stand-in for :mod:`pickle` whose ``Pickler`` writes packed tensors over their pack.
 
-        class Pickler(pickle.Pickler):
-            def reducer_override(self, o: Any) -> Any:
-                if type(o) is not torch.Tensor or not places or not _packable(o):
-                    return NotImplemented
-                place = places.get(o.untyped_storage()._cdata)
-                if place is None:
-                    return NotImplemented
-                storage, offset = place
-                args: tuple[Any, ...] = (
-                    storage,
-                    offset + o.storage_offset(),
-                    tuple(o.size()),
-                    o.stride(),
-                    o.requires_grad,
-                    OrderedDict(),
-                )
-                rebuild: Any = torch._utils._rebuild_tensor_v2
-                if isinstance(storage, torch.UntypedStorage):
-                    rebuild = torch._utils._rebuild_tensor_v3
-                    args += (o.dtype,)
-                metadata = torch._utils.get_tensor_metadata(o)
-                if metadata:
-                    args += (metadata,)
-                return (rebuild, args)
-
+        The pickler is a class of its own (``torch.save`` subclasses it), a
+        reference cycle: it holds this packer's ``places``, which
+        :meth:`close` empties.
+        """
         module = types.ModuleType("obsckpt_packed_pickle")
-        module.Pickler = Pickler  # type: ignore[attr-defined]
+        pickler = type("Pickler", (_PackedPickler,), {"places": self.places})
+        module.Pickler = pickler  # type: ignore[attr-defined]
         return module
+
+    def close(self) -> None:
+        """Let go of the packs (the object is written): the picklers made for it may live on."""
+        self.places.clear()
+        self.packs.clear()

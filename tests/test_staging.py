@@ -474,6 +474,9 @@ class TestCoordinatorStaging:
         """The monitor is gone, so the save never writes: its copy still ends, and the
         caller's tensors are not kept alive by the slot until its next save."""
         coord, monitor = coordinator
+        # Known before the monitor goes, as in a job that saved before: the path check
+        # passes, and it is the admission that refuses the save.
+        coord.link.checkpoint_root()
         ray.kill(monitor, no_restart=True)
         arrays = [np.full(1 << 16, i, dtype=np.float32) for i in range(3)]
         gone = [weakref.ref(a) for a in arrays]
