@@ -434,7 +434,7 @@ class TestRetentionRace:
         # The poll read step 1 from the iteration file; by the time it loads, step 2 is
         # committed and retention (max_ckpt_to_keep=1) has deleted step 1.
         layout.step_dir(root, 1).rename(tmp_path / "deleted")
-        with caplog.at_level("INFO", logger="obsckpt.sync.synchronizer"):
+        with caplog.at_level("INFO", logger="obsckpt.sync.step_model"):
             asyncio.run(sync._load_step(root, 1))
         status = asyncio.run(sync.status())
         assert status["load_failures"] == 0 and status["last_error"] is None, status

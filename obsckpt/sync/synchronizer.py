@@ -6,8 +6,9 @@ Two ways in, one version counter (the training step):
   with the full state dict;
 * checkpoint sync: the actor watches ``latest_state_dict_iteration.txt`` under
   ``default_local_dir`` and, when it names a newer step, loads that step's
-  shards (``global_step_<N>/actor/model_world_size_<W>_rank_<R>.pt``), merges
-  them into a full state dict and publishes it. It reads only what the
+  model (``global_step_<N>/actor/model.safetensors``, Trinity-RFT 0.6.0's, or
+  the shards ``model_world_size_<W>_rank_<R>.pt``, merged into a full state
+  dict) and publishes it. It reads only what the
   iteration file names, which the monitor writes after every file of the step
   is durable, so it never sees a partial step. A step that cannot be read
   (missing rank, checksum mismatch, unpicklable file) is logged, counted in
@@ -19,6 +20,17 @@ durations (``obsckpt_state_dict_upload_duration_seconds``) and memory-upload
 durations reported by the trainer go to the job's monitor when one runs in
 the namespace (one scrape target), else to a registry of this actor
 (:meth:`Synchronizer.metrics_text`).
+
+Two APIs, one class. Created with ``get_actor(namespace, default_local_dir)``
+(obsckpt's, and older Trinity-RFT's ``get_actor(config)`` with a config of
+only ``ray_namespace``) it holds no version until one is published (None)
+and ``wait_new_model_state_dict`` waits as long as its ``timeout``. Created
+from a Trinity-RFT 0.6.0 config (it has a ``synchronizer`` section) it is
+that release's synchronizer: a detached actor (see :mod:`obsckpt.sync.lifetime`),
+version 0 before anything is published, checkpoint sync of
+``config.checkpoint_job_dir`` for ``sync_method: checkpoint``, waits bounded
+by ``synchronizer.sync_timeout``, and the status handshakes of
+:mod:`obsckpt.sync.trinity_api`.
 """
 
 from __future__ import annotations
@@ -28,27 +40,33 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from obsckpt import layout, reader, validators
-from obsckpt.errors import IterationFileError, MegatronLayoutError, StateDictLoadError
-from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME
-from obsckpt.sync.shards import load_sharded_state_dict, shard_files, state_dict_meta
+from obsckpt.errors import IterationFileError
+from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
+from obsckpt.sync import lifetime, naming, step_model
+from obsckpt.sync.lifetime import ModuleWatch
+from obsckpt.sync.shards import state_dict_meta
+from obsckpt.sync.step_model import load_step_model
 from obsckpt.sync.telemetry import WeightSyncTelemetry
+from obsckpt.sync.telemetry_route import TelemetryRoute
+from obsckpt.sync.trinity_api import (
+    DEFAULT_SYNC_TIMEOUT_S,
+    RoleStates,
+    TrinityProtocol,
+    TrinitySettings,
+    is_trinity_config,
+)
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import ROLLOUT, TRAINER, disable_created_series
 
-if TYPE_CHECKING:
-    from obsckpt.telemetry.metrics import Metrics
-
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME = SYNCHRONIZER_ACTOR_NAME
-# How often to look for a monitor that was not there yet.
-_MONITOR_RETRY_S = 5.0
 # Steps that could not be loaded, kept for status(); older ones are forgotten
 # (load_failures counts them all). The iteration file never goes backwards, so
 # a forgotten step is never named again.
@@ -60,13 +78,19 @@ _KEEP_FAILED = 64
 # ----------------------------------------------------------------------
 
 
-class Synchronizer:
+class Synchronizer(TrinityProtocol):
     """Holds the latest model state dict and its version for the rollout side; one per job.
 
     Create it with :meth:`get_actor`; the constructor runs inside the actor.
 
     Args:
         default_local_dir: the checkpoint root to watch; None disables checkpoint sync.
+            A Trinity-RFT config here (Trinity 0.6.0's ``Synchronizer(config,
+            module_ref)``) takes the root, namespace and timeouts from it.
+        module_ref: the actor that asked for this synchronizer (Trinity 0.6.0's form).
+        settings: what :meth:`get_actor` read from a Trinity 0.6.0 config.
+        sync_timeout_s: the longest wait in an NCCL handshake (a Trinity config's
+            ``synchronizer.sync_timeout`` wins).
         poll_interval_s: how often to read the state-dict iteration file.
         namespace: the job's Ray namespace, where the monitor is looked up.
         trace_exporter: exporter name for this process's spans (default: ``OTEL_*``).
@@ -75,20 +99,46 @@ class Synchronizer:
 
     def __init__(
         self,
-        default_local_dir: str | os.PathLike[str] | None = None,
+        default_local_dir: Any = None,
+        module_ref: Any = None,
         *,
         poll_interval_s: float = 1.0,
         namespace: str | None = None,
         trace_exporter: str | None = None,
         registry: Any = None,
+        settings: TrinitySettings | None = None,
+        sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
     ) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be positive seconds, got {poll_interval_s!r}")
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be positive seconds, got {sync_timeout_s!r}")
+        if default_local_dir is not None and not isinstance(default_local_dir, (str, os.PathLike)):
+            config, default_local_dir = default_local_dir, None  # Trinity: Synchronizer(config)
+            if is_trinity_config(config):
+                settings = TrinitySettings.from_config(config)
+            namespace = namespace or naming.namespace_of(None, config)
+        self._settings = settings
+        # Where published versions live (get_latest_model_path), watched or not.
+        self._model_root: str | None = None
+        if settings is not None:
+            default_local_dir = settings.watch_root
+            namespace = namespace or settings.namespace
+            sync_timeout_s = settings.sync_timeout_s
+            self._model_root = settings.checkpoint_job_dir
+        elif default_local_dir is not None:
+            self._model_root = os.fspath(default_local_dir)
         self.root = Path(default_local_dir) if default_local_dir is not None else None
         self.poll_interval_s = float(poll_interval_s)
+        self.sync_timeout_s = float(sync_timeout_s)
         self.namespace = namespace
-        self._state_dict: dict[str, torch.Tensor] | None = None
-        self._version: int | None = None
+        self._state_dict: dict[str, torch.Tensor] | str | None = None
+        # Trinity 0.6.0 holds version 0 before anything is published; obsckpt's API None.
+        self._version: int | None = 0 if settings is not None else None
+        self._model_path: str | None = None
+        self._roles = RoleStates()
+        self._modules = ModuleWatch(self._end)
+        self._pending_modules = [module_ref] if module_ref is not None else []
         self._source: str | None = None
         self._published_at: float | None = None
         self._rollout_version: int | None = None
@@ -104,7 +154,7 @@ class Synchronizer:
         # This process is obsckpt's (an actor): its fallback /metrics text has no use for
         # the _created series (a user's process keeps them: nothing is switched at import).
         disable_created_series()
-        self._telemetry_route = _TelemetryRoute(namespace, registry)
+        self._telemetry_route = TelemetryRoute(namespace, registry)
         if tracing.requested(trace_exporter):
             tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
 
@@ -133,6 +183,16 @@ class Synchronizer:
             The actor's Ray handle: call its methods with ``.remote()``. Typed
             ``Any``, as Ray's own handle types do not describe this class's methods.
 
+        A Trinity-RFT 0.6.0 config (one with a ``synchronizer`` section) makes
+        that release's synchronizer: detached (``lifetime="detached"``), its
+        checkpoint root ``config.checkpoint_job_dir`` when
+        ``synchronizer.sync_method`` is ``checkpoint``, version 0 before
+        anything is published, waits bounded by ``synchronizer.sync_timeout``.
+        Called inside an actor (Trinity's trainer and explorer), that actor is
+        tracked (``add_module``): the synchronizer ends once every tracked actor
+        is dead. Otherwise it ends with ``shutdown()`` or
+        ``python -m obsckpt.sync.lifetime --namespace <ns>``.
+
         Raises:
             ValueError: a synchronizer already runs in the namespace watching
                 another root (or none) while ``default_local_dir`` is given.
@@ -140,12 +200,17 @@ class Synchronizer:
         """
         import ray
 
-        namespace = _namespace_of(namespace, config)
+        if namespace is not None and not isinstance(namespace, str):
+            config, namespace = namespace, None  # Trinity: get_actor(config)
+        namespace = naming.namespace_of(namespace, config)
+        settings = TrinitySettings.from_config(config) if is_trinity_config(config) else None
         options: dict[str, Any] = dict(
             name=ACTOR_NAME, get_if_exists=True, max_concurrency=1000, num_cpus=0
         )
         if namespace:
             options["namespace"] = namespace
+        if settings is not None:
+            options["lifetime"] = "detached"  # as Trinity 0.6.0's; see obsckpt.sync.lifetime
         if default_local_dir is not None:
             # As the caller sees it, not against the actor's working directory.
             default_local_dir = os.path.abspath(os.fspath(default_local_dir))
@@ -157,10 +222,15 @@ class Synchronizer:
                 poll_interval_s=poll_interval_s,
                 namespace=namespace,
                 trace_exporter=trace_exporter,
+                settings=settings,
             )
         )
         if default_local_dir is not None:
-            _check_root(actor, default_local_dir, namespace)
+            naming.check_root(actor, default_local_dir, namespace)
+        if settings is not None:
+            module = lifetime.current_actor()
+            if module is not None:
+                ray.get(actor.add_module.remote(module))
         if watch:
             ray.get(actor.start.remote())
         return actor
@@ -174,6 +244,9 @@ class Synchronizer:
     async def start(self) -> bool:
         """Start watching the checkpoint root (idempotent); False when there is none."""
         self._condition()
+        for module in self._pending_modules:
+            self._modules.add(module)
+        self._pending_modules.clear()
         if self.root is None:
             return False
         if self._watcher is None or self._watcher.done():
@@ -192,14 +265,31 @@ class Synchronizer:
                 pass
             self._watcher = None
 
+    async def add_module(self, module_ref: Any) -> None:
+        """Track ``module_ref`` (an actor): once every tracked actor is dead, this one ends."""
+        self._modules.add(module_ref)
+
+    async def shutdown(self) -> None:
+        """End this synchronizer: stop watching, wake every waiter, and exit the actor."""
+        await self.stop()
+        self._modules.cancel()
+        await self.set_trainer_status("stopped")
+        asyncio.get_running_loop().call_later(0.2, lifetime.exit_this_actor)
+
+    async def _end(self) -> None:
+        await self.shutdown()
+
     # -- memory sync ---------------------------------------------------
 
     async def set_model_state_dict(
         self,
-        model_state_dict: dict[str, torch.Tensor] | None,
+        model_state_dict: dict[str, torch.Tensor] | str | None,
         trainer_step: int,
     ) -> bool:
         """Publish the trainer's full state dict as version ``trainer_step``.
+
+        A string is published as it is (Trinity's Tinker backend publishes its
+        remote sampler path); ``get_model_state_dict`` hands it back.
 
         ``None`` publishes the version without weights (the rollout side's own
         initial weights are current, as at the start of training). ``None``
@@ -254,7 +344,9 @@ class Synchronizer:
         )
         await self._publish(None, step, "resume")
 
-    async def get_model_state_dict(self) -> tuple[dict[str, torch.Tensor] | None, int | None]:
+    async def get_model_state_dict(
+        self,
+    ) -> tuple[dict[str, torch.Tensor] | str | None, int | None]:
         """``(state_dict, version)``; the caller is taken to be the rollout side."""
         if self._version is not None:
             self._report_rollout(self._version)
@@ -274,9 +366,22 @@ class Synchronizer:
         anyway, which is then not newer: compare it with ``current_version``.
         ``no_wait=True`` is ``timeout=0`` (Trinity's keyword); a bool in the
         second place is Trinity's positional ``no_wait``, never a timeout.
+
+        Created from a Trinity-RFT 0.6.0 config and called as that release
+        calls it (``current_version`` only), it is that release's wait: the
+        caller counts as an explorer requiring a sync meanwhile
+        (``explorer_requires_sync``), it returns at once when the trainer is
+        stopped, when notified (a publish, ``notify_no_new_model_state_dict``,
+        a stopping trainer or explorer), and raises ``asyncio.TimeoutError``
+        after ``synchronizer.sync_timeout`` seconds.
+
+        Raises:
+            ValueError: (Trinity 0.6.0's form) ``current_version`` is newer than the held one.
         """
         if isinstance(timeout, bool):  # Trinity: wait_new_model_state_dict(version, no_wait)
             no_wait, timeout = no_wait or timeout, None
+        if self._settings is not None and timeout is None and not no_wait:
+            return await self._wait_as_trinity(current_version)
         if no_wait:
             timeout = 0
         cond = self._condition()
@@ -295,7 +400,7 @@ class Synchronizer:
 
     async def get_state_dict_meta(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
         """``(name, dtype, shape)`` of the held state dict, or None when there is none."""
-        if self._state_dict is None:
+        if not isinstance(self._state_dict, dict):
             return None
         return state_dict_meta(self._state_dict)
 
@@ -335,6 +440,10 @@ class Synchronizer:
             "failed_steps": dict(self._failed_steps),
             "last_error": self._last_error,
             "telemetry": "monitor" if self._telemetry_route.monitor is not None else "local",
+            "api": "trinity-0.6" if self._settings is not None else "obsckpt",
+            "roles": self._roles.view(),
+            "modules": len(self._modules.modules),
+            "model_path": self._model_path,
         }
 
     async def debug_spans(self) -> list[dict[str, Any]]:
@@ -353,8 +462,13 @@ class Synchronizer:
             self._changed = asyncio.Condition()
         return self._changed
 
+    def _path_of(self, step: int) -> str | None:
+        if self._model_root is None:
+            return None
+        return os.fspath(layout.model_dir(self._model_root, step))
+
     async def _publish(
-        self, state_dict: dict[str, torch.Tensor] | None, version: int, source: str
+        self, state_dict: dict[str, torch.Tensor] | str | None, version: int, source: str
     ) -> bool:
         """Hold ``version``; False (nothing changes) when a newer one got in first.
 
@@ -377,6 +491,7 @@ class Synchronizer:
                     return False
             self._state_dict = state_dict
             self._version = version
+            self._model_path = self._path_of(version)
             self._source = source
             self._published_at = time.time()
             cond.notify_all()
@@ -431,9 +546,7 @@ class Synchronizer:
         t0 = time.perf_counter()
         try:
             with tracing.span("obsckpt.upload", attributes={span_attr.STEP: step}) as sp:
-                state_dict = await asyncio.to_thread(
-                    load_sharded_state_dict, model_dir, manifest_dir=sdir
-                )
+                state_dict = await asyncio.to_thread(load_step_model, model_dir)
                 nbytes = sum(
                     t.numel() * t.element_size()
                     for t in state_dict.values()
@@ -441,7 +554,7 @@ class Synchronizer:
                 )
                 sp.set_attribute(span_attr.BYTES, nbytes)
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
-            if await asyncio.to_thread(_removed_by_retention, root, step):
+            if await asyncio.to_thread(step_model.removed_by_retention, root, step):
                 return  # nothing is wrong: a newer step is next
             msg = f"step {step}: {exc}"
             self._failed_steps[step] = str(exc)
@@ -463,130 +576,3 @@ class Synchronizer:
         self._telemetry().upload(seconds)
         if await self._publish(state_dict, step, "checkpoint"):
             self._loaded_step = step
-
-
-def _removed_by_retention(root: Path, step: int) -> bool:
-    """Whether ``step``'s files are gone or going because a newer step committed (logged).
-
-    Retention deletes a whole step directory once a newer step is committed; a
-    Synchronizer that read the iteration file before that commit may be loading
-    the step it deletes. False when the iteration file still names ``step`` (or
-    cannot be read), or when the step is still whole on disk (a load error then
-    is the step's own).
-    """
-    try:
-        newer = reader.read_iteration(root, "state_dict")
-    except IterationFileError:
-        return False
-    if newer is None or newer <= step:
-        return False
-    try:
-        shard_files(layout.step_dir(root, step) / layout.MODEL_SUBDIR)
-    except MegatronLayoutError:
-        return False  # whole, and never readable here: its own error says what to do
-    except StateDictLoadError:  # the directory, or some of its shards, already deleted
-        logger.info(
-            "obsckpt: synchronizer skips step %d: it was superseded by step %d and "
-            "removed while it loaded; step %d is next",
-            step,
-            newer,
-            newer,
-        )
-        return True
-    return False
-
-
-def _namespace_of(namespace: Any, config: Any) -> str | None:
-    """The namespace ``get_actor`` was given, or Trinity's ``config.ray_namespace``.
-
-    Trinity passes its config first (``get_actor(config)``) or as ``config=``.
-    """
-    if namespace is not None and not isinstance(namespace, str):
-        config, namespace = namespace, None  # Trinity: get_actor(config)
-    if isinstance(namespace, str):
-        return namespace
-    found = getattr(config, "ray_namespace", None) if config is not None else None
-    if found is None or isinstance(found, str):
-        return found
-    raise TypeError(
-        f"config.ray_namespace must be a str, got {type(found).__name__} "
-        f"{found!r}; pass namespace= explicitly"
-    )
-
-
-def _check_root(actor: Any, default_local_dir: str, namespace: str | None) -> None:
-    """Refuse a synchronizer that watches another root than ``default_local_dir`` (or none).
-
-    get_if_exists hands back a synchronizer already running under the name,
-    whatever root it watches: the rollout would then never see this job's steps.
-    """
-    import ray
-
-    running: str | None = ray.get(actor.checkpoint_root.remote())
-    if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
-        where = f"namespace {namespace!r}" if namespace else "this job's namespace"
-        watched = f"watches {running!r}" if running else "watches no checkpoint root"
-        raise ValueError(
-            f"a {ACTOR_NAME} actor already runs in {where} and {watched}, not "
-            f"default_local_dir={default_local_dir!r}. Create it with this root "
-            "before anything asks for it without one, give this job a Ray namespace "
-            "of its own, or pass the same default_local_dir"
-        )
-
-
-class _TelemetryRoute:
-    """The Synchronizer's one :class:`WeightSyncTelemetry`, kept for the actor's life.
-
-    Its measurements go to the job's monitor once one is found in the
-    namespace (looked up again at most every ``_MONITOR_RETRY_S``), and to
-    local metrics (:meth:`Synchronizer.metrics_text`) until then. Being one
-    object, its warn-once state and the monitor call that confirms the
-    measurements sent so far last from one measurement to the next.
-    """
-
-    def __init__(self, namespace: str | None, registry: Any) -> None:
-        self.namespace = namespace
-        self._registry = registry
-        self.local_metrics: Metrics | None = None
-        self.monitor: Any = None  # the job's monitor actor, once found
-        self._checked = 0.0
-        self._telemetry = WeightSyncTelemetry()
-
-    def get(self) -> WeightSyncTelemetry:
-        """The telemetry, sent to the monitor if there is one (now), else to local metrics."""
-        telemetry = self._telemetry
-        if telemetry.monitor is None:
-            monitor = self._find_monitor()
-            if monitor is not None:
-                telemetry.monitor, telemetry.metrics = monitor, None
-            elif telemetry.metrics is None:
-                telemetry.metrics = self._local()
-        return telemetry
-
-    def _local(self) -> Metrics:
-        if self.local_metrics is None:
-            from prometheus_client import CollectorRegistry
-
-            from obsckpt.telemetry.metrics import Metrics
-
-            self.local_metrics = Metrics(self._registry or CollectorRegistry())
-        return self.local_metrics
-
-    def _find_monitor(self) -> Any:
-        if self.monitor is not None:
-            return self.monitor
-        now = time.monotonic()
-        if now - self._checked < _MONITOR_RETRY_S and self._checked:
-            return None
-        self._checked = now
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return None
-            # An actor's runtime namespace is its job's, not the one it is named in.
-            namespace = self.namespace or ray.get_runtime_context().namespace
-            self.monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace)
-        except Exception:  # noqa: BLE001 - no monitor in this namespace (yet)
-            return None
-        return self.monitor
