@@ -127,6 +127,30 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
         labels = {"job": JOB, "instance": instance}
         return _check(lag_fire, alert, _expected(alert, rules, labels, behind))
 
+    # ObsckptWeightSyncFailures: a sync of the monitor at INSTANCE times out.
+    sync_min = math.ceil(duration_seconds(t.weight_sync_failure_window) / 60)
+    sync_len = sync_min + 40
+    sync_labels = f'{_TARGET},backend="nccl",method="broadcast",reason="timeout"'
+
+    def sync_failing(minute: int) -> dict:
+        labels = {"job": JOB, "instance": INSTANCE, "method": "broadcast", "reason": "timeout"}
+        alert = "ObsckptWeightSyncFailures"
+        return _check(minute, alert, _expected(alert, rules, labels))
+
+    # ObsckptRolloutWeightsStale: the trainer moves one version ahead at minute 10 and
+    # the rollout side, synced since minute 0, never catches up.
+    stale_min = math.ceil(duration_seconds(t.rollout_stale_window) / 60)
+    stale_for_min = math.ceil(duration_seconds(t.rollout_stale_for) / 60)
+    stale_due = max(10, stale_min) + stale_for_min
+    stale_len = stale_due + 20
+    # ... or a rollout side that first syncs at minute 20, one version behind.
+    late_start = 20
+    late_due = late_start + stale_min + stale_for_min
+
+    def stale(minute: int) -> dict:
+        alert = "ObsckptRolloutWeightsStale"
+        return _check(minute, alert, _expected(alert, rules, {"job": JOB, "instance": INSTANCE}, 1))
+
     tests = [
         {
             "name": "commit stalled: a pending step older than the threshold fires",
@@ -528,6 +552,96 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                 _series(phase_gauge, phase_labels("scan"), f"0x{stuck_len + 5}"),
             ],
             "alert_rule_test": [_check(stuck_fire, "ObsckptCommitPhaseStuck")],
+        },
+        {
+            "name": "weight sync failures: a first failure (its series starts at 1) fires",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, f"1x{sync_len}"),
+                _series(
+                    "obsckpt_broadcast_failures_total",
+                    sync_labels,
+                    f"_x{sync_min + 10} 1x{sync_len - sync_min - 10}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(sync_min + 5, "ObsckptWeightSyncFailures"),
+                sync_failing(sync_min + 12),
+                _check(2 * sync_min + 16, "ObsckptWeightSyncFailures"),
+            ],
+        },
+        {
+            "name": "weight sync failures: a new job whose first sync failed before its first "
+            "scrape fires",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _OTHER, f"1x{sync_len}"),
+                _series("up", _TARGET, f"_x{sync_min + 10} 1x30"),
+                _series("obsckpt_broadcast_failures_total", sync_labels, f"_x{sync_min + 10} 1x30"),
+            ],
+            "alert_rule_test": [sync_failing(sync_min + 12)],
+        },
+        {
+            "name": "weight sync failures: a later failure fires again, an old one stays quiet",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, f"1x{sync_len + sync_min}"),
+                _series(
+                    "obsckpt_broadcast_failures_total",
+                    sync_labels,
+                    f"1x{sync_min + 19} 2x{sync_len}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(sync_min + 5, "ObsckptWeightSyncFailures"),
+                sync_failing(sync_min + 21),
+                _check(2 * sync_min + 25, "ObsckptWeightSyncFailures"),
+            ],
+        },
+        {
+            "name": "rollout weights stale: a rollout side held behind the trainer fires",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"5x9 6x{stale_len}"),
+                _series("obsckpt_model_version", f'{_TARGET},role="rollout"', f"5x{stale_len + 9}"),
+            ],
+            "alert_rule_test": [
+                _check(stale_due - 1, "ObsckptRolloutWeightsStale"),
+                stale(stale_due + 1),
+            ],
+        },
+        {
+            "name": "rollout weights stale: a rollout side that keeps syncing stays quiet",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"1+1x{stale_len}"),
+                _series(
+                    "obsckpt_model_version",
+                    f'{_TARGET},role="rollout"',
+                    " ".join(str(1 + (i // 10) * 10) for i in range(stale_len + 1)),
+                ),
+            ],
+            "alert_rule_test": [
+                _check(minute, "ObsckptRolloutWeightsStale")
+                for minute in (stale_due - 1, stale_due + 1, stale_len - 1)
+            ],
+        },
+        {
+            "name": "rollout weights stale: a first sync a moment ago is not stale",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_model_version", f'{_TARGET},role="trainer"', f"6x{late_due + 5}"),
+                _series(
+                    "obsckpt_model_version",
+                    f'{_TARGET},role="rollout"',
+                    f"_x{late_start} 5x{late_due - late_start + 5}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(late_start + stale_for_min + 2, "ObsckptRolloutWeightsStale"),
+                _check(late_due - 1, "ObsckptRolloutWeightsStale"),
+                stale(late_due + 1),
+            ],
         },
     ]
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}

@@ -8,11 +8,30 @@ from the same expressions.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
-RUNBOOK_PATH = "docs/runbook.md"
+from obsckpt import __version__
+
+# Alertmanager shows runbook_url as a link: it must be absolute. The default is
+# the runbook of this version in the project's repository; a deployment with its
+# own copy (a wiki, an internal Git host) sets OBSCKPT_RUNBOOK_URL when it builds
+# the rules (make dashboards) or exports them (obsckpt dashboards export).
+RUNBOOK_URL_ENV = "OBSCKPT_RUNBOOK_URL"
+DEFAULT_RUNBOOK_URL = f"https://github.com/obsckpt/obsckpt/blob/v{__version__}/docs/runbook.md"
 DEFAULT_JOB = "obsckpt"
+
+
+def runbook_url_from_env(value: str | None = None) -> str:
+    """The runbook URL: ``value``, else $OBSCKPT_RUNBOOK_URL, else the project's."""
+    url = value or os.environ.get(RUNBOOK_URL_ENV) or DEFAULT_RUNBOOK_URL
+    if not re.match(r"https?://[^/\s]+", url):
+        raise ValueError(
+            f"the runbook URL must be absolute (http:// or https://), got {url!r}; "
+            f"set {RUNBOOK_URL_ENV} to where docs/runbook.md is served"
+        )
+    return url
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +62,12 @@ class AlertThresholds:
             round, a rename) may take before it counts as hung; below the fsync
             timeout (obsckpt.commit.FSYNC_TIMEOUT_S), so the alert fires while it hangs.
         commit_phase_stuck_for: how long that must persist.
-        runbook_base: URL (or path) of docs/runbook.md; anchors are appended.
+        weight_sync_failure_window: window over which a failed weight sync fires
+            ObsckptWeightSyncFailures.
+        rollout_stale_window: how long the rollout side's model version may stay
+            unchanged while the trainer's is ahead before its weights count as stale.
+        rollout_stale_for: how long that must persist.
+        runbook_base: absolute URL of docs/runbook.md; anchors are appended.
     """
 
     commit_stall_seconds: float = 900.0
@@ -59,7 +83,10 @@ class AlertThresholds:
     finished_quiet_for: str = "7d"
     commit_phase_stuck_seconds: float = 600.0
     commit_phase_stuck_for: str = "1m"
-    runbook_base: str = RUNBOOK_PATH
+    weight_sync_failure_window: str = "15m"
+    rollout_stale_window: str = "30m"
+    rollout_stale_for: str = "5m"
+    runbook_base: str = DEFAULT_RUNBOOK_URL
 
     def __post_init__(self) -> None:
         for name in (
@@ -84,14 +111,27 @@ class AlertThresholds:
             "monitor_down_for",
             "weight_sync_for",
             "commit_phase_stuck_for",
+            "rollout_stale_for",
         ):
             _check_duration(name, getattr(self, name))
         # A range of 0 is a PromQL error: the whole rule file would fail to load.
-        for name in ("failure_window", "missed_scrape_window", "finished_quiet_for"):
+        for name in (
+            "failure_window",
+            "missed_scrape_window",
+            "finished_quiet_for",
+            "weight_sync_failure_window",
+            "rollout_stale_window",
+        ):
             if _check_duration(name, getattr(self, name)) == 0:
                 raise ValueError(f"{name} must be longer than 0, got {getattr(self, name)!r}")
         if not isinstance(self.monitor_job, str) or not self.monitor_job:
             raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
+        if not isinstance(self.runbook_base, str) or not re.match(
+            r"https?://[^/\s]+", self.runbook_base
+        ):
+            raise ValueError(
+                f"runbook_base must be an absolute http(s) URL, got {self.runbook_base!r}"
+            )
 
 
 # Prometheus' duration syntax: units largest first, each at most once ("1h30m", "90s").
@@ -154,6 +194,11 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
 
     def runbook(alert: str) -> str:
         return f"{t.runbook_base}#{runbook_anchor(alert)}"
+
+    sync_window = t.weight_sync_failure_window
+    failures = "obsckpt_broadcast_failures_total"
+    sync_by = "job, instance, obsckpt_namespace, method, reason"
+    stale_window = t.rollout_stale_window
 
     return [
         {
@@ -314,6 +359,70 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     "time, so no later step commits until it returns or its fsync times out."
                 ),
                 "runbook_url": runbook("ObsckptCommitPhaseStuck"),
+            },
+        },
+        {
+            "alert": "ObsckptWeightSyncFailures",
+            # A failure's series appears with its first failure (labels method and
+            # reason), already at 1, which increase() reads as 0: the last term
+            # counts a series new within the window, as ObsckptSaveFailures does (a
+            # target scraped a window ago, or new itself; not one that merely
+            # missed that scrape).
+            "expr": (
+                f"sum by ({sync_by}) (increase({failures}[{sync_window}])) > 0\n"
+                f"or sum by ({sync_by}) (\n"
+                f"  ({failures} > 0 unless {failures} offset {sync_window})\n"
+                f"  and on (job, instance) (\n"
+                f"    up offset {sync_window} == 1\n"
+                f"    or ((up unless on (job, instance) up offset {sync_window})\n"
+                f"      and on () (count(up offset {sync_window}) > 0)))) > 0\n"
+            ),
+            "for": "0m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "Weight sync failing ({{ $labels.reason }}, job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "A {{ $labels.method }} weight sync of the training job whose monitor is "
+                    "{{ $labels.instance }} raised ({{ $labels.reason }}) in the last "
+                    f"{sync_window}: a peer died, stalled past the timeout or broke the "
+                    "protocol. The group is broken and formed again for the next sync; "
+                    "until one succeeds the rollout side keeps its old weights."
+                ),
+                "runbook_url": runbook("ObsckptWeightSyncFailures"),
+            },
+        },
+        {
+            "alert": "ObsckptRolloutWeightsStale",
+            # Lagging counts versions; this one counts time: a slow trainer one version
+            # ahead for an hour never trips the version gap, and its rollouts still run
+            # on old weights. Guarded on a first sync, as the lag alert.
+            "expr": (
+                f"{trainer}\n- ignoring (role) {rollout}\n> 0\n"
+                f'and ignoring (role) changes(obsckpt_model_version{{role="rollout"}}'
+                f"[{stale_window}]) == 0\n"
+                f"and ignoring (role) {rollout} > 0\n"
+                # The rollout side has held its version for the whole window, not
+                # only since its first sync a moment ago.
+                f'and ignoring (role) present_over_time(obsckpt_model_version{{role="rollout"}}'
+                f"[{window}] offset {stale_window})\n"
+            ),
+            "for": t.rollout_stale_for,
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "Rollout weights stale (job {{ $labels.job }}, monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "The rollout side of the training job whose monitor is "
+                    "{{ $labels.instance }} has not received new weights for "
+                    f"{stale_window} while the trainer is "
+                    '{{ $value | printf "%.0f" }} model versions ahead: weight syncs are '
+                    "failing or not being made."
+                ),
+                "runbook_url": runbook("ObsckptRolloutWeightsStale"),
             },
         },
     ]

@@ -16,6 +16,7 @@ import yaml
 
 from dashboards import ALERT_NAMES, AlertThresholds, alert_rules
 from dashboards.alert_tests import alert_unit_tests
+from dashboards.alerts import DEFAULT_RUNBOOK_URL, RUNBOOK_URL_ENV, runbook_url_from_env
 from dashboards.build import RULE_TESTS, RULES, rules_yaml, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,8 @@ CONTRACT_ALERTS = (
     "ObsckptMonitorDown",
     "ObsckptWeightSyncLagging",
     "ObsckptCommitPhaseStuck",
+    "ObsckptWeightSyncFailures",
+    "ObsckptRolloutWeightsStale",
 )
 
 
@@ -95,11 +98,17 @@ class TestUnitTestsDiscriminate:
                 no_commit_seconds=1e9,
                 monitor_down_for="1h",
                 weight_sync_max_lag=1e9,
+                rollout_stale_window="1y",
             ),
         )
         assert result.returncode != 0
         out = result.stdout + result.stderr
-        for alert in ("ObsckptCommitStalled", "ObsckptNoRecentCommit", "ObsckptMonitorDown"):
+        for alert in (
+            "ObsckptCommitStalled",
+            "ObsckptNoRecentCommit",
+            "ObsckptMonitorDown",
+            "ObsckptRolloutWeightsStale",
+        ):
             assert alert in out
 
     def test_other_thresholds_pass_their_own_tests(self, promtool, tmp_path):
@@ -219,7 +228,8 @@ class TestRules:
         anchors = {github_slug(h) for h in headings}
         for rule in alert_rules():
             path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
-            assert path.endswith("docs/runbook.md"), path
+            # Alertmanager and Grafana show it as a link: a relative path is dead there.
+            assert path.startswith("https://") and path.endswith("docs/runbook.md"), path
             assert anchor in anchors, f"{rule['alert']}: no heading for #{anchor} in {RUNBOOK}"
 
     def test_runbook_mentions_the_tools(self):
@@ -265,6 +275,9 @@ class TestRules:
             {"missed_scrape_window": "0s"},
             {"finished_quiet_for": "0m"},
             {"monitor_job": None},
+            {"rollout_stale_window": "0m"},
+            {"weight_sync_failure_window": "0s"},
+            {"runbook_base": "docs/runbook.md"},
         ],
     )
     def test_invalid_thresholds_name_the_field(self, kwargs):
@@ -281,6 +294,9 @@ class TestRules:
             "monitor_down_for",
             "missed_scrape_window",
             "finished_quiet_for",
+            "rollout_stale_window",
+            "rollout_stale_for",
+            "weight_sync_failure_window",
         ],
     )
     @pytest.mark.parametrize("value", ["90", "15 minutes", "1m30", "", 60])
@@ -291,6 +307,27 @@ class TestRules:
             match=rf"{field}: {re.escape(repr(value))} is not a Prometheus duration.*\"15m\"",
         ):
             AlertThresholds(**{field: value})
+
+    def test_runbook_url_from_argument_environment_or_default(self, monkeypatch):
+        monkeypatch.delenv(RUNBOOK_URL_ENV, raising=False)
+        assert runbook_url_from_env() == DEFAULT_RUNBOOK_URL
+        assert DEFAULT_RUNBOOK_URL.startswith("https://")
+        monkeypatch.setenv(RUNBOOK_URL_ENV, "https://wiki.example/obsckpt/runbook.md")
+        assert runbook_url_from_env() == "https://wiki.example/obsckpt/runbook.md"
+        assert runbook_url_from_env("http://docs.local/r.md") == "http://docs.local/r.md"
+        monkeypatch.setenv(RUNBOOK_URL_ENV, "docs/runbook.md")
+        with pytest.raises(ValueError, match="must be absolute.*OBSCKPT_RUNBOOK_URL"):
+            runbook_url_from_env()
+        rule = alert_rules(AlertThresholds(runbook_base="https://wiki.example/r"))[0]
+        assert rule["annotations"]["runbook_url"] == "https://wiki.example/r#obsckptcommitstalled"
+
+    def test_weight_sync_alerts_read_the_sync_metrics(self):
+        rules = {r["alert"]: r["expr"] for r in alert_rules()}
+        assert "obsckpt_broadcast_failures_total" in rules["ObsckptWeightSyncFailures"]
+        stale = rules["ObsckptRolloutWeightsStale"]
+        assert (
+            'role="trainer"' in stale and 'changes(obsckpt_model_version{role="rollout"}' in stale
+        )
 
     def test_thresholds_are_written_exactly(self):
         expr = next(
