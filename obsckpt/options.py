@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,13 @@ from obsckpt.env import (
     OBSCKPT_DIRECT_IO,
     OBSCKPT_EXIT_WAIT_S,
     OBSCKPT_FILE_SD_PATH,
+    OBSCKPT_LEASE_TIMEOUT_S,
+    OBSCKPT_MAX_SLOT_LABELS,
+    OBSCKPT_METRICS_HOST,
+    OBSCKPT_METRICS_PORT,
+    OBSCKPT_ON_BAD_ITERATION,
+    OBSCKPT_SAVE_STRATEGY,
+    OBSCKPT_TRACE_EXPORTER,
     OBSCKPT_VERL_COMMIT_TIMEOUT_S,
     from_env_if_absent,
 )
@@ -82,6 +90,27 @@ def lookup_actor(
     except ValueError as exc:
         where = f"namespace {namespace!r}" if namespace else "this job's namespace"
         raise error(f"no {name} actor runs in {where}; {hint}") from exc
+
+
+def _port(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def _seconds(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
+# The options a host's config may set, each with the variable that overrides it.
+SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "metrics_port": (OBSCKPT_METRICS_PORT, _port),
+    "metrics_host": (OBSCKPT_METRICS_HOST, str),
+    "save_strategy": (OBSCKPT_SAVE_STRATEGY, str),
+    "lease_timeout_s": (OBSCKPT_LEASE_TIMEOUT_S, _seconds),
+    "max_slot_labels": (OBSCKPT_MAX_SLOT_LABELS, int),
+    "on_bad_iteration": (OBSCKPT_ON_BAD_ITERATION, str),
+    "trace_exporter": (OBSCKPT_TRACE_EXPORTER, str),
+    "file_sd_path": (OBSCKPT_FILE_SD_PATH, str),
+}
 
 
 def _refuse_hdfs(default_hdfs_dir: object) -> None:
@@ -167,6 +196,42 @@ class MonitorOptions:
             default_local_dir=default_local_dir,  # type: ignore[arg-type]
             **fields,
         )
+
+    @classmethod
+    def from_settings(
+        cls, default_local_dir: str | os.PathLike[str], settings: Any = None, **defaults: Any
+    ) -> MonitorOptions:
+        """Options for a job switched on from its host's config, the environment winning.
+
+        ``settings`` is a mapping (a Hydra/OmegaConf node such as verl's
+        ``+obsckpt.metrics_port=9400``, or a dict) of option names to values;
+        each ``OBSCKPT_<NAME>`` variable of :data:`SETTINGS` overrides the
+        setting of that name (containers set variables; the config stays as
+        written). ``defaults`` are the host integration's own, below both.
+
+        Raises:
+            ValueError: a setting that is not an option (naming it and the options),
+                or a value an option refuses (naming the setting and where it came from).
+        """
+        given = dict(settings.items()) if settings is not None else {}
+        unknown = sorted(set(given) - set(SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"obsckpt settings {unknown} are not monitor options; the options are "
+                f"{sorted(SETTINGS)}"
+            )
+        fields = {**defaults, **given}
+        for name, (variable, parse) in SETTINGS.items():
+            raw = os.environ.get(variable)
+            if raw:
+                try:
+                    fields[name] = parse(raw)
+                except ValueError as exc:
+                    raise ValueError(f"environment variable {variable}={raw!r}: {exc}") from None
+        try:
+            return cls(default_local_dir=os.fspath(default_local_dir), **fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"obsckpt settings {fields}: {exc}") from exc
 
     def resolved_file_sd_path(self) -> str | None:
         """``file_sd_path``, else ``OBSCKPT_FILE_SD_PATH``, else None."""

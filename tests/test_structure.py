@@ -46,10 +46,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("telemetry", "admission", "tickets", "tracker", "options"),
     ),
     ("monitor", ("monitor", "monitor_link")),
-    ("save side", ("save_job", "slot_staging", "coordinator")),
+    ("save side", ("save_job", "slot_staging", "coordinator", "resume")),
     ("weight sync", ("sync",)),
     ("integrations", ("integrations",)),
-    ("applications", ("inspection", "demo", "cli", "__main__", "")),
+    ("applications", ("inspection", "demo", "cli", "verl", "__main__", "")),
 ]
 MAX_MODULE_LINES = 620
 MAX_CLASS_LINES = 400  # besides docstrings

@@ -611,3 +611,72 @@ def test_install_works_in_any_import_order(order):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_monitor_options_come_from_the_jobs_config_and_the_environment(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """`+obsckpt.<option>=...` on verl's command line sets the monitor's options; an
+    OBSCKPT_* variable wins over it; a misspelt option is refused by name."""
+    from omegaconf import OmegaConf
+
+    port = free_port()
+    trainer = make_trainer(tmp_path / "ckpt", None, None)
+    trainer.config = OmegaConf.merge(
+        trainer.config,
+        {
+            "obsckpt": {
+                "metrics_port": 1,
+                "metrics_host": "127.0.0.1",
+                "save_strategy": "single_thread",
+            }
+        },
+    )
+    monkeypatch.setenv("OBSCKPT_METRICS_PORT", str(port))  # the container's setting wins
+    monitor = verl_install.monitor_for(trainer)
+    try:
+        status = ray.get(monitor.status.remote())
+        assert status["save_strategy"] == "SINGLE_THREAD"
+        assert ray.get(monitor.metrics_address.remote()) == f"127.0.0.1:{port}"
+    finally:
+        ray.kill(monitor)
+    bad = make_trainer(tmp_path / "other", None, None)
+    bad.config = OmegaConf.merge(bad.config, {"obsckpt": {"metric_port": 9400}})
+    with pytest.raises(ValueError, match=r"\['metric_port'\] are not monitor options"):
+        verl_install.monitor_for(bad)
+
+
+def test_verls_logger_gets_the_save_stall_and_the_commit(ray_cluster, namespace, tmp_path, capsys):
+    """verl's Tracking.log (trainer.logger) carries obsckpt's numbers beside verl's timings."""
+    import asyncio
+
+    from obsckpt import CheckpointCoordinator, CheckpointMonitor
+    from obsckpt.integrations import verl_trainer
+    from obsckpt.monitor_link import MonitorLink
+
+    verl_install.patch()
+    from verl.utils.tracking import Tracking
+
+    root = tmp_path / "ckpt"
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(root), metrics_port=None
+    )
+    try:
+        coord = CheckpointCoordinator(monitor, rank=0)
+        path = root / "global_step_1" / "actor" / "model_world_size_1_rank_0.pt"
+        coord.save_state_dict_async("model", {"w": torch.ones(2)}, str(path), 1)
+        coord.wait_all(timeout=60)
+        asyncio.run(coord.register_and_monitor(1, checkpoint_thread_count=1))
+        verl_trainer.LOGGER_METRICS.saved(MonitorLink(monitor, rank=None, rpc_timeout=30), 0.25)
+        for _ in range(100):
+            if ray.get(monitor.status.remote())["latest"]["checkpoint"] == 1:
+                break
+        tracking = Tracking(project_name="p", experiment_name="e", default_backend=["console"])
+        tracking.log({"timing_s/save_checkpoint": 0.3}, step=1)
+        tracking.log({"timing_s/step": 1.0}, step=2)
+    finally:
+        ray.kill(monitor)
+    first, second = [ln for ln in capsys.readouterr().out.splitlines() if "step:" in ln][-2:]
+    for key in ("obsckpt/save_stall_s:0.25", "obsckpt/committed_step:1", "obsckpt/commit_lag_s"):
+        assert key in first, first
+    assert "obsckpt/" not in second  # each number is logged once

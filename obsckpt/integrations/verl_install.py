@@ -59,6 +59,7 @@ from obsckpt.integrations.verl_trainer import (
     save_and_submit,
     save_wrapper,
     setup_wrapper,
+    tracking_log_wrapper,
     wait_for_commit,
     wrap_torch_save,
 )
@@ -133,6 +134,9 @@ TRAINER_SITES: dict[str, tuple[str, str]] = {
     "verl.trainer.ppo.v1.trainer_base": ("PPOTrainer", "init"),
     "verl.trainer.ppo.ray_trainer": ("RayPPOTrainer", "init_workers"),
 }
+
+# verl module -> (class, method) whose calls obsckpt wraps: the driver's metrics logger.
+LOGGER_SITES: dict[str, tuple[str, str]] = {"verl.utils.tracking": ("Tracking", "log")}
 
 _lock = threading.RLock()
 _patched: set[str] = set()
@@ -228,7 +232,7 @@ def patch() -> None:
     """Rebind verl's manager names and wrap its trainer, in this process (idempotent)."""
     global _finder
     with _lock:
-        for name in [*MANAGER_SITES, *TRAINER_SITES]:
+        for name in [*MANAGER_SITES, *TRAINER_SITES, *LOGGER_SITES]:
             module = sys.modules.get(name)
             if module is not None:
                 _apply(name, module)
@@ -272,6 +276,11 @@ def _apply(name: str, module: Any) -> None:
             return
         if name in TRAINER_SITES:
             _patch_trainer(module, *TRAINER_SITES[name])
+        elif name in LOGGER_SITES:
+            cls_name, method = LOGGER_SITES[name]
+            cls = getattr(module, cls_name, None)
+            if cls is not None and not getattr(getattr(cls, method), "__obsckpt_wrapped__", False):
+                setattr(cls, method, tracking_log_wrapper(getattr(cls, method)))
         else:
             attr, source, source_attr = MANAGER_SITES[name]
             if hasattr(module, attr):
@@ -303,7 +312,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Applies :func:`_apply` to a target module right after its code runs."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in MANAGER_SITES and fullname not in TRAINER_SITES:
+        if fullname not in MANAGER_SITES and fullname not in TRAINER_SITES | LOGGER_SITES:
             return None
         if fullname in _patched:
             return None

@@ -18,12 +18,14 @@ import inspect
 import io
 import logging
 import os
+import threading
 import time
 from typing import Any
 
 from obsckpt import commit, layout, reader
 from obsckpt.env import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
+from obsckpt.options import MonitorOptions
 
 logger = logging.getLogger("obsckpt.integrations.verl_install")
 
@@ -211,7 +213,22 @@ def monitor_for(trainer: Any) -> Any:
                 f"trainer.default_hdfs_dir={hdfs!r}: obsckpt's verl integration does not copy "
                 "checkpoints to HDFS (verl 0.9 cannot resume from there either); set it to null"
             )
-        monitor = CheckpointMonitor.get_actor(default_local_dir=checkpoint_root(trainer))
+        # The options from the job's own config (`+obsckpt.metrics_port=9400` on verl's
+        # command line), each overridden by its OBSCKPT_* variable.
+        options = MonitorOptions.from_settings(
+            checkpoint_root(trainer), trainer.config.get("obsckpt", None)
+        )
+        monitor = CheckpointMonitor.get_actor(
+            default_local_dir=options.default_local_dir,
+            save_strategy=options.save_strategy,
+            metrics_port=options.metrics_port,
+            metrics_host=options.metrics_host,
+            file_sd_path=options.file_sd_path,
+            trace_exporter=options.trace_exporter,
+            lease_timeout_s=options.lease_timeout_s,
+            max_slot_labels=options.max_slot_labels,
+            on_bad_iteration=options.on_bad_iteration,
+        )
         trainer._obsckpt_monitor = monitor
     return monitor
 
@@ -223,6 +240,66 @@ def link_for(trainer: Any) -> MonitorLink:
         link = MonitorLink(monitor_for(trainer), rank=None, rpc_timeout=DEFAULT_RPC_TIMEOUT_S)
         trainer._obsckpt_link = link
     return link
+
+
+class LoggerMetrics:
+    """What obsckpt adds to the metrics verl's ``trainer.logger`` logs at each step.
+
+    Beside verl's own ``timing_s/save_checkpoint`` (which, with obsckpt, is the
+    snapshot's stall and the submission): ``obsckpt/save_stall_s`` of the save
+    since the last log, and, once the monitor has committed a step not yet
+    reported, ``obsckpt/committed_step`` and ``obsckpt/commit_lag_s`` (from the
+    step's last file being durable to its commit: the commit's fsyncs and renames).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stall_s: float | None = None
+        self._link: MonitorLink | None = None
+        self._reported: int | None = None
+        self._warned = False
+
+    def saved(self, link: MonitorLink, seconds: float) -> None:
+        with self._lock:
+            self._link = link
+            self._stall_s = seconds
+
+    def drain(self) -> dict[str, float]:
+        """The metrics not logged yet (the monitor is asked once per call, after a save)."""
+        with self._lock:
+            out: dict[str, float] = {}
+            if self._stall_s is not None:
+                out["obsckpt/save_stall_s"] = self._stall_s
+                self._stall_s = None
+            if self._link is None:
+                return out
+            try:
+                last = self._link.status()["last_commit"].get("checkpoint")
+            except Exception as exc:  # noqa: BLE001 - a log line must not fail the step
+                if not self._warned:
+                    logger.warning("obsckpt: cannot read the last commit for the logger: %s", exc)
+                    self._warned = True
+                return out
+            if last and last["step"] != self._reported:
+                self._reported = last["step"]
+                out["obsckpt/committed_step"] = float(last["step"])
+                out["obsckpt/commit_lag_s"] = last["committed_at"] - last["whole_at"]
+            return out
+
+
+LOGGER_METRICS = LoggerMetrics()
+
+
+def tracking_log_wrapper(orig: Any) -> Any:
+    """verl's ``Tracking.log`` with :data:`LOGGER_METRICS` merged into each step's data."""
+
+    @functools.wraps(orig)
+    def log(self: Any, data: dict[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        extra = LOGGER_METRICS.drain()
+        return orig(self, {**data, **extra} if extra else data, step, *args, **kwargs)
+
+    log.__obsckpt_wrapped__ = True  # type: ignore[attr-defined]
+    return log
 
 
 def save_and_submit(trainer: Any, save: Any) -> Any:
@@ -242,8 +319,10 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
         trainer.checkpoint_callback = _DeferredCallback(deferred)
     token = _diverted.set(writes)
     saving = _saving.set(trainer)
+    started = time.perf_counter()
     try:
         result = save()
+        LOGGER_METRICS.saved(link, time.perf_counter() - started)
     finally:
         _saving.reset(saving)
         _diverted.reset(token)
