@@ -11,6 +11,7 @@ from obsckpt.errors import __all__ as _errors
 from obsckpt.monitor import CheckpointMonitor
 
 if TYPE_CHECKING:
+    from obsckpt.resume import ResumeRecord
     from obsckpt.sync.synchronizer import Synchronizer
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointCoordinator",
     "CheckpointMonitor",
+    "ResumeRecord",
     "SaveStrategy",
     "StagedSave",
     "Synchronizer",
@@ -31,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from obsckpt.sync.synchronizer import Synchronizer
 
         return Synchronizer
+    if name == "ResumeRecord":  # torch and NumPy: loaded on first use too
+        from obsckpt.resume import ResumeRecord
+
+        return ResumeRecord
     raise AttributeError(f"module 'obsckpt' has no attribute {name!r}")

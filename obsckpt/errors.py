@@ -31,6 +31,7 @@ __all__ = [
     "ObsckptError",
     "PartsMismatchError",
     "RayShutDownError",
+    "ResumeRecordError",
     "RootInUseError",
     "RootLockLostError",
     "SaveError",
@@ -189,6 +190,10 @@ class UnverifiedCheckpointError(StateDictLoadError):
 
 class UnsafeCheckpointError(StateDictLoadError):
     """A file to be loaded refers to a Python global that loading could run code from."""
+
+
+class ResumeRecordError(StateDictLoadError):
+    """A step's resume record is missing for a rank, of another format, or not its own."""
 
 
 # --- the command line and the demo --------------------------------------------
