@@ -36,13 +36,21 @@ def positive_seconds(value: object) -> bool:
 
 
 def validate_step(step: object, what: str = "global_step") -> int:
-    """Return ``step`` if it is a non-negative integer, else raise a ValueError naming it."""
-    # bool is an int subclass; True is not a step.
-    if isinstance(step, bool) or not isinstance(step, int):
+    """``step`` as an int if it is a non-negative integer, else raise a ValueError naming it.
+
+    Any integer type counts (a NumPy or 0-dim integer tensor step, as hosts pass
+    them: whatever ``operator.index`` takes); a bool does not.
+    """
+    # bool is an int subclass (NumPy's bool_ has its own type); True is not a step.
+    try:
+        if isinstance(step, bool) or type(step).__name__ == "bool_":
+            raise TypeError
+        step = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
         raise ValueError(
             f"{what} must be a non-negative integer, got {step!r} ({type(step).__name__}); "
             "pass the training step as an int"
-        )
+        ) from None
     if step < 0:
         raise ValueError(f"{what} must be a non-negative integer, got {step}")
     if step > MAX_STEP:
