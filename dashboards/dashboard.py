@@ -447,21 +447,6 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 width=6,
             ),
             PanelSpec(
-                "Rejected /metrics connections",
-                "Scrapes this monitor's /metrics endpoint refused (too many open at once, or "
-                "out of file descriptors): Prometheus sees failed scrapes, and "
-                "ObsckptMonitorDown may follow.",
-                "none",
-                [
-                    (
-                        "sum by (instance) "
-                        f"(increase({m('obsckpt_metrics_connections_rejected_total')}[{RATE}]))",
-                        "{{instance}}",
-                    )
-                ],
-                width=12,
-            ),
-            PanelSpec(
                 "Saves past the slot limit",
                 'Saves recorded under slot="_other": their slot was not among the first '
                 "max_slot_labels slots of its monitor (slot names that carry a step or a "
@@ -475,6 +460,22 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     )
                 ],
                 width=6,
+            ),
+            PanelSpec(
+                "Rejected /metrics connections",
+                "Scrapes this monitor's /metrics endpoint refused (too many open at once, or "
+                "out of file descriptors): Prometheus sees failed scrapes, and "
+                "ObsckptMonitorDown may follow.",
+                "none",
+                [
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_metrics_connections_rejected_total')}[{RATE}]))",
+                        "{{instance}}",
+                    )
+                ],
+                width=24,
+                height=6,
             ),
         ],
     ),

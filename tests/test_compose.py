@@ -29,7 +29,18 @@ OTEL_CONFIG = ROOT / "deploy" / "otel-collector" / "config.yaml"
 TEMPO_CONFIG = ROOT / "deploy" / "tempo" / "tempo.yaml"
 DASHBOARD = ROOT / "dashboards" / "obsckpt.json"
 
-SERVICES = ("obsckpt", "prometheus", "grafana", "otel-collector", "tempo")
+ALERTMANAGER_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
+WEBHOOK = ROOT / "deploy" / "alertmanager" / "webhook_log.py"
+
+SERVICES = (
+    "obsckpt",
+    "prometheus",
+    "alertmanager",
+    "alert-webhook",
+    "grafana",
+    "otel-collector",
+    "tempo",
+)
 
 
 def load_yaml(path: Path) -> dict:
@@ -173,6 +184,17 @@ class TestJobService:
         assert flag(command, "--otlp-endpoint") == "http://otel-collector:4318"
         assert 4318 in published_ports(services["otel-collector"])
 
+    def test_a_restart_resumes(self, services):
+        """restart: unless-stopped reruns the command: it must continue, not start over
+        (without --resume the demo deletes the checkpoints of the run before)."""
+        assert services["obsckpt"]["restart"] in ("unless-stopped", "always", "on-failure")
+        assert "--resume" in command_list(services["obsckpt"])
+
+    def test_publishes_only_ports_it_serves(self, services):
+        # The demo runs Ray without its dashboard (8265): only the metrics port.
+        command = command_list(services["obsckpt"])
+        assert published_ports(services["obsckpt"]) == {int(flag(command, "--metrics-port"))}
+
     def test_file_sd_reaches_prometheus(self, services):
         """The file the monitor writes lands, via a shared volume, where Prometheus reads."""
         sd_file = PurePosixPath(flag(command_list(services["obsckpt"]), "--file-sd"))
@@ -224,6 +246,123 @@ class TestPrometheus:
             check=False,
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = re.match(r"(?:https?://)?([\w-]+):(\d+)", url).groups()
+    return host, int(port)
+
+
+class TestAlertmanager:
+    """Prometheus sends its alerts to the stack's Alertmanager, which sends them on."""
+
+    def test_prometheus_sends_alerts_to_the_alertmanager_service(self, services):
+        config = load_yaml(PROMETHEUS_CONFIG)
+        targets = [
+            t
+            for am in config["alerting"]["alertmanagers"]
+            for sc in am["static_configs"]
+            for t in sc["targets"]
+        ]
+        assert targets == ["alertmanager:9093"]
+        host, port = _host_port(targets[0])
+        assert host in services and port in published_ports(services[host])
+
+    def test_config_is_mounted_where_the_command_reads_it(self, services):
+        service = services["alertmanager"]
+        command = command_list(service)
+        [config_flag] = [c for c in command if c.startswith("--config.file=")]
+        mounts = {target: source for source, target, _ in volume_specs(service)}
+        assert mounts[config_flag.split("=", 1)[1]] == "./deploy/alertmanager/alertmanager.yml"
+
+    def test_routes_reach_a_webhook_that_the_stack_runs(self, services):
+        config = load_yaml(ALERTMANAGER_CONFIG)
+        receivers = {r["name"]: r for r in config["receivers"]}
+
+        def route_receivers(route: dict) -> list[str]:
+            out = [route["receiver"]] if "receiver" in route else []
+            return out + [r for sub in route.get("routes", []) for r in route_receivers(sub)]
+
+        used = route_receivers(config["route"])
+        assert used and set(used) <= set(receivers)
+        for name in set(used):
+            for hook in receivers[name]["webhook_configs"]:
+                host, port = _host_port(hook["url"])
+                assert host in services, f"{name}: webhook {hook['url']} is not a service"
+                assert str(port) in command_list(services[host]), hook["url"]
+                assert hook["send_resolved"] is True
+        # Notifications are per training job's monitor, not one for all jobs.
+        assert {"alertname", "instance"} <= set(config["route"]["group_by"])
+
+    def test_amtool_check_config(self):
+        amtool = shutil.which("amtool")
+        if amtool is None:
+            pytest.skip("amtool not installed (Debian package prometheus-alertmanager)")
+        result = subprocess.run(
+            [amtool, "check-config", str(ALERTMANAGER_CONFIG)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "SUCCESS" in result.stdout
+
+    def test_webhook_receiver_prints_each_alert(self, tmp_path):
+        """The documented receiver, run as the stack runs it, gets an Alertmanager POST."""
+        import socket
+        import sys
+        import time
+        import urllib.request
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = tmp_path / "webhook.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(WEBHOOK), str(port)], stdout=out, stderr=subprocess.STDOUT
+            )
+        try:
+            payload = {
+                "version": "4",
+                "status": "firing",
+                "alerts": [
+                    {
+                        "status": "firing",
+                        "labels": {
+                            "alertname": "ObsckptCommitStalled",
+                            "severity": "critical",
+                            "instance": "obsckpt:9400",
+                        },
+                        "annotations": {
+                            "summary": "Checkpoint commit stalled",
+                            "runbook_url": "https://example/runbook.md#obsckptcommitstalled",
+                        },
+                    }
+                ],
+            }
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/alerts",
+                data=json.dumps(payload).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with urllib.request.urlopen(request, timeout=5) as resp:
+                        assert resp.status == 200
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise
+                    time.sleep(0.1)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        line = log.read_text()
+        assert "FIRING ObsckptCommitStalled severity=critical instance=obsckpt:9400" in line
+        assert "#obsckptcommitstalled" in line
 
 
 class TestGrafana:
@@ -310,6 +449,8 @@ class TestDashboardJson:
 
     def test_every_panel_has_datasource_targets_unit_and_legend(self, board):
         for panel in _panels(board):
+            if panel["type"] == "alertlist":  # reads alerts, not queries
+                continue
             title = panel["title"]
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
             assert panel["fieldConfig"]["defaults"].get("unit"), f"{title}: no unit"
