@@ -254,7 +254,10 @@ class TrinityProtocol:
                 f"the synchronizer holds a {type(held).__name__}, not a state dict, for "
                 f"version {self._version}; there are no tensors to stream"
             )
-        yield from held.items()
+        # A plain loop: Ray drives a generator method with send(), which a dict
+        # iterator behind ``yield from`` lacks.
+        for item in held.items():  # noqa: UP028
+            yield item
 
     async def _wait_as_trinity(self, current_version: int | None) -> int | None:
         current = -1 if current_version is None else current_version
