@@ -5,6 +5,7 @@
     obsckpt demo [--steps N] [--save-every N] [--world-size N] [...]
     obsckpt status DIR [--json]
     obsckpt verify DIR [--step N | --all] [--json]
+    obsckpt dashboards export DIR [--runbook-url URL]
 
 Exit codes: 0 success; 1 a check failed (``verify``), ``status`` reported a
 problem (an iteration file naming a step that is not on disk), or the demo
@@ -72,7 +73,11 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``obsckpt verify DIR [--step N | --all] [--json]``: 1 when a step failed."""
+    """``obsckpt verify DIR [--step N | --all] [--json]``: 1 unless every step checked is whole.
+
+    A step of a root obsckpt never committed in is NOT VERIFIABLE (no manifest to
+    check against), said apart from FAILED, and exits 1 too.
+    """
     root, latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,))
     results = inspection.verify_root(root, latest, step=args.step, every=args.all, shown=args.dir)
     if args.json:
@@ -83,7 +88,17 @@ def cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for p in problems:
                 err.write(p + "\n")
             out.write(line + "\n")
-    return EXIT_FAILED if any(r["result"] == "failed" for r in results) else EXIT_OK
+    # A step not written by obsckpt is not vouched for either: 1, with its own word.
+    return EXIT_OK if all(r["result"] == "ok" for r in results) else EXIT_FAILED
+
+
+def cmd_dashboards(args: argparse.Namespace, out: TextIO) -> int:
+    """Write this version's Grafana dashboard, alert rules and scrape snippet to DIR."""
+    from obsckpt import assets
+
+    for path in assets.export(args.dir, runbook_url=args.runbook_url):
+        print(path, file=out)
+    return EXIT_OK
 
 
 def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -165,6 +180,9 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             verbose=args.verbose,
+            kill_at=args.kill_at[0] if args.kill_at else None,
+            kill_in_save=bool(args.kill_at and args.kill_at[1]),
+            check_resume=args.check_resume,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -296,6 +314,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _kill_at(text: str) -> tuple[int, bool]:
+    """``K`` or ``K:save``: (step, whether mid-save)."""
+    step, _, when = text.partition(":")
+    try:
+        value = int(step)
+    except ValueError:
+        value = 0
+    if value < 1 or when not in ("", "save"):
+        raise argparse.ArgumentTypeError(f"must be a step K >= 1 or K:save, got {text!r}")
+    return value, when == "save"
+
+
 def _step(text: str) -> int:
     try:
         value = int(text)
@@ -423,6 +453,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--result-json", default=None, metavar="PATH", help="write the run's result as JSON"
     )
+    d.add_argument(
+        "--kill-at",
+        type=_kill_at,
+        default=None,
+        metavar="K[:save]",
+        help="SIGKILL the job (its ranks, rollout and driver) after step K, or with K:save "
+        "while step K's checkpoint is being written; then try --resume",
+    )
+    d.add_argument(
+        "--check-resume",
+        default=None,
+        metavar="REF_JSON",
+        help="compare the run with REF_JSON, the --result-json of an uninterrupted run with "
+        "the same seed: weights, optimizer, RNGs, data order and weight versions, bit for bit",
+    )
 
     s = sub.add_parser("status", help="committed and uncommitted steps of a checkpoint directory")
     s.add_argument("dir", metavar="DIR", help="the checkpoint root")
@@ -448,6 +493,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("dir", metavar="DIR", help="the checkpoint root")
     r.add_argument(
         "--dry-run", action="store_true", help="say what would change; exit 1 if anything would"
+    )
+    db = sub.add_parser("dashboards", help="the Grafana dashboard and alert rules of this version")
+    dbs = db.add_subparsers(dest="dashboards_command", required=True, metavar="ACTION")
+    ex = dbs.add_parser(
+        "export",
+        help="write the dashboard JSON, the Prometheus alert rules and a scrape config snippet",
+    )
+    ex.add_argument("dir", metavar="DIR", help="directory to write them into (made if missing)")
+    ex.add_argument(
+        "--runbook-url",
+        default=None,
+        metavar="URL",
+        help="absolute URL of docs/runbook.md for the alerts' runbook links "
+        "(default $OBSCKPT_RUNBOOK_URL, else the project's runbook of this version)",
     )
     return p
 
@@ -496,6 +555,8 @@ def main(
             return cmd_verify(args, out, err)
         if args.command == "repair":
             return cmd_repair(args, out, err)
+        if args.command == "dashboards":
+            return cmd_dashboards(args, out)
         if argv is None:  # the `obsckpt demo` command itself, not a call from Python
             supervisor = os.environ.pop(OBSCKPT_DEMO_DRIVER, None)
             if supervisor is None and os.name == "posix":

@@ -276,11 +276,13 @@ def verify_one(
             not (sdir / layout.MANIFEST_NAME).exists()
             and first_manifest_step(root, reader.steps_on_disk(root)) is None
         ):
+            # Not a failure of the step: nothing says what it should hold.
             problems = [
                 f"{sdir / layout.MANIFEST_NAME}: missing manifest; no step of this root has one, "
                 "so it was not committed by obsckpt (verl's own checkpointing, say) and there is "
                 "nothing to check its files against. Steps obsckpt commits here can be verified"
             ]
+            return dict(result, result="unverifiable", problems=problems)
         return dict(result, result="failed", problems=list(problems))
     records = reader.read_manifest(sdir)
     return dict(result, files=len(records), bytes=sum(r.size for r in records))
@@ -340,7 +342,7 @@ def verify_root(
 
 def verify_report(root: Path, results: list[dict]) -> dict:
     """``obsckpt verify --json``'s document: the root, whether every step passed, the steps."""
-    ok = all(r["result"] != "failed" for r in results)
+    ok = all(r["result"] == "ok" for r in results)
     return {"root": str(root.resolve()), "ok": ok, "steps": results}
 
 
@@ -353,6 +355,8 @@ def verify_lines(result: dict) -> tuple[list[str], str]:
             f"step {step}: OK, {result['files']} files, "
             f"{format_size(result['bytes'])} match the manifest"
         )
+    elif result["result"] == "unverifiable":
+        line = f"step {step}: NOT VERIFIABLE, not written by obsckpt (no manifest)"
     elif result["on_disk"]:
         line = f"step {step}: FAILED, {len(result['problems'])} problem(s)"
     else:

@@ -287,6 +287,10 @@ class TestRootsWrittenBeforeObsckpt:
         code, out, err = run("verify", str(root))
         assert code == 1
         assert "no step of this root has one, so it was not committed by obsckpt" in err
+        # Told apart from a step that failed its check.
+        assert out == "step 10: NOT VERIFIABLE, not written by obsckpt (no manifest)\n"
+        report = json.loads(run("verify", str(root), "--json")[1])
+        assert report["ok"] is False and report["steps"][0]["result"] == "unverifiable"
 
     def test_steps_after_obsckpt_took_over(self, tmp_path):
         root = tmp_path / "ckpt"
