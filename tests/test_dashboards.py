@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import AlertThresholds, build_dashboard, expand, panel_queries
-from dashboards.build import DASHBOARD, ROOT, generated_files, main, stale_files
+import obsckpt
+from dashboards import ALERT_NAMES, AlertThresholds, build_dashboard, expand, panel_queries
+from dashboards.build import DASHBOARD, ROOT, RULES, generated_files, main, stale_files
 from dashboards.dashboard import JOB
+from obsckpt import assets, cli
 from obsckpt.telemetry.metrics import METRICS
 
 METRIC_NAMES = {spec.name for spec in METRICS}
@@ -410,3 +412,61 @@ class TestLatencyAtSparseSaves:
         cases = _latency_cases(["5m"], window="1m")
         out = _evaluate_at(promtool, tmp_path, "1m", series, cases)
         assert "histogram_quantile" in out and "FAILED" in out
+
+
+class TestShippedAssets:
+    """The wheel's copies (obsckpt/_assets) are what dashboards/ builds, and export writes them."""
+
+    def test_package_data_matches_the_build(self):
+        files = generated_files()
+        assert assets.read(assets.DASHBOARD) == files[DASHBOARD]
+        assert assets.read(assets.RULES) == files[RULES]
+        assert json.loads(assets.read(assets.DASHBOARD)) == build_dashboard()
+
+    def test_scrape_snippet_is_the_stacks_job(self):
+        snippet = yaml.safe_load(assets.read(assets.SCRAPE))
+        stack = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+        [job] = snippet["scrape_configs"]
+        [stack_job] = [j for j in stack["scrape_configs"] if j["job_name"] == "obsckpt"]
+        assert job["file_sd_configs"] == stack_job["file_sd_configs"]
+        assert job["scrape_interval"] == stack["global"]["scrape_interval"]
+        assert snippet["rule_files"] == [assets.RULES]
+        assert f"obsckpt {obsckpt.__version__}" in assets.read(assets.SCRAPE)
+
+    def test_cli_export_writes_files_prometheus_loads(self, promtool, tmp_path, capsys):
+        out = tmp_path / "out"
+        assert cli.main(["dashboards", "export", str(out)]) == 0
+        assert sorted(p.name for p in out.iterdir()) == sorted(assets.NAMES)
+        assert capsys.readouterr().out.split() == [str(out / n) for n in assets.NAMES]
+        for name in assets.NAMES:
+            assert (out / name).read_text() == assets.read(name)
+        # The snippet and the rules beside it are a config Prometheus accepts.
+        result = subprocess.run(
+            [promtool, "check", "config", assets.SCRAPE],
+            cwd=out,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"SUCCESS: {len(ALERT_NAMES)} rules found" in result.stdout
+
+    def test_export_points_runbook_links_at_the_given_url(self, tmp_path, monkeypatch):
+        monkeypatch.setenv(assets.RUNBOOK_URL_ENV, "https://env.example/runbook.md")
+        assets.export(tmp_path / "a", runbook_url="https://wiki.example/obsckpt/runbook")
+        assets.export(tmp_path / "b")
+        for sub, base in (
+            ("a", "https://wiki.example/obsckpt/runbook"),
+            ("b", "https://env.example/runbook.md"),
+        ):
+            rules = yaml.safe_load((tmp_path / sub / assets.RULES).read_text())
+            urls = [r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]]
+            assert urls == [f"{base}#{name.lower()}" for name in ALERT_NAMES]
+
+    def test_export_refuses_a_relative_runbook_url_and_a_file(self, tmp_path, capsys):
+        assert cli.main(["dashboards", "export", str(tmp_path), "--runbook-url", "docs/r.md"]) == 2
+        assert "must be absolute" in capsys.readouterr().err
+        (tmp_path / "f").write_text("")
+        assert cli.main(["dashboards", "export", str(tmp_path / "f")]) == 2
+        assert "is a file" in capsys.readouterr().err
