@@ -404,3 +404,270 @@ class TestSafetensorsCheckpointSync:
             TrinitySettings(sync_timeout_s=0)
         with pytest.raises(StateDictLoadError):
             load_step_model(tmp_path / "nothing")
+
+
+# ----------------------------------------------------------------------
+# Trinity-RFT 0.6.0's own code (make test-trinity installs it)
+# ----------------------------------------------------------------------
+
+
+def _import_trinity():
+    """Trinity's trainer, explorer and synchronizer modules, or a skip where it is absent.
+
+    Trinity's explorer module imports vLLM's config types for its rollout models;
+    vLLM is a GPU inference engine that does not install on a CPU machine, so its
+    modules are empty stand-ins for that import only (no vLLM code runs in the
+    paths tested here: the explorers have no rollout models).
+    """
+    pytest.importorskip("trinity", reason="trinity-rft is not installed (make test-trinity)")
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+
+    class _Anything(types.ModuleType):
+        __path__: list[str] = []
+
+        def __getattr__(self, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+    class _NoVllm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "vllm" or name.startswith("vllm."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            return _Anything(spec.name)
+
+        def exec_module(self, module):
+            pass
+
+    finder = None
+    if importlib.util.find_spec("vllm") is None:
+        finder = _NoVllm()
+        sys.meta_path.insert(0, finder)
+    try:
+        import trinity.explorer.explorer as explorer
+        import trinity.manager.synchronizer as synchronizer
+        import trinity.trainer.trainer as trainer
+        from trinity.common import config, constants
+    finally:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+            for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+                del sys.modules[name]
+    return types.SimpleNamespace(
+        Trainer=trainer.Trainer,
+        Explorer=explorer.Explorer,
+        TrinitySynchronizer=synchronizer.Synchronizer,
+        Config=config.Config,
+        RunningStatus=constants.RunningStatus,
+        SyncMethod=constants.SyncMethod,
+        SyncStyle=constants.SyncStyle,
+    )
+
+
+@pytest.fixture(scope="module")
+def trinity():
+    return _import_trinity()
+
+
+def real_config(trinity, namespace: str, root: Path, method: str = "memory", timeout: int = 20):
+    config = trinity.Config()
+    config.ray_namespace = namespace
+    config.checkpoint_job_dir = str(root)
+    config.synchronizer.sync_method = trinity.SyncMethod(method)
+    config.synchronizer.sync_timeout = timeout
+    config.synchronizer.explorer_world_size = 1
+    return config
+
+
+class _UploadingEngine:
+    """The trainer's engine as Trinity's MEMORY sync uses it: upload_state_dict publishes."""
+
+    def __init__(self, synchronizer, step_of) -> None:
+        self.synchronizer, self.step_of = synchronizer, step_of
+        self.nccl_syncs = 0
+
+    async def upload_state_dict(self) -> None:
+        step = self.step_of()
+        await self.synchronizer.set_model_state_dict.remote(state_dict(step), step)
+
+    def sync_weight_nccl(self) -> None:
+        self.nccl_syncs += 1
+
+
+def trainer_self(trinity, synchronizer, method: str, style: str):
+    """The attributes Trinity's Trainer.need_sync / sync_weight read (its engine stands in)."""
+    me = types.SimpleNamespace(
+        synchronizer=synchronizer,
+        sync_method=trinity.SyncMethod(method),
+        sync_style=trinity.SyncStyle(style),
+        sync_interval=1,
+        last_sync_step=0,
+        last_sync_time=None,
+        train_step_num=0,
+        logger=__import__("logging").getLogger("trinity-trainer"),
+    )
+    me.engine = _UploadingEngine(synchronizer, lambda: me.train_step_num)
+    return me
+
+
+def explorer_self(trinity, synchronizer, config, style: str):
+    """The attributes Trinity's Explorer sync methods read (no rollout models)."""
+
+    async def finish_current_steps() -> None:
+        pass
+
+    return types.SimpleNamespace(
+        synchronizer=synchronizer,
+        config=config,
+        models=[],
+        model_version=-1,
+        explore_step_num=1,
+        sync_offset=0,
+        sync_interval=1,
+        sync_method=config.synchronizer.sync_method,
+        sync_style=trinity.SyncStyle(style),
+        finish_current_steps=finish_current_steps,
+        logger=__import__("logging").getLogger("trinity-explorer"),
+    )
+
+
+class TestTrinityCodeAgainstObsckpt:
+    """Trinity 0.6.0's own trainer and explorer methods, run against obsckpt's Synchronizer
+    (created by get_actor with Trinity's real Config), sync as they do against Trinity's."""
+
+    def test_explorer_driven_memory_sync(self, trinity, namespace, tmp_path):
+        config = real_config(trinity, namespace, tmp_path)
+        sync = Synchronizer.get_actor(config)
+        Trainer, Explorer, Status = trinity.Trainer, trinity.Explorer, trinity.RunningStatus
+        trainer = trainer_self(trinity, sync, "memory", "explorer_driven")
+        explorer = explorer_self(trinity, sync, config, "explorer_driven")
+
+        async def run() -> None:
+            await sync.set_trainer_status.remote(Status.RUNNING)
+            await sync.set_explorer_status.remote(Status.RUNNING)
+            await Explorer._pull_latest_weights(explorer)  # version 0 is newer than -1
+            assert explorer.model_version == 0
+            pulling = asyncio.ensure_future(Explorer._pull_latest_weights(explorer))
+            trainer.train_step_num = 1
+            deadline = time.monotonic() + 20
+            while not await Trainer.need_sync(trainer):
+                assert time.monotonic() < deadline, "the explorer never asked for a sync"
+                await asyncio.sleep(0.05)
+            await Trainer.sync_weight(trainer)
+            await asyncio.wait_for(pulling, 30)
+            assert explorer.model_version == 1 and trainer.last_sync_step == 1
+            # Nothing newer: the trainer says so, and the waiting explorer goes on at once.
+            pulling = asyncio.ensure_future(Explorer._pull_latest_weights(explorer))
+            await asyncio.sleep(0.3)
+            assert await Trainer.need_sync(trainer) is False
+            await asyncio.wait_for(pulling, 30)
+            assert explorer.model_version == 1
+            await sync.set_trainer_status.remote(Status.STOPPED)
+
+        asyncio.run(run())
+        got, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 1 and equal(got, state_dict(1))
+        ray.get(sync.shutdown.remote())
+        assert gone("synchronizer", namespace)
+
+    def test_trainer_driven_nccl_sync(self, trinity, namespace, tmp_path):
+        config = real_config(trinity, namespace, tmp_path, method="nccl", timeout=20)
+        sync = Synchronizer.get_actor(config)
+        Trainer, Explorer, Status = trinity.Trainer, trinity.Explorer, trinity.RunningStatus
+        trainer = trainer_self(trinity, sync, "nccl", "trainer_driven")
+        explorer = explorer_self(trinity, sync, config, "trainer_driven")
+
+        async def run() -> None:
+            await sync.set_trainer_status.remote(Status.RUNNING)
+            await sync.set_explorer_status.remote(Status.RUNNING)
+            assert await Explorer.need_sync(explorer) is False  # the trainer is not waiting
+            trainer.train_step_num = 2
+            syncing = asyncio.ensure_future(Trainer.sync_weight(trainer))
+            deadline = time.monotonic() + 20
+            while not await Explorer.need_sync(explorer):
+                assert time.monotonic() < deadline, "the trainer never required a sync"
+                await asyncio.sleep(0.05)
+            await Explorer._nccl_weights_update(explorer)
+            await asyncio.wait_for(syncing, 30)
+            assert explorer.model_version == 2 and trainer.engine.nccl_syncs == 1
+            # The explorer stops: the trainer's next NCCL sync is skipped, not hung.
+            await sync.set_explorer_status.remote(Status.STOPPED, old_status=Status.RUNNING)
+            trainer.train_step_num = 3
+            await asyncio.wait_for(Trainer.sync_weight(trainer), 30)
+            assert trainer.engine.nccl_syncs == 1
+            await sync.set_trainer_status.remote(Status.STOPPED)
+            assert await sync.trainer_requires_weight_sync.remote() is None
+
+        asyncio.run(run())
+        ray.get(sync.shutdown.remote())
+        assert gone("synchronizer", namespace)
+
+
+async def _script(sync, Status, tmp_path: Path) -> list:
+    """One sequence of Trinity 0.6.0's calls; what each returns."""
+    out: list = []
+
+    async def until(call) -> None:
+        deadline = time.monotonic() + 20
+        while not await call.remote():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    out.append(await sync.get_model_state_dict.remote())
+    out.append(await sync.get_latest_model_path.remote())
+    await sync.set_trainer_status.remote(Status.RUNNING)
+    await sync.set_explorer_status.remote(Status.RUNNING)
+    out.append(await sync.trainer_requires_weight_sync.remote())
+    out.append(await sync.explorer_requires_sync.remote())
+    out.append(await sync.wait_new_model_state_dict.remote(current_version=-1))
+    waiting = sync.wait_new_model_state_dict.remote(current_version=0)
+    await until(sync.explorer_requires_sync)
+    await sync.notify_no_new_model_state_dict.remote()
+    out.append(await waiting)
+    waiting = sync.wait_new_model_state_dict.remote(current_version=0)
+    await until(sync.explorer_requires_sync)
+    await sync.set_model_state_dict.remote(state_dict(1), 1)
+    out.append(await waiting)
+    out.append(await sync.get_latest_model_version.remote())
+    out.append(await sync.get_latest_model_path.remote())
+    out.append(await sync.get_latest_model_path.remote(use_huggingface=True))
+    out.append(await sync.get_state_dict_meta.remote())
+    trainer = sync.ready_to_nccl_sync.remote("trainer", 2)
+    await until(sync.trainer_requires_weight_sync)
+    out.append(await sync.ready_to_nccl_sync.remote("explorer", 1))
+    out.append(await trainer)
+    await sync.set_trainer_status.remote(Status.STOPPED)
+    out.append(await sync.trainer_requires_weight_sync.remote())
+    out.append(await sync.wait_new_model_state_dict.remote(current_version=2))
+    await sync.set_explorer_status.remote(Status.STOPPED, old_status=Status.RUNNING)
+    # The explorer is gone: no sync (and the trainer is taken to run again, as Trinity does).
+    out.append(await sync.ready_to_nccl_sync.remote("trainer", 3))
+    out.append(await sync.trainer_requires_weight_sync.remote())
+    return out
+
+
+class TestSameAnswersAsTrinity:
+    """The same script of Trinity 0.6.0's calls gets the same answers from Trinity's own
+    Synchronizer and from obsckpt's."""
+
+    def test_script(self, trinity, namespace, tmp_path):
+        theirs_ns, ours_ns = f"{namespace}-trinity", f"{namespace}-obsckpt"
+        theirs = (
+            ray.remote(trinity.TrinitySynchronizer)
+            .options(name="synchronizer", namespace=theirs_ns)
+            .remote(real_config(trinity, theirs_ns, tmp_path), module_ref=None)
+        )
+        ours = Synchronizer.get_actor(real_config(trinity, ours_ns, tmp_path))
+        try:
+            expected = asyncio.run(_script(theirs, trinity.RunningStatus, tmp_path))
+            got = asyncio.run(_script(ours, trinity.RunningStatus, tmp_path))
+        finally:
+            ray.kill(theirs)
+            ray.get(ours.shutdown.remote())
+        assert got == expected
+        assert expected[-4:] == [None, 2, None, False]
