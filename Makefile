@@ -15,7 +15,7 @@ FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 UVINSTALL := $(UV) pip install --quiet --compile-bytecode $(FINDLINKS) -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-verl-min demo lint metrics-doc dashboards bench bench-quick gpu-check clean
+.PHONY: setup test test-verl-min test-trinity demo lint metrics-doc dashboards bench bench-quick gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,21 @@ $(VENV)/.installed-demo: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 	$(UVINSTALL) --python $(PY) -e ".[demo]"
 	@touch $@
 
+# obsckpt's Synchronizer against Trinity-RFT 0.6.0 as the registry has it (verl 0.8.0,
+# NumPy 1.x, so pyarrow<21 as for test-verl-min): Trinity's own trainer, explorer and
+# synchronizer code paths that run on a CPU, with obsckpt's Synchronizer substituted.
+TRINITY_VENV ?= .venv-trinity
+TRINITY_TESTS := tests/test_trinity_060.py tests/test_synchronizer.py tests/test_trinity_dropin.py
+
+$(TRINITY_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
+	$(UV) venv --quiet --allow-existing --python python3 $(TRINITY_VENV)
+	$(UVINSTALL) --python $(TRINITY_VENV)/bin/python -e ".[all]" "trinity-rft==0.6.0" "pyarrow<21"
+	@touch $@
+
+test-trinity: $(TRINITY_VENV)/.installed
+	$(TRINITY_VENV)/bin/python -c 'import importlib.metadata as m; v = m.version("trinity-rft"); assert v == "0.6.0", v'
+	$(TRINITY_VENV)/bin/python -m pytest $(TRINITY_TESTS) $(PYTEST_ARGS)
+
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/obsckpt demo
 
@@ -79,4 +94,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(LOG_DIR)
 
 clean:
-	rm -rf $(VENV) $(VERL_MIN_VENV) .uv-tools .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_MIN_VENV) $(TRINITY_VENV) .uv-tools .pytest_cache .hypothesis
