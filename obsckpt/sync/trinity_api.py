@@ -295,7 +295,8 @@ class TrinityProtocol:
         if sum(roles.explorers.values()) != 1:
             raise ValueError(f"NCCL sync supports exactly one explorer; counted {roles.explorers}")
         if roles.explorers[STOPPED] == 1:
-            return self._nccl_failed(module)
+            self._nccl_failed(module)
+            return None
         cond = self._condition()
         timeout = self.sync_timeout_s
         async with cond:
@@ -314,7 +315,8 @@ class TrinityProtocol:
                             timeout,
                         )
                         if roles.explorers[STOPPED] == 1:
-                            return self._nccl_failed(module)
+                            self._nccl_failed(module)
+                            return None
                     roles.move_explorer(RUNNING, REQUIRE_SYNC)
                 else:
                     roles.move_explorer(REQUIRE_SYNC, RUNNING)
@@ -325,11 +327,13 @@ class TrinityProtocol:
                             timeout,
                         )
                         if roles.trainer == STOPPED:
-                            return self._nccl_failed(module)
+                            self._nccl_failed(module)
+                            return None
                     roles.set_trainer(RUNNING)
                 return self._version
             except asyncio.TimeoutError:
-                return self._nccl_failed(module)
+                self._nccl_failed(module)
+                return None
 
     def _nccl_failed(self, module: str) -> None:
         roles = self._roles
