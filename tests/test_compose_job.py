@@ -190,12 +190,53 @@ class TestDockerfileParsing:
         assert image_env()["RAY_USAGE_STATS_ENABLED"] == "0"
 
 
+def run_until_committed(
+    command: list[str], env: dict, work: Path, ckpt: Path, port: int, log: Path, above: int
+) -> tuple[int, int]:
+    """Run the service command until it commits a step above ``above`` and /metrics shows
+    it, then stop it as Docker does (SIGTERM); returns (committed step, exit code)."""
+    with open(log, "wb") as out:
+        # An empty working directory, so nothing from the checkout can be imported.
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 420
+        committed, metrics = None, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            committed = reader.read_iteration(ckpt, "checkpoint")
+            metrics = scrape(port)
+            if (
+                committed is not None
+                and committed > above
+                and metrics
+                and 'kind="checkpoint"' in metrics
+            ):
+                break
+            time.sleep(1.0)
+        assert proc.poll() is None, f"the job exited early:\n{log.read_text()[-4000:]}"
+        assert committed is not None and committed > above, (
+            f"no checkpoint above step {above} committed:\n{log.read_text()[-4000:]}"
+        )
+        assert metrics and re.search(
+            r'^obsckpt_latest_step\{kind="checkpoint"\} [1-9]', metrics, re.M
+        ), "/metrics does not show the committed step"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return committed, code
+
+
 @pytest.mark.slow
 @pytest.mark.needs_index
 class TestComposeJobRuns:
-    """The compose service's command, in the image's environment, commits a checkpoint and serves /metrics."""
+    """The compose service's command, in the image's environment, commits a checkpoint and
+    serves /metrics; run again, as restart: unless-stopped does, it continues from there."""
 
-    def test_service_command_commits_and_serves_metrics(self, job_bin, tmp_path):
+    def test_service_command_commits_serves_metrics_and_resumes(self, job_bin, tmp_path):
         service = job_service()
         assert service["command"][:2] == ["obsckpt", "demo"]
         ckpt, sd, work = tmp_path / "ckpt", tmp_path / "sd", tmp_path / "work"
@@ -208,39 +249,23 @@ class TestComposeJobRuns:
         env.update({k: v for k, v in image_env().items() if not k.startswith("UV_")})
         env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})
         env["PATH"] = f"{job_bin}{os.pathsep}{env.get('PATH', '')}"
-        log = tmp_path / "job.log"
-        with open(log, "wb") as out:
-            # An empty working directory, so nothing from the checkout can be imported.
-            proc = subprocess.Popen(
-                command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT
-            )
-        try:
-            deadline = time.monotonic() + 420
-            committed, metrics = None, None
-            while time.monotonic() < deadline and proc.poll() is None:
-                committed = reader.read_iteration(ckpt, "checkpoint")
-                metrics = scrape(port)
-                if committed is not None and metrics and 'kind="checkpoint"' in metrics:
-                    break
-                time.sleep(1.0)
-            assert proc.poll() is None, f"the job exited early:\n{log.read_text()[-4000:]}"
-            assert committed is not None, f"no checkpoint committed:\n{log.read_text()[-4000:]}"
-            assert metrics and re.search(
-                r'^obsckpt_latest_step\{kind="checkpoint"\} [1-9]', metrics, re.M
-            ), "/metrics does not show the committed step"
-            assert (sd / "obsckpt.json").is_file(), "the file_sd target was not written"
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
-        text = log.read_text()
+        first_log, second_log = tmp_path / "job.log", tmp_path / "job-restarted.log"
+        # The first run finds an empty volume (--resume starts at step 1 there).
+        first, code = run_until_committed(command, env, work, ckpt, port, first_log, above=0)
+        text = first_log.read_text()
         assert code == 128 + signal.SIGTERM, f"the job exited {code} after SIGTERM:\n{text[-4000:]}"
         assert "Traceback" not in text, text[-4000:]
         assert "demo terminated" in text
+        assert (sd / "obsckpt.json").is_file(), "the file_sd target was not written"
+        # The restart continues past the first run's step and keeps its checkpoints
+        # (without --resume the demo starts over and deletes them).
+        first = reader.read_iteration(ckpt, "checkpoint")
+        second, code = run_until_committed(command, env, work, ckpt, port, second_log, first)
+        text = second_log.read_text()
+        assert code == 128 + signal.SIGTERM, f"the restart exited {code}:\n{text[-4000:]}"
+        assert "starting over" not in text, text[-4000:]
+        assert "Traceback" not in text, text[-4000:]
+        assert second > first
         # The committed step is whole, checked by the image's own CLI.
         verify = subprocess.run(
             [str(job_bin / "obsckpt"), "verify", str(ckpt)],
