@@ -96,7 +96,7 @@ def cmd_dashboards(args: argparse.Namespace, out: TextIO) -> int:
     """Write this version's Grafana dashboard, alert rules and scrape snippet to DIR."""
     from obsckpt import assets
 
-    for path in assets.export(args.dir, runbook_url=args.runbook_url):
+    for path in assets.export(args.dir, runbook_link=args.runbook_url):
         print(path, file=out)
     return EXIT_OK
 

@@ -46,11 +46,13 @@ class TestDemoRun:
         for rank in range(2):
             for kind in ("model", "optim", "extra_state"):
                 assert f"actor/{kind}_world_size_2_rank_{rank}.pt" in names
+            assert f"resume/rank_{rank}.pt" in names
 
         # The summary comes from the job's own /metrics.
         summary = result.summary
         assert summary is not None
-        assert summary["saves_failed"] == 0 and summary["saves_ok"] == 12
+        # 2 checkpoints x 2 ranks x (model, optimizer, extra state, resume record).
+        assert summary["saves_failed"] == 0 and summary["saves_ok"] == 16
         assert summary["model_version"] == {"trainer": 4, "rollout": 4}
         what = [r.what for r in summary["rows"]]
         assert "save optim" in what and "broadcast (gloo)" in what

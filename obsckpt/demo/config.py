@@ -90,6 +90,12 @@ class DemoConfig:
     progress: bool = True
     verbose: bool = False
     commit_timeout: float = 300.0
+    # --kill-at K (or K:save): SIGKILL the job's ranks, rollout and driver at step K
+    # (after the step; with kill_in_save, while its checkpoint is being written).
+    kill_at: int | None = None
+    kill_in_save: bool = False
+    # --check-resume REF: the --result-json of an uninterrupted run to compare with.
+    check_resume: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "keep"):
@@ -122,6 +128,15 @@ class DemoConfig:
             raise ValueError(
                 f"commit_timeout must be positive seconds, got {self.commit_timeout!r}"
             )
+        if self.kill_at is not None and (
+            isinstance(self.kill_at, bool) or not isinstance(self.kill_at, int) or self.kill_at < 1
+        ):
+            raise ValueError(f"kill_at must be a step number >= 1 or None, got {self.kill_at!r}")
+        if self.kill_in_save and (self.kill_at is None or self.kill_at % self.save_every):
+            raise ValueError(
+                f"kill_in_save needs kill_at to be a step that saves, a multiple of save_every "
+                f"({self.save_every}); got kill_at {self.kill_at!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -144,3 +159,11 @@ class DemoResult:
     save_errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     root: str = ""
+    # Per step trained, the CRC32 of each rank's batch ("r0,r1"): the data order.
+    data_digests: list[str] = field(default_factory=list)
+    # CRC32s of the whole training state after the last step (weights, optimizer, ...).
+    final_digest: dict[str, str] = field(default_factory=dict)
+    # After --resume: the version the trainer published the resumed weights under.
+    republished_version: int | None = None
+    # --check-resume: "matched ..." or "MISMATCH ...".
+    resume_check: str | None = None

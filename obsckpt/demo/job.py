@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from obsckpt.demo.cluster import otel_env, shutdown, start_actors, start_ray
-from obsckpt.demo.config import EXIT_INTERRUPTED, DemoConfig, DemoResult
+from obsckpt.demo.config import EXIT_FAILED, EXIT_INTERRUPTED, DemoConfig, DemoResult
 from obsckpt.demo.endpoints import check_endpoints
-from obsckpt.demo.loop import Job, drain, report, train
+from obsckpt.demo.loop import Job, drain, report, sync, train
 from obsckpt.demo.plan import plan_line, resolve_plan
 from obsckpt.demo.progress import Progress
+from obsckpt.demo.resume_check import check_resume, final_digest, kill_targets, load_reference
 from obsckpt.demo.root import committed_on_disk, prepare_root
 from obsckpt.demo.signals import StartupStopped, StopSignals, stop_reason
 from obsckpt.errors import DemoError, StateDictLoadError
@@ -93,6 +94,7 @@ def _run(
 ) -> DemoResult:
     cfg = resolve_plan(cfg)
     cfg = check_endpoints(cfg)
+    reference = load_reference(cfg.check_resume) if cfg.check_resume else None
     # Every check, before Ray starts and before anything in the root is removed: a
     # run that cannot start (a bad --address, say) must not have wiped the last one.
     result.root = str(prepare_root(cfg, progress.note, dry_run=True)[0])
@@ -138,7 +140,9 @@ def _run(
         progress.note(plan_line(cfg, info))
         where = shlex.quote(str(root))
         progress.note(f"checkpoints: {root}  (inspect with `obsckpt status {where}`)")
-        retrained = _resume(cfg, root, resumed, state_dict_step, trainers, synchronizer, progress)
+        retrained = _resume(
+            cfg, root, resumed, state_dict_step, (trainers, rollout, synchronizer), progress, result
+        )
         job = Job(
             trainers=trainers,
             rollout=rollout,
@@ -149,12 +153,22 @@ def _run(
             progress=progress,
             stop=stop,
             result=result,
+            kill_targets=kill_targets(trainers, rollout) if cfg.kill_at else [],
         )
         stop.phase = "training"
         train(cfg, root, resumed, job, retrained=retrained)
         stop.phase = "finishing"
         progress.close()
+        if result.last_step >= result.first_step:
+            result.final_digest = final_digest(trainers)
         drain(cfg, trainers, monitor, progress, result, stop)
+        if reference is not None:
+            matched, line = check_resume(reference, result)
+            result.resume_check = line
+            progress.note(line)
+            if not matched:
+                result.exit_code = EXIT_FAILED
+                result.stop_reason = "resume mismatch"
     except KeyboardInterrupt:
         if stop.phase == "start-up" and stop.signum is not None:
             raise StartupStopped(stop.signum) from None
@@ -220,33 +234,51 @@ def _resume(
     root: Path,
     resumed: int,
     state_dict_step: int | None,
-    trainers: list[Any],
-    synchronizer: Any,
+    actors: tuple[list[Any], Any, Any],
     progress: Progress,
+    result: DemoResult,
 ) -> int:
-    """Load the resumed step into the ranks and start the synchronizer from it.
+    """Load the resumed step and its resume record into the ranks, start the synchronizer
+    from the record's weight version and publish the resumed weights under it.
 
     Returns the last step trained again without a state-dict save (``resumed``
     unless checkpoint sync committed state dicts past the newest full checkpoint).
     """
     import ray
 
+    trainers, rollout, synchronizer = actors
+    version = resumed
     if resumed:
         try:
-            ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
+            versions = ray.get([t.load_checkpoint.remote(str(root), resumed) for t in trainers])
         except StateDictLoadError as exc:  # refused by obsckpt.loading, on a rank
             raise DemoError(
                 f"--resume: committed step {resumed} cannot be loaded: {one_line(exc)}"
             ) from exc
-        progress.note(f"resumed from committed step {resumed}")
+        if len(set(versions)) != 1 or versions[0] is None:
+            raise DemoError(
+                f"--resume: the resume records of step {resumed} name weight versions "
+                f"{versions} (one per rank); they must agree. Resume from another step"
+            )
+        version = versions[0]
+        progress.note(
+            f"resumed from committed step {resumed} (data position, RNGs and weight version "
+            f"{version} from its resume record)"
+        )
     if synchronizer is not None:
         if cfg.resume:
-            # Weight-sync versions restart at the resumed step; checkpoint sync
+            # Weight-sync versions restart at the record's version; checkpoint sync
             # skips the state dicts committed before it (Synchronizer.resume_from).
-            ray.get(synchronizer.resume_from.remote(resumed))
+            ray.get(synchronizer.resume_from.remote(version))
         if cfg.sync_method == "checkpoint":
             ray.get([t.start_state_dict_sync.remote(resumed) for t in trainers])
             ray.get(synchronizer.start.remote())
+    if resumed and cfg.sync_method != "checkpoint":
+        # Before the rollout waits on the next step's weights: it holds none after a
+        # restart, and versions go on from here. (Checkpoint sync publishes through the
+        # next committed state dict.)
+        result.republished_version = sync(cfg, version, trainers, rollout, synchronizer)
+        progress.note(f"published the resumed weights to the rollout as version {version}")
     if cfg.sync_method != "checkpoint" or state_dict_step is None or state_dict_step <= resumed:
         return resumed
     # Stopped between full checkpoints: the state dicts of the steps trained

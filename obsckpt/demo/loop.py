@@ -13,12 +13,13 @@ import asyncio
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from obsckpt.demo.config import EXIT_FAILED, DemoConfig, DemoResult
 from obsckpt.demo.progress import Progress
+from obsckpt.demo.resume_check import kill_job
 from obsckpt.demo.root import rotate_state_dicts
 from obsckpt.demo.signals import STOP_GRACE_S, StopSignals
 from obsckpt.demo.summary import Scrape, format_table, summarize
@@ -38,6 +39,8 @@ class Job:
     progress: Progress
     stop: StopSignals
     result: DemoResult
+    # (node, pid) of the ranks and the rollout, for --kill-at.
+    kill_targets: list[tuple[str, int]] = field(default_factory=list)
 
 
 def train(cfg: DemoConfig, root: Path, resumed: int, job: Job, *, retrained: int) -> None:
@@ -66,8 +69,10 @@ def train(cfg: DemoConfig, root: Path, resumed: int, job: Job, *, retrained: int
         if last is not None and step >= last:
             break
         step += 1
-        losses = ray.get([t.train_step.remote(step) for t in trainers])
+        outs = ray.get([t.train_step.remote(step) for t in trainers])
+        losses = [loss for loss, _ in outs]
         result.losses.append(losses[0])
+        result.data_digests.append(",".join(crc for _, crc in outs))
         result.last_step = step
         monitor.record_model_version.remote("trainer", step)
         timed_out = cfg.duration is not None and time.monotonic() - t_train >= cfg.duration
@@ -76,12 +81,15 @@ def train(cfg: DemoConfig, root: Path, resumed: int, job: Job, *, retrained: int
         if full:
             with tracing.checkpoint_span(step) as carrier:
                 # Each rank's manager registers its own saves before starting them.
+                # The weight version of this step's weights is the step: the record says so.
                 ray.get(
                     [
-                        t.save_checkpoint.remote(str(root), step, carrier or None, cfg.keep)
+                        t.save_checkpoint.remote(str(root), step, carrier or None, cfg.keep, step)
                         for t in trainers
                     ]
                 )
+                if cfg.kill_in_save and cfg.kill_at == step:
+                    kill_job(job.kill_targets, progress.note)  # its writes in flight
                 loop.run_until_complete(coord.register_and_monitor(step))
             result.checkpoint_steps.append(step)
         elif cfg.sync_method == "checkpoint" and step > retrained:
@@ -111,6 +119,8 @@ def train(cfg: DemoConfig, root: Path, resumed: int, job: Job, *, retrained: int
             pending=len(status["pending"]),
             rollout_version=version,
         )
+        if cfg.kill_at == step and not cfg.kill_in_save:
+            kill_job(job.kill_targets, progress.note)
         if timed_out:
             result.stop_reason = "duration"
             break

@@ -71,3 +71,26 @@ def fingerprint(named_tensors) -> str:
         data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         crc = zlib.crc32(data, crc)
     return f"{crc:08x}"
+
+
+def state_crc(obj, crc: int = 0) -> int:
+    """CRC32 over a nested state (dicts in key order, tensors by their bytes, DTensors by their
+    local shard, other values by ``repr``): equal iff the states are bit-identical."""
+    import zlib
+
+    from obsckpt.tree import local_tensor
+
+    obj = local_tensor(obj)
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=repr):
+            crc = state_crc(obj[key], zlib.crc32(repr(key).encode(), crc))
+        return crc
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            crc = state_crc(item, crc)
+        return crc
+    return zlib.crc32(repr(obj).encode(), crc)

@@ -76,6 +76,10 @@ class TrainerRank:
         self.device = torch.device(device)
         self.model = None
         self.manager: Any = None
+        self.data: Any = None
+        # User state in the resume record: what this rank has trained on.
+        self.tokens_seen = 0
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.sync_group = None
         self.broadcaster = None
         _setup_worker_tracing("obsckpt-demo-trainer")
@@ -96,6 +100,7 @@ class TrainerRank:
         from torch.distributed.fsdp import fully_shard
 
         from obsckpt import CheckpointCoordinator
+        from obsckpt.demo.data import DemoData, seed_rank
         from obsckpt.demo.model import build_model, count_parameters
         from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
         from obsckpt.sync.device import setup_rank_device
@@ -129,6 +134,10 @@ class TrainerRank:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / 5)
         )
+        # After the model (whose initial weights every rank must share): each rank's own
+        # RNGs, and its data, both in the resume record.
+        seed_rank(self.seed, self.rank)
+        self.data = DemoData(self.spec, seed=self.seed, rank=self.rank)
         self.monitor = lookup_actor(MONITOR_ACTOR_NAME, self.namespace, hint=_NO_MONITOR)
         self.coordinator = CheckpointCoordinator(self.monitor, rank=self.rank)
         self.manager = FSDPCheckpointManager(
@@ -143,13 +152,14 @@ class TrainerRank:
 
     # -- training --------------------------------------------------------
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step on this rank's synthetic batch; returns the mean loss over ranks."""
+    def train_step(self, step: int) -> tuple[float, str]:
+        """One optimizer step on this rank's next batch; (mean loss over ranks, the batch's CRC32)."""
         import torch.distributed as dist
 
-        from obsckpt.demo.model import synthetic_batch
+        from obsckpt.demo.data import digest
 
-        tokens = synthetic_batch(self.spec, step, self.rank, seed=self.seed).to(self.device)
+        batch = self.data.next_batch()
+        tokens = batch.to(self.device)
         out = self.model(input_ids=tokens, labels=tokens)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -157,24 +167,43 @@ class TrainerRank:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = out.loss.detach().reshape(1).clone()
+        self.tokens_seen += tokens.numel()
+        self.loss_sum += loss.to("cpu", torch.float64)[0]
         dist.all_reduce(loss)
-        return float(loss.item()) / self.world_size
+        return float(loss.item()) / self.world_size, digest(batch)
 
     # -- checkpoints -----------------------------------------------------
 
     def save_checkpoint(
-        self, root: str, step: int, trace_context: dict | None, keep: int | None
+        self,
+        root: str,
+        step: int,
+        trace_context: dict | None,
+        keep: int | None,
+        weight_version: int | None = None,
     ) -> dict[str, int]:
-        """Start a full checkpoint of ``step`` in the background; returns the saves it registered."""
+        """Start a full checkpoint of ``step`` and its resume record in the background;
+        returns the saves it registered."""
+        from obsckpt.resume import ResumeRecord, save_resume_record
         from obsckpt.telemetry import tracing
 
+        # Taken first: the state after this step's training, before anything else runs.
+        record = ResumeRecord.capture(
+            step,
+            data=self.data,
+            weight_version=weight_version,
+            user={"tokens_seen": self.tokens_seen, "loss_sum": self.loss_sum},
+        )
         path = str(layout.model_dir(root, step))
         # The manager's saves take the current context: make it the step's trace.
         token = tracing.attach(trace_context)
         try:
-            return self.manager.save_checkpoint(
+            counts = self.manager.save_checkpoint(
                 path, global_step=step, max_ckpt_to_keep=keep or None
             )
+            # One more save of the step: it does not commit without the record.
+            save_resume_record(self.coordinator, record)
+            return {**counts, "resume": 1}
         finally:
             tracing.detach(token)
 
@@ -198,9 +227,35 @@ class TrainerRank:
         """
         self.manager.save_state_dict(None, global_step=step)
 
-    def load_checkpoint(self, root: str, step: int) -> None:
+    def load_checkpoint(self, root: str, step: int) -> int | None:
+        """Load ``step``'s checkpoint and restore its resume record; returns its weight version."""
+        from obsckpt.resume import restore_resume_record
+
         path = str(layout.model_dir(root, step))
         self.manager.load_checkpoint(path)
+        # After verl's load, which sets the RNGs from its extra state: the record's win.
+        record = restore_resume_record(root, step, self.rank, data_loader=self.data)
+        self.tokens_seen = int(record.user["tokens_seen"])
+        self.loss_sum = record.user["loss_sum"]
+        return record.weight_version
+
+    def state_digest(self) -> dict[str, str | None]:
+        """CRC32s of this rank's whole training state (every rank must call it: it gathers)."""
+        from obsckpt.demo.model import state_crc
+        from obsckpt.resume import capture_rng
+
+        return {
+            "weights": self.fingerprint(),
+            "optimizer": f"{state_crc(self.optimizer.state_dict()):08x}",
+            "lr_scheduler": f"{state_crc(self.lr_scheduler.state_dict()):08x}",
+            "rng": f"{state_crc(capture_rng()):08x}",
+            "data_position": f"{state_crc(self.data.state_dict()):08x}",
+            "user": f"{state_crc([self.tokens_seen, self.loss_sum]):08x}",
+        }
+
+    def pid(self) -> tuple[str, int]:
+        """(node address, process id): where --kill-at sends SIGKILL."""
+        return self.node_address(), os.getpid()
 
     def wait_saves(self, timeout: float) -> str | None:
         """Join every background save; the first failure's text, or None."""
@@ -383,6 +438,12 @@ class Rollout:
                 f"is at step {expected} (is the step's commit stuck? see `obsckpt status`)"
             )
         return self._accept(version, expected)
+
+    def pid(self) -> tuple[str, int]:
+        """(node address, process id): where --kill-at sends SIGKILL."""
+        import ray.util
+
+        return ray.util.get_node_ip_address(), os.getpid()
 
     def received_versions(self) -> list[int]:
         return list(self.versions)
