@@ -78,6 +78,9 @@ lint: setup
 metrics-doc: setup
 	$(PY) -c 'from obsckpt.telemetry.metrics import reference_markdown as r; print(r(), end="")' > docs/metrics.md
 
+# The dashboard, the alert rules and their promtool tests, and the copies the wheel
+# ships (obsckpt/_assets, for `obsckpt dashboards export`). The alerts' runbook links
+# point at OBSCKPT_RUNBOOK_URL when set (an absolute URL of docs/runbook.md).
 dashboards: setup
 	$(PY) -m dashboards.build
 

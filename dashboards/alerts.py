@@ -8,30 +8,23 @@ from the same expressions.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 
-from obsckpt import __version__
+from obsckpt import __version__, assets
 
 # Alertmanager shows runbook_url as a link: it must be absolute. The default is
 # the runbook of this version in the project's repository; a deployment with its
 # own copy (a wiki, an internal Git host) sets OBSCKPT_RUNBOOK_URL when it builds
 # the rules (make dashboards) or exports them (obsckpt dashboards export).
-RUNBOOK_URL_ENV = "OBSCKPT_RUNBOOK_URL"
+RUNBOOK_URL_ENV = assets.RUNBOOK_URL_ENV
 DEFAULT_RUNBOOK_URL = f"https://github.com/obsckpt/obsckpt/blob/v{__version__}/docs/runbook.md"
 DEFAULT_JOB = "obsckpt"
 
 
 def runbook_url_from_env(value: str | None = None) -> str:
     """The runbook URL: ``value``, else $OBSCKPT_RUNBOOK_URL, else the project's."""
-    url = value or os.environ.get(RUNBOOK_URL_ENV) or DEFAULT_RUNBOOK_URL
-    if not re.match(r"https?://[^/\s]+", url):
-        raise ValueError(
-            f"the runbook URL must be absolute (http:// or https://), got {url!r}; "
-            f"set {RUNBOOK_URL_ENV} to where docs/runbook.md is served"
-        )
-    return url
+    return assets.runbook_url(value, DEFAULT_RUNBOOK_URL)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,9 +119,7 @@ class AlertThresholds:
                 raise ValueError(f"{name} must be longer than 0, got {getattr(self, name)!r}")
         if not isinstance(self.monitor_job, str) or not self.monitor_job:
             raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
-        if not isinstance(self.runbook_base, str) or not re.match(
-            r"https?://[^/\s]+", self.runbook_base
-        ):
+        if not assets.is_absolute_url(self.runbook_base):
             raise ValueError(
                 f"runbook_base must be an absolute http(s) URL, got {self.runbook_base!r}"
             )

@@ -34,22 +34,38 @@ def read(name: str) -> str:
     return resources.files("obsckpt").joinpath("_assets", name).read_text(encoding="utf-8")
 
 
-def with_runbook(rules: str, url: str) -> str:
-    """``rules`` with every alert's runbook_url pointing into ``url`` (anchors kept)."""
-    if not _ABSOLUTE.fullmatch(url):
+def is_absolute_url(url: object) -> bool:
+    """Whether ``url`` is an http(s) URL with a host: a link that works outside the repo."""
+    return isinstance(url, str) and _ABSOLUTE.fullmatch(url) is not None
+
+
+def runbook_url(value: str | None = None, default: str | None = None) -> str | None:
+    """The runbook's URL: ``value``, else $OBSCKPT_RUNBOOK_URL, else ``default``.
+
+    Raises:
+        ValueError: the URL chosen is not absolute.
+    """
+    url = value or os.environ.get(RUNBOOK_URL_ENV) or default
+    if url is not None and not is_absolute_url(url):
         raise ValueError(
             f"the runbook URL must be absolute (http:// or https://), got {url!r}: "
-            "Alertmanager and Grafana show it as a link"
+            f"Alertmanager and Grafana show it as a link; set {RUNBOOK_URL_ENV} or pass "
+            "--runbook-url with where docs/runbook.md is served"
         )
+    return url
+
+
+def with_runbook(rules: str, url: str) -> str:
+    """``rules`` with every alert's runbook_url pointing into ``url`` (anchors kept)."""
     return _RUNBOOK.sub(lambda m: f"{m.group(1)}{url}{m.group(3)}", rules)
 
 
-def export(directory: str | os.PathLike[str], runbook_url: str | None = None) -> list[Path]:
+def export(directory: str | os.PathLike[str], runbook_link: str | None = None) -> list[Path]:
     """Write the shipped files into ``directory`` (made if missing); returns their paths.
 
     Args:
         directory: where to write.
-        runbook_url: absolute URL of docs/runbook.md for the rules' runbook links;
+        runbook_link: absolute URL of docs/runbook.md for the rules' runbook links;
             default $OBSCKPT_RUNBOOK_URL, else the links the rules were built with.
 
     Raises:
@@ -58,13 +74,13 @@ def export(directory: str | os.PathLike[str], runbook_url: str | None = None) ->
     target = Path(directory)
     if target.exists() and not target.is_dir():
         raise CliError(f"{target} is a file; give a directory to write the files into")
-    url = runbook_url or os.environ.get(RUNBOOK_URL_ENV)
+    try:
+        url = runbook_url(runbook_link)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     texts = {name: read(name) for name in NAMES}
-    if url:
-        try:
-            texts[RULES] = with_runbook(texts[RULES], url)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
+    if url is not None:
+        texts[RULES] = with_runbook(texts[RULES], url)
     target.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in texts.items():

@@ -454,7 +454,7 @@ class TestShippedAssets:
 
     def test_export_points_runbook_links_at_the_given_url(self, tmp_path, monkeypatch):
         monkeypatch.setenv(assets.RUNBOOK_URL_ENV, "https://env.example/runbook.md")
-        assets.export(tmp_path / "a", runbook_url="https://wiki.example/obsckpt/runbook")
+        assets.export(tmp_path / "a", runbook_link="https://wiki.example/obsckpt/runbook")
         assets.export(tmp_path / "b")
         for sub, base in (
             ("a", "https://wiki.example/obsckpt/runbook"),

@@ -73,6 +73,8 @@ SDIST_TOP = {
     "scripts",
     "tests",
 }
+# The observability files shipped as package data (obsckpt/_assets, make dashboards).
+ASSET_NAMES = ("obsckpt-dashboard.json", "obsckpt-alerts.yml", "prometheus-scrape.yml")
 # Standard-library and builtin names newer than some Python 3 release: (module or
 # attribute name) -> the first version that has it.
 NEWER_APIS = {
@@ -204,6 +206,19 @@ class TestWheel:
             [license_file] = [n for n in names if n.endswith("licenses/LICENSE")]
             assert "Apache License" in zf.read(license_file).decode()
 
+    def test_ships_the_dashboard_rules_and_scrape_snippet(self, dists):
+        """The observability files of this version are package data, as make dashboards made them."""
+        with zipfile.ZipFile(dists["wheel"]) as zf:
+            shipped = {
+                n.removeprefix("obsckpt/_assets/"): zf.read(n).decode()
+                for n in zf.namelist()
+                if n.startswith("obsckpt/_assets/")
+            }
+        assert set(shipped) == set(ASSET_NAMES)
+        for name, text in shipped.items():
+            assert text == (ROOT / "obsckpt" / "_assets" / name).read_text(), name
+        assert json.loads(shipped["obsckpt-dashboard.json"])["uid"] == "obsckpt"
+
     def test_entry_point_and_version(self, dists):
         meta = _wheel_metadata(dists["wheel"])
         init = _wheel_sources(dists["wheel"])["obsckpt/__init__.py"]
@@ -299,6 +314,17 @@ def installed(dists, tmp_path_factory) -> Path:
     return venv / "bin"
 
 
+def _wheel_metadata_version(bin_dir: Path) -> str:
+    proc = subprocess.run(
+        [str(bin_dir / "python"), "-c", "import obsckpt; print(obsckpt.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env(),
+    )
+    return proc.stdout.strip()
+
+
 def _run(bin_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(bin_dir / args[0]), *args[1:]],
@@ -359,7 +385,7 @@ class TestInstalledWheel:
 
     def test_cli_help_and_version(self, installed, dists, tmp_path):
         version = _wheel_metadata(dists["wheel"])
-        for args in ([], ["demo"], ["status"], ["verify"]):
+        for args in ([], ["demo"], ["status"], ["verify"], ["dashboards", "export"]):
             proc = _run(installed, tmp_path, "obsckpt", *args, "--help")
             assert proc.returncode == 0 and proc.stdout.startswith("usage: obsckpt"), proc.stderr
         proc = _run(installed, tmp_path, "obsckpt", "--version")
@@ -367,3 +393,14 @@ class TestInstalledWheel:
         proc = _run(installed, tmp_path, "obsckpt", "status", str(tmp_path / "nope"))
         assert proc.returncode == 2 and "no such directory" in proc.stderr
         assert list(tmp_path.iterdir()) == []
+
+    def test_dashboards_export(self, installed, tmp_path):
+        """`obsckpt dashboards export DIR` writes the installed version's files, no checkout needed."""
+        proc = _run(installed, tmp_path, "obsckpt", "dashboards", "export", "out")
+        assert proc.returncode == 0, proc.stderr
+        out = tmp_path / "out"
+        assert sorted(p.name for p in out.iterdir()) == sorted(ASSET_NAMES)
+        for name in ASSET_NAMES:
+            assert (out / name).read_text() == (ROOT / "obsckpt" / "_assets" / name).read_text()
+        version = _wheel_metadata_version(installed)
+        assert f"obsckpt {version}:" in (out / "prometheus-scrape.yml").read_text()
