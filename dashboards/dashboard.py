@@ -646,8 +646,9 @@ def _alert_list(panel_id: int) -> dash_b.Panel:
                 "sortOrder": 1,
                 "dashboardAlerts": False,
                 "alertName": "Obsckpt",
+                # Grafana fills in the variables here; the "datasource" option (a data
+                # source name) is left out: it would not be.
                 "alertInstanceLabelFilter": '{job=~"$job"}',
-                "datasource": "${datasource}",
                 "showInstances": True,
                 "stateFilter": {
                     "firing": True,
