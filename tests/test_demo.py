@@ -607,3 +607,44 @@ class TestResumeNeverRunsCodeFromDisk:
         ), said
         assert "\n" not in said and "Traceback" not in said
         assert not marker.exists()
+
+
+class TestKillAndCheckFlags:
+    """--kill-at K[:save] and --check-resume REF are parsed and checked before Ray starts;
+    a bad value is one line naming the flag (exit 2)."""
+
+    def test_kill_at_forms(self):
+        from obsckpt.cli import build_parser
+
+        parse = build_parser().parse_args
+        assert parse(["demo", "--kill-at", "3"]).kill_at == (3, False)
+        assert parse(["demo", "--kill-at", "4:save"]).kill_at == (4, True)
+        assert parse(["demo"]).kill_at is None
+
+    @pytest.mark.parametrize("value", ["0", "x", "3:later", "-1:save"])
+    def test_bad_kill_at(self, value, tmp_path, capsys):
+        code = main(["demo", "--ckpt-dir", str(tmp_path / "c"), f"--kill-at={value}"])
+        assert code == 2
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert line.endswith(f"--kill-at: must be a step K >= 1 or K:save, got {value!r}")
+        assert not (tmp_path / "c").exists()
+
+    def test_kill_in_save_needs_a_saving_step(self):
+        with pytest.raises(ValueError, match=r"multiple of save_every \(2\); got kill_at 3"):
+            DemoConfig(save_every=2, kill_at=3, kill_in_save=True)
+        DemoConfig(save_every=2, kill_at=4, kill_in_save=True)
+
+    @pytest.mark.parametrize("content", [None, "not json", '{"last_step": 4}'])
+    def test_unusable_reference_is_refused_before_ray(self, tmp_path, content):
+        ref = tmp_path / "ref.json"
+        if content is not None:
+            ref.write_text(content)
+        root = tmp_path / "ckpt"
+        err = io.StringIO()
+        code = main(
+            ["demo", "--device", "cpu", "--ckpt-dir", str(root), "--check-resume", str(ref)],
+            err=err,
+        )
+        assert code == 2, err.getvalue()
+        assert f"--check-resume {ref}" in err.getvalue() and "--result-json" in err.getvalue()
+        assert not root.exists() or list(root.iterdir()) == []
