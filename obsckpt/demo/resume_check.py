@@ -106,12 +106,12 @@ def check_resume(reference: dict[str, Any], result: DemoResult) -> tuple[bool, s
             f"resume check: MISMATCH: the rollout got versions {result.rollout_versions}, the "
             f"reference run {want_versions} after step {resumed}"
         )
-    for key, want in reference["final_digest"].items():
-        got = result.final_digest.get(key)
-        if got != want:
+    for key, ref_crc in reference["final_digest"].items():
+        crc = result.final_digest.get(key)
+        if crc != ref_crc:
             return False, (
-                f"resume check: MISMATCH at step {last}: {key} crc32 {got} vs the reference "
-                f"run's {want}"
+                f"resume check: MISMATCH at step {last}: {key} crc32 {crc} vs the reference "
+                f"run's {ref_crc}"
             )
     return True, (
         f"resume check: matched the uninterrupted run bit for bit at step {last} (weights "
