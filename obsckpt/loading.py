@@ -368,15 +368,22 @@ _ORIGINAL_LOAD = torch.load
 _scope = threading.local()
 
 
+# The scope of a verified_torch_load that checks each file against its own step.
+_ANY_STEP = object()
+
+
 def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-    step: CommittedStep | None = getattr(_scope, "step", None)
+    step: CommittedStep | object | None = getattr(_scope, "step", None)
     if step is None:  # another thread's call, outside any verified_torch_load
         return _ORIGINAL_LOAD(f, map_location, *args, **kwargs)
     if not isinstance(f, (str, os.PathLike)):
         raise UnverifiedCheckpointError(
-            f"a checkpoint loader read {type(f).__name__} {f!r:.80}, not a file of the step "
-            f"{step.dir}: obsckpt verifies files of a committed step only"
+            f"a checkpoint loader read {type(f).__name__} {f!r:.80}, not a file of a "
+            "committed step: obsckpt verifies files of a committed step only"
         )
+    if step is _ANY_STEP:
+        return load(f, map_location=map_location)
+    assert isinstance(step, CommittedStep)
     inside = os.path.abspath(f).startswith(os.fspath(step.dir) + os.sep)
     if not inside:
         raise UnverifiedCheckpointError(
@@ -387,18 +394,19 @@ def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) 
 
 
 @contextlib.contextmanager
-def verified_torch_load(path: str | os.PathLike) -> Iterator[CommittedStep]:
+def verified_torch_load(path: str | os.PathLike | None = None) -> Iterator[CommittedStep | None]:
     """Send this thread's ``torch.load`` calls through :meth:`CommittedStep.torch_load`.
 
-    For code that calls ``torch.load`` itself (verl's managers, with
+    For code that calls ``torch.load`` itself (verl's managers and trainer, with
     ``weights_only=False``): inside the ``with``, each of this thread's loads must
-    name a file of the committed step holding ``path``, is checked against the
-    manifest and is loaded with ``weights_only=True``. Other threads' loads are
-    untouched.
+    name a file of the committed step holding ``path`` (with ``path`` None: of
+    whichever committed step holds the file, for a loader that picks its step
+    itself), is checked against the manifest and is loaded with
+    ``weights_only=True``. Other threads' loads are untouched.
     """
-    step = CommittedStep.of(path)
+    step = CommittedStep.of(path) if path is not None else None
     previous = getattr(_scope, "step", None)
-    _scope.step = step
+    _scope.step = step if step is not None else _ANY_STEP
     with _LOAD_PATCH:
         _LOAD_PATCH.users += 1
         if _LOAD_PATCH.users == 1:

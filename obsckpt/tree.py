@@ -26,6 +26,11 @@ PACK_MAX = 64 << 10
 # storages that fill a cache line, 16 bytes (any dtype's size) below that.
 _PACK_ALIGN = 64
 _PACK_ALIGN_TINY = 16
+# Never packed: RNG and generator states are uint8 tensors, and torch's setters
+# (torch.set_rng_state, torch.cuda.set_rng_state, Generator.set_state) read a
+# state's storage from its start, whatever the tensor's offset: loaded back as a
+# view into a pack, a state would restore another tensor's bytes (or crash).
+_NEVER_PACKED = (torch.uint8,)
 
 
 def dtensor_type() -> type[Any] | None:
@@ -230,6 +235,8 @@ class StoragePacker:
             if cdata in shared or len(dtypes) != 1 or nbytes >= PACK_MAX:
                 continue
             (dtype,) = dtypes
+            if dtype in _NEVER_PACKED:
+                continue
             align = _PACK_ALIGN if nbytes >= _PACK_ALIGN else _PACK_ALIGN_TINY
             offset = -(-ends.get(dtype, 0) // align) * align
             layout.setdefault(dtype, []).append((small, offset))

@@ -230,3 +230,26 @@ def rank_worker_class():
 
     by_value()
     return ray.remote(num_cpus=0, max_restarts=0)(RankWorker)
+
+
+class RunsCode:
+    """Unpickling this runs code: it creates the file named in its argument."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def rewrite_manifest(sdir) -> None:
+    """The manifest of ``sdir`` rewritten to match whatever its files hold now."""
+    from obsckpt import commit as disk
+
+    records = [
+        reader.record_file(os.path.join(d, n), sdir)
+        for d, names in reader.walk_files(str(sdir))
+        for n in names
+        if n != layout.MANIFEST_NAME
+    ]
+    disk.atomic_write(sdir / layout.MANIFEST_NAME, layout.manifest_bytes(records))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from reliability_helpers import RunsCode, rewrite_manifest
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
@@ -212,30 +213,6 @@ def test_save_resume_and_retention(namespace, tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="extra_state_world_size_2_rank_0.pt refers"):
         both("load", str(root), 3)
     assert not marker.exists()
-
-
-class RunsCode:
-    """Unpickling this runs code: it creates the file named in its argument."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def rewrite_manifest(sdir) -> None:
-    """The manifest of ``sdir`` rewritten to match whatever its files hold now."""
-    from obsckpt import commit as disk
-    from obsckpt import layout, reader
-
-    records = [
-        reader.record_file(os.path.join(d, n), sdir)
-        for d, names in reader.walk_files(str(sdir))
-        for n in names
-        if n != layout.MANIFEST_NAME
-    ]
-    disk.atomic_write(sdir / layout.MANIFEST_NAME, layout.manifest_bytes(records))
 
 
 class TestCommittedFilesStay:
@@ -603,12 +580,15 @@ class TestLoraOnly:
     def test_adapter_weights_only(self, namespace, tmp_path, one_rank):
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaConfig, LlamaForCausalLM
-        from verl.utils.checkpoint.fsdp_checkpoint_manager import (
-            FSDPCheckpointManager as VerlManager,
-        )
         from workers import TINY_LLAMA
 
         from obsckpt.integrations import FSDPCheckpointManager
+        from obsckpt.integrations.verl_install import original
+
+        # verl's own class, also where verl_install has rebound the name (another test).
+        VerlManager = original(
+            "verl.utils.checkpoint.fsdp_checkpoint_manager", "FSDPCheckpointManager"
+        )
 
         lora_only = hasattr(VerlManager, "should_save_lora_only")
         torch.manual_seed(0)

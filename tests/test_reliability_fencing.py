@@ -296,9 +296,11 @@ class TestTheFence:
         replace_lock_file(tmp_path)
         wait_for(lambda: lock.lost, 5, "the holder fenced off")
         assert "replaced by another file" in lock.lost
-        watcher = [t for t in threading.enumerate() if t.name == "obsckpt-root-fence"]
+        # This lock's own watcher (other monitors of the test process have theirs).
+        watcher = lock._watcher
+        assert watcher is not None and watcher.name == "obsckpt-root-fence"
         lock.release()
-        assert not any(t.is_alive() for t in watcher)
+        assert not watcher.is_alive()
 
     def test_without_flock_a_later_monitor_fences_the_earlier(self, tmp_path, monkeypatch):
         # Some FUSE mounts and NFS mounted with nolock answer flock with ENOLCK.

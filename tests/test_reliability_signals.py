@@ -181,7 +181,9 @@ class TestCtrlCDuringSnapshotFailsTheStep:
         coord = CheckpointCoordinator(monitor, rank=0)
         state = _InterruptedMapping(w=None)
         with pytest.raises(KeyboardInterrupt):
-            coord.save_state_dict_async("model", state, tmp_path / "m.pt", 1, is_state_dict=True)
+            coord.save_state_dict_async(
+                "model", state, tmp_path / "root" / "global_step_1" / "m.pt", 1, is_state_dict=True
+            )
         status = wait_for(
             lambda: (s := ray.get(monitor.status.remote()))["failed"] and s,
             20,

@@ -347,3 +347,30 @@ def _mapped(address: int) -> bool:
             if lo <= address < hi:
                 return True
     return False
+
+
+class TestRngStates:
+    """RNG and generator states come back usable by torch's setters, which read a state's
+    storage from its start: uint8 tensors are never packed."""
+
+    def test_states_restore_the_same_draws(self, tmp_path):
+        gen = torch.Generator().manual_seed(7)
+        torch.manual_seed(3)
+        state = {
+            "pad": torch.zeros(40, dtype=torch.uint8),  # would sit first in a uint8 pack
+            "cpu": torch.get_rng_state(),
+            "gen": gen.get_state(),
+            "step": torch.tensor(4.0),
+        }
+        want_cpu, want_gen = torch.rand(3), torch.rand(3, generator=gen)
+        path = tmp_path / "rng.pt"
+        write_torch_file(state, path)
+        loaded = torch.load(path, weights_only=True)
+        torch.set_rng_state(loaded["cpu"])
+        other = torch.Generator()
+        other.set_state(loaded["gen"])
+        assert torch.equal(torch.rand(3), want_cpu)
+        assert torch.equal(torch.rand(3, generator=other), want_gen)
+        for name in ("pad", "cpu", "gen"):
+            assert loaded[name].storage_offset() == 0
+            assert loaded[name].untyped_storage().nbytes() == state[name].untyped_storage().nbytes()

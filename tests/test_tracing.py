@@ -382,3 +382,25 @@ carrier["traceparent"] = "changed by the caller"
 print(seen == expected, len(set(seen)), tracing.as_carrier(contexts[0]) != carrier)
 """
         assert run_python(code).stdout.split() == ["True", "2", "True"]
+
+
+def test_spans_leave_the_jobs_python_rng_alone():
+    """Span ids come from obsckpt's own generator, not Python's global ``random``: a span
+    made by a background save must not move the training job's RNG stream (a resumed job
+    would otherwise draw other numbers than the uninterrupted one)."""
+    script = (
+        "import random\n"
+        "from obsckpt.telemetry import tracing\n"
+        "assert tracing.setup_tracing(exporter='memory')\n"
+        "random.seed(1); want = [random.random() for _ in range(3)]\n"
+        "random.seed(1)\n"
+        "with tracing.span('obsckpt.save'):\n"
+        "    pass\n"
+        "assert [random.random() for _ in range(3)] == want\n"
+        "assert len(tracing.finished_spans()) == 1\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

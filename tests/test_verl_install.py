@@ -23,8 +23,10 @@ import types
 import pytest
 import ray
 import torch
+from reliability_helpers import RunsCode, rewrite_manifest
 from workers import kill_named
 
+from obsckpt.errors import UnsafeCheckpointError
 from obsckpt.integrations import verl_install
 from obsckpt.sync.group import free_port
 
@@ -352,6 +354,16 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
         now = params(workers)
         for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
             assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
+
+        # verl's own resume reads data.pt with weights_only=False: replaced by a pickle
+        # that runs code (its manifest rewritten to match), it is refused and never runs.
+        marker = tmp_path / "code-ran"
+        torch.save({"position": RunsCode(str(marker))}, step_dir / "data.pt")
+        rewrite_manifest(step_dir)
+        again = make_trainer(root, WorkerGroup(actor), WorkerGroup(critic), v1=kind == "v1")
+        with pytest.raises(UnsafeCheckpointError, match="data.pt refers to the global"):
+            Trainer._load_checkpoint(again)
+        assert not marker.exists()
     finally:
         kill_named(monitor, "checkpoint_monitor")
 

@@ -183,6 +183,7 @@ def _run(
         if monitor is not None and result.stop_reason != "aborted":
             if started:
                 report(monitor, result, out, progress)
+                progress.note(DASHBOARD_HINT)
             elif stop.signum is None:
                 progress.note("no summary: no training step ran")
         shutdown(actors, monitor, owns_ray, patient=stop.signum is None)
@@ -190,6 +191,15 @@ def _run(
             result.stop_reason = stop_reason(stop.signum)
             result.exit_code = 128 + stop.signum
     return result
+
+
+# Where to see the job's metrics once it has run: the stack, or the user's own Grafana.
+DASHBOARD_HINT = (
+    "dashboard: `docker compose up -d` in the source tree runs the job with Prometheus, "
+    "Alertmanager and Grafana (http://localhost:3000, dashboard 'obsckpt: checkpointing'); "
+    "for your own Grafana and Prometheus, `obsckpt dashboards export DIR` writes the "
+    "dashboard, the alert rules and a scrape snippet"
+)
 
 
 def _start_monitor(

@@ -55,6 +55,7 @@ from obsckpt.integrations.verl_trainer import (
     diverting_open,
     fit_wrapper,
     link_for,
+    load_wrapper,
     monitor_for,
     save_and_submit,
     save_wrapper,
@@ -382,7 +383,12 @@ def _wrap_trainer_class(cls: type, setup_name: str) -> None:
             setattr(module, "open", diverting_open)  # noqa: B010 - a module's global
         except (AttributeError, TypeError):  # a module that takes no attributes
             logger.warning("obsckpt: cannot divert the iteration file write of %s", module)
-    makers = {setup_name: setup_wrapper, "_save_checkpoint": save_wrapper, "fit": fit_wrapper}
+    makers = {
+        setup_name: setup_wrapper,
+        "_save_checkpoint": save_wrapper,
+        "_load_checkpoint": load_wrapper,
+        "fit": fit_wrapper,
+    }
     for name, make in makers.items():
         orig = cls.__dict__.get(name)
         if orig is None or not callable(orig) or getattr(orig, "obsckpt", False):

@@ -302,6 +302,24 @@ def tracking_log_wrapper(orig: Any) -> Any:
     return log
 
 
+def load_wrapper(orig: Any) -> Any:
+    """verl's trainer ``_load_checkpoint``, its own ``torch.load`` calls verified.
+
+    verl's driver reads the resumed step's ``data.pt`` (the dataloader's state)
+    with ``weights_only=False``; inside, every load goes through
+    :mod:`obsckpt.loading`: the file's step must be committed, the file listed in
+    its manifest and matching it, and it is loaded with ``weights_only=True``.
+    """
+    from obsckpt import loading
+
+    @functools.wraps(orig)
+    def _load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with loading.verified_torch_load():
+            return orig(self, *args, **kwargs)
+
+    return _load_checkpoint
+
+
 def save_and_submit(trainer: Any, save: Any) -> Any:
     """Run verl's ``_save_checkpoint`` (``save``) with the iteration file diverted, then submit.
 

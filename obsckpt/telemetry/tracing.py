@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -212,6 +214,34 @@ def _resource(service_name: str | None) -> Resource:
     return resource
 
 
+class _PrivateIdGenerator(RandomIdGenerator):
+    """Span and trace ids from a generator of obsckpt's own.
+
+    The SDK's default draws them from Python's global ``random``: every span a
+    background save makes would then move the training job's Python RNG stream,
+    so a job resumed from its saved RNG state would not draw what it would have
+    drawn (docs/reliability.md, "The resume record").
+    """
+
+    def __init__(self) -> None:
+        self._random = random.Random(int.from_bytes(os.urandom(16), "big"))
+        self._lock = threading.Lock()
+
+    def generate_span_id(self) -> int:
+        with self._lock:
+            span_id = self._random.getrandbits(64)
+            while span_id == trace.INVALID_SPAN_ID:
+                span_id = self._random.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        with self._lock:
+            trace_id = self._random.getrandbits(128)
+            while trace_id == trace.INVALID_TRACE_ID:
+                trace_id = self._random.getrandbits(128)
+        return trace_id
+
+
 def setup_tracing(
     service_name: str | None = None, *, exporter: SpanExporter | str | None = None
 ) -> bool:
@@ -290,7 +320,9 @@ def setup_tracing(
             # Recording spans that no exporter takes would cost without showing anything.
             return enabled()
         if not isinstance(provider, TracerProvider):
-            provider = _own_provider = TracerProvider(resource=_resource(service_name))
+            provider = _own_provider = TracerProvider(
+                resource=_resource(service_name), id_generator=_PrivateIdGenerator()
+            )
             trace.set_tracer_provider(provider)
         for processor in processors:
             provider.add_span_processor(processor)
