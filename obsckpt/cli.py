@@ -122,7 +122,7 @@ def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for b in bad:
             out.write(b.describe() + "\n")
         return EXIT_FAILED
-    for line in repair.rewind(root):
+    for line in repair.rewind(root, bad):
         out.write(line + "\n")
     return EXIT_OK
 

@@ -193,8 +193,12 @@ def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
     return parse_manifest(data)
 
 
-def verify_step(sdir: str | os.PathLike) -> list[str]:
-    """Problems found checking a step against its manifest; empty when it is whole."""
+def verify_step(sdir: str | os.PathLike, *, unlisted_files: bool = True) -> list[str]:
+    """Problems found checking a step against its manifest; empty when it is whole.
+
+    With ``unlisted_files=False`` a file the manifest does not list is not a
+    problem (it does not make the committed files less whole).
+    """
     sdir = Path(sdir)
     try:
         records = read_manifest(sdir)
@@ -228,7 +232,10 @@ def verify_step(sdir: str | os.PathLike) -> list[str]:
             f"{sdir}: all {missing} file(s) the manifest lists are gone (obsckpt's retention "
             "removes a step's whole directory; these were removed by something else)",
         )
-    problems.extend(f"{sdir / rel}: not listed in the manifest" for rel in unlisted(sdir, records))
+    if unlisted_files:
+        problems.extend(
+            f"{sdir / rel}: not listed in the manifest" for rel in unlisted(sdir, records)
+        )
     return problems
 
 

@@ -53,8 +53,7 @@ def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = False)
     if not sdir.is_dir():
         return f"{sdir} does not exist"
     if checksums:
-        # A file added after the commit does not make the committed files less whole.
-        problems = [p for p in reader.verify_step(sdir) if "not listed in the manifest" not in p]
+        problems = reader.verify_step(sdir, unlisted_files=False)
         if not problems:
             return None
         more = f"; and {len(problems) - 2} more" if len(problems) > 2 else ""
@@ -94,9 +93,10 @@ def latest_whole_step(
     optimizer and extra-state files); a ``state_dict`` file any whole step.
     """
     steps = [s for s in reader.steps_on_disk(root) if below is None or s < below]
-    need_full = kind == "checkpoint" and any(_is_full(root, s) for s in steps)
+    full = {s: _is_full(root, s) for s in steps} if kind == "checkpoint" else {}
+    need_full = any(full.values())
     for step in reversed(steps):
-        if need_full and not _is_full(root, step):
+        if need_full and not full[step]:
             continue
         if step_problem(root, step, checksums=checksums) is None:
             return step
@@ -132,17 +132,18 @@ def check_iterations(root: str | os.PathLike, *, checksums: bool = False) -> lis
     return bad
 
 
-def rewind(root: str | os.PathLike, *, checksums: bool = True) -> list[str]:
+def rewind(root: str | os.PathLike, found: list[BadIteration] | None = None) -> list[str]:
     """Point every iteration file naming a step that is not whole at the latest whole one.
 
-    Each file is rewritten atomically (temp file, fsync, rename); one for which no
-    whole step exists is renamed aside (``<name>.bad-<unix time>``), never deleted.
-    Returns what was done, one line per file (also logged).
+    ``found`` is what ``check_iterations(root, checksums=True)`` returned (found
+    again when None): the step each file is pointed at has been checked in full,
+    CRC32s included. Each file is rewritten atomically (temp file, fsync, rename);
+    one for which no whole step exists is renamed aside (``<name>.bad-<unix
+    time>``), never deleted. Returns what was done, one line per file (also logged).
     """
     done = []
-    for bad in check_iterations(root, checksums=checksums):
-        # The candidate is checked in full before the pointer moves to it.
-        whole = latest_whole_step(root, bad.kind, below=bad.named, checksums=True)
+    for bad in check_iterations(root, checksums=True) if found is None else found:
+        whole = bad.latest_whole
         if whole is not None:
             # Backwards on purpose, so not write_iteration (which only moves forward).
             commit.atomic_write(bad.path, f"{whole}\n".encode())
