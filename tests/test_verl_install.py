@@ -679,7 +679,7 @@ def test_verls_logger_gets_the_save_stall_and_the_commit(ray_cluster, namespace,
         coord.save_state_dict_async("model", {"w": torch.ones(2)}, str(path), 1)
         coord.wait_all(timeout=60)
         asyncio.run(coord.register_and_monitor(1, checkpoint_thread_count=1))
-        verl_trainer.LOGGER_METRICS.saved(MonitorLink(monitor, rank=None, rpc_timeout=30), 0.25)
+        verl_trainer.LOGGER_METRICS.saved(MonitorLink(monitor, rank=None, rpc_timeout=30), 0.25, 1)
         for _ in range(100):
             if ray.get(monitor.status.remote())["latest"]["checkpoint"] == 1:
                 break

@@ -256,22 +256,25 @@ class LoggerMetrics:
         self._lock = threading.Lock()
         self._stall_s: float | None = None
         self._link: MonitorLink | None = None
+        self._awaiting: int | None = None  # the step submitted and not yet seen committed
         self._reported: int | None = None
         self._warned = False
 
-    def saved(self, link: MonitorLink, seconds: float) -> None:
+    def saved(self, link: MonitorLink, seconds: float, step: int) -> None:
         with self._lock:
             self._link = link
             self._stall_s = seconds
+            self._awaiting = step
 
     def drain(self) -> dict[str, float]:
-        """The metrics not logged yet (the monitor is asked once per call, after a save)."""
+        """The metrics not logged yet; the monitor is asked only while a submitted step
+        has not been seen committed."""
         with self._lock:
             out: dict[str, float] = {}
             if self._stall_s is not None:
                 out["obsckpt/save_stall_s"] = self._stall_s
                 self._stall_s = None
-            if self._link is None:
+            if self._link is None or self._awaiting is None:
                 return out
             try:
                 last = self._link.status()["last_commit"].get("checkpoint")
@@ -284,6 +287,8 @@ class LoggerMetrics:
                 self._reported = last["step"]
                 out["obsckpt/committed_step"] = float(last["step"])
                 out["obsckpt/commit_lag_s"] = last["committed_at"] - last["whole_at"]
+            if last and last["step"] >= self._awaiting:
+                self._awaiting = None
             return out
 
 
@@ -340,7 +345,7 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     started = time.perf_counter()
     try:
         result = save()
-        LOGGER_METRICS.saved(link, time.perf_counter() - started)
+        stall_s = time.perf_counter() - started
     finally:
         _saving.reset(saving)
         _diverted.reset(token)
@@ -361,6 +366,7 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
         commit.fsync_dir(step_dir)
     link.monitor_step(step, False)
     trainer._obsckpt_last_submitted = step
+    LOGGER_METRICS.saved(link, stall_s, step)
     if deferred and not _is_noop_callback(callback):
         wait_for_commit(trainer)
     if callback is not None:  # only then were calls deferred
