@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_helpers import RunsCode, rewrite_manifest
 
 from obsckpt import commit, layout, reader
 from obsckpt.cli import main
@@ -491,7 +492,6 @@ def test_summary_shows_no_version_before_one_is_reported():
 def test_second_ctrl_c_stops_at_once(tmp_path):
     """Two Ctrl-Cs: exit 130, and the last line names the checkpoint the iteration file
     names (read from disk: the monitor is not asked), which is whole."""
-    import os
     import signal
     import subprocess
     import sys
@@ -547,16 +547,6 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert reader.verify_step(layout.step_dir(root, committed)) == []
 
 
-class _RunsCode:
-    """Unpickling this runs code: it creates the file named in its argument."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 @pytest.mark.slow
 class TestResumeNeverRunsCodeFromDisk:
     """--resume from a step whose file was replaced by a code-running pickle (its manifest
@@ -583,14 +573,8 @@ class TestResumeNeverRunsCodeFromDisk:
         sdir = layout.step_dir(root, 2)
         extra = sdir / "actor" / "extra_state_world_size_2_rank_0.pt"
         marker = tmp_path / "code-ran"
-        torch.save({"rng": _RunsCode(str(marker)), "lr_scheduler": None}, extra)
-        records = [
-            reader.record_file(os.path.join(d, n), sdir)
-            for d, names in reader.walk_files(str(sdir))
-            for n in names
-            if n != layout.MANIFEST_NAME
-        ]
-        commit.atomic_write(sdir / layout.MANIFEST_NAME, layout.manifest_bytes(records))
+        torch.save({"rng": RunsCode(str(marker)), "lr_scheduler": None}, extra)
+        rewrite_manifest(sdir)
 
         with pytest.raises(DemoError) as info:
             run_demo(

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from reliability_helpers import RunsCode
 
 from obsckpt import commit, layout, loading, reader
 from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
@@ -31,14 +32,6 @@ def committed(root, step: int, files: dict[str, object] | None = None, *, iterat
             write_torch_file(obj, path)
     commit.finalize_step(sdir, iterations={"checkpoint": step} if iteration else {})
     return sdir
-
-
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 class TestWhatIsLoaded:
@@ -68,7 +61,7 @@ class TestWhatIsLoaded:
 
     def test_a_pickle_that_runs_code_is_refused_naming_the_global(self, tmp_path):
         marker = tmp_path / "ran"
-        sdir = committed(tmp_path, 1, {SHARD: {"w": _RunsCode(str(marker))}})
+        sdir = committed(tmp_path, 1, {SHARD: {"w": RunsCode(str(marker))}})
         with pytest.raises(UnsafeCheckpointError) as info:
             loading.load(sdir / SHARD)
         assert str(sdir / SHARD) in str(info.value)
@@ -193,7 +186,7 @@ class TestVerifiedTorchLoad:
     def test_loads_inside_the_step_are_checked_and_weights_only(self, tmp_path):
         marker = tmp_path / "ran"
         sdir = committed(
-            tmp_path, 1, {SHARD: {"w": torch.ones(2)}, "actor/x.pt": {"w": _RunsCode(str(marker))}}
+            tmp_path, 1, {SHARD: {"w": torch.ones(2)}, "actor/x.pt": {"w": RunsCode(str(marker))}}
         )
         with loading.verified_torch_load(sdir / "actor"):
             assert torch.load(sdir / SHARD, weights_only=False)["w"].tolist() == [1.0, 1.0]

@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 from metrics_helpers import samples, scrape
+from reliability_helpers import RunsCode
 from workers import kill_named
 
 from obsckpt import (
@@ -63,16 +64,6 @@ def write_step(root, step: int, shards: dict[int, dict], *, committed: bool = Tr
     if committed:
         commit.finalize_step(sdir)
         commit.write_iteration(root, "state_dict", step)
-
-
-class _RunsCode:
-    """Unpickling this runs code: it creates the file named in its argument."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 class TestMemorySync:
@@ -236,7 +227,7 @@ class TestCheckpointSync:
         # A shard replaced by a pickle that runs code, its manifest rewritten to match:
         # refused by name, and the code never runs.
         marker = tmp_path / "code-ran"
-        write_step(root, 7, {0: {"w": _RunsCode(str(marker))}})
+        write_step(root, 7, {0: {"w": RunsCode(str(marker))}})
         assert ray.get(sync.poll_once.remote()) == 2
         status = ray.get(sync.status.remote())
         assert status["load_failures"] == 4 and "refers to the global" in status["failed_steps"][7]
