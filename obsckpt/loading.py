@@ -404,33 +404,22 @@ def verified_torch_load(path: str | os.PathLike | None = None) -> Iterator[Commi
     itself), is checked against the manifest and is loaded with
     ``weights_only=True``. Other threads' loads are untouched.
     """
+    global _patch_users
     step = CommittedStep.of(path) if path is not None else None
     previous = getattr(_scope, "step", None)
     _scope.step = step if step is not None else _ANY_STEP
-    with _LOAD_PATCH:
-        _LOAD_PATCH.users += 1
-        if _LOAD_PATCH.users == 1:
-            torch.load = _verified_load  # type: ignore[assignment]
+    with _patch_lock:  # torch.load is replaced while any thread is inside
+        _patch_users += 1
+        torch.load = _verified_load  # type: ignore[assignment]
     try:
         yield step
     finally:
         _scope.step = previous
-        with _LOAD_PATCH:
-            _LOAD_PATCH.users -= 1
-            if _LOAD_PATCH.users == 0:
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
                 torch.load = _ORIGINAL_LOAD
 
 
-class _PatchCount:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.users = 0
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-_LOAD_PATCH = _PatchCount()
+_patch_lock = threading.Lock()
+_patch_users = 0
