@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from obsckpt import loading
+from obsckpt.integrations import verl_install
 from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
@@ -253,10 +254,8 @@ class MegatronCheckpointManager:
     ) -> None:
         if base_class is None:
             try:
-                from obsckpt.integrations.verl_install import original
-
                 # verl's class, even where verl_install bound this one to verl's name.
-                base_class = original(
+                base_class = verl_install.original(
                     "verl.utils.checkpoint.megatron_checkpoint_manager",
                     "MegatronCheckpointManager",
                 )
@@ -383,12 +382,5 @@ class MegatronCheckpointManager:
         return doomed
 
 
-def _bind_pending() -> None:
-    import sys
-
-    install = sys.modules.get("obsckpt.integrations.verl_install")
-    if install is not None:  # patched while this module was being imported: bind it now
-        install.bind_pending()
-
-
-_bind_pending()
+# Where verl's module was patched while this one was being imported, bind it now.
+verl_install.bind_pending()
