@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from obsckpt import commit, inspection, layout, repair, rootlock, validators
+from obsckpt import commit, inspection, layout, monitor_link, repair, rootlock, validators
 from obsckpt.demo.config import (
     DEVICES,
     EXIT_FAILED,
@@ -592,8 +592,7 @@ def one_line(exc: BaseException) -> str:
         # Raised as RayTaskError(<cause's type>); its text starts "ray::Actor.method()".
         named = re.search(r"ray::([\w.]+)\(", str(exc))
         return f"{named.group(1) if named else 'a Ray task'} failed: {one_line(cause)}"
-    text = " ".join(str(exc).split()) or "(no message)"
-    return f"{type(exc).__name__}: {text}"
+    return monitor_link.one_line(exc)
 
 
 if __name__ == "__main__":
