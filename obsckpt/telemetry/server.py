@@ -276,11 +276,12 @@ class _MetricsHTTPServer(socketserver.TCPServer):
                         conn.shutdown(socket.SHUT_RDWR)
 
     def _refuse(self, request: socket.socket, why: str) -> None:
+        # Counted first: a client that sees its refusal finds it in the counter.
+        self._count_rejected(why)
         with contextlib.suppress(OSError):
             request.setblocking(False)
             request.send(_BUSY_REPLY)
         self.close_request(request)
-        self._count_rejected(why)
 
     def _count_rejected(self, why: str) -> None:
         if self._rejected is not None:
