@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from obsckpt import __version__, assets
+from obsckpt import __version__, assets, validators
 
 # Alertmanager shows runbook_url as a link: it must be absolute. The default is
 # the runbook of this version in the project's repository; a deployment with its
@@ -119,10 +119,7 @@ class AlertThresholds:
                 raise ValueError(f"{name} must be longer than 0, got {getattr(self, name)!r}")
         if not isinstance(self.monitor_job, str) or not self.monitor_job:
             raise ValueError(f"monitor_job must be a job name, got {self.monitor_job!r}")
-        if not assets.is_absolute_url(self.runbook_base):
-            raise ValueError(
-                f"runbook_base must be an absolute http(s) URL, got {self.runbook_base!r}"
-            )
+        validators.validate_url(self.runbook_base, "runbook_base", example=DEFAULT_RUNBOOK_URL)
 
 
 # Prometheus' duration syntax: units largest first, each at most once ("1h30m", "90s").

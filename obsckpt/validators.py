@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import re
+from urllib.parse import urlsplit
 
 # Readers hold steps in an int64; a larger number in an iteration file is not a step.
 MAX_STEP = 2**63 - 1
@@ -112,3 +113,55 @@ def validate_rank(
             f"rank must be a non-negative integer ({whose}) or None{none}, got {value!r}"
         )
     return rank
+
+
+
+def validate_url(
+    value: object,
+    what: str = "",
+    *,
+    schemes: tuple[str, ...] = ("http", "https"),
+    bare: bool = False,
+    example: str | None = None,
+) -> str:
+    """``value`` if it is a URL of one of ``schemes`` with a host (and a port 1-65535 where
+    it names one); with ``bare``, ``HOST:PORT`` without a scheme too.
+
+    The ValueError names ``what`` (a flag, a variable, a field; none for argparse, which
+    names the flag itself), the value, what is wrong and an example of a good one:
+    ``value`` with the first scheme put in front when it is ``HOST:PORT``, else ``example``.
+    """
+    problem = _url_problem(value, schemes, bare)
+    if problem is None:
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and not bare and _url_problem(value, schemes, True) is None:
+        example = f"{schemes[0]}://{value}"  # HOST:PORT, its scheme left out
+    kind = f"a URL ({' or '.join(s + '://' for s in schemes)}){' or HOST:PORT' if bare else ''}"
+    good = example or f"{schemes[0]}://HOST:PORT"
+    head = f"{what} must be" if what else "must be"
+    raise ValueError(f"{head} {kind}, got {value!r} ({problem}); give one like {good}")
+
+
+def _url_problem(value: object, schemes: tuple[str, ...], bare: bool) -> str | None:
+    """What is wrong with ``value`` as :func:`validate_url` takes it, or None."""
+    if not isinstance(value, str) or not value:
+        return "not a URL"
+    if any(c.isspace() for c in value):
+        return "whitespace in it"
+    scheme, sep, _ = value.partition("://")
+    if sep and scheme.lower() not in schemes:
+        return f"scheme {scheme}://"
+    if not sep and not bare:
+        return "no scheme"
+    try:
+        parts = urlsplit(value if sep else "//" + value)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is no number or out of range, a broken [IPv6]
+        return "not a URL" if "[" in value else "port not in 1-65535"
+    if not host:
+        return "no host"
+    if port == 0:
+        return "port not in 1-65535"
+    if port is None and (not sep or parts.netloc.endswith(":")):
+        return "no port"  # HOST:PORT without a scheme needs its port
+    return None
