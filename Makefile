@@ -15,7 +15,7 @@ FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 UVINSTALL := $(UV) pip install --quiet --compile-bytecode $(FINDLINKS) -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-verl-min test-trinity demo lint metrics-doc dashboards bench bench-quick gpu-check clean
+.PHONY: setup test test-verl-min test-trinity test-verl-upstream demo lint metrics-doc dashboards bench bench-quick gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -67,6 +67,13 @@ $(TRINITY_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 test-trinity: $(TRINITY_VENV)/.installed
 	$(TRINITY_VENV)/bin/python -c 'import importlib.metadata as m; v = m.version("trinity-rft"); assert v == "0.6.0", v'
 	$(TRINITY_VENV)/bin/python -m pytest $(TRINITY_TESTS) $(PYTEST_ARGS)
+
+# verl 0.9.1's own checkpoint tests, from its sdist (downloaded from the package index
+# into build/verl-upstream/ and checked against its SHA-256), those that run on a CPU:
+# as verl ships them, with obsckpt's managers in place (the documented differences must
+# fail as documented), and verl's LoRA checkpoint tests saving into step directories.
+test-verl-upstream: setup
+	$(PY) tests/upstream/verl_checkpoint_tests.py --python $(PY)
 
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/obsckpt demo
