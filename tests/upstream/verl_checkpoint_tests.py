@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -176,9 +177,14 @@ def download_sdist(target: Path) -> None:
         with urllib.request.urlopen(request, timeout=120) as response:
             body = response.read().decode("utf-8", "replace")
             base = response.geturl()
-        links = re.findall(r"""[^"'\s<>]*/?""" + re.escape(SDIST) + r"""(?:#[^"'\s<>]*)?""", body)
+            kind = response.headers.get("Content-Type", "")
+        if "json" in kind:  # PEP 691
+            links = [f["url"] for f in json.loads(body)["files"] if f["filename"] == SDIST]
+        else:  # PEP 503: <a href="...">
+            links = re.findall(
+                r"""href=["']([^"']*/?""" + re.escape(SDIST) + r"""(?:#[^"']*)?)""", body
+            )
         urls = [urllib.parse.urljoin(base, link.split("#")[0]) for link in links]
-        urls = [u for u in urls if u.rsplit("/", 1)[-1] == SDIST]
         if not urls:
             raise RunnerError(f"{page} lists no {SDIST}: check the index (PIP_INDEX_URL)")
         partial = target.with_suffix(".part")
@@ -459,9 +465,30 @@ def _manager_check(mode: str) -> str | None:
     return None
 
 
-def _matches(diff: Difference, excinfo: Any) -> bool:
-    names = {cls.__name__ for cls in type(excinfo.value).__mro__}
-    return diff.error in names and re.search(diff.match, str(excinfo.value)) is not None
+def judge(mode: str, nodeid: str, error: BaseException | None) -> tuple[str, str] | None:
+    """What a test's outcome becomes in ``mode``, given the error it raised (None: passed).
+
+    Returns None (its outcome stands), ``("xfailed", why)`` (a documented
+    difference, failing as documented) or ``("failed", why)`` (a documented
+    difference that passed, or failed another way).
+    """
+    diff = DIFFERENCES.get(nodeid) if mode == "obsckpt" else None
+    if diff is None:
+        return None
+    if error is None:
+        return (
+            "failed",
+            f"passed with obsckpt in place, but {MODULE}.DIFFERENCES expects {diff.error} "
+            f"({diff.reason}): remove it there and in docs/integrations.md",
+        )
+    names = {cls.__name__ for cls in type(error).__mro__}
+    if diff.error in names and re.search(diff.match, str(error)) is not None:
+        return "xfailed", f"documented difference: {diff.error}: {diff.reason}"
+    return (
+        "failed",
+        f"a documented difference failed another way: expected {diff.error} matching "
+        f"{diff.match!r}, got {type(error).__name__}",
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -470,21 +497,19 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
     mode = _mode(item.config)
     if mode is None:
         return report
-    diff = DIFFERENCES.get(item.nodeid) if mode == "obsckpt" else None
-    if report.when == "call" and diff is not None:
-        if call.excinfo is not None and _matches(diff, call.excinfo):
+    verdict = None
+    if report.when == "call":
+        verdict = judge(mode, item.nodeid, call.excinfo.value if call.excinfo else None)
+    if verdict is not None:
+        outcome, why = verdict
+        if outcome == "xfailed":
             report.outcome = "skipped"
-            report.wasxfail = f"documented difference: {diff.error}: {diff.reason}"
+            report.wasxfail = why
         elif call.excinfo is None:
             report.outcome = "failed"
-            report.longrepr = (
-                f"passed with obsckpt in place, but {MODULE}.DIFFERENCES expects "
-                f"{diff.error} ({diff.reason}): remove it there and in docs/integrations.md"
-            )
-        else:
-            report.sections.append(
-                ("verl-upstream", f"expected {diff.error} matching {diff.match!r}")
-            )
+            report.longrepr = why
+        else:  # keep the traceback
+            report.sections.append(("verl-upstream", why))
     elif report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
