@@ -453,16 +453,28 @@ def commit(step: int) -> None:
     asyncio.run(coordinator.register_and_monitor(step, is_state_dict=False))
 
 
-def _manager_check(mode: str) -> str | None:
-    """Why the manager name in verl's module is not the one ``mode`` runs, or None."""
-    module = sys.modules.get("verl.utils.checkpoint.fsdp_checkpoint_manager")
-    if module is None:
-        return "no test imported verl.utils.checkpoint.fsdp_checkpoint_manager"
-    owner = module.FSDPCheckpointManager.__module__
+def _manager_check(mode: str) -> tuple[str | None, list[str]]:
+    """Why a manager name in verl's modules is not the one ``mode`` runs (or None), and
+    the modules checked.
+
+    Every module where ``verl_install`` rebinds a manager name that the tests
+    imported is checked; verl's ``fsdp_checkpoint_manager`` must be one of them.
+    """
+    from obsckpt.integrations.verl_install import MANAGER_SITES
+
     wanted = "verl." if mode == "baseline" else "obsckpt."
-    if not owner.startswith(wanted):
-        return f"FSDPCheckpointManager there is {owner}'s, not {wanted.rstrip('.')}'s"
-    return None
+    if "verl.utils.checkpoint.fsdp_checkpoint_manager" not in sys.modules:
+        return "no test imported verl.utils.checkpoint.fsdp_checkpoint_manager", []
+    checked = []
+    for name, (attr, _, _) in MANAGER_SITES.items():
+        module = sys.modules.get(name)
+        owner = getattr(getattr(module, attr, None), "__module__", None)
+        if owner is None:
+            continue
+        if not owner.startswith(wanted):
+            return f"{name}.{attr} is {owner}'s, not {wanted.rstrip('.')}'s", checked
+        checked.append(name)
+    return None, checked
 
 
 def judge(mode: str, nodeid: str, error: BaseException | None) -> tuple[str, str] | None:
@@ -521,9 +533,13 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     mode = _mode(session.config)
     if mode is None or exitstatus not in (0, 1):
         return
-    if (why := _manager_check(mode)) is not None:
+    why, checked = _manager_check(mode)
+    if why is not None:
         print(f"\nverl-upstream: {mode}: {why}", file=sys.stderr)
         session.exitstatus = 1
+    else:
+        owner = "verl" if mode == "baseline" else "obsckpt"
+        print(f"\nverl-upstream: {mode}: the managers are {owner}'s in {checked}")
 
 
 if __name__ == "__main__":
