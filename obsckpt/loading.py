@@ -12,12 +12,14 @@ checkpoint sync, the demo's resume) reads through :class:`CommittedStep`:
    few globals of :data:`ALLOWED_GLOBALS`; a file naming any other global is
    refused with its path and the global.
 
-The file is opened once and checked through that descriptor (a CRC32 pass
-over a read-only mapping, which brings it into the page cache); ``torch.load``
-then reads the same open file from the page cache, so it is read from disk
-once. A file changed while it was loaded (its size or times moved) fails the
-load, and what was read is dropped. The tensors are ordinary memory, not a
-mapping of the file.
+A ``torch.save`` file is read once, into memory of the process's own, with
+its CRC32 computed chunk by chunk right behind the reads (a second thread);
+only when the whole file matches is it deserialised, from that memory and
+without a second copy (:mod:`obsckpt.checked_read`). A file changed while it
+was read (its size or times moved) fails the load. The tensors are ordinary
+memory, not a mapping of the file: nothing written to the file later reaches
+them. Other files (safetensors, JSON) are checked through the open descriptor
+and then read from the page cache (:meth:`CommittedStep.open_verified`).
 
 Code that calls ``torch.load`` itself (verl's checkpoint managers) is run
 inside :func:`verified_torch_load`, which sends this thread's ``torch.load``
@@ -28,18 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import io
 import mmap
 import os
 import pickle
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from obsckpt import layout, reader
+from obsckpt import checked_read, layout, reader
 from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
 
 # What torch.load(weights_only=True) says when it refuses a global: "Unsupported global:
@@ -214,17 +217,7 @@ class CommittedStep:
                 differs from the manifest's, or it changed while it was loaded.
         """
         rec = self.record(path)
-        try:
-            fd = reader.open_regular(path)
-        except FileNotFoundError:
-            raise UnverifiedCheckpointError(
-                f"{path} is missing, but {self.dir / layout.MANIFEST_NAME} lists it: the "
-                "step is damaged; resume from another step"
-            ) from None
-        except OSError as exc:
-            raise UnverifiedCheckpointError(
-                f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
-            ) from exc
+        fd = self._open(path)
         try:
             before = os.fstat(fd)
             self._check_size(path, before.st_size, rec)
@@ -236,15 +229,32 @@ class CommittedStep:
                 ) from exc
             self._check_crc(path, crc, rec)
             yield f"/proc/self/fd/{fd}" if _PROC_FD else os.fspath(path)
-            after = os.fstat(fd)
-            if _stamp(after) != _stamp(before):
-                raise UnverifiedCheckpointError(
-                    f"{path} changed while it was loaded (size {before.st_size} -> "
-                    f"{after.st_size}): something is writing into a committed step; what was "
-                    "read is dropped"
-                )
+            self._check_unchanged(path, fd, before)
         finally:
             os.close(fd)
+
+    def _open(self, path: Any) -> int:
+        try:
+            return reader.open_regular(path)
+        except FileNotFoundError:
+            raise UnverifiedCheckpointError(
+                f"{path} is missing, but {self.dir / layout.MANIFEST_NAME} lists it: the "
+                "step is damaged; resume from another step"
+            ) from None
+        except OSError as exc:
+            raise UnverifiedCheckpointError(
+                f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
+            ) from exc
+
+    @staticmethod
+    def _check_unchanged(path: Any, fd: int, before: os.stat_result) -> None:
+        after = os.fstat(fd)
+        if _stamp(after) != _stamp(before):
+            raise UnverifiedCheckpointError(
+                f"{path} changed while it was loaded (size {before.st_size} -> "
+                f"{after.st_size}): something is writing into a committed step; what was "
+                "read is dropped"
+            )
 
     def _check_size(self, path: Any, size: int, rec: layout.FileRecord) -> None:
         if size != rec.size:
@@ -270,12 +280,37 @@ class CommittedStep:
     def torch_load(self, path: str | os.PathLike, map_location: Any = None) -> Any:
         """``torch.load`` of ``path`` after its check, with ``weights_only=True`` always.
 
+        The file is read once, into memory of its own, with its CRC32 computed
+        on the way (:func:`obsckpt.checked_read.read_checked`); only once the
+        whole file matches the manifest is it deserialised, from that memory
+        and without a second copy. The tensors of one file share that memory.
+
         Raises:
             UnverifiedCheckpointError: see :meth:`open_verified`.
             UnsafeCheckpointError: the file names a global outside :data:`ALLOWED_GLOBALS`.
         """
-        with self.open_verified(path) as source:
-            return safe_torch_load(source, path, map_location=map_location)
+        rec = self.record(path)
+        fd = self._open(path)
+        try:
+            before = os.fstat(fd)
+            self._check_size(path, before.st_size, rec)
+            try:
+                buffer, crc = checked_read.read_checked(fd, before.st_size)
+            except EOFError as exc:
+                self._check_unchanged(path, fd, before)
+                raise UnverifiedCheckpointError(f"{path} shrank while it was read: {exc}") from exc
+            except OSError as exc:
+                raise UnverifiedCheckpointError(
+                    f"cannot read {path}: {reader.read_error_advice(exc, must=None)}"
+                ) from exc
+            self._check_unchanged(path, fd, before)
+            self._check_crc(path, crc, rec)
+        finally:
+            os.close(fd)
+        if not checked_read.is_torch_zip(buffer):  # torch's legacy format: load from a copy
+            legacy = io.BytesIO(bytes(checked_read.memory_of(buffer)))
+            return safe_torch_load(legacy, path, map_location=map_location)
+        return _safely(path, lambda: checked_read.torch_load_buffer(buffer, map_location))
 
     def verify_all(self, under: str | os.PathLike | None = None) -> int:
         """Check every file under ``under`` (default: the whole step); the number checked.
@@ -327,11 +362,18 @@ def safe_torch_load(source: Any, shown: Any, *, map_location: Any = None) -> Any
         UnsafeCheckpointError: the file names a global outside the allowlist.
         UnverifiedCheckpointError: it is not a file ``torch.save`` wrote.
     """
+    return _safely(
+        shown, lambda: _ORIGINAL_LOAD(source, map_location=map_location, weights_only=True)
+    )
+
+
+def _safely(shown: Any, load_weights_only: Callable[[], Any]) -> Any:
+    """Run a weights-only load with :data:`ALLOWED_GLOBALS` allowed; its errors named."""
     _import_tensor_subclasses()
     allowed = [entry for entry, _why in ALLOWED_GLOBALS]
     try:
         with torch.serialization.safe_globals(allowed):
-            return _ORIGINAL_LOAD(source, map_location=map_location, weights_only=True)
+            return load_weights_only()
     except pickle.UnpicklingError as exc:
         refused = _REFUSED_GLOBAL.search(str(exc))
         if refused is None:
@@ -344,7 +386,7 @@ def safe_torch_load(source: Any, shown: Any, *, map_location: Any = None) -> Any
             "containers and the globals in obsckpt.loading.ALLOWED_GLOBALS only; save "
             "such state as tensors and plain values"
         ) from exc
-    except Exception as exc:  # noqa: BLE001 - torch's legacy reader fails in many ways
+    except Exception as exc:  # noqa: BLE001 - torch's readers fail in many ways
         raise UnverifiedCheckpointError(
             f"{shown} cannot be loaded: it is not a file torch.save wrote ({_first_line(exc)})"
         ) from exc

@@ -81,9 +81,12 @@ class TestWhatIsLoaded:
         def refuse(*args, **kwargs):
             raise pickle.UnpicklingError(wording)
 
-        monkeypatch.setattr(loading, "_ORIGINAL_LOAD", refuse)
+        monkeypatch.setattr(loading.checked_read, "torch_load_buffer", refuse)
         with pytest.raises(UnsafeCheckpointError, match="refers to the global evil.thing"):
             loading.load(sdir / SHARD)
+        monkeypatch.setattr(loading, "_ORIGINAL_LOAD", refuse)  # torch's legacy format
+        with pytest.raises(UnsafeCheckpointError, match="refers to the global evil.thing"):
+            loading.safe_torch_load(str(sdir / SHARD), sdir / SHARD)
 
     def test_not_a_torch_file(self, tmp_path):
         sdir = committed(tmp_path, 1, {SHARD: b"hello"})
@@ -99,23 +102,24 @@ class TestWhatIsLoaded:
         assert loading.load(sdir / SHARD)["w"].tolist() == [1.0, 1.0, 1.0]
         assert loading.load(sdir / "legacy.pt")["w"].tolist() == [1.0, 1.0]
 
-    def test_without_proc_the_path_itself_is_loaded(self, tmp_path, monkeypatch):
+    def test_without_proc_the_path_itself_is_read(self, tmp_path, monkeypatch):
         monkeypatch.setattr(loading, "_PROC_FD", False)
         sdir = committed(tmp_path, 1)
-        assert torch.equal(loading.load(sdir / SHARD)["w"], torch.arange(6.0))
+        step = loading.CommittedStep.of(sdir)
+        assert step.read_bytes(sdir / SHARD) == (sdir / SHARD).read_bytes()
 
     def test_a_file_written_into_while_it_loads_is_dropped(self, tmp_path, monkeypatch):
         sdir = committed(tmp_path, 1)
-        real = loading.safe_torch_load
+        real = loading.checked_read.read_checked
 
-        def load_while_someone_writes(source, shown, **kwargs):
-            obj = real(source, shown, **kwargs)
+        def read_while_someone_writes(fd, size):
+            got = real(fd, size)
             with open(sdir / SHARD, "r+b") as f:  # in place: same inode, same size
                 f.seek(100)
                 f.write(b"\0")
-            return obj
+            return got
 
-        monkeypatch.setattr(loading, "safe_torch_load", load_while_someone_writes)
+        monkeypatch.setattr(loading.checked_read, "read_checked", read_while_someone_writes)
         with pytest.raises(UnverifiedCheckpointError, match="changed while it was loaded"):
             loading.load(sdir / SHARD)
 
