@@ -25,10 +25,13 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from obsckpt import commit, inspection, layout, monitor_link, repair, rootlock, validators
+from obsckpt.assets import RUNBOOK_URL_ENV
+from obsckpt.demo import endpoints
 from obsckpt.demo.config import (
     DEVICES,
     EXIT_FAILED,
@@ -339,6 +342,23 @@ def _step(text: str) -> int:
     return value
 
 
+def _checked(check: Callable[..., str], **kwargs: Any) -> Callable[[str], str]:
+    """An argparse type from a check that returns the value or raises a ValueError saying
+    why (argparse names the flag in its error)."""
+
+    def parse(text: str) -> str:
+        try:
+            return check(text, **kwargs)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+# What a runbook URL looks like, for the error that refuses one.
+RUNBOOK_EXAMPLE = "https://wiki.example.com/obsckpt/runbook.md"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``obsckpt`` command's parser: ``demo``, ``status`` and ``verify``."""
     from obsckpt import __version__
@@ -413,12 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--otlp-endpoint",
+        type=_checked(endpoints.otlp_endpoint),
         default=None,
         metavar="URL",
-        help="send traces by OTLP/HTTP to URL (or set the OTEL_* variables)",
+        help="send traces by OTLP/HTTP to URL, e.g. http://localhost:4318 (or set the "
+        "OTEL_* variables)",
     )
     d.add_argument(
-        "--address", default=None, help="join this Ray cluster (default: start a local one)"
+        "--address",
+        type=_checked(endpoints.ray_address),
+        default=None,
+        help="join this Ray cluster: HOST:PORT of its head, ray://HOST:PORT or auto "
+        "(default: start a local one)",
     )
     d.add_argument("--namespace", default=None, help="Ray namespace (default: a fresh one)")
     d.add_argument(
@@ -503,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("dir", metavar="DIR", help="directory to write them into (made if missing)")
     ex.add_argument(
         "--runbook-url",
+        type=_checked(validators.validate_url, example=RUNBOOK_EXAMPLE),
         default=None,
         metavar="URL",
         help="absolute URL of docs/runbook.md for the alerts' runbook links "
@@ -511,10 +538,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+def _subparser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` come from, whose usage its errors show."""
+    # argparse has no public accessor for a subcommand's parser.
+    for name in filter(None, (args.command, getattr(args, "dashboards_command", None))):
+        parser = parser._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr,index]
+    return parser
+
+
+def _unrecognized(sub: argparse.ArgumentParser, extra: list[str]) -> None:
     """Exit as argparse does, with the subcommand's usage and a suggestion for a misspelled flag."""
-    # argparse has no public accessor for a subcommand's parser or its flags.
-    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    # argparse has no public accessor for a parser's flags.
     known = list(sub._option_string_actions)
     hints = []
     for arg in extra:
@@ -524,6 +560,19 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str
         else:
             hints.append(arg)
     sub.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
+def _check_environment(sub: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit as argparse does when a URL the command takes from the environment is none."""
+    try:
+        if args.command == "demo":
+            endpoints.check_otel_environment(args.otlp_endpoint)
+        elif args.command == "dashboards" and args.runbook_url is None:
+            url = os.environ.get(RUNBOOK_URL_ENV)
+            if url:
+                validators.validate_url(url, RUNBOOK_URL_ENV, example=RUNBOOK_EXAMPLE)
+    except ValueError as exc:
+        sub.error(str(exc))
 
 
 def main(
@@ -536,7 +585,8 @@ def main(
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # the subcommand's usage, and the flag meant where one is close
-            _unrecognized(parser, args.command, extra)
+            _unrecognized(_subparser(parser, args), extra)
+        _check_environment(_subparser(parser, args), args)
     except SystemExit as exc:  # argparse has printed its usage message
         return int(exc.code or 0)
     if argv is None and args.command == "demo":

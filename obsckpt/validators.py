@@ -115,7 +115,6 @@ def validate_rank(
     return rank
 
 
-
 def validate_url(
     value: object,
     what: str = "",

@@ -550,6 +550,184 @@ class TestDemoRefusesBeforeStarting:
         assert code == 2 and "--metrics-host 'no-such-host.invalid' is not an address" in err
 
 
+class TestUrls:
+    """Every URL the command takes, from a flag or the environment, is checked as it is
+    parsed: one line naming it, the value, what is wrong and a good one, after the usage."""
+
+    @pytest.fixture(autouse=True)
+    def _no_url_variables(self, monkeypatch):
+        for name in (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OBSCKPT_RUNBOOK_URL",
+        ):
+            monkeypatch.delenv(name, raising=False)
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            "http://localhost:4318",
+            "https://collector.example.com/v1/traces",
+            "HTTP://127.0.0.1:4318",
+            "http://[::1]:4318/",
+            "https://user@host:65535/p?q=1#frag",
+        ],
+    )
+    def test_good_urls(self, value):
+        from obsckpt.validators import validate_url
+
+        assert validate_url(value, "--x") == value
+
+    @pytest.mark.parametrize(
+        "value, why, example",
+        [
+            ("localhost:4318", "no scheme", "http://localhost:4318"),
+            ("127.0.0.1:4318", "no scheme", "http://127.0.0.1:4318"),
+            ("[::1]:4318", "no scheme", "http://[::1]:4318"),
+            ("docs/runbook.md", "no scheme", "http://localhost:4318"),
+            ("ftp://host/x", "scheme ftp://", "http://localhost:4318"),
+            ("http://", "no host", "http://localhost:4318"),
+            ("http://:4318", "no host", "http://localhost:4318"),
+            ("http://host:0", "port not in 1-65535", "http://localhost:4318"),
+            ("http://host:65536", "port not in 1-65535", "http://localhost:4318"),
+            ("http://host:43a8", "port not in 1-65535", "http://localhost:4318"),
+            ("http://host:", "no port", "http://localhost:4318"),
+            ("http://[::1", "not a URL", "http://localhost:4318"),
+            ("http://local host", "whitespace in it", "http://localhost:4318"),
+            ("", "not a URL", "http://localhost:4318"),
+            (None, "not a URL", "http://localhost:4318"),
+        ],
+    )
+    def test_bad_urls(self, value, why, example):
+        from obsckpt.validators import validate_url
+
+        message = (
+            f"--x must be a URL (http:// or https://), got {value!r} ({why}); "
+            f"give one like {example}"
+        )
+        with pytest.raises(ValueError) as info:
+            validate_url(value, "--x", example="http://localhost:4318")
+        assert str(info.value) == message
+
+    def test_host_and_port_alone(self):
+        from obsckpt.validators import validate_url
+
+        assert validate_url("collector:4317", bare=True) == "collector:4317"
+        with pytest.raises(
+            ValueError, match=r"^must be .* or HOST:PORT, got 'collector' \(no port\)"
+        ):
+            validate_url("collector", bare=True)
+
+    def usage_error(self, capsys, *argv: str) -> str:
+        """The one error line of a refused command line, checked to follow its usage."""
+        code, out, err = run(*argv)
+        usage = capsys.readouterr().err
+        assert (code, out, err) == (2, "", ""), usage
+        *_, line = usage.rstrip("\n").splitlines()
+        prog = line.partition(": error: ")[0]  # "obsckpt demo", "obsckpt dashboards export"
+        assert usage.startswith(f"usage: {prog} "), usage
+        return line
+
+    def test_otlp_endpoint_without_a_scheme(self, tmp_path, capsys):
+        root = tmp_path / "ckpt"
+        line = self.usage_error(
+            capsys, "demo", "--ckpt-dir", str(root), "--otlp-endpoint", "localhost:4318"
+        )
+        assert line == (
+            "obsckpt demo: error: argument --otlp-endpoint: must be a URL (http:// or "
+            "https://), got 'localhost:4318' (no scheme); give one like http://localhost:4318"
+        )
+        assert not root.exists()
+
+    def test_otlp_endpoint_over_grpc_may_be_host_and_port(self, monkeypatch, capsys):
+        from obsckpt.cli import build_parser
+
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        args = build_parser().parse_args(["demo", "--otlp-endpoint", "localhost:4317"])
+        assert args.otlp_endpoint == "localhost:4317"
+        line = self.usage_error(capsys, "demo", "--otlp-endpoint", "localhost")
+        assert "(no port); give one like http://localhost:4317" in line
+
+    @pytest.mark.parametrize(
+        "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    )
+    def test_otlp_endpoint_variables(self, variable, tmp_path, capsys, monkeypatch):
+        monkeypatch.setenv(variable, "localhost:4318")
+        line = self.usage_error(capsys, "demo", "--ckpt-dir", str(tmp_path / "ckpt"))
+        assert line == (
+            f"obsckpt demo: error: {variable} must be a URL (http:// or https://), got "
+            "'localhost:4318' (no scheme); give one like http://localhost:4318"
+        )
+
+    def test_the_flag_replaces_the_variable_it_sets(self, monkeypatch):
+        from obsckpt.demo.endpoints import check_otel_environment
+
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318")
+        check_otel_environment("http://localhost:4318")
+        with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_ENDPOINT must be a URL"):
+            check_otel_environment()
+
+    def test_the_python_api_refuses_it_before_ray_starts(self):
+        from obsckpt.demo import DemoConfig
+        from obsckpt.demo.endpoints import check_endpoints
+        from obsckpt.errors import DemoError
+
+        cfg = DemoConfig(metrics_port=None, otlp_endpoint="localhost:4318")
+        with pytest.raises(DemoError, match=r"^--otlp-endpoint must be a URL .*'localhost:4318'"):
+            check_endpoints(cfg)
+        with pytest.raises(DemoError, match=r"^--address must be .*'10.0.0.1' \(no port\)"):
+            check_endpoints(DemoConfig(metrics_port=None, address="10.0.0.1"))
+
+    @pytest.mark.parametrize("value", ["auto", "10.0.0.1:6379", "ray://head:10001", "ray://head"])
+    def test_good_ray_addresses(self, value):
+        from obsckpt.cli import build_parser
+
+        assert build_parser().parse_args(["demo", "--address", value]).address == value
+
+    @pytest.mark.parametrize(
+        "value, why",
+        [
+            ("10.0.0.1", "no port"),
+            ("http://head:6379", "scheme http://"),
+            ("head:99999", "port not in 1-65535"),
+        ],
+    )
+    def test_bad_ray_addresses(self, value, why, capsys):
+        line = self.usage_error(capsys, "demo", "--address", value)
+        assert line == (
+            "obsckpt demo: error: argument --address: must be a URL (ray://) or HOST:PORT, "
+            f"got {value!r} ({why}); give one like 127.0.0.1:6379"
+        )
+
+    def test_runbook_url(self, tmp_path, capsys, monkeypatch):
+        out = tmp_path / "out"
+        line = self.usage_error(
+            capsys, "dashboards", "export", str(out), "--runbook-url", "wiki:80"
+        )
+        assert line == (
+            "obsckpt dashboards export: error: argument --runbook-url: must be a URL (http:// "
+            "or https://), got 'wiki:80' (no scheme); give one like http://wiki:80"
+        )
+        monkeypatch.setenv("OBSCKPT_RUNBOOK_URL", "docs/runbook.md")
+        line = self.usage_error(capsys, "dashboards", "export", str(out))
+        assert line == (
+            "obsckpt dashboards export: error: OBSCKPT_RUNBOOK_URL must be a URL (http:// or "
+            "https://), got 'docs/runbook.md' (no scheme); give one like "
+            "https://wiki.example.com/obsckpt/runbook.md"
+        )
+        assert not out.exists()
+        # The flag wins over the variable, which is then not read.
+        assert (
+            run("dashboards", "export", str(out), "--runbook-url", "https://w.example/r.md")[0] == 0
+        )
+
+    def test_a_misspelled_flag_of_an_action_gets_its_usage(self, tmp_path, capsys):
+        line = self.usage_error(capsys, "dashboards", "export", str(tmp_path), "--runbok-url", "x")
+        assert line.endswith("--runbok-url (did you mean --runbook-url?) x")
+
+
 class TestDemoOutputLines:
     def test_finish_line(self):
         from obsckpt.cli import finish_line

@@ -466,7 +466,9 @@ class TestShippedAssets:
 
     def test_export_refuses_a_relative_runbook_url_and_a_file(self, tmp_path, capsys):
         assert cli.main(["dashboards", "export", str(tmp_path), "--runbook-url", "docs/r.md"]) == 2
-        assert "must be absolute" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "usage: obsckpt dashboards export" in err
+        assert "--runbook-url: must be a URL (http:// or https://), got 'docs/r.md'" in err
         (tmp_path / "f").write_text("")
         assert cli.main(["dashboards", "export", str(tmp_path / "f")]) == 2
         assert "is a file" in capsys.readouterr().err
