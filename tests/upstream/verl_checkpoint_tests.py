@@ -299,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["all", *MODES], default="all")
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     args = parser.parse_args(argv)
+    # The tests run in the work directory: a relative path (.venv/bin/python) is made
+    # absolute, not resolved (a virtual environment's python is a link to the base one).
+    python = shutil.which(args.python) if os.sep not in args.python else args.python
+    if python is None or not os.access(python, os.X_OK):
+        print(f"verl-upstream: --python {args.python}: no such interpreter", file=sys.stderr)
+        return 2
+    python = os.path.abspath(python)
     started = time.monotonic()
     try:
         archive = sdist(args.sdist, args.workdir)
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     for test, diff in DIFFERENCES.items():
         print(f"verl-upstream: documented difference: {test}: {diff.error} ({diff.reason})")
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    failed = [mode for mode in modes if run_mode(args.python, root, mode) != 0]
+    failed = [mode for mode in modes if run_mode(python, root, mode) != 0]
     took = time.monotonic() - started
     if failed:
         print(f"verl-upstream: FAILED ({', '.join(failed)}) in {took:.0f} s", file=sys.stderr)
