@@ -62,6 +62,17 @@ class TestDemoRun:
         assert "p50" in table and "committed: checkpoint 4" in table
         assert "metrics: http://127.0.0.1:" in err.getvalue()
         assert f"(inspect with `obsckpt status '{root}'`)" in err.getvalue()
+        # What it does while it starts, before the first step (Ray was up already).
+        assert_in_order(
+            err.getvalue(),
+            [
+                r"building the model on 2 ranks\.\.\.",
+                r"ranks ready in \d+\.\d s",
+                r"obsckpt demo: 2 FSDP2 ranks ",
+                r"\[#+\.*\] step 1/4 ",
+            ],
+        )
+        assert "Ray" not in err.getvalue().partition("ranks ready")[0]
 
         # The CLI agrees with the run.
         code_out = io.StringIO()
@@ -71,6 +82,16 @@ class TestDemoRun:
         assert main(["status", str(root), "--json"], out=status_out) == 0
         st = json.loads(status_out.getvalue())
         assert st["committed"] == [2, 4] and st["uncommitted"] == []
+
+
+def assert_in_order(text: str, patterns: list[str]) -> None:
+    """Each pattern matches the start of a line of ``text``, each on a later line."""
+    lines = text.splitlines()
+    at = -1
+    for pattern in patterns:
+        later = [i for i, line in enumerate(lines) if i > at and re.match(pattern, line)]
+        assert later, f"no line {pattern!r} after line {at} of:\n{text}"
+        at = later[0]
 
 
 def demo_step(root: Path, step: int, *, full: bool = True, commit: bool = True) -> Path:
@@ -544,6 +565,18 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert f", committed checkpoint {committed}, " in last, err
     assert "stopped at once: saves still in flight are left uncommitted" in err
     assert "Traceback" not in err
+    # What it did while it started: Ray, then the ranks, each timed, before the job's line.
+    assert_in_order(
+        err,
+        [
+            rf"starting a local Ray cluster \({max(os.cpu_count() or 1, 3)} CPUs\)\.\.\.",
+            r"Ray up in \d+\.\d s",
+            r"building the model on 2 ranks\.\.\.",
+            r"ranks ready in \d+\.\d s",
+            r"obsckpt demo: 2 FSDP2 ranks ",
+            r"received SIGINT",
+        ],
+    )
     assert reader.verify_step(layout.step_dir(root, committed)) == []
 
 

@@ -39,6 +39,18 @@ def otel_env(cfg: DemoConfig) -> tuple[dict[str, str], str | None]:
     return env, env.get(OTEL_EXPORTER_OTLP_ENDPOINT) or env.get(OTEL_TRACES_EXPORTER)
 
 
+def local_cpus(cfg: DemoConfig) -> int:
+    """The CPUs of the local cluster: this machine's, and one per rank and the rollout at least."""
+    return max(os.cpu_count() or 1, cfg.world_size + 1)
+
+
+def ray_start_lines(cfg: DemoConfig) -> tuple[str, str]:
+    """What the demo says while Ray starts, and once it has (before its time)."""
+    if cfg.address:
+        return f"joining the Ray cluster at {cfg.address}", "joined"
+    return f"starting a local Ray cluster ({local_cpus(cfg)} CPUs)", "Ray up"
+
+
 def start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> None:
     """Start a local Ray cluster (or join ``cfg.address``).
 
@@ -61,7 +73,7 @@ def start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> None:
         # "local": a cluster of its own, never one that `ray start` (or RAY_ADDRESS)
         # left on this machine, which num_cpus cannot be given to anyway.
         kwargs["address"] = "local"
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, cfg.world_size + 1)
+        kwargs["num_cpus"] = local_cpus(cfg)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # A terminal's Ctrl-C reaches the whole foreground process group, which

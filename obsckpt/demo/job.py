@@ -30,10 +30,12 @@ import shlex
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from obsckpt.demo.cluster import otel_env, shutdown, start_actors, start_ray
+from obsckpt.demo.cluster import otel_env, ray_start_lines, shutdown, start_actors, start_ray
 from obsckpt.demo.config import EXIT_FAILED, EXIT_INTERRUPTED, DemoConfig, DemoResult
 from obsckpt.demo.endpoints import check_endpoints
 from obsckpt.demo.loop import Job, drain, report, sync, train
@@ -113,7 +115,8 @@ def _run(
     try:
         if owns_ray:
             try:
-                start_ray(cfg, namespace, env)
+                with timed(progress.note, *ray_start_lines(cfg)):
+                    start_ray(cfg, namespace, env)
             except StartupStopped as exc:
                 stop.record(exc.signum)
                 raise
@@ -132,9 +135,11 @@ def _run(
         if traced:
             progress.note(f"traces: {traces_to}")
 
-        trainers, rollout, synchronizer, info = start_actors(
-            cfg, namespace, cfg.device, env, root, actors
-        )
+        ranks = "1 rank" if cfg.world_size == 1 else f"{cfg.world_size} ranks"
+        with timed(progress.note, f"building the model on {ranks}", "ranks ready"):
+            trainers, rollout, synchronizer, info = start_actors(
+                cfg, namespace, cfg.device, env, root, actors
+            )
         result.device = info["device"]
         result.sync_method = cfg.sync_method
         progress.note(plan_line(cfg, info))
@@ -191,6 +196,15 @@ def _run(
             result.stop_reason = stop_reason(stop.signum)
             result.exit_code = 128 + stop.signum
     return result
+
+
+@contextmanager
+def timed(note: Callable[[str], None], doing: str, done: str) -> Iterator[None]:
+    """Say what starts (``doing...``), and once it has, how long it took (``done in 4.1 s``)."""
+    note(f"{doing}...")
+    started = time.monotonic()
+    yield
+    note(f"{done} in {time.monotonic() - started:.1f} s")
 
 
 # Where to see the job's metrics once it has run: the stack, or the user's own Grafana.
