@@ -57,7 +57,7 @@ $(VENV)/.installed-demo: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 # NumPy 1.x, so pyarrow<21 as for test-verl-min): Trinity's own trainer, explorer and
 # synchronizer code paths that run on a CPU, with obsckpt's Synchronizer substituted.
 TRINITY_VENV ?= .venv-trinity
-TRINITY_TESTS := tests/test_trinity_060.py tests/test_synchronizer.py tests/test_trinity_dropin.py
+TRINITY_TESTS := tests/test_trinity_060.py tests/test_trinity_switch.py tests/test_synchronizer.py tests/test_trinity_dropin.py
 
 $(TRINITY_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 	$(UV) venv --quiet --allow-existing --python python3 $(TRINITY_VENV)

@@ -20,7 +20,7 @@ import ctypes
 import io
 import os
 import threading
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -157,8 +157,8 @@ def torch_load_buffer(storage: torch.UntypedStorage, map_location: Any = None) -
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    zipped = torch._C.PyTorchFileReader(_MemoryFile(memory_of(storage)))
-    if zipped.has_record("constants.pkl"):
+    zipped = torch._C.PyTorchFileReader(cast(IO[bytes], _MemoryFile(memory_of(storage))))
+    if zipped.has_record("constants.pkl"):  # type: ignore[attr-defined]
         raise RuntimeError("a TorchScript archive, not a file torch.save wrote")
     return _load(
         zipped,

@@ -1,0 +1,362 @@
+"""The one-step switch for Trinity-RFT: obsckpt's plugin, loaded by Trinity's own loader.
+
+The first part needs no Trinity: the rebinding machinery (on real modules
+imported from disk, in either order) and ``python -m obsckpt.trinity``'s
+handling of plugin directories. The second part (``make test-trinity``, where
+``trinity-rft==0.6.0`` is installed) runs Trinity's own code: its plugin loader
+loads obsckpt's plugin, the job is started the way Trinity's launcher starts
+it, and Trinity's own trainer and worker methods save steps, which obsckpt's
+monitor commits, in a worker process that loaded no plugin at all; saving a
+committed step again (as Trinity's training loop does at its end) leaves its
+files as they were committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from obsckpt import trinity as trinity_cli
+from obsckpt.integrations import trinity_install
+from obsckpt.integrations._rebind import Rebinder, original
+from obsckpt.sync.group import free_port
+
+
+def _host_package(tmp_path: Path) -> Path:
+    """A stand-in host package on disk: ``hostpkg.core`` defines ``Thing``, ``hostpkg.user``
+    imports it by name (as Trinity's modules import ``Synchronizer``)."""
+    pkg = tmp_path / "hostpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core.py").write_text("class Thing:\n    pass\n")
+    (pkg / "user.py").write_text("from hostpkg.core import Thing\n")
+    (tmp_path / "mine.py").write_text("class Mine:\n    pass\n")
+    return tmp_path
+
+
+def _run(code: str, path: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=path,
+        env={**os.environ, "PYTHONPATH": str(path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+REBIND = """
+    import json, sys
+    from obsckpt.integrations._rebind import Rebinder, original
+    rebinder = Rebinder({{
+        "hostpkg.core": {{"Thing": "mine:Mine"}},
+        "hostpkg.user": {{"Thing": "mine:Mine"}},
+    }})
+    {before}
+    rebinder.patch()
+    {after}
+    import hostpkg.core, hostpkg.user, mine
+    print(json.dumps({{
+        "core": hostpkg.core.Thing is mine.Mine,
+        "user": hostpkg.user.Thing is mine.Mine,
+        "original": original("hostpkg.core", "Thing").__module__,
+        "original_user": original("hostpkg.user", "Thing").__module__,
+    }}))
+"""
+
+
+class TestRebinder:
+    """Names are rebound whether the host's modules are imported before or after patch()."""
+
+    @pytest.mark.parametrize("order", ["host first", "patch first", "one before, one after"])
+    def test_any_import_order(self, tmp_path, order):
+        path = _host_package(tmp_path)
+        before, after = {
+            "host first": ("import hostpkg.user", ""),
+            "patch first": ("", "import hostpkg.user"),
+            "one before, one after": ("import hostpkg.core", "import hostpkg.user"),
+        }[order]
+        got = _run(REBIND.format(before=before, after=after), path)
+        assert got == {
+            "core": True,
+            "user": True,
+            "original": "hostpkg.core",
+            "original_user": "hostpkg.core",
+        }
+
+    def test_patch_is_idempotent_and_a_missing_name_is_left_alone(self, tmp_path):
+        path = _host_package(tmp_path)
+        sys.path.insert(0, str(path))
+        try:
+            import hostpkg.core  # noqa: F401 - imported for the rebinder to find
+            import mine
+
+            rebinder = Rebinder({"hostpkg.core": {"Thing": "mine:Mine", "NotThere": "mine:Mine"}})
+            rebinder.patch()
+            rebinder.patch()
+            assert sys.modules["hostpkg.core"].Thing is mine.Mine
+            assert not hasattr(sys.modules["hostpkg.core"], "NotThere")
+            assert original("hostpkg.core", "Thing").__name__ == "Thing"
+            assert rebinder.is_patched("hostpkg.core")
+        finally:
+            sys.path.remove(str(path))
+            for name in ("hostpkg", "hostpkg.core", "mine"):
+                sys.modules.pop(name, None)
+
+
+class TestPluginDirectories:
+    def test_obsckpts_directory_comes_first_once_and_the_users_stay(self):
+        mine = trinity_install.PLUGIN_DIR
+        assert trinity_cli.with_obsckpt_plugin(None) == mine
+        assert trinity_cli.with_obsckpt_plugin(f"/a{os.pathsep}{mine}{os.pathsep}/b") == (
+            os.pathsep.join([mine, "/a", "/b"])
+        )
+        args = trinity_cli._with_plugin_option(["run", "--config", "c.yaml", "--plugin-dir", "/p"])
+        assert args[-1] == os.pathsep.join([mine, "/p"])
+        args = trinity_cli._with_plugin_option(["run", "--plugin-dir=/p"])
+        assert args[-1] == "--plugin-dir=" + os.pathsep.join([mine, "/p"])
+
+    def test_the_plugin_directory_holds_only_obsckpts_plugin(self):
+        files = sorted(p.name for p in Path(trinity_install.PLUGIN_DIR).glob("*.py"))
+        assert files == ["obsckpt_switch.py"]
+
+    def test_print_the_directory(self):
+        out = subprocess.run(
+            [sys.executable, "-m", "obsckpt.trinity", "--plugin-dir-path"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and out.stdout.strip() == trinity_install.PLUGIN_DIR
+
+    def test_runtime_env_forwards_obsckpt_variables_and_keeps_the_callers(self, monkeypatch):
+        monkeypatch.setenv("OBSCKPT_METRICS_PORT", "9400")
+        monkeypatch.setenv("OBSCKPT_SAVE_STRATEGY", "single_node")
+        env = trinity_install.runtime_env({"env_vars": {"OBSCKPT_SAVE_STRATEGY": "unrestricted"}})
+        assert env["worker_process_setup_hook"] == trinity_install.HOOK
+        assert env["env_vars"]["OBSCKPT_METRICS_PORT"] == "9400"
+        assert env["env_vars"]["OBSCKPT_SAVE_STRATEGY"] == "unrestricted"
+        with pytest.raises(ValueError, match="worker_process_setup_hook"):
+            trinity_install.runtime_env({"worker_process_setup_hook": "theirs.hook"})
+
+
+# ----------------------------------------------------------------------
+# Trinity-RFT 0.6.0's own code (make test-trinity installs it)
+# ----------------------------------------------------------------------
+
+JOB = r"""
+import asyncio, json, logging, os, sys, time, types
+import ray, torch
+
+# Trinity's trainer module first, as a user's own code may import it before anything.
+import trinity.trainer.trainer as trinity_trainer
+from trinity.common.config import Config
+from trinity.utils.plugin_loader import load_plugins
+
+root, namespace, dist_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+load_plugins()  # Trinity's own loader; TRINITY_PLUGIN_DIRS names obsckpt's plugin
+
+from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt.integrations import trinity_install
+from obsckpt.sync.synchronizer import Synchronizer
+
+report = {"driver_synchronizer": trinity_trainer.Synchronizer is Synchronizer}
+config = Config()
+config.ray_namespace = namespace
+config.checkpoint_job_dir = root
+# As Trinity's launcher (run_stage) starts the job.
+ray.init(
+    address=os.environ["RAY_ADDRESS"],
+    ignore_reinit_error=True,
+    namespace=config.ray_namespace,
+    runtime_env={"env_vars": config.get_envs()},
+)
+import trinity.trainer.verl.trainer as verl_trainer  # imported after the plugin
+
+report["monitor_class"] = verl_trainer.CheckpointMonitor is trinity_install.TrinityCheckpointMonitor
+report["coordinator_class"] = verl_trainer.CheckpointCoordinator is CheckpointCoordinator
+
+
+@ray.remote
+class WorkerProcess:
+    # A process of the job that loads no plugin, as the trainer's verl workers.
+
+    def __init__(self, namespace, dist_port):
+        import torch.distributed as dist
+        from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=0, world_size=1
+        )
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+
+        def per_tensor():  # what verl's FSDP engine yields (full tensors, one at a time)
+            return ((n, t.detach()) for n, t in model.state_dict().items()), None
+
+        def full_save(local_path, global_step):  # what verl's FSDP manager writes, per rank
+            os.makedirs(local_path, exist_ok=True)
+            torch.save(model.state_dict(), os.path.join(local_path, "model_world_size_1_rank_0.pt"))
+            torch.save({"step": global_step}, os.path.join(local_path, "extra_state_world_size_1_rank_0.pt"))
+
+        worker = object.__new__(TrinityActorRolloutRefWorker)
+        worker._coordinator = None
+        worker._ray_namespace = namespace
+        worker.logger = logging.getLogger("worker")
+        worker.actor = types.SimpleNamespace(
+            engine=types.SimpleNamespace(module=model, get_per_tensor_param=per_tensor),
+            save_checkpoint=full_save,
+        )
+        worker._cache_state_dict_meta()  # Trinity's own, as its init_model does
+        self.cls, self.worker = TrinityActorRolloutRefWorker, worker
+
+    def facts(self):
+        return {
+            "hooked": trinity_install.is_patched("trinity.trainer.verl.workers"),
+            "metrics_port_env": os.environ.get("OBSCKPT_METRICS_PORT"),
+            "coordinator": type(self.worker._get_coordinator()).__module__,
+        }
+
+    def save_state_dict(self, local_path, global_step):
+        self.cls.save_state_dict(self.worker, local_path, global_step=global_step)
+
+    def save_checkpoint(self, local_path, global_step, save_as_hf=False):
+        self.cls.save_checkpoint(self.worker, local_path, global_step=global_step, save_as_hf=save_as_hf)
+
+    def wait_on_save_thread(self):
+        self.cls.wait_on_save_thread(self.worker)
+
+
+class WorkerGroup:  # verl's worker group, for one worker
+    def __init__(self, worker):
+        self.worker = worker
+
+    def save_state_dict(self, local_path, global_step):
+        ray.get(self.worker.save_state_dict.remote(local_path, global_step))
+
+    def save_checkpoint(self, local_path, global_step, save_as_hf=False):
+        ray.get(self.worker.save_checkpoint.remote(local_path, global_step, save_as_hf))
+
+    def wait_on_save_thread(self):
+        ray.get(self.worker.wait_on_save_thread.remote())
+
+
+# As VERLTrainer.__init__ builds them, through the names Trinity's module binds.
+monitor = verl_trainer.CheckpointMonitor.get_actor(
+    namespace=config.synchronizer.ray_namespace or namespace,
+    save_strategy=config.trainer.save_strategy,
+    default_local_dir=config.checkpoint_job_dir,
+    default_hdfs_dir=None,
+)
+worker = WorkerProcess.remote(namespace, dist_port)
+report.update(ray.get(worker.facts.remote()))
+trainer = types.SimpleNamespace(
+    global_config=config,
+    checkpoint_coordinator=verl_trainer.CheckpointCoordinator(monitor),
+    actor_rollout_wg=WorkerGroup(worker),
+    use_critic=False,
+    logger=logging.getLogger("trainer"),
+    _saved_checkpoint_paths=[],
+)
+trainer._retain_checkpoints = lambda path: verl_trainer.VERLTrainer._retain_checkpoints(trainer, path)
+trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
+
+
+def committed(name, step):
+    path = os.path.join(root, name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and open(path).read().strip() == str(step):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# Checkpoint sync at steps 1 and 2 (VERLTrainer.save_state_dict and its worker's).
+for step in (1, 2):
+    trainer.global_steps = step
+    asyncio.run(verl_trainer.VERLTrainer.save_state_dict(trainer))
+trainer.actor_rollout_wg.wait_on_save_thread()
+report["state_dict_committed"] = committed("latest_state_dict_iteration.txt", 2)
+# A full checkpoint of step 2 (VERLTrainer.save_checkpoint: the worker's save_sync path) ...
+asyncio.run(verl_trainer.VERLTrainer.save_checkpoint(trainer, block_until_saved=True))
+report["checkpoint_committed"] = committed("latest_checkpointed_iteration.txt", 2)
+shard = os.path.join(root, "global_step_2", "actor", "model_world_size_1_rank_0.pt")
+before = os.stat(shard)
+# ... and the same step again, as Trinity's train() does at its end: nothing changes.
+asyncio.run(verl_trainer.VERLTrainer.save_checkpoint(trainer, block_until_saved=True))
+after = os.stat(shard)
+report["resave_left_the_shard"] = (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+status = ray.get(monitor.status.remote())
+report["committed_state_dict"] = status["latest"].get("state_dict")
+address = status["metrics"]["address"]
+report["metrics_port"] = (
+    int(address[1]) if isinstance(address, (list, tuple)) else int(str(address).rsplit(":", 1)[1])
+)
+ray.kill(monitor)
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture
+def trinity_plugin_copy():
+    """Trinity's loader copies each plugin it loads into its own ``trinity/plugins``
+    directory (which it loads by default); the test removes the copy it caused."""
+    trinity = pytest.importorskip(
+        "trinity", reason="trinity-rft is not installed (make test-trinity)"
+    )
+    copy = Path(trinity.__file__).parent / "plugins" / "obsckpt_switch.py"
+    existed = copy.exists()
+    yield copy
+    if not existed:
+        copy.unlink(missing_ok=True)
+
+
+def test_trinity_runs_obsckpt_through_its_plugin(
+    ray_cluster, namespace, tmp_path, trinity_plugin_copy
+):
+    port = free_port()
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
+        "OBSCKPT_METRICS_PORT": str(port),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", JOB, str(tmp_path), namespace, str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {
+        "driver_synchronizer": True,
+        "monitor_class": True,
+        "coordinator_class": True,
+        "hooked": True,
+        "metrics_port_env": str(port),
+        "coordinator": "obsckpt.coordinator",
+        "state_dict_committed": True,
+        "checkpoint_committed": True,
+        "resave_left_the_shard": True,
+        "committed_state_dict": 2,
+        "metrics_port": port,
+    }, out.stderr[-4000:]
+    from obsckpt import reader
+
+    for step in (1, 2):
+        problems = reader.verify_step(tmp_path / f"global_step_{step}")
+        assert problems == [], problems
+        listed = {r.path for r in reader.read_manifest(tmp_path / f"global_step_{step}")}
+        assert os.path.join("actor", "model.safetensors") in listed
+    assert os.path.join("actor", "model_world_size_1_rank_0.pt") in listed  # step 2's full save
