@@ -736,3 +736,26 @@ def test_a_misspelled_keyword_is_refused_by_name():
 
     with pytest.raises(TypeError, match="max_ckpt_to_kep"):
         FSDPCheckpointManager.save_checkpoint(object(), "/x", global_step=1, max_ckpt_to_kep=2)
+
+
+def test_load_of_no_path_returns_at_once_as_verls_does(namespace, tmp_path):
+    """load_checkpoint(None) loads nothing and returns, as verl's does: a save that failed
+    meanwhile is raised by the next wait or save, not by this unrelated call."""
+    import types
+
+    from obsckpt.errors import SaveError
+    from obsckpt.integrations.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=str(tmp_path), metrics_port=None
+    )
+    coordinator = CheckpointCoordinator(monitor)
+
+    def fails() -> None:
+        raise OSError("disk gone")
+
+    coordinator.save_async("model", fails, 1)
+    manager = types.SimpleNamespace(coordinator=coordinator)
+    assert FSDPCheckpointManager.load_checkpoint(manager, None) is None
+    with pytest.raises(SaveError, match="disk gone"):
+        coordinator.wait_all(timeout=60)

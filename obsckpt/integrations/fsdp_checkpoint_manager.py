@@ -301,6 +301,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     ) -> None:
         """Wait for this rank's saves in flight, then load as verl does, verified.
 
+        ``local_path=None`` loads nothing and returns at once, as verl's does.
+
         Each file verl's loader reads goes through :mod:`obsckpt.loading`: it
         must belong to a committed step, be listed in its manifest and match its
         size and CRC32, and is loaded with ``weights_only=True`` (verl asks for
@@ -313,9 +315,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 listed in its manifest or does not match it.
             UnsafeCheckpointError: a file names a global loading could run code from.
         """
-        self.coordinator.wait_all()
-        if local_path is None:  # verl loads nothing then
+        if local_path is None:  # verl loads nothing then (a failed save raises at the next)
             return
+        self.coordinator.wait_all()
         if "://" not in local_path:  # only lists names; the load below verifies the files
             check_world_size(
                 local_path,
