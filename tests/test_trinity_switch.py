@@ -158,10 +158,10 @@ import ray, torch
 
 # Trinity's trainer module first, as a user's own code may import it before anything.
 import trinity.trainer.trainer as trinity_trainer
-from trinity.common.config import Config
+from trinity.common.config import load_config
 from trinity.utils.plugin_loader import load_plugins
 
-root, namespace, dist_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+config_path, namespace, dist_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 load_plugins()  # Trinity's own loader; TRINITY_PLUGIN_DIRS names obsckpt's plugin
 
 from obsckpt.coordinator import CheckpointCoordinator
@@ -169,9 +169,10 @@ from obsckpt.integrations import trinity_install
 from obsckpt.sync.synchronizer import Synchronizer
 
 report = {"driver_synchronizer": trinity_trainer.Synchronizer is Synchronizer}
-config = Config()
-config.ray_namespace = namespace
-config.checkpoint_job_dir = root
+config = load_config(config_path)  # the user's own config file, read by Trinity
+# What Trinity's check_and_update derives (its full check needs a model and GPUs).
+config.checkpoint_job_dir = root = config.get_checkpoint_job_dir()
+config.ray_namespace = namespace  # one per test
 # As Trinity's launcher (run_stage) starts the job.
 ray.init(
     address=os.environ["RAY_ADDRESS"],
@@ -297,6 +298,7 @@ after = os.stat(shard)
 report["resave_left_the_shard"] = (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
 status = ray.get(monitor.status.remote())
 report["committed_state_dict"] = status["latest"].get("state_dict")
+report["save_strategy"] = status["save_strategy"]
 address = status["metrics"]["address"]
 report["metrics_port"] = (
     int(address[1]) if isinstance(address, (list, tuple)) else int(str(address).rsplit(":", 1)[1])
@@ -320,9 +322,25 @@ def trinity_plugin_copy():
         copy.unlink(missing_ok=True)
 
 
+TRINITY_CONFIG = """\
+project: switch
+name: run
+mode: train
+checkpoint_root_dir: {root}
+trainer:
+  save_strategy: single_node
+synchronizer:
+  sync_method: checkpoint
+"""
+
+
 def test_trinity_runs_obsckpt_through_its_plugin(
     ray_cluster, namespace, tmp_path, trinity_plugin_copy
 ):
+    """From a Trinity config file and OBSCKPT_METRICS_PORT, as a user's job has them."""
+    config = tmp_path / "trinity.yaml"
+    config.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
+    job_dir = tmp_path / "ckpt" / "switch" / "run"  # Trinity's <root>/<project>/<name>
     port = free_port()
     env = {
         **os.environ,
@@ -331,7 +349,7 @@ def test_trinity_runs_obsckpt_through_its_plugin(
         "OBSCKPT_METRICS_PORT": str(port),
     }
     out = subprocess.run(
-        [sys.executable, "-c", JOB, str(tmp_path), namespace, str(free_port())],
+        [sys.executable, "-c", JOB, str(config), namespace, str(free_port())],
         env=env,
         capture_output=True,
         text=True,
@@ -350,13 +368,14 @@ def test_trinity_runs_obsckpt_through_its_plugin(
         "checkpoint_committed": True,
         "resave_left_the_shard": True,
         "committed_state_dict": 2,
+        "save_strategy": "SINGLE_NODE",
         "metrics_port": port,
     }, out.stderr[-4000:]
     from obsckpt import reader
 
     for step in (1, 2):
-        problems = reader.verify_step(tmp_path / f"global_step_{step}")
+        problems = reader.verify_step(job_dir / f"global_step_{step}")
         assert problems == [], problems
-        listed = {r.path for r in reader.read_manifest(tmp_path / f"global_step_{step}")}
+        listed = {r.path for r in reader.read_manifest(job_dir / f"global_step_{step}")}
         assert os.path.join("actor", "model.safetensors") in listed
     assert os.path.join("actor", "model_world_size_1_rank_0.pt") in listed  # step 2's full save
