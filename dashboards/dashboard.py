@@ -65,6 +65,20 @@ def quantiles(metric: str, by: tuple[str, ...], legend: str) -> list[tuple[str, 
     ]
 
 
+def last(gauge: str, by: tuple[str, ...], legend: str) -> tuple[str, str]:
+    """A last-value gauge's target, the largest of the selected monitors' by ``by``."""
+    group = f"max by ({', '.join(by)})" if by else "max"
+    return f"{group} ({m(gauge)})", f"last {legend}".rstrip()
+
+
+def latency(metric: str, by: tuple[str, ...], legend: str) -> list[tuple[str, str]]:
+    """A histogram's last observation (``obsckpt_last_*``, kept until the next, so it
+    shows at any save interval) and its mean and percentiles over ``$window``."""
+    return [last(metric.replace("obsckpt_", "obsckpt_last_", 1), by, legend)] + quantiles(
+        metric, by, legend
+    )
+
+
 FAILED_SAVES = m("obsckpt_saves_total", 'result="error"')
 TRAINER_VERSION = m("obsckpt_model_version", 'role="trainer"')
 ROLLOUT_VERSION = m("obsckpt_model_version", 'role="rollout"')
@@ -207,10 +221,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "kept until the next save), and the mean and percentiles over $window.",
                 "s",
                 [
-                    (
-                        f"max by (slot) ({m('obsckpt_rank_last_save_duration_seconds')})",
-                        "last {{slot}}",
-                    ),
+                    last("obsckpt_rank_last_save_duration_seconds", ("slot",), "{{slot}}"),
                     *quantiles(
                         "obsckpt_save_duration_seconds", ("slot", "kind"), "{{slot}} {{kind}}"
                     ),
@@ -248,16 +259,19 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Thread-join waits",
-                "A new save waiting for the previous save of the same slot: saves outpace the disk.",
+                "A new save waiting for the previous save of the same slot: saves outpace the "
+                "disk. The last wait reported (kept until the next), and the mean and "
+                "percentiles over $window.",
                 "s",
-                quantiles("obsckpt_thread_join_wait_seconds", ("slot",), "{{slot}}"),
+                latency("obsckpt_thread_join_wait_seconds", ("slot",), "{{slot}}"),
                 width=6,
             ),
             PanelSpec(
                 "Admission waits",
-                "A save waiting for admission under the save strategy.",
+                "A save waiting for admission under the save strategy: the last wait (kept "
+                "until the next), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_save_admission_wait_seconds", ("strategy",), "{{strategy}}"),
+                latency("obsckpt_save_admission_wait_seconds", ("strategy",), "{{strategy}}"),
                 width=6,
             ),
         ],
@@ -267,10 +281,10 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Commit lag",
-                "From a step's first save start to its iteration file commit: mean and "
-                "percentiles over $window.",
+                "From a step's first save start to its iteration file commit: the last "
+                "commit's (kept until the next), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_commit_lag_seconds", ("kind",), "{{kind}}"),
+                latency("obsckpt_commit_lag_seconds", ("kind",), "{{kind}}"),
             ),
             PanelSpec(
                 "Latest committed step",
@@ -352,9 +366,10 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             PanelSpec(
                 "Commit phase time",
                 "Where a commit's time goes: scan, fsync_files, manifest, rename_iteration "
-                "(failed and timed-out phases included); mean and percentiles over $window.",
+                "(failed and timed-out phases included): the last commit's (kept until the "
+                "next), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_commit_phase_seconds", ("phase",), "{{phase}}"),
+                latency("obsckpt_commit_phase_seconds", ("phase",), "{{phase}}"),
                 width=8,
             ),
             PanelSpec(
@@ -484,10 +499,10 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
         [
             PanelSpec(
                 "Broadcast duration",
-                "One weight broadcast from trainer rank 0 to the rollout side: mean and "
-                "percentiles over $window.",
+                "One weight sync from trainer rank 0 to the rollout side: the last one "
+                "(kept until the next), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_broadcast_duration_seconds", ("backend",), "{{backend}}"),
+                latency("obsckpt_broadcast_duration_seconds", ("backend",), "{{backend}}"),
                 width=8,
             ),
             PanelSpec(
@@ -510,9 +525,10 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "State dict upload duration",
-                "One state dict upload to the Synchronizer: mean and percentiles over $window.",
+                "One state dict upload to the Synchronizer: the last one (kept until the "
+                "next), and the mean and percentiles over $window.",
                 "s",
-                quantiles("obsckpt_state_dict_upload_duration_seconds", (), ""),
+                latency("obsckpt_state_dict_upload_duration_seconds", (), ""),
                 width=8,
             ),
             PanelSpec(

@@ -20,6 +20,12 @@ from obsckpt.telemetry.metrics import METRICS
 
 METRIC_NAMES = {spec.name for spec in METRICS}
 HISTOGRAMS = {spec.name for spec in METRICS if spec.type == "histogram"}
+# Histogram -> the gauge holding its last observation.
+LAST_VALUE_GAUGES = {
+    next(h.name for h in METRICS if h.attr == spec.last_of): spec.name
+    for spec in METRICS
+    if spec.last_of
+}
 SELECTOR = re.compile(r"\b(obsckpt_[a-z_]+)(\{[^}]*\})?")
 
 
@@ -274,7 +280,7 @@ class TestSeveralMonitors:
 
 
 # The panels that read a latency histogram, and the labels each aggregates by.
-LATENCY_PANELS = {
+LATENCY_PANELS: dict[str, tuple[str, ...]] = {
     "Save latency by slot and kind": ("kind", "slot"),
     "Thread-join waits": ("slot",),
     "Admission waits": ("strategy",),
@@ -283,6 +289,9 @@ LATENCY_PANELS = {
     "Broadcast duration": ("backend",),
     "State dict upload duration": (),
 }
+# Their last-value targets aggregate by the same labels, except the save latency's,
+# read from the per-rank gauge (which has no kind).
+LAST_BY = {**LATENCY_PANELS, "Save latency by slot and kind": ("slot",)}
 # Every observation lands in the (1, 2] bucket and is 1.5 s: the mean is 1.5 and
 # Prometheus interpolates p50/p95/p99 linearly inside the bucket.
 EXPECTED = {"mean": 1.5, "p50": 1.5, "p95": 1.95, "p99": 1.99, "last": 1.5}
@@ -295,7 +304,8 @@ LABEL_VALUES["backend"] = "nccl"
 
 
 def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str, str]:
-    """Every latency histogram of the dashboard, one save every ``save_every_s``.
+    """Every latency histogram of the dashboard, one save every ``save_every_s``, and the
+    gauges holding their last observation (absent until the first save, then kept).
 
     The counters are 0 at the first scrape; the first save lands at the next one.
     """
@@ -319,13 +329,17 @@ def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str,
         series[f"{metric}_sum{{{HIST_LABELS}}}"] = text(1.5)
         series[f"{metric}_count{{{HIST_LABELS}}}"] = text(1)
     last = " ".join("_" if n == 0 else "1.5" for n in saves)
+    for metric in LAST_VALUE_GAUGES.values():
+        series[f"{metric}{{{HIST_LABELS}}}"] = last
     series[
         'obsckpt_rank_last_save_duration_seconds{job="obsckpt",instance="a:9400",slot="actor",rank="0"}'
     ] = last
     return series
 
 
-def _latency_cases(eval_times: list[str], window: str) -> list[dict]:
+def _latency_cases(eval_times: list[str], window: str, only: str | None = None) -> list[dict]:
+    """promtool cases of every latency panel's targets (``only``: those of one legend
+    kind, e.g. ``"last"``), each expecting its value at each of ``eval_times``."""
     board = build_dashboard()
     cases = []
     for panel in board["panels"]:
@@ -333,7 +347,9 @@ def _latency_cases(eval_times: list[str], window: str) -> list[dict]:
             continue
         for target in panel["targets"]:
             kind = target["legendFormat"].split(" ", 1)[0]
-            by = ("slot",) if kind == "last" else LATENCY_PANELS[panel["title"]]
+            if only is not None and kind != only:
+                continue
+            by = (LAST_BY if kind == "last" else LATENCY_PANELS)[panel["title"]]
             labels = ",".join(f'{k}="{LABEL_VALUES[k]}"' for k in sorted(by))
             for at in eval_times:
                 cases.append(
@@ -389,6 +405,28 @@ class TestLatencyAtSparseSaves:
         }
         assert quantile_panels == set(LATENCY_PANELS)
 
+    def test_every_latency_panel_shows_the_last_value(self):
+        """One target per panel reads a gauge of the last observation, over no range."""
+        for title in LATENCY_PANELS:
+            lasts = [q for q in panel_queries() if q.panel == title and q.legend.startswith("last")]
+            assert len(lasts) == 1, f"{title}: {lasts}"
+            [(name, _)] = SELECTOR.findall(lasts[0].expr)
+            assert name in LAST_VALUE_GAUGES.values() or (
+                name == "obsckpt_rank_last_save_duration_seconds"
+                and title == "Save latency by slot and kind"
+            ), f"{title} reads {name} as its last value"
+            assert "[" not in lasts[0].expr, lasts[0].expr
+        panel_histograms = {
+            _base(name)
+            for q in panel_queries()
+            if q.panel in LATENCY_PANELS
+            for name, _ in SELECTOR.findall(q.expr)
+        }
+        # Each histogram but the save duration's (read from the per-rank gauge) has its own.
+        assert set(LAST_VALUE_GAUGES) == (panel_histograms & HISTOGRAMS) - {
+            "obsckpt_save_duration_seconds"
+        }
+
     @pytest.mark.parametrize(
         ("save_every_s", "scrape", "length_s", "eval_times"),
         [
@@ -412,6 +450,35 @@ class TestLatencyAtSparseSaves:
         cases = _latency_cases(["5m"], window="1m")
         out = _evaluate_at(promtool, tmp_path, "1m", series, cases)
         assert "histogram_quantile" in out and "FAILED" in out
+
+    @pytest.mark.parametrize(
+        ("save_every_s", "scrape", "length_s", "eval_times"),
+        [
+            (5, "5s", 600, ["1m", "4m33s", "10m"]),
+            (600, "1m", 3600, ["5m", "19m", "59m"]),
+            (3600, "1m", 5 * 3600, ["5m", "59m", "65m", "3h30m", "4h59m"]),
+        ],
+        ids=["every-5s", "every-10min", "every-1h"],
+    )
+    def test_last_values_need_no_window(
+        self, promtool, tmp_path, save_every_s, scrape, length_s, eval_times
+    ):
+        """The last values show between saves even over a window shorter than the interval."""
+        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        series = _sparse_series(save_every_s, scrape_s, length_s)
+        cases = _latency_cases(eval_times, window="1m", only="last")
+        assert len(cases) == len(LATENCY_PANELS) * len(eval_times)
+        assert _evaluate_at(promtool, tmp_path, scrape, series, cases) == ""
+
+    def test_a_missing_last_value_fails(self, promtool, tmp_path):
+        """Without the gauges the same last-value cases fail: the test sees an empty panel."""
+        series = _sparse_series(3600, 60, 2 * 3600)
+        for name in [k for k in series if k.startswith("obsckpt_last_")]:
+            del series[name]
+        out = _evaluate_at(promtool, tmp_path, "1m", series, _latency_cases(["65m"], "2h", "last"))
+        for gauge in LAST_VALUE_GAUGES.values():
+            assert gauge in out, f"no failed case for {gauge}:\n{out}"
+        assert "obsckpt_rank_last_save_duration_seconds" not in out
 
 
 class TestShippedAssets:

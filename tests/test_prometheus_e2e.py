@@ -326,6 +326,31 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
         prometheus.query(expr)  # fails the test on a PromQL error
     assert prometheus.query(f'obsckpt_latest_step{{job="{JOB}",kind="checkpoint"}} == {step}')
 
+    # Every latency panel shows its last value (a gauge kept until the next observation,
+    # so it needs no window); the weight sync's and the upload's are those recorded above.
+    last_values = {q.panel: expr for q, expr in queries if q.legend.startswith("last")}
+    assert {"Commit lag", "Broadcast duration", "State dict upload duration"} <= set(last_values)
+
+    def last_value(panel: str) -> dict[str, float]:
+        return {
+            ",".join(sample["metric"].values()): float(sample["value"][1])
+            for sample in prometheus.query(last_values[panel])
+        }
+
+    wait_for(
+        "every latency panel's last value",
+        lambda: all(
+            values and all(math.isfinite(v) for v in values.values())
+            for values in map(last_value, last_values)
+        ),
+        timeout=15,
+    )
+    assert last_value("Broadcast duration") == {"gloo": 0.2}
+    assert last_value("State dict upload duration") == {"": 0.1}
+    # The last commit moved both iteration files: one lag for each kind.
+    lags = last_value("Commit lag")
+    assert set(lags) == {"checkpoint", "state_dict"} and all(0 < v < 60 for v in lags.values())
+
     # 4. A save that never finishes stalls the next step; the alert goes pending, then firing.
     step += 1
     release = threading.Event()

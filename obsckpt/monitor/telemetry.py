@@ -110,7 +110,7 @@ class MonitorTelemetry(MonitorObserver):
 
     def commit_phase_ended(self, phase: str, seconds: float) -> None:
         """A commit left ``phase`` (done, failed or timed out) after ``seconds``."""
-        self.metrics.commit_phase.labels(phase).observe(max(0.0, seconds))
+        self.metrics.observe("commit_phase", max(0.0, seconds), phase)
         self.metrics.commit_phase_started.labels(phase).set(0)
 
     def node_query_failed(self) -> None:
@@ -231,7 +231,7 @@ class MonitorTelemetry(MonitorObserver):
 
     def save_admitted(self, ticket: Ticket, wait_s: float) -> None:
         self.metrics.saves_in_flight.labels(_label(ticket.kind, "checkpoint")).inc()
-        self.metrics.admission_wait.labels(self.strategy).observe(wait_s)
+        self.metrics.observe("admission_wait", wait_s, self.strategy)
 
     def save_released(self, ticket: Ticket) -> None:
         self.metrics.saves_in_flight.labels(_label(ticket.kind, "checkpoint")).dec()
@@ -253,13 +253,13 @@ class MonitorTelemetry(MonitorObserver):
         slot_label = self._slot_labels.label(slot, count=True)
         m.saves.labels(slot_label, kind, "ok" if ok else "error").inc()
         if duration_s is not None:
-            m.save_duration.labels(slot_label, kind).observe(duration_s)
+            m.observe("save_duration", duration_s, slot_label, kind)
             if rank is not None:
                 self._rank_series.set(m.rank_last_save_duration, str(rank), slot_label, duration_s)
         if ok and nbytes:
             m.save_bytes.labels(slot_label, kind).inc(nbytes)
         if join_wait_s is not None:
-            m.join_wait.labels(slot_label).observe(join_wait_s)
+            m.observe("join_wait", join_wait_s, slot_label)
         if not ok:
             logger.error(
                 "obsckpt: save %r of step %d (%s) on rank %s failed: %s",
@@ -327,7 +327,7 @@ class MonitorTelemetry(MonitorObserver):
             self.metrics.latest_step.labels(kind).set(record.step)
             if record.started_at is not None:  # each iteration file this commit moved
                 lag = max(0.0, record.committed_at - record.started_at)
-                self.metrics.commit_lag.labels(kind).observe(lag)
+                self.metrics.observe("commit_lag", lag, kind)
         logger.info("obsckpt: committed step %d (%s)", record.step, record.kind)
 
     def commit_failed(self, step: int, kind: str, message: str) -> None:
@@ -345,7 +345,7 @@ class MonitorTelemetry(MonitorObserver):
         validate_sync_labels(backend, method)
         validate_seconds("seconds", seconds)
         validate_bytes("nbytes", nbytes)
-        self.metrics.broadcast_duration.labels(backend, method).observe(seconds)
+        self.metrics.observe("broadcast_duration", seconds, backend, method)
         self.metrics.broadcast_bytes.labels(backend, method).inc(nbytes)
 
     def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
@@ -374,7 +374,7 @@ class MonitorTelemetry(MonitorObserver):
 
     def record_upload(self, seconds: float) -> None:
         validate_seconds("seconds", seconds)
-        self.metrics.upload_duration.observe(seconds)
+        self.metrics.observe("upload_duration", seconds)
 
     def record_model_version(self, role: str, version: int) -> None:
         validate_role(role)

@@ -30,7 +30,7 @@ class WeightSyncTelemetry:
     ) -> None:
         m = self.metrics
         if m is not None:
-            self._safe(lambda: m.broadcast_duration.labels(backend, method).observe(seconds))
+            self._safe(lambda: m.observe("broadcast_duration", seconds, backend, method))
             self._safe(lambda: m.broadcast_bytes.labels(backend, method).inc(nbytes))
         self._rpc("record_broadcast", backend, seconds, nbytes, method)
 
@@ -44,7 +44,7 @@ class WeightSyncTelemetry:
 
     def upload(self, seconds: float) -> None:
         if self.metrics is not None:
-            self._safe(lambda: self.metrics.upload_duration.observe(seconds))
+            self._safe(lambda: self.metrics.observe("upload_duration", seconds))
         self._rpc("record_upload", seconds)
 
     def model_version(self, role: str, version: int) -> None:

@@ -8,10 +8,14 @@ reference page ``docs/metrics.md`` from the definitions below (``make metrics-do
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from obsckpt.admission import STRATEGIES
 from obsckpt.commit import COMMIT_PHASES
@@ -74,6 +78,10 @@ class MetricSpec:
     labels: tuple[str, ...]
     help: str
     attr: str
+    # A last-value gauge: the attr of the histogram whose last observation it holds
+    # (Metrics.observe sets both). Its series appear with that first observation:
+    # a 0 before it would read as a measurement.
+    last_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +129,29 @@ METRICS: tuple[MetricSpec, ...] = (
         "join_wait",
     ),
     MetricSpec(
+        "obsckpt_last_thread_join_wait_seconds",
+        "gauge",
+        ("slot",),
+        "The last thread-join wait reported for the slot (by any rank), kept until the next: "
+        "obsckpt_thread_join_wait_seconds's last observation.",
+        "last_join_wait",
+        last_of="join_wait",
+    ),
+    MetricSpec(
         "obsckpt_save_admission_wait_seconds",
         "histogram",
         ("strategy",),
         "Time a save waited for admission under the save strategy.",
         "admission_wait",
+    ),
+    MetricSpec(
+        "obsckpt_last_save_admission_wait_seconds",
+        "gauge",
+        ("strategy",),
+        "The last admission wait (of any rank's save), kept until the next: "
+        "obsckpt_save_admission_wait_seconds's last observation.",
+        "last_admission_wait",
+        last_of="admission_wait",
     ),
     MetricSpec(
         "obsckpt_commit_lag_seconds",
@@ -135,6 +161,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "its iteration file being committed; a full checkpoint's commit is observed for both "
         "kinds when it moves both iteration files.",
         "commit_lag",
+    ),
+    MetricSpec(
+        "obsckpt_last_commit_lag_seconds",
+        "gauge",
+        ("kind",),
+        "Commit lag of the last commit that moved the kind's iteration file, kept until the "
+        "next: obsckpt_commit_lag_seconds's last observation.",
+        "last_commit_lag",
+        last_of="commit_lag",
     ),
     MetricSpec(
         "obsckpt_latest_step",
@@ -245,6 +280,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "broadcast_duration",
     ),
     MetricSpec(
+        "obsckpt_last_broadcast_duration_seconds",
+        "gauge",
+        ("backend", "method"),
+        "Duration of the last weight sync, kept until the next: "
+        "obsckpt_broadcast_duration_seconds's last observation.",
+        "last_broadcast_duration",
+        last_of="broadcast_duration",
+    ),
+    MetricSpec(
         "obsckpt_broadcast_bytes_total",
         "counter",
         ("backend", "method"),
@@ -267,6 +311,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "upload_duration",
     ),
     MetricSpec(
+        "obsckpt_last_state_dict_upload_duration_seconds",
+        "gauge",
+        (),
+        "Duration of the last state dict upload, kept until the next: "
+        "obsckpt_state_dict_upload_duration_seconds's last observation.",
+        "last_upload_duration",
+        last_of="upload_duration",
+    ),
+    MetricSpec(
         "obsckpt_model_version",
         "gauge",
         ("role",),
@@ -282,6 +335,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "rename_iteration: the fence check, the iteration files renamed, the root "
         "fsynced), failed or timed-out phases included.",
         "commit_phase",
+    ),
+    MetricSpec(
+        "obsckpt_last_commit_phase_seconds",
+        "gauge",
+        ("phase",),
+        "Time the phase took in the last commit that ran it, kept until the next: "
+        "obsckpt_commit_phase_seconds's last observation.",
+        "last_commit_phase",
+        last_of="commit_phase",
     ),
     MetricSpec(
         "obsckpt_commit_phase_started_timestamp_seconds",
@@ -353,6 +415,37 @@ _KNOWN_LABELS: dict[str, tuple[str, ...]] = {
     "role": ROLES,
     "phase": COMMIT_PHASES,
 }
+
+
+class UnlabelledLastValue(Collector):
+    """An unlabelled gauge with no sample until its first :meth:`set`.
+
+    prometheus_client's ``Gauge`` without labels is served at 0 from its creation,
+    which for a last-value gauge would read as a measurement of 0 s. Labelled
+    last-value gauges are plain ``Gauge`` objects: a labelled series exists only
+    once ``labels()`` is called.
+    """
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._value: float | None = None
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._name, self._documentation)
+        with self._lock:
+            if self._value is not None:
+                family.add_metric([], self._value)
+        return [family]
 
 
 def disable_created_series() -> None:
@@ -442,14 +535,34 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Histogram attr -> the gauge holding its last observation.
+        self._last: dict[str, Gauge | UnlabelledLastValue] = {}
         for spec in METRICS:
-            cls = _TYPES[spec.type]
-            # prometheus_client appends _total itself; pass the stem.
-            name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
-            kwargs = {"buckets": DURATION_BUCKETS} if spec.type == "histogram" else {}
-            metric = cls(name, spec.help, spec.labels, registry=self.registry, **kwargs)
+            if spec.last_of is not None and not spec.labels:
+                metric = UnlabelledLastValue(spec.name, spec.help, self.registry)
+            else:
+                cls = _TYPES[spec.type]
+                # prometheus_client appends _total itself; pass the stem.
+                name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+                kwargs = {"buckets": DURATION_BUCKETS} if spec.type == "histogram" else {}
+                metric = cls(name, spec.help, spec.labels, registry=self.registry, **kwargs)
             setattr(self, spec.attr, metric)
-            self._zero_known_series(spec, metric)
+            if spec.last_of is not None:
+                self._last[spec.last_of] = metric
+            else:
+                self._zero_known_series(spec, metric)
+
+    def observe(self, histogram: str, seconds: float, *labels: str) -> None:
+        """Observe ``seconds`` in the histogram named by its attr, e.g. ``"commit_lag"``,
+        under ``labels``; its last-value gauge, if it has one, is set to ``seconds`` too.
+        """
+        metric = getattr(self, histogram)
+        (metric.labels(*labels) if labels else metric).observe(seconds)
+        last = self._last.get(histogram)
+        if isinstance(last, Gauge):
+            last.labels(*labels).set(seconds)
+        elif last is not None:
+            last.set(seconds)
 
     @staticmethod
     def _zero_known_series(spec: MetricSpec, metric) -> None:
@@ -474,8 +587,11 @@ class Metrics:
     save_bytes: Counter
     saves_in_flight: Gauge
     join_wait: Histogram
+    last_join_wait: Gauge
     admission_wait: Histogram
+    last_admission_wait: Gauge
     commit_lag: Histogram
+    last_commit_lag: Gauge
     latest_step: Gauge
     last_commit_timestamp: Gauge
     pending_steps: Gauge
@@ -489,11 +605,14 @@ class Metrics:
     staging_cold_saves: Counter
     slot_label_overflows: Counter
     broadcast_duration: Histogram
+    last_broadcast_duration: Gauge
     broadcast_bytes: Counter
     broadcast_failures: Counter
     upload_duration: Histogram
+    last_upload_duration: UnlabelledLastValue
     model_version: Gauge
     commit_phase: Histogram
+    last_commit_phase: Gauge
     commit_phase_started: Gauge
     monitor_fenced: Gauge
     node_query_failures: Counter
@@ -538,13 +657,32 @@ def reference_markdown() -> str:
         + "; `phase` is "
         + ", ".join(f"`{p}`" for p in COMMIT_PHASES)
         + ".",
-        "Series whose labels take only these values exist at zero from the first scrape;",
+        "Series whose labels take only these values exist at zero from the first scrape",
+        "(the last-value gauges below excepted);",
         "`slot` and `rank` series appear with the first save that reports them.",
         "`slot` is the caller's slot name: a monitor keeps the first `max_slot_labels`",
         f"(default {DEFAULT_MAX_SLOT_LABELS}) distinct ones and records later new slots as "
         f"`{OVERFLOW_SLOT}`.",
         "`rank` is a non-negative integer, bounded by the world size; a rank's series are",
         "removed once it is known gone (see `obsckpt_rank_last_save_duration_seconds`).",
+        "",
+        "## Last values",
+        "",
+        "A histogram read over a window (`increase(...[2h])`) has nothing to show once its",
+        "last observation has left the window, and a job may save once an hour. Each",
+        "latency histogram therefore has a gauge holding its last observation, set",
+        "with it and kept until the next one, whatever the interval; its series",
+        "appear with the first observation (a 0 before it would read as a measurement),",
+        "under the histogram's labels:",
+        "",
+        "| histogram | last value |",
+        "|---|---|",
+    ]
+    names = {spec.attr: spec.name for spec in METRICS}
+    lines += [f"| `{names[spec.last_of]}` | `{spec.name}` |" for spec in METRICS if spec.last_of]
+    lines += [
+        "| `obsckpt_save_duration_seconds` | `obsckpt_rank_last_save_duration_seconds` "
+        "(per rank: the slowest rank's is the last save's duration) |",
         "",
         "## Spans",
         "",
