@@ -26,6 +26,12 @@ DESIGN_METRICS = {
     "obsckpt_state_dict_upload_duration_seconds": ("histogram", ()),
     "obsckpt_model_version": ("gauge", ("role",)),
     "obsckpt_slot_label_overflows_total": ("counter", ()),
+    "obsckpt_last_thread_join_wait_seconds": ("gauge", ("slot",)),
+    "obsckpt_last_save_admission_wait_seconds": ("gauge", ("strategy",)),
+    "obsckpt_last_commit_lag_seconds": ("gauge", ("kind",)),
+    "obsckpt_last_commit_phase_seconds": ("gauge", ("phase",)),
+    "obsckpt_last_broadcast_duration_seconds": ("gauge", ("backend", "method")),
+    "obsckpt_last_state_dict_upload_duration_seconds": ("gauge", ()),
 }
 # Labels whose values are fixed in metrics.py, and the two that callers fill in,
 # which the monitor bounds (slot: max_slot_labels; rank: the world size).
