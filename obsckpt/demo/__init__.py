@@ -13,7 +13,8 @@ See ``docs/demo.md``. The job's pieces:
 * :mod:`obsckpt.demo.model`: the tiny Qwen2 model and its synthetic data;
 * :mod:`obsckpt.demo.workers`: the trainer-rank and rollout Ray actors;
 * :mod:`obsckpt.demo.root`: the checkpoint root it may use, and what it removes;
-* :mod:`obsckpt.demo.progress` and :mod:`obsckpt.demo.summary`: what it prints.
+* :mod:`obsckpt.demo.progress` and :mod:`obsckpt.demo.summary`: what it prints;
+* :mod:`obsckpt.demo.result`: its last line and its ``--result-json`` file.
 """
 
 from __future__ import annotations
