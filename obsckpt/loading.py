@@ -216,11 +216,7 @@ class CommittedStep:
             UnverifiedCheckpointError: not listed, unreadable, its size or CRC32
                 differs from the manifest's, or it changed while it was loaded.
         """
-        rec = self.record(path)
-        fd = self._open(path)
-        try:
-            before = os.fstat(fd)
-            self._check_size(path, before.st_size, rec)
+        with self._opened(path) as (fd, before, rec):
             try:
                 crc = _crc_of(fd, before.st_size)
             except OSError as exc:
@@ -230,6 +226,16 @@ class CommittedStep:
             self._check_crc(path, crc, rec)
             yield f"/proc/self/fd/{fd}" if _PROC_FD else os.fspath(path)
             self._check_unchanged(path, fd, before)
+
+    @contextlib.contextmanager
+    def _opened(self, path: Any) -> Iterator[tuple[int, os.stat_result, layout.FileRecord]]:
+        """``path`` listed, opened and of the listed size: (descriptor, its stat, the record)."""
+        rec = self.record(path)
+        fd = self._open(path)
+        try:
+            before = os.fstat(fd)
+            self._check_size(path, before.st_size, rec)
+            yield fd, before, rec
         finally:
             os.close(fd)
 
@@ -289,11 +295,7 @@ class CommittedStep:
             UnverifiedCheckpointError: see :meth:`open_verified`.
             UnsafeCheckpointError: the file names a global outside :data:`ALLOWED_GLOBALS`.
         """
-        rec = self.record(path)
-        fd = self._open(path)
-        try:
-            before = os.fstat(fd)
-            self._check_size(path, before.st_size, rec)
+        with self._opened(path) as (fd, before, rec):
             try:
                 buffer, crc = checked_read.read_checked(fd, before.st_size)
             except EOFError as exc:
@@ -305,8 +307,6 @@ class CommittedStep:
                 ) from exc
             self._check_unchanged(path, fd, before)
             self._check_crc(path, crc, rec)
-        finally:
-            os.close(fd)
         if not checked_read.is_torch_zip(buffer):  # torch's legacy format: load from a copy
             legacy = io.BytesIO(bytes(checked_read.memory_of(buffer)))
             return safe_torch_load(legacy, path, map_location=map_location)

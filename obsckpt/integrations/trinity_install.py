@@ -41,7 +41,7 @@ from typing import Any
 
 from obsckpt import layout
 from obsckpt.errors import UnverifiedCheckpointError
-from obsckpt.integrations._rebind import Rebinder
+from obsckpt.integrations._rebind import Rebinder, with_setup_hook, wrap_ray_init
 from obsckpt.integrations._rebind import original as _original
 from obsckpt.loading import CommittedStep
 from obsckpt.monitor import CheckpointMonitor
@@ -104,7 +104,6 @@ SITES: dict[str, dict[str, str]] = {
 logger = logging.getLogger(__name__)
 _rebinder = Rebinder(SITES)
 _lock = threading.RLock()
-_ray_init_wrapped = False
 
 
 class TrinityCheckpointMonitor(CheckpointMonitor):
@@ -151,7 +150,7 @@ def install() -> None:
     import ray
 
     if not ray.is_initialized():
-        _wrap_ray_init(ray)
+        wrap_ray_init(ray, HOOK, runtime_env)
 
 
 def patch() -> None:
@@ -229,14 +228,7 @@ def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
     Raises:
         ValueError: ``base`` already names another ``worker_process_setup_hook``.
     """
-    env = dict(base or {})
-    hook = env.get("worker_process_setup_hook")
-    if hook not in (None, HOOK):
-        raise ValueError(
-            f"runtime_env already has worker_process_setup_hook={hook!r}; call "
-            f"{HOOK}() from that hook instead of adding obsckpt's"
-        )
-    env["worker_process_setup_hook"] = HOOK
+    env = with_setup_hook(base, HOOK)
     forwarded = {
         name: os.environ[name]
         for name in sorted(os.environ)
@@ -244,19 +236,3 @@ def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
     }
     env["env_vars"] = {**forwarded, **dict(env.get("env_vars") or {})}
     return env
-
-
-def _wrap_ray_init(ray: Any) -> None:
-    global _ray_init_wrapped
-    with _lock:
-        if _ray_init_wrapped:
-            return
-        init = ray.init
-
-        @functools.wraps(init)
-        def init_with_obsckpt(*args: Any, **kwargs: Any) -> Any:
-            kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-            return init(*args, **kwargs)
-
-        ray.init = init_with_obsckpt
-        _ray_init_wrapped = True

@@ -40,14 +40,18 @@ before loading.
 
 from __future__ import annotations
 
-import functools
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading
 from typing import Any
 
+from obsckpt.integrations._rebind import (
+    ORIGINALS,
+    AfterImport,
+    with_setup_hook,
+    wrap_ray_init,
+)
+from obsckpt.integrations._rebind import original as _original
 from obsckpt.integrations.verl_trainer import (
     COMMIT_TIMEOUT_ENV,
     DEFAULT_COMMIT_TIMEOUT_S,
@@ -127,8 +131,6 @@ MANAGER_SITES: dict[str, tuple[str, str, str]] = {
         "MegatronCheckpointManager",
     ),
 }
-# On a patched verl module: {name: verl's own object that name was bound to}.
-ORIGINALS = "_obsckpt_originals"
 # verl module -> (trainer class, the method that builds the workers). verl 0.9 runs the
 # V1 trainer unless trainer.use_v1=false; verl 0.7 has only RayPPOTrainer.
 TRAINER_SITES: dict[str, tuple[str, str]] = {
@@ -142,8 +144,7 @@ LOGGER_SITES: dict[str, tuple[str, str]] = {"verl.utils.tracking": ("Tracking", 
 _lock = threading.RLock()
 _patched: set[str] = set()
 _pending: set[str] = set()
-_finder: _PatchOnImport | None = None
-_ray_init_wrapped = False
+_finder: AfterImport | None = None
 
 
 # ----------------------------------------------------------------------
@@ -171,7 +172,7 @@ def install() -> None:
             "install() first, or pass runtime_env=verl_install.runtime_env(<yours>) to ray.init"
         )
     patch()
-    _wrap_ray_init(ray)
+    wrap_ray_init(ray, HOOK, runtime_env)
 
 
 def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -180,48 +181,12 @@ def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
     Raises:
         ValueError: ``base`` already names another ``worker_process_setup_hook``.
     """
-    env = dict(base or {})
-    hook = env.get("worker_process_setup_hook")
-    if hook not in (None, HOOK):
-        raise ValueError(
-            f"runtime_env already has worker_process_setup_hook={hook!r}; call "
-            f"{HOOK}() from that hook instead of adding obsckpt's"
-        )
-    env["worker_process_setup_hook"] = HOOK
-    return env
+    return with_setup_hook(base, HOOK)
 
 
 def worker_setup() -> None:
     """Ray's per-worker setup hook: :func:`patch` in this worker process."""
     patch()
-
-
-def _wrap_ray_init(ray: Any) -> None:
-    global _ray_init_wrapped
-    with _lock:
-        if _ray_init_wrapped:
-            return
-        original = ray.init
-
-        @functools.wraps(original)
-        def init(*args: Any, **kwargs: Any) -> Any:
-            env = kwargs.get("runtime_env")
-            if env is not None and not isinstance(env, dict):  # an OmegaConf node
-                env = _plain(env)
-            kwargs["runtime_env"] = runtime_env(env)
-            return original(*args, **kwargs)
-
-        ray.init = init
-        _ray_init_wrapped = True
-
-
-def _plain(node: Any) -> dict[str, Any]:
-    try:
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
-    except (ImportError, ValueError):
-        return dict(node)
 
 
 # ----------------------------------------------------------------------
@@ -238,8 +203,12 @@ def patch() -> None:
             if module is not None:
                 _apply(name, module)
         if _finder is None:
-            _finder = _PatchOnImport()
+            _finder = AfterImport(_patches_on_import, _apply)
             sys.meta_path.insert(0, _finder)
+
+
+def _patches_on_import(name: str) -> bool:
+    return name in MANAGER_SITES | TRAINER_SITES | LOGGER_SITES and name not in _patched
 
 
 def is_patched(module_name: str) -> bool:
@@ -253,10 +222,7 @@ def original(module_name: str, attr: str) -> Any:
     obsckpt's managers build on verl's classes through this, so the import order
     of verl's modules, obsckpt's and :func:`install` does not matter.
     """
-    import importlib
-
-    module = importlib.import_module(module_name)
-    return vars(module).get(ORIGINALS, {}).get(attr, getattr(module, attr))
+    return _original(module_name, attr)
 
 
 def _replacement(source: str, source_attr: str) -> Any:
@@ -307,37 +273,6 @@ def bind_pending() -> None:
             module = sys.modules.get(name)
             if module is not None:
                 _apply(name, module)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies :func:`_apply` to a target module right after its code runs."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in MANAGER_SITES and fullname not in TRAINER_SITES | LOGGER_SITES:
-            return None
-        if fullname in _patched:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, fullname)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, name: str) -> None:
-        self._loader = loader
-        self._name = name
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _apply(self._name, module)
 
 
 # ----------------------------------------------------------------------
