@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from obsckpt.errors import CliError
+from obsckpt.validators import validate_url
 
 # File names under obsckpt/_assets, as exported.
 DASHBOARD = "obsckpt-dashboard.json"
@@ -24,7 +25,6 @@ NAMES = (DASHBOARD, RULES, SCRAPE)
 # variable `make dashboards` reads.
 RUNBOOK_URL_ENV = "OBSCKPT_RUNBOOK_URL"
 _RUNBOOK = re.compile(r"^(\s*runbook_url: )(\S+?)(#\S+)$", re.MULTILINE)
-_ABSOLUTE = re.compile(r"https?://[^/\s]+\S*")
 
 
 def read(name: str) -> str:
@@ -34,11 +34,6 @@ def read(name: str) -> str:
     return resources.files("obsckpt").joinpath("_assets", name).read_text(encoding="utf-8")
 
 
-def is_absolute_url(url: object) -> bool:
-    """Whether ``url`` is an http(s) URL with a host: a link that works outside the repo."""
-    return isinstance(url, str) and _ABSOLUTE.fullmatch(url) is not None
-
-
 def runbook_url(value: str | None = None, default: str | None = None) -> str | None:
     """The runbook's URL: ``value``, else $OBSCKPT_RUNBOOK_URL, else ``default``.
 
@@ -46,12 +41,14 @@ def runbook_url(value: str | None = None, default: str | None = None) -> str | N
         ValueError: the URL chosen is not absolute.
     """
     url = value or os.environ.get(RUNBOOK_URL_ENV) or default
-    if url is not None and not is_absolute_url(url):
-        raise ValueError(
-            f"the runbook URL must be absolute (http:// or https://), got {url!r}: "
-            f"Alertmanager and Grafana show it as a link; set {RUNBOOK_URL_ENV} or pass "
-            "--runbook-url with where docs/runbook.md is served"
-        )
+    if url is not None:
+        try:
+            validate_url(url, "the runbook URL")
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}. It must be absolute: Alertmanager and Grafana show it as a link; "
+                f"set {RUNBOOK_URL_ENV} or pass --runbook-url with where docs/runbook.md is served"
+            ) from None
     return url
 
 

@@ -318,6 +318,9 @@ class TestRules:
         monkeypatch.setenv(RUNBOOK_URL_ENV, "docs/runbook.md")
         with pytest.raises(ValueError, match="must be absolute.*OBSCKPT_RUNBOOK_URL"):
             runbook_url_from_env()
+        monkeypatch.setenv(RUNBOOK_URL_ENV, "http://docs.local:99999/r.md")  # no such port
+        with pytest.raises(ValueError, match="99999.*must be absolute"):
+            runbook_url_from_env()
         rule = alert_rules(AlertThresholds(runbook_base="https://wiki.example/r"))[0]
         assert rule["annotations"]["runbook_url"] == "https://wiki.example/r#obsckptcommitstalled"
 

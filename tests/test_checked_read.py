@@ -24,7 +24,14 @@ def _read(path):
 
 @pytest.mark.parametrize(
     "size",
-    [0, 1, checked_read.CHUNK - 1, checked_read.CHUNK, checked_read.CHUNK + 1, 3 * checked_read.CHUNK + 17],
+    [
+        0,
+        1,
+        checked_read.CHUNK - 1,
+        checked_read.CHUNK,
+        checked_read.CHUNK + 1,
+        3 * checked_read.CHUNK + 17,
+    ],
 )
 def test_bytes_and_crc32_match_the_file(tmp_path, size):
     data = os.urandom(size)
