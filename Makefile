@@ -83,7 +83,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check obsckpt tests benchmarks dashboards
 
 metrics-doc: setup
-	$(PY) -c 'from obsckpt.telemetry.metrics import reference_markdown as r; print(r(), end="")' > docs/metrics.md
+	$(PY) -c 'from obsckpt.telemetry.reference import reference_markdown as r; print(r(), end="")' > docs/metrics.md
 
 # The dashboard, the alert rules and their promtool tests, and the copies the wheel
 # ships (obsckpt/_assets, for `obsckpt dashboards export`). The alerts' runbook links

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from obsckpt.telemetry.metrics import METRICS, SPANS, reference_markdown
+from obsckpt.telemetry.metrics import METRICS, SPANS
+from obsckpt.telemetry.reference import reference_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DESIGN_METRICS = {
