@@ -104,4 +104,4 @@ gpu-check:
 	bash scripts/gpu_check.sh $(LOG_DIR)
 
 clean:
-	rm -rf $(VENV) $(VERL_MIN_VENV) $(TRINITY_VENV) .uv-tools .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_MIN_VENV) $(TRINITY_VENV) .uv-tools .pytest_cache .hypothesis build/verl-upstream
