@@ -67,6 +67,9 @@ class _NullMetrics:
     def __getattr__(self, name: str) -> Any:
         return _Null()
 
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        """Metrics.observe (a histogram and its last-value gauge): nothing."""
+
 
 def _monitor_classes():
     from obsckpt.monitor import CheckpointMonitor
