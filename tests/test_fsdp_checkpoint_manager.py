@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -85,6 +86,30 @@ class Rank:
         n = self.manager.save_state_dict(path, global_step=step)
         self.manager.wait_on_save_thread(timeout=120)
         return n
+
+    def save_with_record(self, root: str, step: int) -> list[float]:
+        """A checkpoint and this rank's resume record; what torch draws next."""
+        from obsckpt.resume import ResumeRecord
+
+        path = os.path.join(root, f"global_step_{step}", "actor")
+        self.manager.save_checkpoint(path, global_step=step, max_ckpt_to_keep=None)
+        record = ResumeRecord.capture(step, data={"position": 4 * step}, weight_version=step)
+        self.manager.save_resume_record(record)
+        self.manager.wait_on_save_thread(timeout=120)
+        return torch.rand(3).tolist()
+
+    def restore_record(self, root: str, step: int) -> tuple:
+        class Loader:  # a data loader's state interface
+            state = None
+
+            def load_state_dict(self, state: dict) -> None:
+                self.state = state
+
+        torch.rand(5)  # the RNG moves on before the restore
+        loader = Loader()
+        path = os.path.join(root, f"global_step_{step}", "actor")
+        record = self.manager.restore_resume_record(path, data_loader=loader)
+        return record.weight_version, loader.state, torch.rand(3).tolist()
 
     def snapshot(self) -> dict:
         """Full parameters, optimizer, scheduler and RNG states (collectives: call on both ranks)."""
@@ -759,3 +784,24 @@ def test_load_of_no_path_returns_at_once_as_verls_does(namespace, tmp_path):
     assert FSDPCheckpointManager.load_checkpoint(manager, None) is None
     with pytest.raises(SaveError, match="disk gone"):
         coordinator.wait_all(timeout=60)
+
+
+def test_resume_record_through_the_manager(namespace, tmp_path):
+    """save_resume_record commits the record with the step; restore_resume_record, given
+    the path load_checkpoint takes, brings back the RNGs, data position and weight version."""
+    from obsckpt import layout, reader
+
+    root = tmp_path / "ckpt"
+    monitor, both = start_job(namespace, root)
+    both("train", 1)
+    next_draws = both("save_with_record", str(root), 1)
+    commit(monitor, 1)
+    step_dir = layout.step_dir(root, 1)
+    deadline = time.monotonic() + 60
+    while reader.read_iteration(str(root), "checkpoint") != 1:
+        assert time.monotonic() < deadline, "step 1 never committed"
+        time.sleep(0.1)
+    listed = {r.path for r in reader.read_manifest(step_dir)}
+    assert {f"resume/rank_{r}.pt" for r in (0, 1)} <= listed
+    restored = both("restore_record", str(root), 1)
+    assert restored == [(1, {"position": 4}, next_draws[r]) for r in (0, 1)]

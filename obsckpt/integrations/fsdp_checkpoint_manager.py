@@ -42,10 +42,12 @@ import ray
 import torch
 import torch.distributed
 
-from obsckpt import commit, layout, loading, reader
-from obsckpt.coordinator import CheckpointCoordinator
+from obsckpt import commit, layout, loading
+from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
+from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import verl_install
+from obsckpt.integrations.fsdp_files import check_world_size, committed_files, hf_model_class
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
@@ -58,6 +60,7 @@ from obsckpt.integrations.verl_fsdp import (
     upload_state_dict,
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME, lookup_actor
+from obsckpt.resume import ResumeRecord, restore_resume_record, save_resume_record
 from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
@@ -336,6 +339,35 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         with loading.verified_torch_load(local_path):
             super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
+    def save_resume_record(self, record: ResumeRecord) -> StagedSave:
+        """Save this rank's resume record with its step: data position, RNGs, weight version.
+
+        One more save of ``record.step`` (registered here), so the step commits
+        only once the record is durable beside the shards; see
+        :func:`obsckpt.resume.save_resume_record`.
+        """
+        return save_resume_record(self.coordinator, record)
+
+    def restore_resume_record(
+        self, local_path: str, *, data_loader: Any = None, rng: bool = True
+    ) -> ResumeRecord:
+        """This rank's record of the committed step holding ``local_path`` (the path given
+        to :meth:`load_checkpoint`), verified and restored: RNGs and ``data_loader``.
+
+        Raises:
+            UnverifiedCheckpointError: ``local_path`` lies in no ``global_step_<N>``
+                directory, the step is not committed, or the record does not match.
+            ResumeRecordError: the step holds no record for this rank.
+        """
+        located = layout.step_of_path(os.path.abspath(local_path))
+        if located is None:
+            raise UnverifiedCheckpointError(
+                f"{local_path} lies in no {layout.STEP_DIR_PREFIX}<N> directory: a resume "
+                "record belongs to a committed step"
+            )
+        root, step = located
+        return restore_resume_record(root, step, self.rank, data_loader=data_loader, rng=rng)
+
     def wait_on_save_thread(self, timeout: float | None = None) -> None:
         """Wait for every background save of this rank; raises the first failure."""
         self.coordinator.wait_all(timeout)
@@ -502,7 +534,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 empty.save_pretrained(scratch, state_dict=state_dict)
                 if processing_class is not None:
                     processing_class.save_pretrained(scratch)
-                move_durably(scratch, hf_dir, keep=_committed_files(hf_dir))
+                move_durably(scratch, hf_dir, keep=committed_files(hf_dir))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
 
@@ -510,99 +542,6 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         self.coordinator.save_async(
             "hf_model", save, global_step, paths=[hf_dir], unless_committed=True
         )
-
-
-def check_world_size(local_path: str, world_size: int, rank: int, kinds: list[str]) -> None:
-    """Refuse, by name, a checkpoint written by another number of ranks.
-
-    verl reads ``<kind>_world_size_<W>_rank_<R>.pt`` for this job's W and R
-    only; without this check a resume on another number of GPUs fails with a
-    bare missing-file error on some ranks.
-
-    Raises:
-        FileNotFoundError: a file of ``kinds`` for this rank is missing (the message
-            names the world size that saved the step, if another, and what to do).
-    """
-    for kind in kinds:
-        path = os.path.join(local_path, layout.shard_name(kind, world_size, rank))
-        if os.path.exists(path):
-            continue
-        try:
-            names = os.listdir(local_path)
-        except OSError:
-            names = []
-        sizes = sorted(
-            {
-                int(m.group(2))
-                for n in names
-                if (m := layout.SHARD_RE.match(n)) is not None and m.group(1) == kind
-            }
-        )
-        if sizes and world_size not in sizes:
-            saved = sizes[0] if len(sizes) == 1 else sizes
-            raise FileNotFoundError(
-                f"{local_path} holds a checkpoint saved by {saved} ranks "
-                f"({kind}_world_size_{sizes[0]}_rank_*.pt), but this job runs "
-                f"{world_size} ranks; verl loads FSDP shards only at the world size "
-                "that saved them. Resume with the same number of GPUs (trainer.nnodes x "
-                "trainer.n_gpus_per_node), or merge the step into an HF model (python -m "
-                f"verl.model_merger merge --backend fsdp --local_dir {local_path} "
-                "--target_dir <dir>) and start a new run from it"
-            )
-        raise FileNotFoundError(
-            f"{path} does not exist: {local_path} is not a whole checkpoint of {world_size} "
-            f"ranks (checkpoint.load_contents asks for {kinds}). Resume from a committed "
-            "step (the one latest_checkpointed_iteration.txt names) or drop what it lacks "
-            "from checkpoint.load_contents"
-        )
-
-
-def _committed_files(directory: str) -> set[str]:
-    """Paths, relative to ``directory``, of the files under it that its step's manifest lists.
-
-    ``directory`` lies inside a ``global_step_<N>`` directory; empty when it
-    does not, or the step has no manifest (nothing of it is committed).
-    """
-    directory = os.path.abspath(directory)
-    located = layout.step_of_path(os.path.dirname(directory))
-    if located is None:
-        return set()
-    sdir = layout.step_dir(*located)
-    try:
-        records = reader.read_manifest(sdir)
-    except FileNotFoundError:
-        return set()
-    prefix = os.path.relpath(directory, sdir) + os.sep
-    return {r.path[len(prefix) :] for r in records if r.path.startswith(prefix)}
-
-
-def hf_model_class(config: Any, model: Any = None) -> Any:
-    """The ``transformers`` auto class verl's manager writes ``config``'s model with.
-
-    verl reads ``config.architectures[0]``; a config built in memory has none
-    until it is saved, so the model's class name stands in for it then.
-
-    Raises:
-        NotImplementedError: an architecture verl does not export either.
-    """
-    arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
-    if "ForTokenClassification" in arch:
-        from transformers import AutoModelForTokenClassification
-
-        return AutoModelForTokenClassification
-    if "ForCausalLM" in arch:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM
-    if "ForConditionalGeneration" in arch:
-        from verl.utils.transformers_compat import get_auto_model_for_vision2seq
-
-        return get_auto_model_for_vision2seq()
-    raise NotImplementedError(
-        f"cannot export architectures={getattr(config, 'architectures', None)!r} as an HF model: "
-        "verl exports *ForTokenClassification, *ForCausalLM and *ForConditionalGeneration; "
-        "drop 'hf_model' from checkpoint.save_contents"
-    )
 
 
 # Where verl's module was patched while this one was being imported, bind it now.
