@@ -141,6 +141,8 @@ TRAINER_SITES: dict[str, tuple[str, str]] = {
 # verl module -> (class, method) whose calls obsckpt wraps: the driver's metrics logger.
 LOGGER_SITES: dict[str, tuple[str, str]] = {"verl.utils.tracking": ("Tracking", "log")}
 
+# Every module name above; the import hook asks it of every module imported.
+_SITE_NAMES = frozenset((*MANAGER_SITES, *TRAINER_SITES, *LOGGER_SITES))
 _lock = threading.RLock()
 _patched: set[str] = set()
 _pending: set[str] = set()
@@ -208,7 +210,7 @@ def patch() -> None:
 
 
 def _patches_on_import(name: str) -> bool:
-    return name in MANAGER_SITES | TRAINER_SITES | LOGGER_SITES and name not in _patched
+    return name in _SITE_NAMES and name not in _patched
 
 
 def is_patched(module_name: str) -> bool:

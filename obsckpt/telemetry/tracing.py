@@ -228,18 +228,17 @@ class _PrivateIdGenerator(RandomIdGenerator):
         self._lock = threading.Lock()
 
     def generate_span_id(self) -> int:
-        with self._lock:
-            span_id = self._random.getrandbits(64)
-            while span_id == trace.INVALID_SPAN_ID:
-                span_id = self._random.getrandbits(64)
-        return span_id
+        return self._valid_bits(64, trace.INVALID_SPAN_ID)
 
     def generate_trace_id(self) -> int:
+        return self._valid_bits(128, trace.INVALID_TRACE_ID)
+
+    def _valid_bits(self, bits: int, invalid: int) -> int:
         with self._lock:
-            trace_id = self._random.getrandbits(128)
-            while trace_id == trace.INVALID_TRACE_ID:
-                trace_id = self._random.getrandbits(128)
-        return trace_id
+            value = self._random.getrandbits(bits)
+            while value == invalid:
+                value = self._random.getrandbits(bits)
+        return value
 
 
 def setup_tracing(
