@@ -154,10 +154,12 @@ def _publish(
     *,
     phase: str = "publish",
     timeout_s: float | None = None,
+    fence: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> None:
     try:
-        for tmp, path in pending:
-            os.replace(tmp, path)
+        with fence():
+            for tmp, path in pending:
+                os.replace(tmp, path)
     except BaseException:
         _discard(pending)
         raise
@@ -299,7 +301,7 @@ def finalize_step(
     iterations: dict[str, int] | None = None,
     timings: dict[str, float] | None = None,
     on_phase: Callable[[str], None] | None = None,
-    fence: Callable[[], None] | None = None,
+    fence: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
     fsync_timeout_s: float | None = None,
 ) -> list[FileRecord]:
     """Make every file of a step durable, write its manifest, then move iteration files.
@@ -311,10 +313,11 @@ def finalize_step(
 
     1. every unreported file, every directory of the step, the manifest's temp
        file and the iteration files' temp files (``iterations``: kind → step);
-    2. the manifest is renamed into place; the step directory and the root
-       (``sdir``'s parent, which holds the step directory) are fsynced;
-    3. ``fence()`` is called, then the iteration files are renamed into place
-       and the root is fsynced.
+    2. the manifest is renamed into place (inside ``fence()``); the step
+       directory and the root (``sdir``'s parent, which holds the step
+       directory) are fsynced;
+    3. the iteration files are renamed into place (inside ``fence()``) and the
+       root is fsynced.
 
     So an iteration file never names a step whose files, directories or
     manifest could be lost in a crash. Returns the manifest's records.
@@ -328,8 +331,9 @@ def finalize_step(
             ``round1``, ``round2`` and ``publish`` (the three rounds of fsyncs).
         on_phase: called with each of :data:`COMMIT_PHASES` as it begins (in the
             calling thread), so a caller can show which one a hung commit is in.
-        fence: called immediately before the iteration files are renamed; it
-            raises (and nothing is renamed) when the caller may no longer commit.
+        fence: makes a context held around each rename (the manifest's, then the
+            iteration files'); entering it raises (and nothing more is renamed)
+            when the caller may no longer commit.
         fsync_timeout_s: the longest wait for each round of fsyncs (default
             :data:`FSYNC_TIMEOUT_S`).
 
@@ -339,6 +343,7 @@ def finalize_step(
     """
     clock = time.perf_counter
     begin = on_phase if on_phase is not None else (lambda _phase: None)
+    fence = fence if fence is not None else contextlib.nullcontext
     begin(PHASE_SCAN)
     t0 = clock()
     sdir = Path(sdir)
@@ -384,7 +389,8 @@ def finalize_step(
         begin(PHASE_MANIFEST)
         t2 = clock()
         if exists:
-            os.replace(*manifest[0])
+            with fence():
+                os.replace(*manifest[0])
             manifest = []
             fsync_many(
                 [(sdir, True), (root, True)],
@@ -393,14 +399,13 @@ def finalize_step(
             )
         begin(PHASE_RENAME_ITERATION)
         t3 = clock()
-        if fence is not None:
-            fence()
     except BaseException:
         _discard(manifest + pending)
         raise
     _publish(
         root,
         pending,
+        fence=fence,
         phase=f"commit of {sdir.name}: {PHASE_RENAME_ITERATION} (the iteration files are "
         "renamed; whether they are durable is unknown)",
         timeout_s=fsync_timeout_s,

@@ -29,6 +29,7 @@ monitor locks a file at the path first owns the root.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -38,7 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,20 @@ class RootLock:
         return self._lost
 
     def check(self) -> None:
-        """Prove that this holder still owns the root; call immediately before a commit's rename.
+        """Prove that this holder still owns the root (see :meth:`fenced`).
+
+        Raises:
+            RootLockLostError: see :meth:`fenced`.
+        """
+        with self.fenced():
+            pass
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """Prove that this holder still owns the root, and keep it until the block ends.
+
+        Wrap a commit's renames in it: :meth:`release` (a shutdown) waits for the
+        block, so a rename that passed the check never lands after the release.
 
         Raises:
             RootLockLostError: the lock was released, or the lock file at the path was
@@ -132,10 +146,11 @@ class RootLock:
                     )
             else:
                 why = self._lost
-        if why is not None:
-            raise RootLockLostError(
-                f"this monitor no longer owns checkpoint root {str(self.path.parent)!r}: {why}"
-            )
+            if why is not None:
+                raise RootLockLostError(
+                    f"this monitor no longer owns checkpoint root {str(self.path.parent)!r}: {why}"
+                )
+            yield
 
     def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
         """Check the lock every ``interval_s`` in a thread until it is released or lost.

@@ -159,6 +159,11 @@ class TestShutdownDuringACommit:
         assert "releasing the root anyway" in caplog.text
         assert reader.read_iteration(root, "checkpoint") is None
         assert not (root / ITERATION).exists()
+        # Nor the manifest: a monitor fenced off renames nothing into a step (a newer job
+        # may have committed the same step, whose manifest a late rename would replace).
+        sdir = layout.step_dir(root, 1)
+        assert not (sdir / layout.MANIFEST_NAME).exists()
+        assert [p.name for p in sdir.iterdir()] == ["model.pt"]  # its temp file removed
         error = failed_steps(status)[1]
         assert error.startswith("commit of step 1 (checkpoint) refused") and "released" in error
 
@@ -301,6 +306,30 @@ class TestTheFence:
         assert watcher is not None and watcher.name == "obsckpt-root-fence"
         lock.release()
         assert not watcher.is_alive()
+
+    def test_a_release_waits_for_a_rename_that_passed_the_fence(self, tmp_path):
+        """A shutdown between a commit's check and its rename would let the rename land
+        after the release: the release waits for the fenced block instead."""
+        lock = rootlock.acquire(tmp_path)
+        inside, leave, released = threading.Event(), threading.Event(), threading.Event()
+
+        def commit_rename():
+            with lock.fenced():
+                inside.set()
+                leave.wait(10)
+
+        renamer = threading.Thread(target=commit_rename)
+        renamer.start()
+        assert inside.wait(5)
+        releaser = threading.Thread(target=lambda: (lock.release(), released.set()))
+        releaser.start()
+        assert not released.wait(0.3)  # held back by the rename in progress
+        leave.set()
+        assert released.wait(5)
+        renamer.join(5)
+        releaser.join(5)
+        with pytest.raises(RootLockLostError, match="released"), lock.fenced():
+            pass
 
     def test_without_flock_a_later_monitor_fences_the_earlier(self, tmp_path, monkeypatch):
         # Some FUSE mounts and NFS mounted with nolock answer flock with ENOLCK.

@@ -165,7 +165,7 @@ class CheckpointMonitor(MeasurementRPCs):
         # still owns the root (the lock's fence).
         self._committer = CommitRunner(
             self.core,
-            StepWriter(self.root, self._root_lock.check),
+            StepWriter(self.root, self._root_lock.fenced),
             phases=self.telemetry,
             clock=self.clock,
         )

@@ -8,6 +8,7 @@ The state machine that chooses the step is :class:`obsckpt.monitor.core.MonitorC
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import threading
@@ -110,9 +111,9 @@ class StepWriter:
 
     Args:
         root: the checkpoint root.
-        fence: raises when this monitor may no longer commit into ``root``
-            (:meth:`obsckpt.rootlock.RootLock.check`); called before a commit writes
-            anything and again immediately before its iteration files are renamed.
+        fence: makes a context whose entry raises when this monitor may no longer
+            commit into ``root`` (:meth:`obsckpt.rootlock.RootLock.fenced`); entered
+            before a commit writes anything and held around each of its renames.
         fsync_timeout_s: the longest wait for each round of a commit's fsyncs
             (default :data:`obsckpt.commit.FSYNC_TIMEOUT_S`).
     """
@@ -120,12 +121,12 @@ class StepWriter:
     def __init__(
         self,
         root: Path,
-        fence: Callable[[], None] | None = None,
+        fence: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         *,
         fsync_timeout_s: float | None = None,
     ) -> None:
         self.root = root
-        self.fence = fence if fence is not None else (lambda: None)
+        self.fence = fence if fence is not None else contextlib.nullcontext
         self.fsync_timeout_s = fsync_timeout_s
         # Whether this process sees the step directories the workers write: then a
         # step directory missing at commit was removed, not written on another node.
@@ -150,7 +151,8 @@ class StepWriter:
             OSError: the step directory is gone or the storage refused a write.
         """
         # A monitor fenced off writes nothing at all, not even a manifest.
-        self.fence()
+        with self.fence():
+            pass
         sdir = layout.step_dir(self.root, step)
         if sdir.is_dir():
             self.sees_step_dirs = True
