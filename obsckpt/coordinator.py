@@ -304,7 +304,9 @@ class CheckpointCoordinator:
         validate_parts(part, parts)
         path = os.fspath(path)
         self._require_monitor()
-        self._check_targets([path], name, global_step, is_state_dict, part, parts)
+        self._check_targets(
+            [path], name, global_step, is_state_dict, part, parts, through_temp=True
+        )
         try:
             join_wait = self._join(name, trace_context, global_step)
             snapshot, copier = self._staging.snapshot(
@@ -491,6 +493,32 @@ class CheckpointCoordinator:
             trace_context, self.save_timeout, warn_every=self.stall_warning_s, next_step=step
         )
 
+    def check_targets(
+        self,
+        paths: Iterable[str | os.PathLike],
+        global_step: int,
+        is_state_dict: bool = False,
+        *,
+        name: str = "sync",
+        part: int | None = None,
+        parts: int | None = None,
+    ) -> None:
+        """Refuse, before anything is written, a target outside ``global_step``'s directory.
+
+        For what a save writes before it reaches :meth:`save_sync` or
+        :meth:`save_state_dict_async`, or into a directory other ranks' saves
+        share (not ``paths=``); ``name``, ``is_state_dict`` and ``part``/``parts``
+        as the save will have them. A refused target fails that save and its step.
+
+        Raises:
+            SavePathError: a path lies (or resolves) outside this step's directory.
+        """
+        validate_slot(name)
+        validate_step(global_step)
+        validate_parts(part, parts)
+        self._require_monitor()
+        self._check_targets(path_list(paths), name, global_step, is_state_dict, part, parts)
+
     def _check_targets(
         self,
         paths: list[str] | None,
@@ -499,6 +527,8 @@ class CheckpointCoordinator:
         is_state_dict: bool,
         part: int | None,
         parts: int | None,
+        *,
+        through_temp: bool = False,
     ) -> None:
         """Refuse a target outside ``step``'s directory before anything is written.
 
@@ -511,7 +541,8 @@ class CheckpointCoordinator:
         if not paths:
             return
         try:
-            check_targets(paths, root=self._link.checkpoint_root(), step=step, slot=name)
+            root = self._link.checkpoint_root()
+            check_targets(paths, root=root, step=step, slot=name, through_temp=through_temp)
         except SavePathError as exc:
             self._job(name, step, is_state_dict, part, parts).fail_unstarted(exc)
             raise

@@ -34,37 +34,60 @@ def path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:
     return [os.fspath(p) for p in paths]
 
 
-def check_targets(paths: Iterable[str], *, root: str, step: int, slot: str) -> None:
+def check_targets(
+    paths: Iterable[str], *, root: str, step: int, slot: str, through_temp: bool = False
+) -> None:
     """Refuse any of ``paths`` outside ``<root>/global_step_<step>``, before anything is written.
 
     A save's step commits only what is under its own step directory: a path in
     another step's directory (a committed one's file would change under its
     manifest), in the root itself (the iteration files), or outside any step is
-    refused here, in the caller, instead of after the write.
+    refused here, in the caller, instead of after the write. The path is
+    checked as spelled and as it resolves, so a symbolic link out of the step
+    (say ``global_step_6/actor`` pointing at ``global_step_4/actor``) is refused
+    too. With ``through_temp`` (obsckpt writes the file through a temp file
+    beside it) a file name too long for the temp suffix is refused as well.
 
     Raises:
         SavePathError: one line naming the path, the step directory it lies in
-            and the save's step.
+            and the save's step (or the name and the length limit).
     """
     own = layout.step_dir(root, step)
     for path in paths:
-        located = layout.step_of_path(path)
-        if located is not None and located[1] == step and _same_dir(located[0], root):
-            continue
         where = os.path.abspath(path)
-        if located is None:
-            why = "it lies in no global_step_<N> directory (obsckpt commits only step directories)"
-        elif located[1] != step:
-            why = f"it lies in step directory {layout.step_dir(*located)} (step {located[1]})"
-        else:
-            why = (
-                f"it lies in step directory {layout.step_dir(*located)} of another root "
-                f"(the monitor commits under {root})"
+        why = _outside_why(path, root, step)
+        real = os.path.realpath(path)
+        if why is None and real != where:
+            resolved = _outside_why(real, os.path.realpath(root), step)
+            if resolved is not None:
+                why = f"it resolves through a symbolic link to {real}, which {resolved[3:]}"
+        if why is not None:
+            raise SavePathError(
+                f"save {slot!r} of step {step} refused before writing {where}: {why}, not in "
+                f"its own step directory {own}; write each step's files under its own directory"
             )
-        raise SavePathError(
-            f"save {slot!r} of step {step} refused before writing {where}: {why}, not in its "
-            f"own step directory {own}; write each step's files under its own directory"
-        )
+        if through_temp:
+            try:
+                layout.check_temp_room(path)
+            except ValueError as exc:
+                raise SavePathError(
+                    f"save {slot!r} of step {step} refused before writing {where}: {exc}"
+                ) from None
+
+
+def _outside_why(path: str, root: str, step: int) -> str | None:
+    """Why ``path`` is not in ``root``'s directory of ``step`` ("it lies ..."), or None."""
+    located = layout.step_of_path(path)
+    if located is not None and located[1] == step and _same_dir(located[0], root):
+        return None
+    if located is None:
+        return "it lies in no global_step_<N> directory (obsckpt commits only step directories)"
+    if located[1] != step:
+        return f"it lies in step directory {layout.step_dir(*located)} (step {located[1]})"
+    return (
+        f"it lies in step directory {layout.step_dir(*located)} of another root "
+        f"(the monitor commits under {root})"
+    )
 
 
 def _same_dir(a: str, b: str) -> bool:

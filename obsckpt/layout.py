@@ -106,7 +106,17 @@ def temp_name(path: str | os.PathLike) -> str:
             filesystem's limit of :data:`NAME_MAX` bytes (naming the name and the limit).
     """
     path = os.fspath(path)
-    name = os.path.basename(path)
+    check_temp_room(path)
+    return f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
+def check_temp_room(path: str | os.PathLike) -> None:
+    """Refuse a file name too long for :func:`temp_name` to add its suffix.
+
+    Raises:
+        ValueError: naming the name, its length and the limit.
+    """
+    name = os.path.basename(os.fspath(path))
     room = NAME_MAX - _OWN_TEMP_SUFFIX_BYTES
     if len(os.fsencode(name)) > room:
         raise ValueError(
@@ -114,7 +124,6 @@ def temp_name(path: str | os.PathLike) -> str:
             f"a file through a temp file named beside it, so a name may have at most {room} "
             f"bytes (the filesystem's limit is {NAME_MAX}). Use a shorter name"
         )
-    return f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import logging
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import ray
@@ -172,6 +173,67 @@ class TestTargetsOutsideTheStep:
         assert [f["step"] for f in status["failed"]] == [1]  # the step it was to save
         assert status["in_flight"] == [] and status["pending"] == []
         commit_step(coord, root, 2)
+
+    def test_a_symbolic_link_out_of_the_step_is_refused(self, namespace, root):
+        """global_step_6/actor pointing at committed step 4's directory: the path is spelled
+        inside step 6, but it resolves into step 4, whose shard would be overwritten."""
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        committed = commit_step(coord, root, 4)
+        layout.step_dir(root, 6).mkdir()
+        (layout.step_dir(root, 6) / "actor").symlink_to(layout.step_dir(root, 4) / "actor")
+        coord.link.register_thread_count(6, checkpoint_thread_count=1)
+
+        with pytest.raises(SavePathError, match="resolves through a symbolic link") as info:
+            coord.save_state_dict_async("model", {"w": torch.full((64,), 9.0)}, shard(root, 6), 6)
+        assert_one_line(info.value)
+        assert f"which lies in step directory {layout.step_dir(root, 4)} (step 4)" in str(
+            info.value
+        )
+        assert step_bytes(root, 4) == committed
+        assert reader.verify_step(layout.step_dir(root, 4)) == []
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [6]
+        assert status["pending"] == [] and status["in_flight"] == []
+
+    def test_an_over_long_file_name_is_refused_naming_the_name_and_the_limit(self, namespace, root):
+        """A name that fits the filesystem but not with the temp suffix beside it: refused
+        in the caller (not as errno 36 on a temp path in the save thread)."""
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        coord.link.register_thread_count(5, checkpoint_thread_count=1)
+        target = layout.step_dir(root, 5) / ("m" * 240 + ".pt")
+
+        with pytest.raises(SavePathError, match=r"is 243 bytes") as info:
+            coord.save_state_dict_async("model", {"w": torch.ones(4)}, target, 5)
+        message = str(info.value)
+        assert_one_line(info.value)
+        assert "at most 231 bytes" in message and "limit is 255" in message
+        assert "mmmm" in message and ".tmp." not in message
+        assert not layout.step_dir(root, 5).exists()  # refused before anything was made
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [5]
+        assert status["pending"] == [] and status["in_flight"] == []
+        commit_step(coord, root, 6)
+
+    def test_verls_checkpoint_sync_into_a_committed_step_writes_nothing(self, namespace, root):
+        """fsdp_save_state_dict writes HF metadata beside the shard before it hands the shard
+        over: a local_path in committed step 4 for step 5 is refused before either."""
+        from obsckpt.integrations import fsdp_save_state_dict
+
+        monitor = make_monitor(namespace, root)
+        coord = CheckpointCoordinator(monitor, rank=0)
+        committed = commit_step(coord, root, 4)
+        (layout.step_dir(root, 4) / "actor" / "fsdp_config.json").write_text("{}")
+        committed["actor/fsdp_config.json"] = b"{}"
+        engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2))
+
+        with pytest.raises(SavePathError, match=r"\(step 4\)"):
+            fsdp_save_state_dict(engine, str(layout.step_dir(root, 4) / "actor"), 5, coord)
+        assert step_bytes(root, 4) == committed
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [5]
+        assert status["pending"] == [] and status["in_flight"] == []
 
 
 class TestResaveOfACommittedStep:

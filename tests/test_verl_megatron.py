@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer, layout
-from obsckpt.errors import UnverifiedCheckpointError
+from obsckpt.errors import SavePathError, UnverifiedCheckpointError
 from obsckpt.integrations import (
     megatron_save_state_dict,
     megatron_sync_weight_nccl,
@@ -147,7 +147,9 @@ class TestSaveStateDict:
         engine.checkpoint_mananager.fail = True
         coord = CheckpointCoordinator(monitor, rank=0)
         with pytest.raises(OSError, match="disk full") as raised:
-            megatron_save_state_dict(engine, str(tmp_path / "x"), 4, coord, None)
+            megatron_save_state_dict(
+                engine, str(layout.model_dir(tmp_path / "ckpt", 4)), 4, coord, None
+            )
         # What the engine raised, as a direct call raises it, with a note naming the save.
         assert type(raised.value) is OSError
         assert "of step 4 (state_dict) failed" in raised.value.__notes__[0]
@@ -273,6 +275,24 @@ def test_without_verl_the_managers_say_what_to_install():
         ("FSDPCheckpointManager", "MegatronCheckpointManager"), lines, strict=True
     ):
         assert what in line and "pip install 'obsckpt[verl]'" in line, line
+
+    def test_a_path_into_another_step_is_refused_before_megatron_writes(self, monitor, tmp_path):
+        """Megatron writes local_path in place, a directory every rank shares: a path into
+        committed step 3 for step 4 is refused before the engine runs, and step 4 fails."""
+        engine = FakeMcoreEngine()
+        coord = CheckpointCoordinator(monitor, rank=0)
+        path = layout.model_dir(tmp_path / "ckpt", 3)
+        assert megatron_save_state_dict(engine, str(path), 3, coord, None) == 1
+        asyncio.run(coord.register_and_monitor(3, is_state_dict=True, state_dict_thread_count=1))
+        committed = (path / "model_0.pt").read_bytes()
+
+        with pytest.raises(SavePathError, match=r"step 4 refused .*\(step 3\)"):
+            megatron_save_state_dict(engine, str(path), 4, coord, None)
+        assert engine.checkpoint_mananager.calls == [["model"]]  # the engine never ran
+        assert (path / "model_0.pt").read_bytes() == committed
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [4]
+        assert status["pending"] == [] and status["in_flight"] == []
 
 
 class VerlLikeMegatronManager(FakeCheckpointManager):
@@ -423,6 +443,21 @@ class TestMegatronCheckpointManager:
         assert reader.verify_step(layout.step_dir(root, 5)) == []
         assert counts == {"state_dict": 0, "checkpoint": 0}
         assert len(manager.base.calls) == 1
+
+    def test_a_path_into_another_step_is_refused_before_verl_saves(self, monitor, tmp_path):
+        _, manager = self.make(monitor)
+        root = tmp_path / "ckpt"
+        path = layout.model_dir(root, 5)
+        manager.save_checkpoint(str(path), None, 5)
+        asyncio.run(CheckpointCoordinator(monitor, rank=0).register_and_monitor(5))
+        committed = (path / "model_0.pt").read_bytes()
+
+        with pytest.raises(SavePathError, match=r"'megatron_checkpoint' of step 6 refused"):
+            manager.save_checkpoint(str(path), None, 6)
+        assert len(manager.base.calls) == 1 and (path / "model_0.pt").read_bytes() == committed
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [6]
+        assert status["pending"] == [] and status["in_flight"] == []
 
 
 # What verl's Megatron manager writes under a role's directory, by verl release: the model's

@@ -289,9 +289,14 @@ def fsdp_save_state_dict(
     rank, world = dist_rank(engine), dist_world_size(engine)
     if already_committed(coordinator, global_step, log):
         return 0
+    path = os.path.join(local_path, layout.shard_name("model", world, rank))
+    # Before the metadata below is written beside the shard: a path into another step's
+    # directory is refused while that step's files are still untouched.
+    coordinator.check_targets(
+        [local_path, path], global_step, True, name=MODEL_SLOT, part=rank, parts=world
+    )
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
-    path = os.path.join(local_path, layout.shard_name("model", world, rank))
     if rank == 0:
         save_hf_metadata(engine.module, local_path, find_processing_class(engine))
     coordinator.save_state_dict_async(

@@ -106,6 +106,10 @@ def megatron_save_state_dict(
     if already_committed(coordinator, global_step, log):
         return 0
     rank, world = dist_rank(engine), dist_world_size(engine)
+    # Megatron writes local_path in place, shared by every rank (so not paths=).
+    coordinator.check_targets(
+        [local_path], global_step, True, name=MODEL_SLOT, part=rank, parts=world
+    )
 
     def save() -> None:
         with model_contents_only(manager):
@@ -336,6 +340,7 @@ class MegatronCheckpointManager:
             self.coordinator.link.register_thread_count(
                 global_step, state_dict_thread_count=0, checkpoint_thread_count=1
             )
+            self.coordinator.check_targets([local_path], global_step, name="megatron_checkpoint")
             written = self.coordinator.save_sync(
                 lambda: self.base.save_checkpoint(
                     local_path, hdfs_path, global_step, None, **kwargs
