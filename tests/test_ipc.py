@@ -793,28 +793,6 @@ def test_shared_memory_buckets_are_reserved_when_made(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("umask", [0o000, 0o022])
-def test_shared_memory_buckets_are_readable_by_their_user_only(tmp_path, umask):
-    """The weights in a bucket file are not readable by another user of the host,
-    whatever the process's umask (/dev/shm is shared by every user)."""
-    import os
-    import stat
-
-    old = os.umask(umask)
-    try:
-        sender = IpcWeightSender(device="cpu", shm_dir=str(tmp_path))
-        try:
-            sender.send(model(1), lambda p: IpcWeightReceiver().recv(p)[0], step=1)
-            files = list(tmp_path.iterdir())
-            assert files
-            for path in files:
-                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
-        finally:
-            sender.close()
-    finally:
-        os.umask(old)
-
-
 def _small_tmpfs(path) -> str | None:
     """Mount a 1 MiB tmpfs on ``path``; None when mounted, else why it could not be."""
     import os
