@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+import obsckpt.telemetry.server as telemetry_server
 from obsckpt.telemetry.server import (
     MetricsServer,
     _is_local,
@@ -417,6 +418,23 @@ class TestConnectionBound:
                     refused_again += 1
                     time.sleep(0.05)
         assert f"obsckpt_test_rejected_total {51 + refused_again}.0" in text
+
+    def test_listening_socket_is_given_listen_backlog(self, served, monkeypatch):
+        """listen() is given LISTEN_BACKLOG (at least 128), not socketserver's default of 5,
+        so a burst of scrapers waits in the kernel's queue instead of being dropped."""
+        backlogs: list[int] = []
+        listen = socket.socket.listen
+
+        def recording(sock, *args):
+            backlogs.extend(args)
+            return listen(sock, *args)
+
+        monkeypatch.setattr(socket.socket, "listen", recording)
+        server = served()
+        monkeypatch.undo()
+        server.close()
+        assert backlogs == [telemetry_server.LISTEN_BACKLOG]
+        assert telemetry_server.LISTEN_BACKLOG >= 128
 
     def test_close_ends_open_connections_and_their_threads(self, served):
         before = endpoint_threads()
