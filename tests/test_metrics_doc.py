@@ -34,7 +34,7 @@ DESIGN_METRICS = {
     "obsckpt_last_broadcast_duration_seconds": ("gauge", ("backend", "method")),
     "obsckpt_last_state_dict_upload_duration_seconds": ("gauge", ()),
 }
-# Labels whose values are fixed in metrics.py, and the two that callers fill in,
+# Labels whose values are fixed in telemetry/vocabulary.py, and the two that callers fill in,
 # which the monitor bounds (slot: max_slot_labels; rank: the world size).
 BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "role", "phase"}
 CALLER_LABELS = {"slot", "rank"}

@@ -18,20 +18,20 @@ from prometheus_client import CollectorRegistry
 from obsckpt.layout import KINDS
 from obsckpt.monitor.events import CommitRecord, MonitorObserver
 from obsckpt.monitor.labels import RankSeries, SlotLabels
-from obsckpt.telemetry.metrics import (
-    OVERFLOW_SLOT,
-    RESULTS,
-    Metrics,
-    validate_bytes,
-    validate_role,
-    validate_seconds,
-    validate_sync_labels,
-)
+from obsckpt.telemetry.metrics import Metrics
 from obsckpt.telemetry.server import (
     MetricsServer,
     publish_file_sd,
     serve_metrics,
     withdraw_file_sd,
+)
+from obsckpt.telemetry.vocabulary import (
+    OVERFLOW_SLOT,
+    RESULTS,
+    validate_bytes,
+    validate_role,
+    validate_seconds,
+    validate_sync_labels,
 )
 from obsckpt.tickets import Ticket
 

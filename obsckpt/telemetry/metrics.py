@@ -1,13 +1,14 @@
 """Every Prometheus metric and OpenTelemetry span obsckpt emits, defined once.
 
 Dashboards, alert rules and users' own queries depend on these names; they
-change only deliberately. ``python -m obsckpt.telemetry.metrics`` prints the
+change only deliberately. ``python -m obsckpt.telemetry.reference`` prints the
 reference page ``docs/metrics.md`` from the definitions below (``make metrics-doc``).
+The label values and the checks on what callers send are
+:mod:`obsckpt.telemetry.vocabulary`'s; they are importable from here too.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,29 +18,60 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from obsckpt.admission import STRATEGIES
-from obsckpt.commit import COMMIT_PHASES
-from obsckpt.layout import KINDS
-from obsckpt.validators import non_negative_int
+from obsckpt.telemetry.vocabulary import (
+    BACKENDS,
+    BROADCAST_BACKENDS,
+    CUDA_IPC,
+    DEFAULT_MAX_SLOT_LABELS,
+    FAILURE_REASONS,
+    GLOO,
+    IPC_BACKENDS,
+    KNOWN_LABELS,
+    NCCL,
+    OVERFLOW_SLOT,
+    RESULTS,
+    ROLES,
+    ROLLOUT,
+    SHM,
+    SYNC_METHODS,
+    TRAINER,
+    validate_bytes,
+    validate_max_slot_labels,
+    validate_role,
+    validate_seconds,
+    validate_sync_labels,
+)
 
-RESULTS = ("ok", "error")
-# Weight-sync backends: torch.distributed's for a broadcast; CUDA IPC, or shared
-# memory files on CPU, for the colocated sync.
-NCCL, GLOO, CUDA_IPC, SHM = "nccl", "gloo", "cuda_ipc", "shm"
-BACKENDS = (NCCL, GLOO, CUDA_IPC, SHM)
-# Weight-sync methods and the backends each runs on.
-BROADCAST_BACKENDS = (NCCL, GLOO)
-IPC_BACKENDS = (CUDA_IPC, SHM)
-SYNC_METHODS = {"broadcast": BROADCAST_BACKENDS, "ipc": IPC_BACKENDS}
-FAILURE_REASONS = ("timeout", "error")
-# Who holds a model version: the trainer, or the rollout side it syncs to.
-TRAINER, ROLLOUT = "trainer", "rollout"
-ROLES = (TRAINER, ROLLOUT)
-
-# Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
-DEFAULT_MAX_SLOT_LABELS = 32
-# Not a valid slot name (those start with a letter or digit), so it never collides with one.
-OVERFLOW_SLOT = "_other"
+__all__ = [
+    "BACKENDS",
+    "BROADCAST_BACKENDS",
+    "CUDA_IPC",
+    "DEFAULT_MAX_SLOT_LABELS",
+    "DURATION_BUCKETS",
+    "FAILURE_REASONS",
+    "GLOO",
+    "IPC_BACKENDS",
+    "METRICS",
+    "NCCL",
+    "OVERFLOW_SLOT",
+    "RESULTS",
+    "ROLES",
+    "ROLLOUT",
+    "SHM",
+    "SPANS",
+    "SYNC_METHODS",
+    "TRAINER",
+    "MetricSpec",
+    "Metrics",
+    "SpanSpec",
+    "UnlabelledLastValue",
+    "disable_created_series",
+    "validate_bytes",
+    "validate_max_slot_labels",
+    "validate_role",
+    "validate_seconds",
+    "validate_sync_labels",
+]
 
 # Milliseconds to two hours: snapshot copies take ms; a shard of a 70B model's
 # checkpoint on network storage takes minutes, and a save admitted one node at a
@@ -406,15 +438,6 @@ SPANS: tuple[SpanSpec, ...] = (
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
-# Label values known up front, so the series exist (at zero) from the first scrape.
-_KNOWN_LABELS: dict[str, tuple[str, ...]] = {
-    "kind": KINDS,
-    "strategy": STRATEGIES,
-    "backend": BACKENDS,
-    "role": ROLES,
-    "phase": COMMIT_PHASES,
-}
-
 
 class UnlabelledLastValue(Collector):
     """An unlabelled gauge with no sample until its first :meth:`set`.
@@ -455,74 +478,6 @@ def disable_created_series() -> None:
     actors) call this; importing obsckpt leaves a user's own metrics alone.
     """
     prometheus_client.disable_created_metrics()
-
-
-def validate_max_slot_labels(value: object) -> int:
-    """``value`` if it is a positive int, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            "max_slot_labels must be a positive int (the distinct slot names kept as "
-            f'metric labels; later new slots are recorded as slot="{OVERFLOW_SLOT}"), '
-            f"got {value!r}"
-        )
-    return value
-
-
-def validate_sync_labels(backend: object, method: object, reason: object = None) -> None:
-    """Refuse weight-sync label values outside the known ones: each would be a new series.
-
-    Raises:
-        ValueError: ``backend`` is not one of ``method``'s, or ``reason`` is not known.
-    """
-    if method not in SYNC_METHODS or backend not in SYNC_METHODS[method]:
-        known = "; ".join(
-            f"{m!r} with {', '.join(map(repr, bs))}" for m, bs in SYNC_METHODS.items()
-        )
-        raise ValueError(
-            f"weight-sync method {method!r} with backend {backend!r} is not one obsckpt "
-            f"records; pass one of: {known}"
-        )
-    if reason is not None and reason not in FAILURE_REASONS:
-        raise ValueError(
-            f"weight-sync failure reason {reason!r} is not one of {FAILURE_REASONS}; pass "
-            "'timeout' for a sync that stalled past its timeout, else 'error'"
-        )
-
-
-def validate_seconds(name: str, value: object) -> None:
-    """Refuse a duration that is not finite, non-negative seconds (None passes).
-
-    A negative one would make a histogram's ``_sum`` go backwards (read as a
-    reset by rate()), a NaN would make it NaN for the rest of the monitor's life.
-    """
-    if value is None:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(
-            f"{name} must be finite, non-negative seconds or None, got {value!r}; "
-            "pass the measured duration (e.g. from time.monotonic()) or None"
-        )
-
-
-def validate_bytes(name: str, value: object) -> None:
-    """Refuse a byte count that is not a non-negative integer (None passes)."""
-    if value is None:
-        return
-    if non_negative_int(value) is None:
-        raise ValueError(
-            f"{name} must be a non-negative integer number of bytes or None, got {value!r}"
-        )
-
-
-def validate_role(role: object) -> None:
-    """Refuse a ``role`` label value other than ``trainer`` or ``rollout``."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 class Metrics:
@@ -574,10 +529,10 @@ class Metrics:
                 for tail in rest:
                     metric.labels(*pair, *tail)
             return
-        if not all(label in _KNOWN_LABELS for label in spec.labels):
+        if not all(label in KNOWN_LABELS for label in spec.labels):
             return  # slot and rank values are only known once a worker reports them
         (label,) = spec.labels
-        for value in _KNOWN_LABELS[label]:
+        for value in KNOWN_LABELS[label]:
             metric.labels(value)
 
     # Typed attributes, filled in by __init__ from METRICS.

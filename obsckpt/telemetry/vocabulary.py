@@ -1,0 +1,112 @@
+"""The label values obsckpt's metrics take, and the checks on what callers send.
+
+Every label whose values are fixed is listed here (``slot`` and ``rank`` are the
+callers', bounded by the monitor); a value outside these would be a new series.
+The ``validate_*`` functions refuse label values and measurements that a metric
+cannot record. :mod:`obsckpt.telemetry.metrics` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import math
+
+from obsckpt.admission import STRATEGIES
+from obsckpt.commit import COMMIT_PHASES
+from obsckpt.layout import KINDS
+from obsckpt.validators import non_negative_int
+
+RESULTS = ("ok", "error")
+# Weight-sync backends: torch.distributed's for a broadcast; CUDA IPC, or shared
+# memory files on CPU, for the colocated sync.
+NCCL, GLOO, CUDA_IPC, SHM = "nccl", "gloo", "cuda_ipc", "shm"
+BACKENDS = (NCCL, GLOO, CUDA_IPC, SHM)
+# Weight-sync methods and the backends each runs on.
+BROADCAST_BACKENDS = (NCCL, GLOO)
+IPC_BACKENDS = (CUDA_IPC, SHM)
+SYNC_METHODS = {"broadcast": BROADCAST_BACKENDS, "ipc": IPC_BACKENDS}
+FAILURE_REASONS = ("timeout", "error")
+# Who holds a model version: the trainer, or the rollout side it syncs to.
+TRAINER, ROLLOUT = "trainer", "rollout"
+ROLES = (TRAINER, ROLLOUT)
+
+# Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
+DEFAULT_MAX_SLOT_LABELS = 32
+# Not a valid slot name (those start with a letter or digit), so it never collides with one.
+OVERFLOW_SLOT = "_other"
+
+# Label values known up front, so the series exist (at zero) from the first scrape.
+KNOWN_LABELS: dict[str, tuple[str, ...]] = {
+    "kind": KINDS,
+    "strategy": STRATEGIES,
+    "backend": BACKENDS,
+    "role": ROLES,
+    "phase": COMMIT_PHASES,
+}
+
+
+def validate_max_slot_labels(value: object) -> int:
+    """``value`` if it is a positive int, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            "max_slot_labels must be a positive int (the distinct slot names kept as "
+            f'metric labels; later new slots are recorded as slot="{OVERFLOW_SLOT}"), '
+            f"got {value!r}"
+        )
+    return value
+
+
+def validate_sync_labels(backend: object, method: object, reason: object = None) -> None:
+    """Refuse weight-sync label values outside the known ones: each would be a new series.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``method``'s, or ``reason`` is not known.
+    """
+    if method not in SYNC_METHODS or backend not in SYNC_METHODS[method]:
+        known = "; ".join(
+            f"{m!r} with {', '.join(map(repr, bs))}" for m, bs in SYNC_METHODS.items()
+        )
+        raise ValueError(
+            f"weight-sync method {method!r} with backend {backend!r} is not one obsckpt "
+            f"records; pass one of: {known}"
+        )
+    if reason is not None and reason not in FAILURE_REASONS:
+        raise ValueError(
+            f"weight-sync failure reason {reason!r} is not one of {FAILURE_REASONS}; pass "
+            "'timeout' for a sync that stalled past its timeout, else 'error'"
+        )
+
+
+def validate_seconds(name: str, value: object) -> None:
+    """Refuse a duration that is not finite, non-negative seconds (None passes).
+
+    A negative one would make a histogram's ``_sum`` go backwards (read as a
+    reset by rate()), a NaN would make it NaN for the rest of the monitor's life.
+    """
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{name} must be finite, non-negative seconds or None, got {value!r}; "
+            "pass the measured duration (e.g. from time.monotonic()) or None"
+        )
+
+
+def validate_bytes(name: str, value: object) -> None:
+    """Refuse a byte count that is not a non-negative integer (None passes)."""
+    if value is None:
+        return
+    if non_negative_int(value) is None:
+        raise ValueError(
+            f"{name} must be a non-negative integer number of bytes or None, got {value!r}"
+        )
+
+
+def validate_role(role: object) -> None:
+    """Refuse a ``role`` label value other than ``trainer`` or ``rollout``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
