@@ -33,6 +33,7 @@ DESIGN_METRICS = {
     "obsckpt_last_commit_phase_seconds": ("gauge", ("phase",)),
     "obsckpt_last_broadcast_duration_seconds": ("gauge", ("backend", "method")),
     "obsckpt_last_state_dict_upload_duration_seconds": ("gauge", ()),
+    "obsckpt_leftovers_removed_total": ("counter", ()),
 }
 # Labels whose values are fixed in telemetry/vocabulary.py, and the two that callers fill in,
 # which the monitor bounds (slot: max_slot_labels; rank: the world size).

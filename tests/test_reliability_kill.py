@@ -12,6 +12,7 @@ ranks) and resumes from the newest committed step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -200,7 +201,7 @@ class TestLeftoversOfWritesCutShort:
     """A job's start removes obsckpt's own temp files and scratch directories that a
     killed writer left (older than the last commit), and touches nothing else."""
 
-    def test_swept_at_start(self, tmp_path):
+    def test_swept_at_start(self, tmp_path, caplog):
         from prometheus_client import CollectorRegistry
 
         root = tmp_path / "root"
@@ -232,9 +233,9 @@ class TestLeftoversOfWritesCutShort:
         recent = step / "actor" / "model.pt.tmp.99.87654321"
         recent.write_bytes(b"being written")
 
-        m = CheckpointMonitor(
-            default_local_dir=root, metrics_port=None, registry=CollectorRegistry()
-        )
+        registry = CollectorRegistry()
+        with caplog.at_level(logging.INFO, logger="obsckpt.monitor"):
+            m = CheckpointMonitor(default_local_dir=root, metrics_port=None, registry=registry)
         try:
             status = asyncio.run(m.status())
         finally:
@@ -242,6 +243,10 @@ class TestLeftoversOfWritesCutShort:
         assert not any(p.exists() for p in [*leftovers, scratch])
         assert all(p.exists() for p in [*kept, recent, step / "actor" / "model.pt"])
         assert status["leftovers_removed"] == len(leftovers) + 1
+        assert registry.get_sample_value("obsckpt_leftovers_removed_total") == len(leftovers) + 1
+        (logged,) = [r.getMessage() for r in caplog.records if "leftover temp files" in r.message]
+        assert f"removed {len(leftovers) + 1} leftover" in logged
+        assert all(str(p) in logged for p in [*leftovers, scratch])
         assert reader.read_iteration(root, "checkpoint") == 1
 
     def test_nothing_is_swept_before_a_first_commit(self, tmp_path):
@@ -251,11 +256,12 @@ class TestLeftoversOfWritesCutShort:
         temp = layout.step_dir(root, 1) / "model.pt.tmp.4242.0badf00d"
         temp.parent.mkdir(parents=True)
         temp.write_bytes(b"partial")
-        m = CheckpointMonitor(
-            default_local_dir=root, metrics_port=None, registry=CollectorRegistry()
-        )
+        registry = CollectorRegistry()
+        m = CheckpointMonitor(default_local_dir=root, metrics_port=None, registry=registry)
         try:
             assert asyncio.run(m.status())["leftovers_removed"] == 0
+            # Served at 0 from the first scrape, so a later sweep is an increase.
+            assert registry.get_sample_value("obsckpt_leftovers_removed_total") == 0
         finally:
             asyncio.run(m.shutdown())
         assert temp.exists()

@@ -143,14 +143,8 @@ class CheckpointMonitor(MeasurementRPCs):
         # writer can still be using a temp file older than the last commit. (A monitor
         # Ray restarted mid-job leaves them: the job's saves may be writing.)
         self.leftovers_removed = [] if restarted else commit.sweep_leftovers(self.root)
-        if self.leftovers_removed:
-            logger.info(
-                "obsckpt monitor: removed %d leftover temp files of writes cut short in %s: %s",
-                len(self.leftovers_removed),
-                self.root,
-                self.leftovers_removed[:10],
-            )
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
+        self.telemetry.leftovers_swept(self.root, self.leftovers_removed)
         self.core = MonitorCore(
             self.strategy,
             latest=latest,

@@ -10,6 +10,7 @@ send, the HTTP endpoint and its Prometheus file_sd entry.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -116,6 +117,19 @@ class MonitorTelemetry(MonitorObserver):
     def node_query_failed(self) -> None:
         """Ray could not be asked which nodes are dead."""
         self.metrics.node_query_failures.inc()
+
+    def leftovers_swept(self, root: str | os.PathLike[str], removed: list[str]) -> None:
+        """The monitor's start removed ``removed`` from ``root``: obsckpt's own temp
+        files and scratch directories of writes cut short (none if Ray restarted it)."""
+        if not removed:
+            return
+        self.metrics.leftovers_removed.inc(len(removed))
+        logger.info(
+            "obsckpt monitor: removed %d leftover temp files of writes cut short in %s: %s",
+            len(removed),
+            root,
+            removed[:10],
+        )
 
     # -- the endpoint ---------------------------------------------------------
 

@@ -403,6 +403,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "node_query_failures",
     ),
     MetricSpec(
+        "obsckpt_leftovers_removed_total",
+        "counter",
+        (),
+        "obsckpt's own temp files and scratch directories of writes cut short, removed by "
+        "a monitor at its start.",
+        "leftovers_removed",
+    ),
+    MetricSpec(
         "obsckpt_metrics_connections_rejected_total",
         "counter",
         (),
@@ -570,4 +578,5 @@ class Metrics:
     commit_phase_started: Gauge
     monitor_fenced: Gauge
     node_query_failures: Counter
+    leftovers_removed: Counter
     metrics_connections_rejected: Counter
