@@ -489,7 +489,15 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                         "{{instance}}",
                     )
                 ],
-                width=24,
+                height=6,
+            ),
+            PanelSpec(
+                "Leftovers removed at start",
+                "obsckpt's own temp files and scratch directories of writes cut short (a "
+                "killed rank or monitor) that each monitor removed at its start; the "
+                "monitor's log names them.",
+                "none",
+                [(f"max by (instance) ({m('obsckpt_leftovers_removed_total')})", "{{instance}}")],
                 height=6,
             ),
         ],
