@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from types import TracebackType
 from typing import Any
 
@@ -35,8 +34,8 @@ from obsckpt.errors import SaveError, SavePathError, SaveTimeoutError
 from obsckpt.file_records import check_targets, path_list, run_and_record
 from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
-from obsckpt.save_job import SaveErrors, SaveJob
-from obsckpt.save_threads import STALL_WARNING_S, THREADS, wait_watched
+from obsckpt.save_job import SaveErrors, SaveJob, wait_jobs
+from obsckpt.save_threads import STALL_TIMEOUT_S, STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.slot_staging import SlotStaging, StagedSave
 from obsckpt.telemetry import tracing
 from obsckpt.validators import validate_parts, validate_slot, validate_step
@@ -52,13 +51,16 @@ class CheckpointCoordinator:
         rank: this process's rank, reported with measurements (default: from
             ``RANK`` or torch.distributed).
         save_timeout: seconds after which a running save is reported failed (its
-            step never commits) and a join on its slot gives up; None sets no
-            bound (the wait is still watched, see ``stall_warning_s``).
+            step never commits) and a join on its slot gives up; None: saves run
+            as long as they take (waits on them are bounded by ``stall_timeout_s``).
         rpc_timeout: seconds to wait for a monitor RPC that is not an admission.
-        stall_warning_s: while a wait without a bound lasts (a slot's join and
+        stall_warning_s: while a wait on a save lasts (a slot's join and
             :meth:`wait_all` under ``save_timeout=None``, a save or :meth:`prepare`
-            waiting for a slot's prepare), a warning naming the slot, the step and
-            the time waited is logged every this many seconds.
+            waiting for a slot's prepare, :meth:`close`), a warning naming the slot,
+            the step and the time waited is logged every this many seconds.
+        stall_timeout_s: such a wait raises :class:`SaveTimeoutError` (a prepare's
+            :class:`WaitTimeoutError`) naming what it waited for after this many
+            seconds (default 2 h; :meth:`close` gives up silently); None: never.
 
     A save writes only into its own step's directory, ``<root>/global_step_<N>``
     under the monitor's root: a ``path`` or ``paths=`` entry anywhere else (another
@@ -79,12 +81,15 @@ class CheckpointCoordinator:
         save_timeout: float | None = None,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S,
         stall_warning_s: float = STALL_WARNING_S,
+        stall_timeout_s: float | None = STALL_TIMEOUT_S,
     ) -> None:
-        if save_timeout is not None and not validators.positive_seconds(save_timeout):
-            raise ValueError(f"save_timeout must be positive seconds or None, got {save_timeout!r}")
+        for arg, value in (("save_timeout", save_timeout), ("stall_timeout_s", stall_timeout_s)):
+            if value is not None and not validators.positive_seconds(value):
+                raise ValueError(f"{arg} must be positive seconds or None, got {value!r}")
         if not validators.positive_seconds(stall_warning_s):
             raise ValueError(f"stall_warning_s must be positive seconds, got {stall_warning_s!r}")
         self.stall_warning_s = stall_warning_s
+        self.stall_timeout_s = stall_timeout_s
         self._monitor = checkpoint_monitor
         # The link holds the rank and rpc_timeout it reports with (properties below).
         self._link = MonitorLink(
@@ -105,6 +110,7 @@ class CheckpointCoordinator:
             save_running=self._save_running,
             logger=logger,
             stall_warning_s=stall_warning_s,
+            stall_timeout_s=stall_timeout_s,
         )
         self._logger = logger
 
@@ -364,6 +370,7 @@ class CheckpointCoordinator:
         Errors of failed saves stay for :meth:`wait_all`. A slot whose save is
         still running after ``timeout`` keeps its staging.
         """
+        timeout = timeout if timeout is not None else self.stall_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             jobs = dict(self._saves)
@@ -383,39 +390,19 @@ class CheckpointCoordinator:
 
         A save that ran past ``save_timeout`` is not waited for: its
         :class:`SaveTimeoutError` is raised (it keeps its slot until it returns).
-        With ``timeout=None`` (and no ``save_timeout``) the wait has no bound, but
-        every ``stall_warning_s`` it logs a warning naming the saves still running
-        (slot and step) and how long it has waited.
+        ``timeout=None`` waits up to ``stall_timeout_s``; every ``stall_warning_s``
+        it logs a warning naming the saves still running and the time waited.
 
         Raises:
-            SaveTimeoutError: saves still running after ``timeout`` seconds, or past
-                ``save_timeout``.
+            SaveTimeoutError: saves still running after ``timeout`` seconds (or
+                ``stall_timeout_s``), or past ``save_timeout``.
             SaveError: a background save failed since the last call.
         """
         with self._lock:
             jobs = list(self._saves.values())
-        outcomes = [job.outcome for job in jobs]
-
-        def still_running() -> str:
-            left = [f"{j.slot!r} (step {j.step})" for j in jobs if not j.outcome.done()]
-            return f"{len(left)} of {len(jobs)} saves in wait_all: {', '.join(left)}"
-
-        wait_watched(
-            lambda t: not wait_futures(outcomes, t).not_done,
-            timeout,
-            still_running,
-            warn_every=self.stall_warning_s,
-            log=self.logger,
-        )
-        running = [job for job in jobs if not job.outcome.done()]
-        if running:
-            names = ", ".join(f"{job.slot!r} (step {job.step})" for job in running)
-            raise SaveTimeoutError(
-                f"{len(jobs) - len(running)} of {len(jobs)} saves finished after "
-                f"{timeout:.1f} s; still running: {names}",
-                slot=running[0].slot,
-                step=running[0].step,
-            )
+        bound = "timeout" if timeout is not None else "stall_timeout_s"
+        timeout = timeout if timeout is not None else self.stall_timeout_s
+        wait_jobs(jobs, timeout, bound, warn_every=self.stall_warning_s, log=self.logger)
         with self._lock:
             for name, job in list(self._saves.items()):
                 if job.ended():
@@ -482,15 +469,19 @@ class CheckpointCoordinator:
     def _join(self, name: str, trace_context: dict | None = None, step: int | None = None) -> float:
         """Wait for the previous save of ``name`` (see :meth:`SaveJob.join`); seconds waited.
 
-        Bounded by ``save_timeout``; without one, watched (a warning every
-        ``stall_warning_s`` names the slot, both steps and the time waited).
+        Bounded by ``save_timeout``, else ``stall_timeout_s``; watched (a warning
+        every ``stall_warning_s`` names the slot, both steps and the time waited).
         """
         with self._lock:
             prev = self._saves.get(name)
         if prev is None:
             return 0.0
+        if self.save_timeout is not None:
+            timeout, bound = self.save_timeout, "save_timeout"
+        else:
+            timeout, bound = self.stall_timeout_s, "stall_timeout_s"
         return prev.join(
-            trace_context, self.save_timeout, warn_every=self.stall_warning_s, next_step=step
+            trace_context, timeout, warn_every=self.stall_warning_s, next_step=step, bound=bound
         )
 
     def check_targets(

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,7 @@ class SaveJob:
         *,
         warn_every: float = STALL_WARNING_S,
         next_step: int | None = None,
+        bound: str = "save_timeout",
     ) -> float:
         """Wait for :meth:`run` to return before another save writes to the slot.
 
@@ -136,7 +138,8 @@ class SaveJob:
         this save's step, the waiting save's ``next_step`` and the time waited.
 
         Raises:
-            SaveTimeoutError: still running after ``timeout`` seconds.
+            SaveTimeoutError: still running after ``timeout`` seconds (the setting
+                named ``bound``).
         """
         if self.ended():
             return 0.0
@@ -159,7 +162,7 @@ class SaveJob:
         if not finished:
             raise SaveTimeoutError(
                 f"slot {self.slot!r} is still busy with step {self.step} after {waited:.1f} s "
-                f"(save_timeout); a new save cannot share its destination. Check the stuck save "
+                f"({bound}); a new save cannot share its destination. Check the stuck save "
                 "(py-spy dump) or give this save another slot name",
                 slot=self.slot,
                 step=self.step,
@@ -450,3 +453,42 @@ def _drop_tracebacks(exc: BaseException | None) -> None:
         seen.add(id(exc))
         exc.__traceback__ = None
         exc = exc.__cause__ or exc.__context__
+
+
+def wait_jobs(
+    jobs: list[SaveJob],
+    timeout: float | None,
+    bound: str,
+    *,
+    warn_every: float = STALL_WARNING_S,
+    log: logging.Logger | None = None,
+) -> None:
+    """Wait for every job's outcome, up to ``timeout`` (the setting named ``bound``).
+
+    Every ``warn_every`` seconds still waiting it logs the saves still running.
+
+    Raises:
+        SaveTimeoutError: saves still running after ``timeout``, named with the time.
+    """
+    outcomes = [job.outcome for job in jobs]
+
+    def still_running() -> str:
+        left = [f"{j.slot!r} (step {j.step})" for j in jobs if not j.outcome.done()]
+        return f"{len(left)} of {len(jobs)} saves in wait_all: {', '.join(left)}"
+
+    wait_watched(
+        lambda t: not wait_futures(outcomes, t).not_done,
+        timeout,
+        still_running,
+        warn_every=warn_every,
+        log=log,
+    )
+    running = [job for job in jobs if not job.outcome.done()]
+    if running:
+        names = ", ".join(f"{job.slot!r} (step {job.step})" for job in running)
+        raise SaveTimeoutError(
+            f"{len(jobs) - len(running)} of {len(jobs)} saves finished after "
+            f"{timeout:.1f} s ({bound}); still running: {names}",
+            slot=running[0].slot,
+            step=running[0].step,
+        )

@@ -38,6 +38,10 @@ _EXIT_WAIT_S = 60.0
 # Seconds between the warnings of a wait that has no bound (a slot's join, wait_all,
 # a prepare): a stuck save shows in the log, named, instead of as a silent hang.
 STALL_WARNING_S = 60.0
+# The longest such a wait lasts (a CheckpointCoordinator's ``stall_timeout_s``): past
+# it the wait raises, naming what it waited for and for how long, instead of hanging
+# the training loop for good behind a save that never returns.
+STALL_TIMEOUT_S = 7200.0
 
 
 def wait_watched(

@@ -20,9 +20,9 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
-from obsckpt.errors import SaveTimeoutError
+from obsckpt.errors import SaveTimeoutError, WaitTimeoutError
 from obsckpt.monitor_link import MonitorLink
-from obsckpt.save_threads import STALL_WARNING_S, THREADS, wait_watched
+from obsckpt.save_threads import STALL_TIMEOUT_S, STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.validators import validate_slot
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ class StagedSave:
 
         CUDA sources: the caller's current stream waits for the side stream's
         copies (an event; the host does not block). CPU sources: blocks until
-        the copy thread has finished.
+        the copy thread has finished. ``timeout`` None waits at most
+        :data:`obsckpt.staging.STAGING_TIMEOUT_S`.
 
         Raises:
             SaveTimeoutError: the copies did not finish within ``timeout`` seconds.
@@ -63,6 +64,10 @@ class StagedSave:
         """
         if self._copy is None:
             return
+        if timeout is None:
+            from obsckpt.staging import STAGING_TIMEOUT_S  # loaded already: the copy is its
+
+            timeout = STAGING_TIMEOUT_S
         if not self._copy.wait(timeout):
             raise SaveTimeoutError(
                 f"staging of slot {self.slot!r} step {self.step} did not finish within "
@@ -81,6 +86,8 @@ class SlotStaging:
         logger: where cold saves and take-overs are logged.
         stall_warning_s: while a save or a prepare waits for the slot's prepare,
             a warning naming the slot is logged every this many seconds.
+        stall_timeout_s: such a wait raises :class:`WaitTimeoutError` after this
+            many seconds (None: it never does).
     """
 
     def __init__(
@@ -90,9 +97,11 @@ class SlotStaging:
         save_running: Callable[[str], bool],
         logger: logging.Logger,
         stall_warning_s: float = STALL_WARNING_S,
+        stall_timeout_s: float | None = STALL_TIMEOUT_S,
     ) -> None:
         self.logger = logger
         self.stall_warning_s = stall_warning_s
+        self.stall_timeout_s = stall_timeout_s
         self._link = link
         self._save_running = save_running
         # Guards the four fields below. Taken before the coordinator's slot-table lock
@@ -140,7 +149,11 @@ class SlotStaging:
             previous = self._preparing.get(slot)
             self._preparing[slot] = future
         if previous is not None:
-            self._wait_prepare(slot, previous)  # one prepare of a slot at a time
+            try:
+                self._wait_prepare(slot, previous)  # one prepare of a slot at a time
+            except BaseException as exc:
+                future.set_exception(exc)  # settled: a later prepare does not wait for it
+                raise
         if background:
             threading.Thread(target=run, name=f"obsckpt-prepare-{slot}", daemon=True).start()
         else:
@@ -187,14 +200,23 @@ class SlotStaging:
                 pass  # its slot is still being prepared; it keeps its staging
 
     def _wait_prepare(self, slot: str, future: Future) -> None:
-        """Wait for ``future``, a prepare of ``slot``; watched (a warning every ``stall_warning_s``)."""
-        wait_watched(
+        """Wait for ``future``, a prepare of ``slot``: watched, and bounded by ``stall_timeout_s``.
+
+        Raises:
+            WaitTimeoutError: the prepare still runs after ``stall_timeout_s``.
+        """
+        if not wait_watched(
             lambda t: not wait_futures([future], t).not_done,
-            None,
+            self.stall_timeout_s,
             lambda: f"the prepare() of slot {slot!r}",
             warn_every=self.stall_warning_s,
             log=self.logger,
-        )
+        ):
+            raise WaitTimeoutError(
+                f"the prepare() of slot {slot!r} was still running after "
+                f"{self.stall_timeout_s:.1f} s (stall_timeout_s); a save or prepare of the "
+                "slot waits for it. Check the stuck prepare (py-spy dump)"
+            )
 
     def release(self, *, keep: set[str]) -> None:
         """Release the staging of every slot not in ``keep`` nor being prepared."""

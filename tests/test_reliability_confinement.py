@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,8 @@ from obsckpt import (
     SaveError,
     SavePathError,
     SaveStrategy,
+    SaveTimeoutError,
+    WaitTimeoutError,
     layout,
     reader,
 )
@@ -419,6 +422,68 @@ class TestWatchedWaits:
     def test_stall_warning_must_be_positive(self, namespace, root):
         with pytest.raises(ValueError, match=r"stall_warning_s must be positive seconds, got 0"):
             CheckpointCoordinator(make_monitor(namespace, root), stall_warning_s=0)
+        with pytest.raises(ValueError, match=r"stall_timeout_s must be positive seconds or None"):
+            CheckpointCoordinator(make_monitor(namespace, root), stall_timeout_s=-1)
+
+    def test_a_stuck_save_bounds_the_join_and_wait_all_by_stall_timeout(
+        self, namespace, root, caplog
+    ):
+        """Under save_timeout=None a save runs as long as it takes, but the waits on it
+        end after stall_timeout_s, naming the slot, the step and the time waited; the
+        save that could not start fails its own step instead of waiting for good."""
+        monitor = make_monitor(namespace, root, strategy=SaveStrategy.UNRESTRICTED)
+        coord = CheckpointCoordinator(monitor, rank=0, stall_warning_s=0.1, stall_timeout_s=0.5)
+        release = threading.Event()
+        coord.save_async("model", lambda: release.wait(60), 1)
+        coord.link.register_thread_count(2, checkpoint_thread_count=1)
+
+        with caplog.at_level(logging.WARNING, logger="obsckpt"):
+            with pytest.raises(SaveTimeoutError) as joined:
+                coord.save_async("model", lambda: None, 2)
+        assert_one_line(joined.value)
+        assert re.search(
+            r"slot 'model' is still busy with step 1 after 0\.\d s \(stall_timeout_s\)",
+            str(joined.value),
+        ), joined.value
+        assert "(gives up after 0 s)" in caplog.text or "(gives up after 1 s)" in caplog.text
+        status = ray.get(monitor.status.remote())
+        assert [f["step"] for f in status["failed"]] == [2]
+        assert 2 not in [p["step"] for p in status["pending"]]
+
+        with pytest.raises(SaveTimeoutError) as waited:
+            coord.wait_all()
+        assert (
+            "0 of 1 saves finished after 0.5 s (stall_timeout_s); still running: 'model' (step 1)"
+            in str(waited.value)
+        )
+        release.set()
+        coord.wait_all(timeout=30)  # step 1's save ended: nothing is left to raise
+
+    def test_a_wait_for_a_stuck_prepare_is_bounded(self, namespace, root, monkeypatch):
+        from obsckpt.staging import StagingBuffers
+
+        gate = threading.Event()
+        real = StagingBuffers.prepare
+
+        def held(self, state_dict):
+            gate.wait(30)
+            return real(self, state_dict)
+
+        monkeypatch.setattr(StagingBuffers, "prepare", held)
+        coord = CheckpointCoordinator(
+            make_monitor(namespace, root), rank=0, stall_warning_s=0.1, stall_timeout_s=0.3
+        )
+        state = {"w": torch.ones(8)}
+        first = coord.prepare("model", state, background=True)
+        with pytest.raises(
+            WaitTimeoutError,
+            match=r"the prepare\(\) of slot 'model' was still running after 0\.3 s",
+        ):
+            coord.prepare("model", state)
+        gate.set()
+        first.result(30)
+        coord.prepare("model", state)  # the slot's prepare ended: no wait now
+        coord.close()
 
 
 def test_errors_are_exported():

@@ -18,7 +18,7 @@ import torch
 
 import obsckpt.staging as staging_mod
 import obsckpt.torchfile as torchfile
-from obsckpt.errors import ObsckptError, WaitTimeoutError
+from obsckpt.errors import ObsckptError, SaveTimeoutError, WaitTimeoutError
 from obsckpt.staging import StagingBuffers, StagingCopy
 from obsckpt.torchfile import write_torch_file
 
@@ -151,6 +151,23 @@ class TestStagingWaits:
         thread.join(10)
         snapshot = staging.stage({"w": torch.ones(1000), "b": torch.ones(10)})
         assert torch.equal(snapshot["w"], torch.ones(1000))
+
+    def test_wait_staged_without_a_timeout_is_bounded(self, monkeypatch):
+        """The training thread's wait before it changes its tensors: STAGING_TIMEOUT_S."""
+        from obsckpt.slot_staging import StagedSave
+
+        monkeypatch.setattr(staging_mod, "STAGING_TIMEOUT_S", 0.2)
+        gate = threading.Event()
+        _, copier, thread = self._held_copy(gate)
+        t0 = time.monotonic()
+        with pytest.raises(
+            SaveTimeoutError, match=r"slot 'model' step 3 did not finish within 0\.2 s"
+        ):
+            StagedSave("model", 3, copier).wait_staged()
+        assert time.monotonic() - t0 < 5
+        gate.set()
+        thread.join(10)
+        StagedSave("model", 3, copier).wait_staged()
 
     def test_a_copy_never_started_is_reported_as_such(self, monkeypatch):
         monkeypatch.setattr(staging_mod, "STAGING_TIMEOUT_S", 0.1)
