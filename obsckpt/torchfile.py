@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt.commit import fsync_dir, raise_named
+from obsckpt.commit import fsync_many, raise_named
 from obsckpt.env import OBSCKPT_DIRECT_IO, from_env_if_absent
 from obsckpt.errors import WaitTimeoutError
 from obsckpt.layout import FileRecord, temp_name
@@ -429,12 +429,13 @@ class _PipelinedSink:
             for seq in range(self._seq):
                 crc, n = self._crcs[seq]
                 self.crc = crc32_combine(self.crc, crc, n)
-            try:
-                if self.direct:
+            if self.direct:
+                try:
                     os.ftruncate(self.fd, self.size)
-                os.fsync(self.fd)
-            except OSError as exc:  # on a descriptor: the error names no file
-                raise_named(exc, self.path)
+                except OSError as exc:  # on a descriptor: the error names no file
+                    raise_named(exc, self.path)
+            # Bounded (FSYNC_TIMEOUT_S): a hung fsync of network storage fails the save.
+            fsync_many([(self.path, False)], phase=f"writing {self.path}")
         except BaseException:
             self.close(quiet=True)  # an error closing must not hide the one that ended the write
             raise
@@ -584,5 +585,5 @@ def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
     except BaseException:
         _remove_temp(tmp)
         raise
-    fsync_dir(directory)
+    fsync_many([(directory, True)], phase=f"writing {path}: its directory")
     return FileRecord(path=os.path.abspath(path), size=sink.size, crc32=sink.crc)

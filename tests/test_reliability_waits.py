@@ -56,6 +56,38 @@ class TestWriterWaits:
     """A write that hangs fails the save with WaitTimeoutError after the bound, and the
     file's descriptor is closed once the write returns."""
 
+    @pytest.mark.parametrize("hung", ["file", "directory"])
+    def test_a_hung_fsync_of_the_file_or_its_directory_is_bounded(
+        self, tmp_path, monkeypatch, hung
+    ):
+        """An fsync on network storage that stops answering: the save fails naming the
+        file (the fsync runs on a pool thread, which it keeps while the storage hangs)."""
+        from obsckpt import commit
+        from obsckpt.errors import FsyncTimeoutError
+
+        gate = threading.Event()
+        real = commit.fsync_dir if hung == "directory" else commit.fsync_file
+
+        def hanging(path):
+            gate.wait(30)
+            real(path)
+
+        monkeypatch.setattr(commit, "FSYNC_TIMEOUT_S", 0.3)
+        monkeypatch.setattr(commit, "fsync_dir" if hung == "directory" else "fsync_file", hanging)
+        path = tmp_path / "model.pt"
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(FsyncTimeoutError, match=r"after 0\.3 s") as info:
+                write_torch_file({"w": torch.randn(100)}, path)
+        finally:
+            gate.set()
+        assert time.monotonic() - t0 < 10
+        assert f"writing {path}" in str(info.value)
+        if hung == "file":
+            assert not path.exists() and os.listdir(tmp_path) == []  # temp removed
+        else:
+            assert path.exists()  # renamed; whether it is durable is unknown: not reported
+
     def test_join_of_a_hung_writer_thread_is_bounded(self, tmp_path, held_writes):
         path = tmp_path / "model.pt"
         t0 = time.monotonic()
