@@ -81,8 +81,13 @@ def one_line(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException) and cause is not exc:
         return one_line(cause)
-    text = " ".join(_ANSI_RE.sub("", str(exc)).split()) or "(no message)"
+    text = " ".join(strip_colour(str(exc)).split()) or "(no message)"
     return f"{type(exc).__name__}: {text}"
+
+
+def strip_colour(text: str) -> str:
+    """``text`` without terminal colour codes."""
+    return _ANSI_RE.sub("", text)
 
 
 def default_rank() -> int | None:

@@ -364,6 +364,29 @@ class TestErrorsCrossingRay:
         assert monitor_error(plain, "status", "m") is plain
 
 
+class _FailsToStart(CheckpointMonitor):
+    """A monitor whose constructor fails (its port taken, say) after the caller's checks."""
+
+    def __init__(self, *args, **kwargs):
+        raise OSError(98, "Address already in use")
+
+
+class TestMonitorStart:
+    def test_a_monitor_that_fails_to_start_is_one_line_naming_its_error(self, namespace, root):
+        from obsckpt.monitor.lifecycle import start_actor
+        from obsckpt.options import MonitorOptions
+
+        options = MonitorOptions(namespace=namespace, default_local_dir=str(root))
+        with pytest.raises(MonitorCallError) as info:
+            start_actor(_FailsToStart, options, max_restarts=0)
+        assert_one_line(info.value)
+        assert str(info.value).endswith(
+            f"for checkpoint root {str(root)!r} failed to start: "
+            "OSError: [Errno 98] Address already in use"
+        ), info.value
+        assert isinstance(info.value.__cause__, ray.exceptions.RayActorError)
+
+
 class TestIdentity:
     """A save's identity is real: Ray's node and job ids, else this host and pid (logged once)."""
 

@@ -443,6 +443,15 @@ class TestReadErrorAdvice:
         if code == errno.EMFILE:
             assert "ulimit -n" in msg
 
+    @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
+    def test_a_commit_out_of_descriptors_points_at_the_limit_not_the_disk(self, code):
+        from obsckpt.monitor.commit_io import storage_hint
+
+        hint = storage_hint(OSError(code, os.strerror(code)), "/ckpt")
+        assert "ulimit -n" in hint and "nothing on disk needs changing" in hint
+        for word in ("remove", "restore", "free space"):
+            assert word not in hint.lower(), hint
+
     def test_bad_content_says_how_to_repair_without_deleting(self, tmp_path):
         (tmp_path / layout.ITERATION_FILES["checkpoint"]).write_text("garbage\n")
         with pytest.raises(IterationFileError) as info:

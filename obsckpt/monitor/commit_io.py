@@ -32,6 +32,11 @@ def storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
         what = f"Remount the filesystem of {root} read-write"
     elif exc.errno in (errno.EACCES, errno.EPERM):
         what = f"Let this process create files in {root} and its step directories"
+    elif exc.errno in (errno.EMFILE, errno.ENFILE):
+        what = (
+            "Raise the monitor's open-file limit (ulimit -n) or find what holds its "
+            "descriptors (/proc/<pid>/fd); nothing on disk needs changing"
+        )
     elif exc.errno == errno.ENOENT:
         what = f"Leave the step directories under {root} in place until they are committed"
     else:

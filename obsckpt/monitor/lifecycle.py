@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from obsckpt import commit, layout, repair, rootlock
-from obsckpt.errors import IterationFileError
+from obsckpt.errors import IterationFileError, MonitorCallError
 from obsckpt.monitor.core import MonitorCore
+from obsckpt.monitor_link import strip_colour
 from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
 
 logger = logging.getLogger("obsckpt.monitor")
@@ -178,11 +179,11 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
     # failed to start here rather than at the first save.
     try:
         running: str = ray.get(monitor.checkpoint_root.remote())
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.RayActorError as exc:
         # Its constructor failed; the likeliest cause, another job's monitor that
         # took the root since the check above, gets its own error.
         rootlock.check_free(root)
-        raise
+        raise _start_error(exc, root) from exc
     if os.path.realpath(running) != os.path.realpath(root):
         where = f"namespace {namespace!r}" if namespace else "this job's namespace"
         raise ValueError(
@@ -192,3 +193,13 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
             "(namespace=...), or pass the same default_local_dir"
         )
     return monitor
+
+
+def _start_error(exc: BaseException, root: str) -> MonitorCallError:
+    """One line for a monitor whose constructor failed: Ray's text ends with its error."""
+    text = strip_colour(getattr(exc, "error_msg", "") or str(exc))
+    lines = [line for line in text.splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else type(exc).__name__
+    return MonitorCallError(
+        f"the {MONITOR_ACTOR_NAME} actor for checkpoint root {root!r} failed to start: {last}"
+    )
