@@ -476,9 +476,9 @@ class CheckpointCoordinator:
             prev = self._saves.get(name)
         if prev is None:
             return 0.0
-        if self.save_timeout is not None:
-            timeout, bound = self.save_timeout, "save_timeout"
-        else:
+        timeout: float | None = self.save_timeout
+        bound = "save_timeout"
+        if timeout is None:
             timeout, bound = self.stall_timeout_s, "stall_timeout_s"
         return prev.join(
             trace_context, timeout, warn_every=self.stall_warning_s, next_step=step, bound=bound
