@@ -196,6 +196,41 @@ def test_upload_state_dict_from_rank_0_only(namespace):
     assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected.items())
 
 
+@ray.remote
+class _SlowSynchronizer:
+    """Takes a state dict only once released (a rollout side that has not finished)."""
+
+    def __init__(self):
+        self.taken = None
+
+    async def set_model_state_dict(self, state_dict, step):
+        import asyncio
+
+        while not self.taken:
+            await asyncio.sleep(0.05)
+        return step
+
+    def release(self):
+        self.taken = True
+
+    def record_upload(self, seconds):
+        pass
+
+
+def test_a_stuck_upload_is_named_in_the_log(monkeypatch, caplog):
+    """The upload waits as long as the Synchronizer takes, but says what it waits for."""
+    import logging
+
+    from obsckpt.integrations import _common
+
+    monkeypatch.setattr(_common, "STALL_WARNING_S", 0.1)
+    sync = _SlowSynchronizer.remote()
+    threading.Timer(0.5, lambda: sync.release.remote()).start()
+    with caplog.at_level(logging.WARNING, logger="obsckpt"):
+        assert megatron_upload_state_dict(FakeMcoreEngine(rank=0), sync, 7, None) > 0
+    assert "still waiting for the Synchronizer to take the weights of step 7 after" in caplog.text
+
+
 def test_sync_weight_over_gloo_bucketed():
     """Trainer rank 0 broadcasts the exported tensors; the receiver gets the same bits."""
     port = free_port()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from obsckpt.save_threads import STALL_WARNING_S, wait_watched
 from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.group import WeightSyncGroup
@@ -98,6 +99,25 @@ def gather_full_state_dict(
     return out
 
 
+def hand_to_synchronizer(ref: Any, what: str, log: logging.Logger | None = None) -> Any:
+    """``ray.get(ref)`` of a Synchronizer call, watched: a warning every ``STALL_WARNING_S``.
+
+    The call may take as long as the Synchronizer's own waits (a sync the rollout
+    side has not finished), so it has no bound of obsckpt's; a stuck one is named
+    in the log (``what``, the time waited) instead of hanging the trainer in silence.
+    """
+    import ray
+
+    wait_watched(
+        lambda t: bool(ray.wait([ref], timeout=t)[0]),
+        None,
+        lambda: f"the Synchronizer to {what}",
+        warn_every=STALL_WARNING_S,
+        log=log or _log,
+    )
+    return ray.get(ref)
+
+
 def upload_state_dict(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     synchronizer: Any,
@@ -113,7 +133,6 @@ def upload_state_dict(
     traces the upload (``obsckpt.upload``) and reports its duration through
     the Synchronizer. Returns the seconds it took on rank 0, else None.
     """
-    import ray
 
     log = logger or _log
     attrs = {span_attr.STEP: global_step, span_attr.RANK: rank}
@@ -125,7 +144,11 @@ def upload_state_dict(
         state_dict = gather_full_state_dict(named_tensors, keep=True)
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         sp.set_attribute(span_attr.BYTES, nbytes)
-        ray.get(synchronizer.set_model_state_dict.remote(state_dict, global_step))
+        hand_to_synchronizer(
+            synchronizer.set_model_state_dict.remote(state_dict, global_step),
+            f"take the weights of step {global_step}",
+            log,
+        )
     seconds = time.perf_counter() - t0
     try:
         synchronizer.record_upload.remote(seconds)

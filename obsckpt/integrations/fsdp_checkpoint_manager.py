@@ -38,7 +38,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import ray
 import torch
 import torch.distributed
 
@@ -47,6 +46,7 @@ from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import verl_install
+from obsckpt.integrations._common import hand_to_synchronizer
 from obsckpt.integrations.fsdp_files import check_world_size, committed_files, hf_model_class
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
@@ -208,7 +208,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 global_step,
             )
             return
-        ray.get(synchronizer.set_model_state_dict.remote(None, global_step))
+        hand_to_synchronizer(
+            synchronizer.set_model_state_dict.remote(None, global_step),
+            f"take the announcement of step {global_step}",
+            logger,
+        )
 
     # -- full checkpoints ----------------------------------------------
 
