@@ -79,6 +79,13 @@ def latency(metric: str, by: tuple[str, ...], legend: str) -> list[tuple[str, st
     )
 
 
+# The last weight sync's bytes over its duration (both gauges kept until the next
+# sync, so it needs no window), per monitor, then the largest of the selected ones.
+LAST_SYNC_BANDWIDTH = (
+    f"max by (backend, method) ({m('obsckpt_last_broadcast_bytes')}"
+    f" / ({m('obsckpt_last_broadcast_duration_seconds')} > 0))",
+    "last {{backend}}",
+)
 FAILED_SAVES = m("obsckpt_saves_total", 'result="error"')
 TRAINER_VERSION = m("obsckpt_model_version", 'role="trainer"')
 ROLLOUT_VERSION = m("obsckpt_model_version", 'role="rollout"')
@@ -515,9 +522,12 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Broadcast bandwidth",
-                "Bytes per second averaged over time, and while a broadcast runs, over $window.",
+                "Bytes per second: the last weight sync's (its bytes over its duration, kept "
+                "until the next, so it shows at any sync interval), and over $window, "
+                "averaged over time and while a broadcast runs.",
                 "Bps",
                 [
+                    LAST_SYNC_BANDWIDTH,
                     (
                         f"sum by (backend) (rate({m('obsckpt_broadcast_bytes_total')}[{WINDOW}]))",
                         "{{backend}} average",

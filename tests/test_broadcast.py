@@ -78,6 +78,9 @@ def _roundtrip(rank: int, port: int) -> dict:
             report["bytes_total"] = reg.get_sample_value(
                 "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
             )
+            report["last_bytes"] = reg.get_sample_value(
+                "obsckpt_last_broadcast_bytes", {"backend": "gloo", "method": "broadcast"}
+            )
             report["duration_count"] = reg.get_sample_value(
                 "obsckpt_broadcast_duration_seconds_count",
                 {"backend": "gloo", "method": "broadcast"},
@@ -271,6 +274,8 @@ class TestTelemetry:
             *[sum(t.numel() * t.element_size() for t in model_tensors(2).values())] * 2,
         ]
         assert sender["bytes_total"] == sum(per_call) + expected + per_call[1]
+        # The last sync's bytes (model_tensors(2) at step 11), kept until the next.
+        assert sender["last_bytes"] == per_call[1]
 
     def test_collectives(self, roundtrip):
         """Bucketed: one collective per bucket of the plan; per tensor: one per tensor.

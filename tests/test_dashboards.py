@@ -24,7 +24,7 @@ HISTOGRAMS = {spec.name for spec in METRICS if spec.type == "histogram"}
 LAST_VALUE_GAUGES = {
     next(h.name for h in METRICS if h.attr == spec.last_of): spec.name
     for spec in METRICS
-    if spec.last_of
+    if spec.last_of and spec.last_of in {h.attr for h in METRICS if h.type == "histogram"}
 }
 SELECTOR = re.compile(r"\b(obsckpt_[a-z_]+)(\{[^}]*\})?")
 
@@ -303,15 +303,21 @@ LABEL_VALUES = {"slot": "actor", "kind": "checkpoint", "strategy": "all", "phase
 LABEL_VALUES["backend"] = "nccl"
 
 
+def _events(every_s: int, scrape_s: int, length_s: int) -> list[int]:
+    """Events (saves, syncs) counted at each scrape, one every ``every_s``: 0 at the
+    first scrape, the first event lands at the next one."""
+    return [0] + [
+        1 + (i * scrape_s - scrape_s) // every_s for i in range(1, length_s // scrape_s + 1)
+    ]
+
+
 def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str, str]:
     """Every latency histogram of the dashboard, one save every ``save_every_s``, and the
     gauges holding their last observation (absent until the first save, then kept).
 
     The counters are 0 at the first scrape; the first save lands at the next one.
     """
-    saves = [0] + [
-        1 + (i * scrape_s - scrape_s) // save_every_s for i in range(1, length_s // scrape_s + 1)
-    ]
+    saves = _events(save_every_s, scrape_s, length_s)
     text = lambda scale: " ".join(f"{n * scale:g}" for n in saves)  # noqa: E731
     series: dict[str, str] = {}
     for metric in {
@@ -479,6 +485,101 @@ class TestLatencyAtSparseSaves:
         for gauge in LAST_VALUE_GAUGES.values():
             assert gauge in out, f"no failed case for {gauge}:\n{out}"
         assert "obsckpt_rank_last_save_duration_seconds" not in out
+
+
+BANDWIDTH = "Broadcast bandwidth"
+SYNC_LABELS = 'job="obsckpt",instance="a:9400",backend="nccl",method="broadcast"'
+# Each sync sends 3 GiB in 1.5 s: 2 GiB/s.
+SYNC_BYTES, SYNC_SECONDS = 3 << 30, 1.5
+LAST_BANDWIDTH = {"labels": '{backend="nccl",method="broadcast"}', "value": 2 << 30}
+
+
+def _sync_series(sync_every_s: int, scrape_s: int, length_s: int) -> dict[str, str]:
+    """The weight syncs' bytes counter and duration histogram, one sync every
+    ``sync_every_s``, and the gauges of the last sync's bytes and duration (absent until
+    the first sync, then kept)."""
+    syncs = _events(sync_every_s, scrape_s, length_s)
+    text = lambda scale: " ".join(str(n * scale) for n in syncs)  # noqa: E731
+    last = lambda value: " ".join("_" if n == 0 else str(value) for n in syncs)  # noqa: E731
+    return {
+        f"obsckpt_broadcast_bytes_total{{{SYNC_LABELS}}}": text(SYNC_BYTES),
+        f"obsckpt_broadcast_duration_seconds_sum{{{SYNC_LABELS}}}": text(SYNC_SECONDS),
+        f"obsckpt_broadcast_duration_seconds_count{{{SYNC_LABELS}}}": text(1),
+        f"obsckpt_last_broadcast_bytes{{{SYNC_LABELS}}}": last(SYNC_BYTES),
+        f"obsckpt_last_broadcast_duration_seconds{{{SYNC_LABELS}}}": last(SYNC_SECONDS),
+    }
+
+
+def _bandwidth_cases(eval_times: list[str], window: str, only_last: bool = False) -> list[dict]:
+    """promtool cases of the bandwidth panel's targets: the last sync's at 2 GiB/s; with
+    ``only_last`` False, the window targets too, each expected to show no bandwidth
+    (``> 0`` keeps neither a rate of 0 nor the NaN of 0 bytes over 0 s)."""
+    [panel] = [p for p in build_dashboard()["panels"] if p["title"] == BANDWIDTH]
+    cases = []
+    for target in panel["targets"]:
+        expr = expand(target["expr"], job="obsckpt", window=window)
+        if target["legendFormat"].startswith("last"):
+            cases += [
+                {"expr": expr, "eval_time": at, "exp_samples": [LAST_BANDWIDTH]}
+                for at in eval_times
+            ]
+        elif not only_last:
+            cases += [
+                {"expr": f"({expr}) > 0", "eval_time": at, "exp_samples": []} for at in eval_times
+            ]
+    return cases
+
+
+@pytest.mark.needs_promtool
+class TestBandwidthAtSparseSyncs:
+    """The bandwidth panel shows the last sync's bandwidth however rarely weights sync.
+
+    A sync every 5 s, 30 minutes or 1 h (an RL job may sync weights once an hour),
+    scraped by the real Prometheus engine (promtool), evaluated between syncs.
+    """
+
+    def test_one_target_divides_the_last_bytes_by_the_last_duration(self):
+        lasts = [q for q in panel_queries() if q.panel == BANDWIDTH and q.legend.startswith("last")]
+        assert len(lasts) == 1, lasts
+        names = [name for name, _ in SELECTOR.findall(lasts[0].expr)]
+        assert names == ["obsckpt_last_broadcast_bytes", "obsckpt_last_broadcast_duration_seconds"]
+        assert "[" not in lasts[0].expr, lasts[0].expr
+        assert lasts[0].expr.startswith("max by (backend, method) (")
+
+    @pytest.mark.parametrize(
+        ("sync_every_s", "scrape", "length_s", "eval_times"),
+        [
+            (5, "5s", 600, ["1m", "4m33s", "10m"]),
+            (1800, "1m", 3 * 3600, ["5m", "29m", "31m", "2h15m", "3h"]),
+            (3600, "1m", 5 * 3600, ["5m", "59m", "65m", "3h30m", "4h59m"]),
+        ],
+        ids=["every-5s", "every-30min", "every-1h"],
+    )
+    def test_the_last_sync_needs_no_window(
+        self, promtool, tmp_path, sync_every_s, scrape, length_s, eval_times
+    ):
+        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        series = _sync_series(sync_every_s, scrape_s, length_s)
+        cases = _bandwidth_cases(eval_times, window="1m", only_last=True)
+        assert len(cases) == len(eval_times)
+        assert _evaluate_at(promtool, tmp_path, scrape, series, cases) == ""
+
+    def test_the_window_targets_show_nothing_between_rare_syncs(self, promtool, tmp_path):
+        """Over a $window shorter than the interval (15m, syncs an hour apart) the rate
+        targets show no bandwidth between syncs; the last sync's target does."""
+        series = _sync_series(3600, 60, 4 * 3600)
+        cases = _bandwidth_cases(["30m", "1h50m", "3h40m"], window="15m")
+        assert len(cases) == 3 * 3
+        assert _evaluate_at(promtool, tmp_path, "1m", series, cases) == ""
+
+    def test_a_missing_last_value_fails(self, promtool, tmp_path):
+        """Without the last bytes gauge the last sync's cases fail: an empty panel."""
+        series = _sync_series(3600, 60, 2 * 3600)
+        del series[f"obsckpt_last_broadcast_bytes{{{SYNC_LABELS}}}"]
+        out = _evaluate_at(
+            promtool, tmp_path, "1m", series, _bandwidth_cases(["65m"], "2h", only_last=True)
+        )
+        assert "FAILED" in out and "obsckpt_last_broadcast_bytes" in out, out
 
 
 class TestShippedAssets:

@@ -32,6 +32,7 @@ DESIGN_METRICS = {
     "obsckpt_last_commit_lag_seconds": ("gauge", ("kind",)),
     "obsckpt_last_commit_phase_seconds": ("gauge", ("phase",)),
     "obsckpt_last_broadcast_duration_seconds": ("gauge", ("backend", "method")),
+    "obsckpt_last_broadcast_bytes": ("gauge", ("backend", "method")),
     "obsckpt_last_state_dict_upload_duration_seconds": ("gauge", ()),
     "obsckpt_leftovers_removed_total": ("counter", ()),
 }

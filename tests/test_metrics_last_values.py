@@ -1,7 +1,8 @@
-"""Last-value gauges: each latency histogram's last observation, kept until the next.
+"""Last-value gauges: each latency histogram's last observation, and the weight syncs'
+bytes counter's last increment (the bytes of the last sync), kept until the next.
 
-Set with the histogram, under its labels, by the monitor's telemetry and by the
-weight-sync telemetry's local metrics; absent (not 0) until the first
+Set with the histogram or counter, under its labels, by the monitor's telemetry and
+by the weight-sync telemetry's local metrics; absent (not 0) until the first
 observation. On real registries, a real monitor actor and its /metrics.
 """
 
@@ -22,7 +23,18 @@ from obsckpt.telemetry.metrics import METRICS, Metrics
 
 SPECS = {spec.attr: spec for spec in METRICS}
 # Histogram name -> the name of the gauge holding its last observation.
-LAST = {SPECS[spec.last_of].name: spec.name for spec in METRICS if spec.last_of}
+LAST = {
+    SPECS[spec.last_of].name: spec.name
+    for spec in METRICS
+    if spec.last_of and SPECS[spec.last_of].type == "histogram"
+}
+# Counter name -> the name of the gauge holding its last increment.
+LAST_ADDED = {
+    SPECS[spec.last_of].name: spec.name
+    for spec in METRICS
+    if spec.last_of and SPECS[spec.last_of].type == "counter"
+}
+BYTES = "obsckpt_last_broadcast_bytes"
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -47,14 +59,25 @@ class TestDefinitions:
             assert gauge == histogram.replace("obsckpt_", "obsckpt_last_", 1)
             assert spec.labels == histograms[histogram].labels, gauge
 
+    def test_the_weight_sync_bytes_have_a_last_value_gauge(self):
+        """The bytes of the last sync (its bandwidth is last bytes / last duration): the one
+        counter with a last-value gauge, under the last duration's labels."""
+        assert LAST_ADDED == {"obsckpt_broadcast_bytes_total": BYTES}
+        assert len(LAST) + len(LAST_ADDED) == len([s for s in METRICS if s.last_of])
+        spec = next(s for s in METRICS if s.name == BYTES)
+        duration = next(s for s in METRICS if s.name == LAST["obsckpt_broadcast_duration_seconds"])
+        assert spec.type == "gauge"
+        assert spec.labels == duration.labels == SPECS["broadcast_bytes"].labels
+
 
 class TestMetricsObserve:
     def test_no_series_before_the_first_observation(self):
         metrics = Metrics(CollectorRegistry())
-        for gauge in LAST.values():
+        for gauge in (*LAST.values(), *LAST_ADDED.values()):
             assert samples(metrics.registry, gauge) == {}, gauge
-        # The histograms' own known series are there at zero, as before.
+        # The histograms' and counters' own known series are there at zero, as before.
         text = generate_latest(metrics.registry).decode()
+        assert 'obsckpt_broadcast_bytes_total{backend="shm",method="ipc"} 0.0' in text
         assert 'obsckpt_commit_lag_seconds_count{kind="checkpoint"} 0.0' in text
         assert "obsckpt_state_dict_upload_duration_seconds_count 0.0" in text
         assert "\nobsckpt_last_state_dict_upload_duration_seconds " not in text
@@ -100,6 +123,41 @@ class TestMetricsObserve:
         assert names() - before == {f"{stem}_bucket", f"{stem}_sum", f"{stem}_count"}
         assert samples(metrics.registry, f"{stem}_sum") == {
             (("kind", "checkpoint"), ("slot", "model")): 3.0
+        }
+
+
+class TestMetricsAdd:
+    @pytest.mark.parametrize(
+        "labels",
+        [("nccl", "broadcast"), ("gloo", "broadcast"), ("cuda_ipc", "ipc"), ("shm", "ipc")],
+    )
+    def test_each_increment_sets_the_gauge(self, labels):
+        metrics = Metrics(CollectorRegistry())
+        key = tuple(sorted(zip(("backend", "method"), labels, strict=True)))
+        for nbytes in (3 << 30, 1 << 20, 0, 5 << 30):
+            metrics.add("broadcast_bytes", nbytes, *labels)
+            assert samples(metrics.registry, BYTES) == {key: nbytes}
+        total = samples(metrics.registry, "obsckpt_broadcast_bytes_total")
+        assert total[key] == (8 << 30) + (1 << 20)
+        assert sum(total.values()) == total[key]  # the other backends' series stay at 0
+
+    def test_a_counter_without_a_gauge_is_only_counted(self):
+        metrics = Metrics(CollectorRegistry())
+
+        def names() -> set[str]:
+            # Without *_created, which only obsckpt's own processes switch off.
+            return {
+                s.name
+                for family in metrics.registry.collect()
+                for s in family.samples
+                if not s.name.endswith("_created")
+            }
+
+        before = names()
+        metrics.add("save_bytes", 10, "model", "checkpoint")
+        assert names() - before == {"obsckpt_save_bytes_total"}
+        assert samples(metrics.registry, "obsckpt_save_bytes_total") == {
+            (("kind", "checkpoint"), ("slot", "model")): 10
         }
 
 
@@ -174,12 +232,16 @@ class TestMonitorTelemetry:
 
     def test_weight_sync_and_upload(self, telemetry):
         telemetry.record_broadcast("nccl", 30.0, 1 << 30, "broadcast")
-        telemetry.record_broadcast("nccl", 20.0, 1 << 30, "broadcast")
-        telemetry.record_broadcast("cuda_ipc", 0.5, 1 << 30, "ipc")
+        telemetry.record_broadcast("nccl", 20.0, 2 << 30, "broadcast")
+        telemetry.record_broadcast("cuda_ipc", 0.5, 3 << 30, "ipc")
         telemetry.record_upload(9.0)
         assert self.last(telemetry, "obsckpt_broadcast_duration_seconds") == {
             (("backend", "nccl"), ("method", "broadcast")): 20.0,
             (("backend", "cuda_ipc"), ("method", "ipc")): 0.5,
+        }
+        assert samples(telemetry.metrics.registry, BYTES) == {
+            (("backend", "nccl"), ("method", "broadcast")): 2 << 30,
+            (("backend", "cuda_ipc"), ("method", "ipc")): 3 << 30,
         }
         assert self.last(telemetry, "obsckpt_state_dict_upload_duration_seconds") == {(): 9.0}
 
@@ -189,10 +251,15 @@ class TestMonitorTelemetry:
         with pytest.raises(ValueError, match="seconds must be finite"):
             telemetry.record_upload(math.nan)
         with pytest.raises(ValueError, match="seconds must be finite"):
-            telemetry.record_broadcast("gloo", -1.0, 10, "broadcast")
+            telemetry.record_broadcast("gloo", -1.0, 20, "broadcast")
+        with pytest.raises(ValueError, match="nbytes must be a non-negative integer"):
+            telemetry.record_broadcast("gloo", 2.0, -1, "broadcast")
         assert self.last(telemetry, "obsckpt_state_dict_upload_duration_seconds") == {(): 9.0}
         assert self.last(telemetry, "obsckpt_broadcast_duration_seconds") == {
             (("backend", "gloo"), ("method", "broadcast")): 1.5
+        }
+        assert samples(telemetry.metrics.registry, BYTES) == {
+            (("backend", "gloo"), ("method", "broadcast")): 10
         }
 
 
@@ -200,13 +267,18 @@ def test_weight_sync_telemetry_sets_the_local_gauges():
     """The broadcaster's and the Synchronizer's local metrics (no monitor in the job)."""
     telemetry = WeightSyncTelemetry(metrics=Metrics(CollectorRegistry()))
     telemetry.broadcast("gloo", 4.0, 100)
-    telemetry.broadcast("shm", 0.75, 100, "ipc")
+    telemetry.broadcast("shm", 0.75, 300, "ipc")
+    telemetry.broadcast("shm", 0.5, 200, "ipc")
     telemetry.upload(2.0)
     telemetry.upload(3.5)
     registry = telemetry.metrics.registry
     assert samples(registry, "obsckpt_last_broadcast_duration_seconds") == {
         (("backend", "gloo"), ("method", "broadcast")): 4.0,
-        (("backend", "shm"), ("method", "ipc")): 0.75,
+        (("backend", "shm"), ("method", "ipc")): 0.5,
+    }
+    assert samples(registry, BYTES) == {
+        (("backend", "gloo"), ("method", "broadcast")): 100,
+        (("backend", "shm"), ("method", "ipc")): 200,
     }
     assert samples(registry, "obsckpt_last_state_dict_upload_duration_seconds") == {(): 3.5}
     assert samples(registry, "obsckpt_state_dict_upload_duration_seconds_count") == {(): 2}
@@ -246,8 +318,11 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
     try:
         address = ray.get(monitor.metrics_address.remote(), timeout=60)
         previous = scrape(address)
-        assert not [s for s in previous.samples if s[0] in LAST.values()]
-        for step, join_wait, broadcast, upload in ((1, 0.25, 0.2, 0.1), (2, 0.5, 0.7, 0.3)):
+        assert not [s for s in previous.samples if s[0] in (*LAST.values(), BYTES)]
+        for step, join_wait, broadcast, nbytes, upload in (
+            (1, 0.25, 0.2, 1 << 20, 0.1),
+            (2, 0.5, 0.7, 3 << 20, 0.3),
+        ):
             ray.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
             ray.get(monitor.monitor_step.remote(step))
             reply = ray.get(
@@ -264,7 +339,7 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
                     join_wait_s=join_wait,
                 )
             )
-            ray.get(monitor.record_broadcast.remote("gloo", broadcast, 1 << 20))
+            ray.get(monitor.record_broadcast.remote("gloo", broadcast, nbytes))
             ray.get(monitor.record_upload.remote(upload))
             current = wait_for(
                 lambda step=step: (
@@ -287,6 +362,12 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
                 )
                 == broadcast
             )
+            # The last sync's bytes: the counter's growth since the previous scrape.
+            gloo = {"backend": "gloo", "method": "broadcast"}
+            grown = current.value("obsckpt_broadcast_bytes_total", **gloo) - previous.value(
+                "obsckpt_broadcast_bytes_total", **gloo
+            )
+            assert current.value(BYTES, **gloo) == grown == nbytes
             assert current.value("obsckpt_last_state_dict_upload_duration_seconds") == upload
             # Only observed series exist: no nccl broadcast was made.
             assert (
@@ -295,6 +376,7 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
                 )
                 is None
             )
+            assert current.value(BYTES, backend="nccl", method="broadcast") is None
             previous = current
     finally:
         ray.kill(monitor, no_restart=True)

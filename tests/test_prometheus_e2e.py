@@ -327,9 +327,15 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     assert prometheus.query(f'obsckpt_latest_step{{job="{JOB}",kind="checkpoint"}} == {step}')
 
     # Every latency panel shows its last value (a gauge kept until the next observation,
-    # so it needs no window); the weight sync's and the upload's are those recorded above.
+    # so it needs no window), and the bandwidth panel the last sync's bytes over its
+    # duration; the weight sync's and the upload's are those recorded above.
     last_values = {q.panel: expr for q, expr in queries if q.legend.startswith("last")}
-    assert {"Commit lag", "Broadcast duration", "State dict upload duration"} <= set(last_values)
+    assert {
+        "Commit lag",
+        "Broadcast duration",
+        "Broadcast bandwidth",
+        "State dict upload duration",
+    } <= set(last_values)
 
     def last_value(panel: str) -> dict[str, float]:
         return {
@@ -346,6 +352,7 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
         timeout=15,
     )
     assert last_value("Broadcast duration") == {"gloo": 0.2}
+    assert last_value("Broadcast bandwidth") == {"gloo,broadcast": pytest.approx((1 << 20) / 0.2)}
     assert last_value("State dict upload duration") == {"": 0.1}
     # The last commit moved both iteration files: one lag for each kind.
     lags = last_value("Commit lag")

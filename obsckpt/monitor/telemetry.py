@@ -360,7 +360,7 @@ class MonitorTelemetry(MonitorObserver):
         validate_seconds("seconds", seconds)
         validate_bytes("nbytes", nbytes)
         self.metrics.observe("broadcast_duration", seconds, backend, method)
-        self.metrics.broadcast_bytes.labels(backend, method).inc(nbytes)
+        self.metrics.add("broadcast_bytes", nbytes, backend, method)
 
     def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
         validate_sync_labels(backend, method, reason)

@@ -31,7 +31,7 @@ class WeightSyncTelemetry:
         m = self.metrics
         if m is not None:
             self._safe(lambda: m.observe("broadcast_duration", seconds, backend, method))
-            self._safe(lambda: m.broadcast_bytes.labels(backend, method).inc(nbytes))
+            self._safe(lambda: m.add("broadcast_bytes", nbytes, backend, method))
         self._rpc("record_broadcast", backend, seconds, nbytes, method)
 
     def failure(self, backend: str, method: str, exc: BaseException) -> None:

@@ -110,7 +110,8 @@ class MetricSpec:
     help: str
     attr: str
     # A last-value gauge: the attr of the histogram whose last observation it holds
-    # (Metrics.observe sets both). Its series appear with that first observation:
+    # (Metrics.observe sets both), or of the counter whose last increment it holds
+    # (Metrics.add sets both). Its series appear with that first observation:
     # a 0 before it would read as a measurement.
     last_of: str | None = None
 
@@ -327,6 +328,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "broadcast_bytes",
     ),
     MetricSpec(
+        "obsckpt_last_broadcast_bytes",
+        "gauge",
+        ("backend", "method"),
+        "Bytes sent by the last weight sync, kept until the next: "
+        "obsckpt_broadcast_bytes_total's last increment.",
+        "last_broadcast_bytes",
+        last_of="broadcast_bytes",
+    ),
+    MetricSpec(
         "obsckpt_broadcast_failures_total",
         "counter",
         ("backend", "method", "reason"),
@@ -497,7 +507,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        # Histogram attr -> the gauge holding its last observation.
+        # Histogram (or counter) attr -> the gauge holding its last observation.
         self._last: dict[str, Gauge | UnlabelledLastValue] = {}
         for spec in METRICS:
             if spec.last_of is not None and not spec.labels:
@@ -520,11 +530,22 @@ class Metrics:
         """
         metric = getattr(self, histogram)
         (metric.labels(*labels) if labels else metric).observe(seconds)
-        last = self._last.get(histogram)
+        self._set_last(histogram, seconds, labels)
+
+    def add(self, counter: str, amount: float, *labels: str) -> None:
+        """Add ``amount`` to the counter named by its attr, e.g. ``"broadcast_bytes"``,
+        under ``labels``; its last-value gauge, if it has one, is set to ``amount`` too.
+        """
+        metric = getattr(self, counter)
+        (metric.labels(*labels) if labels else metric).inc(amount)
+        self._set_last(counter, amount, labels)
+
+    def _set_last(self, attr: str, value: float, labels: tuple[str, ...]) -> None:
+        last = self._last.get(attr)
         if isinstance(last, Gauge):
-            last.labels(*labels).set(seconds)
+            last.labels(*labels).set(value)
         elif last is not None:
-            last.set(seconds)
+            last.set(value)
 
     @staticmethod
     def _zero_known_series(spec: MetricSpec, metric) -> None:
@@ -569,6 +590,7 @@ class Metrics:
     broadcast_duration: Histogram
     last_broadcast_duration: Gauge
     broadcast_bytes: Counter
+    last_broadcast_bytes: Gauge
     broadcast_failures: Counter
     upload_duration: Histogram
     last_upload_duration: UnlabelledLastValue

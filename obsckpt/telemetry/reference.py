@@ -77,9 +77,11 @@ def reference_markdown() -> str:
         "latency histogram therefore has a gauge holding its last observation, set",
         "with it and kept until the next one, whatever the interval; its series",
         "appear with the first observation (a 0 before it would read as a measurement),",
-        "under the histogram's labels:",
+        "under the histogram's labels. So has the weight syncs' bytes counter (its last",
+        "increment: the bytes of the last sync), so the last sync's bandwidth is its",
+        "bytes over its duration:",
         "",
-        "| histogram | last value |",
+        "| histogram or counter | last value |",
         "|---|---|",
     ]
     names = {spec.attr: spec.name for spec in METRICS}
