@@ -37,6 +37,17 @@ LAST_ADDED = {
 BYTES = "obsckpt_last_broadcast_bytes"
 
 
+def sample_names(registry: CollectorRegistry) -> set[str]:
+    """The names of every sample ``registry`` holds, without the ``*_created`` ones
+    (which only obsckpt's own processes switch off)."""
+    return {
+        s.name
+        for family in registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """The samples of ``name`` in ``registry``, by their sorted label items."""
     return {
@@ -109,13 +120,7 @@ class TestMetricsObserve:
         metrics = Metrics(CollectorRegistry())
 
         def names() -> set[str]:
-            # Without *_created, which only obsckpt's own processes switch off.
-            return {
-                s.name
-                for family in metrics.registry.collect()
-                for s in family.samples
-                if not s.name.endswith("_created")
-            }
+            return sample_names(metrics.registry)
 
         before = names()
         metrics.observe("save_duration", 3.0, "model", "checkpoint")
@@ -145,13 +150,7 @@ class TestMetricsAdd:
         metrics = Metrics(CollectorRegistry())
 
         def names() -> set[str]:
-            # Without *_created, which only obsckpt's own processes switch off.
-            return {
-                s.name
-                for family in metrics.registry.collect()
-                for s in family.samples
-                if not s.name.endswith("_created")
-            }
+            return sample_names(metrics.registry)
 
         before = names()
         metrics.add("save_bytes", 10, "model", "checkpoint")
