@@ -311,6 +311,11 @@ def _events(every_s: int, scrape_s: int, length_s: int) -> list[int]:
     ]
 
 
+def _seconds(duration: str) -> int:
+    """A promtool duration of one unit ("5s", "1m") in seconds."""
+    return int(duration[:-1]) * (60 if duration.endswith("m") else 1)
+
+
 def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str, str]:
     """Every latency histogram of the dashboard, one save every ``save_every_s``, and the
     gauges holding their last observation (absent until the first save, then kept).
@@ -445,7 +450,7 @@ class TestLatencyAtSparseSaves:
     def test_panels_have_data_between_saves(
         self, promtool, tmp_path, save_every_s, scrape, length_s, eval_times
     ):
-        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        scrape_s = _seconds(scrape)
         series = _sparse_series(save_every_s, scrape_s, length_s)
         cases = _latency_cases(eval_times, window="2h")
         assert _evaluate_at(promtool, tmp_path, scrape, series, cases) == ""
@@ -470,7 +475,7 @@ class TestLatencyAtSparseSaves:
         self, promtool, tmp_path, save_every_s, scrape, length_s, eval_times
     ):
         """The last values show between saves even over a window shorter than the interval."""
-        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        scrape_s = _seconds(scrape)
         series = _sparse_series(save_every_s, scrape_s, length_s)
         cases = _latency_cases(eval_times, window="1m", only="last")
         assert len(cases) == len(LATENCY_PANELS) * len(eval_times)
@@ -558,7 +563,7 @@ class TestBandwidthAtSparseSyncs:
     def test_the_last_sync_needs_no_window(
         self, promtool, tmp_path, sync_every_s, scrape, length_s, eval_times
     ):
-        scrape_s = int(scrape[:-1]) * (60 if scrape.endswith("m") else 1)
+        scrape_s = _seconds(scrape)
         series = _sync_series(sync_every_s, scrape_s, length_s)
         cases = _bandwidth_cases(eval_times, window="1m", only_last=True)
         assert len(cases) == len(eval_times)

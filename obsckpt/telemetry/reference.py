@@ -6,6 +6,8 @@ page in the repository differs from it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from obsckpt.admission import STRATEGIES
 from obsckpt.commit import COMMIT_PHASES
 from obsckpt.layout import KINDS
@@ -45,21 +47,21 @@ def reference_markdown() -> str:
     lines += [
         "",
         "Label values: `kind` is "
-        + ", ".join(f"`{k}`" for k in KINDS)
+        + _codes(KINDS)
         + "; `result` is "
-        + ", ".join(f"`{r}`" for r in RESULTS)
+        + _codes(RESULTS)
         + "; `backend` is "
-        + ", ".join(f"`{b}`" for b in BACKENDS)
+        + _codes(BACKENDS)
         + "; `method` is "
-        + ", ".join(f"`{m}` ({', '.join(f'`{b}`' for b in bs)})" for m, bs in SYNC_METHODS.items())
+        + ", ".join(f"`{m}` ({_codes(bs)})" for m, bs in SYNC_METHODS.items())
         + "; `reason` is "
-        + ", ".join(f"`{r}`" for r in FAILURE_REASONS)
+        + _codes(FAILURE_REASONS)
         + "; `role` is "
-        + ", ".join(f"`{r}`" for r in ROLES)
+        + _codes(ROLES)
         + "; `strategy` is "
-        + ", ".join(f"`{s}`" for s in STRATEGIES)
+        + _codes(STRATEGIES)
         + "; `phase` is "
-        + ", ".join(f"`{p}`" for p in COMMIT_PHASES)
+        + _codes(COMMIT_PHASES)
         + ".",
         "Series whose labels take only these values exist at zero from the first scrape",
         "(the last-value gauges below excepted);",
@@ -113,3 +115,8 @@ def reference_markdown() -> str:
 
 if __name__ == "__main__":
     print(reference_markdown(), end="")
+
+
+def _codes(values: Iterable[str]) -> str:
+    """``values`` as inline code, comma-separated."""
+    return ", ".join(f"`{v}`" for v in values)
