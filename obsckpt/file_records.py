@@ -55,12 +55,13 @@ def check_targets(
     own = layout.step_dir(root, step)
     for path in paths:
         where = os.path.abspath(path)
-        why = _outside_why(path, root, step)
+        lies = _outside(path, root, step)
+        why = None if lies is None else f"it {lies}"
         real = os.path.realpath(path)
         if why is None and real != where:
-            resolved = _outside_why(real, os.path.realpath(root), step)
+            resolved = _outside(real, os.path.realpath(root), step)
             if resolved is not None:
-                why = f"it resolves through a symbolic link to {real}, which {resolved[3:]}"
+                why = f"it resolves through a symbolic link to {real}, which {resolved}"
         if why is not None:
             raise SavePathError(
                 f"save {slot!r} of step {step} refused before writing {where}: {why}, not in "
@@ -75,17 +76,17 @@ def check_targets(
                 ) from None
 
 
-def _outside_why(path: str, root: str, step: int) -> str | None:
-    """Why ``path`` is not in ``root``'s directory of ``step`` ("it lies ..."), or None."""
+def _outside(path: str, root: str, step: int) -> str | None:
+    """Where ``path`` lies when not in ``root``'s directory of ``step`` ("lies in ..."), or None."""
     located = layout.step_of_path(path)
     if located is not None and located[1] == step and _same_dir(located[0], root):
         return None
     if located is None:
-        return "it lies in no global_step_<N> directory (obsckpt commits only step directories)"
+        return "lies in no global_step_<N> directory (obsckpt commits only step directories)"
     if located[1] != step:
-        return f"it lies in step directory {layout.step_dir(*located)} (step {located[1]})"
+        return f"lies in step directory {layout.step_dir(*located)} (step {located[1]})"
     return (
-        f"it lies in step directory {layout.step_dir(*located)} of another root "
+        f"lies in step directory {layout.step_dir(*located)} of another root "
         f"(the monitor commits under {root})"
     )
 

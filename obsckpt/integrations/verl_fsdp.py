@@ -293,7 +293,7 @@ def fsdp_save_state_dict(
     # Before the metadata below is written beside the shard: a path into another step's
     # directory is refused while that step's files are still untouched.
     coordinator.check_targets(
-        [local_path, path], global_step, True, name=MODEL_SLOT, part=rank, parts=world
+        [local_path], global_step, True, name=MODEL_SLOT, part=rank, parts=world
     )
     os.makedirs(local_path, exist_ok=True)
     state_dict = sharded_model_state_dict(engine.module)
