@@ -29,7 +29,7 @@ from obsckpt.layout import (
     step_of_dir_name,
     temp_name,
 )
-from obsckpt.reader import read_iteration, record_file, walk_files
+from obsckpt.reader import read_iteration, read_manifest, record_file, unlisted, walk_files
 from obsckpt.validators import validate_step
 
 # How long one round of fsyncs may take before FsyncTimeoutError: generous, since a
@@ -460,3 +460,31 @@ def sweep_leftovers(root: str | os.PathLike) -> list[str]:
                     if is_own_temp_name(name):
                         sweep(os.path.join(dirpath, name), False)
     return sorted(removed)
+
+
+def remove_strays(sdir: str | os.PathLike) -> list[str]:
+    """Remove the files a committed step's manifest does not list; returns them (relative).
+
+    A save of a committed step is not written (its commit stands), but a host's
+    saving code may write before it hands the save to obsckpt: Trinity-RFT's
+    ``save_state_dict`` streams ``model.safetensors.tmp`` on the training thread
+    and only renames it in the background save. Such a file lies in a step its
+    manifest vouches for without being listed, so ``verify`` would fail the step.
+    The caller removes them only when the monitor says no other save of the step
+    is on its way (:meth:`obsckpt.monitor.core.MonitorCore.settled`). A step with
+    no readable manifest is not committed: nothing is touched. The listed files,
+    the manifest and obsckpt's own temp files are never touched.
+    """
+    sdir = Path(sdir)
+    try:
+        records = read_manifest(sdir)
+    except (OSError, ValueError):
+        return []
+    removed = []
+    for rel in unlisted(sdir, records):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sdir / rel)
+            removed.append(rel)
+    if removed:
+        fsync_many([(d, True) for d in sorted({os.path.dirname(sdir / r) for r in removed})])
+    return removed

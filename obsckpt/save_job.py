@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
+from obsckpt import commit, layout
 from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.file_records import relative_record
 from obsckpt.layout import FileRecord
@@ -247,7 +248,7 @@ class SaveJob:
                 raise
             if admitted.get("skipped"):
                 span.set_attribute(span_attr.SKIPPED, True)
-                self._skip(admitted.get("latest"))
+                self._skip(admitted.get("latest"), bool(admitted.get("settled")))
                 return None
             try:
                 t0 = time.perf_counter()
@@ -341,8 +342,12 @@ class SaveJob:
         self._report_failed(exc, join_wait)
         return error
 
-    def _skip(self, latest: int | None) -> None:
-        """The monitor did not admit the save (``unless_committed``, step closed): write nothing."""
+    def _skip(self, latest: int | None, settled: bool) -> None:
+        """The monitor did not admit the save (``unless_committed``, step closed): write nothing.
+
+        ``settled``: no other save of the step is on its way, so what the host wrote
+        into the committed step before handing this save over is removed.
+        """
         self._logger.info(
             "obsckpt: save %r of step %d (%s) not written: the monitor has committed step %s "
             "of this kind, and a re-save would change files the iteration file vouches for",
@@ -351,8 +356,34 @@ class SaveJob:
             self.kind,
             latest,
         )
+        if settled:
+            self._remove_strays()
         if self._on_skip is not None:
             self._on_skip()
+
+    def _remove_strays(self) -> None:
+        """Remove the files the committed step's manifest does not list (the host's own
+        temp files of this skipped save), so the step stays as its manifest says."""
+        try:
+            sdir = layout.step_dir(self._link.checkpoint_root(), self.step)
+            removed = commit.remove_strays(sdir)
+        except Exception as exc:  # noqa: BLE001 - the commit stands; this is tidying
+            self._logger.warning(
+                "obsckpt: could not remove unlisted files from committed step %d: %s",
+                self.step,
+                one_line(exc),
+            )
+            return
+        if removed:
+            self._logger.warning(
+                "obsckpt: removed %d file(s) from committed step %d that its manifest does "
+                "not list (written before save %r was handed over, which was not written "
+                "as the step is committed): %s",
+                len(removed),
+                self.step,
+                self.slot,
+                ", ".join(removed),
+            )
 
     def _end_snapshot(self) -> None:
         if self._on_skip is None:

@@ -88,6 +88,25 @@ class TestManifest:
         assert [f["path"] for f in manifest["files"]] == ["actor/model.pt", "actor/optim.pt"]
         assert reader.verify_step(sdir) == []
 
+    def test_remove_strays_leaves_what_the_manifest_lists(self, tmp_path):
+        """A committed step's unlisted files go (a host's temp file of a skipped
+        re-save); listed files, the manifest and obsckpt's own temp files stay."""
+        sdir = self.make_step(tmp_path)
+        commit.finalize_step(sdir)
+        (sdir / "actor" / "model.safetensors.tmp").write_bytes(b"streamed")
+        (sdir / "late").mkdir()
+        (sdir / "late" / "x.json").write_bytes(b"{}")
+        assert commit.remove_strays(sdir) == ["actor/model.safetensors.tmp", "late/x.json"]
+        assert reader.verify_step(sdir) == []
+        assert (sdir / "actor" / "half.pt.tmp.123.0123abcd").exists()
+        assert commit.remove_strays(sdir) == []
+
+    def test_remove_strays_touches_nothing_without_a_manifest(self, tmp_path):
+        sdir = self.make_step(tmp_path)
+        (sdir / "actor" / "model.safetensors.tmp").write_bytes(b"streamed")
+        assert commit.remove_strays(sdir) == []
+        assert (sdir / "actor" / "model.safetensors.tmp").exists()
+
     def test_only_temp_suffixes_are_left_out(self, tmp_path):
         """Any name but obsckpt's own temp names is a file of the step, recorded and verified."""
         sdir = self.make_step(tmp_path)

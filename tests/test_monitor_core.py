@@ -227,6 +227,48 @@ class TestCommitTimes:
         assert observer.events[-1] == ("step_committed", record)
 
 
+class TestSettled:
+    """A step is settled (its unlisted files are strays) only once no save of it holds a
+    ticket, none of its kinds waits for saves, and no commit of it is listing its files."""
+
+    def test_a_step_settles_after_its_commit(self, clock, observer):
+        core = core_of(clock, observer)
+        core.register(1, checkpoint_count=1)
+        assert not core.settled(1)  # registered saves are on their way
+        ticket = start(core)
+        assert not core.settled(1)
+        core.finish(
+            1,
+            "checkpoint",
+            ticket=ticket.ticket,
+            slot="model",
+            rank=0,
+            ok=True,
+            error=None,
+            duration_s=None,
+            nbytes=None,
+            join_wait_s=None,
+            files=None,
+            part=None,
+            parts=None,
+            admitted=True,
+        )
+        core.submit(1, "checkpoint")
+        job = core.begin_next_commit()
+        assert job is not None
+        assert core.committing(1) and not core.settled(1)
+        core.commit_done(job, {})
+        assert not core.committing(1) and core.settled(1)
+        start(core, 1, slot="late")  # a re-save of the committed step holds a ticket
+        assert not core.settled(1)
+
+    def test_an_open_kind_keeps_its_step_unsettled(self, clock, observer):
+        core = core_of(clock, observer)
+        core.register(2, state_dict_count=1)
+        assert not core.settled(2)
+        assert core.settled(3)  # nothing known of it
+
+
 class TestRefusedReport:
     """A report naming a file outside its step is refused only after it is counted as a
     failure: its admission is released, its step failed, and nothing stays in flight."""

@@ -152,7 +152,9 @@ class TestPluginDirectories:
 # Trinity-RFT 0.6.0's own code (make test-trinity installs it)
 # ----------------------------------------------------------------------
 
-JOB = r"""
+# What both jobs share: Trinity's modules through its plugin loader, Ray as Trinity's
+# launcher starts it, a process of Trinity's worker class, and a worker group for it.
+JOB_PRELUDE = r"""
 import asyncio, json, logging, os, sys, time, types
 import ray, torch
 
@@ -161,7 +163,7 @@ import trinity.trainer.trainer as trinity_trainer
 from trinity.common.config import load_config
 from trinity.utils.plugin_loader import load_plugins
 
-config_path, namespace, dist_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+config_path, namespace = sys.argv[1], sys.argv[2]
 load_plugins()  # Trinity's own loader; TRINITY_PLUGIN_DIRS names obsckpt's plugin
 
 from obsckpt.coordinator import CheckpointCoordinator
@@ -190,13 +192,11 @@ report["coordinator_class"] = verl_trainer.CheckpointCoordinator is CheckpointCo
 class WorkerProcess:
     # A process of the job that loads no plugin, as the trainer's verl workers.
 
-    def __init__(self, namespace, dist_port):
+    def __init__(self, namespace, init_method):
         import torch.distributed as dist
         from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
 
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
 
@@ -250,6 +250,18 @@ class WorkerGroup:  # verl's worker group, for one worker
         ray.get(self.worker.wait_on_save_thread.remote())
 
 
+def committed(name, step, job_root=None):
+    path = os.path.join(job_root or root, name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and open(path).read().strip() == str(step):
+            return True
+        time.sleep(0.1)
+    return False
+"""
+
+JOB = JOB_PRELUDE + r"""
+dist_port = int(sys.argv[3])
 # As VERLTrainer.__init__ builds them, through the names Trinity's module binds.
 monitor = verl_trainer.CheckpointMonitor.get_actor(
     namespace=config.synchronizer.ray_namespace or namespace,
@@ -257,7 +269,7 @@ monitor = verl_trainer.CheckpointMonitor.get_actor(
     default_local_dir=config.checkpoint_job_dir,
     default_hdfs_dir=None,
 )
-worker = WorkerProcess.remote(namespace, dist_port)
+worker = WorkerProcess.remote(namespace, f"tcp://127.0.0.1:{dist_port}")
 report.update(ray.get(worker.facts.remote()))
 trainer = types.SimpleNamespace(
     global_config=config,
@@ -269,16 +281,6 @@ trainer = types.SimpleNamespace(
 )
 trainer._retain_checkpoints = lambda path: verl_trainer.VERLTrainer._retain_checkpoints(trainer, path)
 trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
-
-
-def committed(name, step):
-    path = os.path.join(root, name)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if os.path.exists(path) and open(path).read().strip() == str(step):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # Checkpoint sync at steps 1 and 2 (VERLTrainer.save_state_dict and its worker's).
@@ -379,3 +381,102 @@ def test_trinity_runs_obsckpt_through_its_plugin(
         listed = {r.path for r in reader.read_manifest(job_dir / f"global_step_{step}")}
         assert os.path.join("actor", "model.safetensors") in listed
     assert os.path.join("actor", "model_world_size_1_rank_0.pt") in listed  # step 2's full save
+
+
+# Trinity's trainer resumed at step 2 and run on to step 4, under every save strategy:
+# each run is a new monitor and a new worker process, as a resumed job has them.
+RESUME_JOB = JOB_PRELUDE + r"""
+import copy
+from trinity.common.constants import SaveStrategy
+from obsckpt import reader
+
+init_dir = sys.argv[3]
+results = {}
+
+
+def run(strategy, job_root, steps, workers):
+    job_config = copy.deepcopy(config)
+    job_config.checkpoint_job_dir = job_root
+    job_config.trainer.save_strategy = SaveStrategy(strategy)
+    monitor = verl_trainer.CheckpointMonitor.get_actor(
+        namespace=namespace,
+        save_strategy=job_config.trainer.save_strategy,
+        default_local_dir=job_root,
+        default_hdfs_dir=None,
+    )
+    worker = WorkerProcess.remote(namespace, f"file://{init_dir}/{strategy}-{workers}")
+    trainer = types.SimpleNamespace(
+        global_config=job_config,
+        checkpoint_coordinator=verl_trainer.CheckpointCoordinator(monitor),
+        actor_rollout_wg=WorkerGroup(worker),
+        use_critic=False,
+        logger=logging.getLogger("trainer"),
+        _saved_checkpoint_paths=[],
+    )
+    trainer._retain_checkpoints = lambda p: verl_trainer.VERLTrainer._retain_checkpoints(trainer, p)
+    trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
+    last = steps[-1]
+    for step in steps:
+        trainer.global_steps = step
+        if step % 2 == 1:
+            # Trinity's train(): a step that saves a checkpoint skips that step's
+            # checkpoint sync, which then runs while the next batch is sampled.
+            asyncio.run(verl_trainer.VERLTrainer.save_checkpoint(trainer))
+            asyncio.run(verl_trainer.VERLTrainer.save_state_dict(trainer))
+        else:
+            asyncio.run(verl_trainer.VERLTrainer.save_state_dict(trainer))
+            asyncio.run(verl_trainer.VERLTrainer.save_checkpoint(trainer, block_until_saved=step == last))
+    # The end of train(): the last step saved again.
+    asyncio.run(verl_trainer.VERLTrainer.save_checkpoint(trainer, block_until_saved=True))
+    trainer.actor_rollout_wg.wait_on_save_thread()
+    ok = committed("latest_checkpointed_iteration.txt", last, job_root)
+    ok = ok and committed("latest_state_dict_iteration.txt", last, job_root)
+    ray.kill(worker)
+    ray.kill(monitor)
+    return ok
+
+
+for strategy in ("single_thread", "single_process", "single_node", "unrestricted"):
+    job_root = os.path.join(root, strategy)
+    first = run(strategy, job_root, [1, 2], 0)
+    resumed = run(strategy, job_root, [3, 4], 1)  # resumed at step 2, on to step 4
+    steps = sorted(reader.steps_on_disk(job_root))
+    results[strategy] = {
+        "committed": [first, resumed],
+        "steps": steps,
+        "problems": {s: reader.verify_step(os.path.join(job_root, f"global_step_{s}")) for s in steps},
+    }
+print(json.dumps(results))
+"""
+
+
+def test_trinity_resumed_and_continued_leaves_only_listed_files(
+    ray_cluster, namespace, tmp_path, trinity_plugin_copy
+):
+    """Trinity's trainer saves a checkpoint at odd steps and syncs that step's state dict
+    afterwards (its train() loop): the sync's streamed ``model.safetensors.tmp`` lands in
+    a step already committed, and obsckpt skips that save. Every committed step still
+    holds only the files its manifest lists, under every save strategy, across a resume."""
+    config = tmp_path / "trinity.yaml"
+    config.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
+    init_dir = tmp_path / "init"
+    init_dir.mkdir()
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", RESUME_JOB, str(config), namespace, str(init_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(results) == {"single_thread", "single_process", "single_node", "unrestricted"}
+    for strategy, result in results.items():
+        assert result["committed"] == [True, True], (strategy, out.stderr[-4000:])
+        assert result["steps"] == [1, 2, 3, 4], strategy
+        assert result["problems"] == {str(s): [] for s in (1, 2, 3, 4)}, (strategy, result)

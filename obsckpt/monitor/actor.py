@@ -339,10 +339,12 @@ class CheckpointMonitor(MeasurementRPCs):
 
         With ``unless_closed=True`` a save of a step already closed for its kind
         (committed, being committed, or below the committed step) is not
-        admitted: the reply is ``{"skipped": True, "latest": <committed step>}``,
-        no ticket, and the caller must not write. Decided here, in the order
-        the RPCs arrive, it gives every rank of one save the same answer for a
-        step that closes while they save.
+        admitted: the reply is ``{"skipped": True, "latest": <committed step>,
+        "settled": <bool>}``, no ticket, and the caller must not write;
+        ``settled`` says that no other save of the step is on its way (see
+        :meth:`MonitorCore.settled`), so files its manifest does not list are
+        strays. Decided here, in the order the RPCs arrive, it gives every rank
+        of one save the same answer for a step that closes while they save.
 
         Raises:
             PartsMismatchError: ``parts`` differs from an earlier part's (the step fails).
@@ -365,7 +367,15 @@ class CheckpointMonitor(MeasurementRPCs):
             await self._commit_ready_steps()
             raise
         if ticket is None:
-            return {"skipped": True, "latest": self.core.tracker.latest[kind or "checkpoint"]}
+            if step is not None and self.core.committing(step):
+                # Whether the host left strays is known once the commit has listed
+                # the directory: the skipped save waits for it (nothing waits on it).
+                await self._committer.wait_idle(3 * commit.FSYNC_TIMEOUT_S)  # its 3 rounds
+            return {
+                "skipped": True,
+                "latest": self.core.tracker.latest[kind or "checkpoint"],
+                "settled": step is not None and self.core.settled(step),
+            }
         await self._wait_admission(ticket, job_id)
         reply = self.core.admitted(ticket)
         if self.core.needs_watch(ticket):

@@ -24,7 +24,7 @@ from obsckpt.layout import KINDS, FileRecord
 from obsckpt.monitor.events import Clock, CommitRecord, MonitorObserver, SystemClock
 from obsckpt.telemetry.metrics import validate_bytes, validate_seconds
 from obsckpt.tickets import Ticket, Tickets
-from obsckpt.tracker import CommitTracker, StepRecord
+from obsckpt.tracker import COMMITTING, CommitTracker, StepRecord
 from obsckpt.validators import validate_parts, validate_step
 
 # The longest between two lease checks: a node's death is noticed this soon.
@@ -218,6 +218,27 @@ class MonitorCore:
         )
         self.observer.save_requested(ticket)
         return ticket
+
+    def settled(self, step: int) -> bool:
+        """Whether nothing more will be written into ``step``'s directory for a commit.
+
+        True when no save of ``step`` holds a ticket and no kind of it has saves
+        registered, running or finished that its commit still waits for: every
+        file in the directory that its manifest does not list is then a stray
+        (a host's temp file of a skipped re-save, say), not a file on its way.
+        """
+        if any(t.step == step for t in self.tickets):
+            return False
+        for kind, rec in self.tracker.steps.get(step, {}).items():
+            if rec.state == COMMITTING or rec.resaving:
+                return False  # a commit lists the directory; a re-save writes into it
+            if rec.active and not self.tracker.closed(step, kind):
+                return False
+        return True
+
+    def committing(self, step: int) -> bool:
+        """Whether a commit of ``step`` (of either kind) is under way."""
+        return any(r.state == COMMITTING for r in self.tracker.steps.get(step, {}).values())
 
     def request_admission(
         self, ticket: Ticket, job_id: str | None, on_admit: Callable[[], object]
