@@ -260,7 +260,9 @@ def committed(name, step, job_root=None):
     return False
 """
 
-JOB = JOB_PRELUDE + r"""
+JOB = (
+    JOB_PRELUDE
+    + r"""
 dist_port = int(sys.argv[3])
 # As VERLTrainer.__init__ builds them, through the names Trinity's module binds.
 monitor = verl_trainer.CheckpointMonitor.get_actor(
@@ -308,6 +310,7 @@ report["metrics_port"] = (
 ray.kill(monitor)
 print(json.dumps(report))
 """
+)
 
 
 @pytest.fixture
@@ -385,7 +388,9 @@ def test_trinity_runs_obsckpt_through_its_plugin(
 
 # Trinity's trainer resumed at step 2 and run on to step 4, under every save strategy:
 # each run is a new monitor and a new worker process, as a resumed job has them.
-RESUME_JOB = JOB_PRELUDE + r"""
+RESUME_JOB = (
+    JOB_PRELUDE
+    + r"""
 import copy
 from trinity.common.constants import SaveStrategy
 from obsckpt import reader
@@ -448,6 +453,7 @@ for strategy in ("single_thread", "single_process", "single_node", "unrestricted
     }
 print(json.dumps(results))
 """
+)
 
 
 def test_trinity_resumed_and_continued_leaves_only_listed_files(
