@@ -104,12 +104,13 @@ def cmd_dashboards(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``obsckpt repair DIR [--dry-run]``: rewind iteration files naming a step that is not whole.
+    """``obsckpt repair DIR [--dry-run]``: rewind iteration files naming a step that is not
+    whole, or holding no step number at all.
 
     Deletes nothing. 0 when every iteration file names a whole step afterwards
     (or did already), 1 with ``--dry-run`` when one does not.
     """
-    root, _latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,))
+    root, _latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,), repairing=True)
     holder = rootlock.locked_by(root)
     if holder is not None and not args.dry_run:
         raise CliError(
@@ -124,7 +125,7 @@ def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for b in bad:
             out.write(b.describe() + "\n")
         return EXIT_FAILED
-    for line in repair.rewind(root, bad):
+    for line in repair.rewind(root, bad, log=False):  # printed here, not logged as well
         out.write(line + "\n")
     return EXIT_OK
 

@@ -22,6 +22,7 @@ __all__ = [
     "DeviceSelectionError",
     "FsyncTimeoutError",
     "IpcLayoutUnknownError",
+    "IterationContentError",
     "IterationFileError",
     "MegatronLayoutError",
     "MonitorCallError",
@@ -70,6 +71,12 @@ class RootInUseError(CheckpointDirError):
 
 class IterationFileError(ObsckptError, ValueError):
     """An iteration file exists but does not hold a step number."""
+
+
+class IterationContentError(IterationFileError):
+    """An iteration file was read, and what it holds is not a step number (empty,
+    text, too long): ``obsckpt repair`` points it at the latest whole step. A file
+    that could not be read raises :class:`IterationFileError` itself (leave it)."""
 
 
 class RootLockLostError(ObsckptError, RuntimeError):

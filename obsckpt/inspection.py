@@ -13,17 +13,21 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from obsckpt import layout, reader, rootlock
-from obsckpt.errors import CliError, IterationFileError
+from obsckpt import layout, reader, repair, rootlock
+from obsckpt.errors import CliError, IterationContentError, IterationFileError
 
 
-def open_root(path: str, *, markers: Iterable[str] = ()) -> tuple[Path, dict[str, int | None]]:
+def open_root(
+    path: str, *, markers: Iterable[str] = (), repairing: bool = False
+) -> tuple[Path, dict[str, int | None]]:
     """The root and its committed steps; CliError when it cannot be used.
 
     Args:
         path: the root, as the user gave it (errors name it so).
         markers: file names that make a directory a root before its first save
             (the demo's marker): it then has no iteration file and no step yet.
+        repairing: an iteration file that holds no step number (empty, text) is
+            what ``obsckpt repair`` mends: its kind's step is None, not an error.
     """
     root = Path(path)
     if not root.exists():
@@ -36,10 +40,15 @@ def open_root(path: str, *, markers: Iterable[str] = ()) -> tuple[Path, dict[str
     for kind in layout.KINDS:
         try:
             latest[kind] = reader.read_iteration(root, kind)
+        except IterationContentError as exc:
+            if not repairing:
+                raise CliError(str(exc)) from None
+            latest[kind] = None
         except IterationFileError as exc:
             raise CliError(str(exc)) from None
     if (
         all(v is None for v in latest.values())
+        and not any((root / name).is_file() for name in layout.ITERATION_FILES.values())
         and not reader.steps_on_disk(root)
         # The demo's root before its first save: a root all the same (it says to run status).
         and not any((root / name).is_file() for name in markers)
@@ -97,6 +106,8 @@ def describe_step(
     ck, sd = latest.get("checkpoint"), latest.get("state_dict")
     newest = max((s for s in (ck, sd) if s is not None), default=None)
     note = ""
+    # Sizes against the manifest (no checksums: a root holds hundreds of gigabytes).
+    damage = repair.step_problem(root, step) if has_manifest else None
     if has_manifest and not data and step not in (ck, sd):
         # obsckpt's retention removes a step's whole directory: a manifest left alone
         # means something else removed the files.
@@ -105,6 +116,11 @@ def describe_step(
             "committed once; every file it listed is gone (not obsckpt's retention, which "
             "removes the whole directory): see `obsckpt verify`"
         )
+    elif damage is not None:
+        # Committed once (or its commit was cut short): its files no longer match.
+        state = "damaged"
+        kind = "checkpoint" if full or step == ck else "state_dict"
+        note = f"its files no longer match its manifest ({damage}): see `obsckpt verify`"
     elif step in (ck, sd) or (has_manifest and newest is not None and step < newest):
         # A manifest alone does not make a step committed: a commit interrupted after
         # writing it (the iteration file's write failed, the monitor died) leaves one.
@@ -176,6 +192,18 @@ def root_status(root: Path, latest: dict[str, int | None]) -> dict:
             problems.append(
                 f"{layout.ITERATION_FILES[kind]} names step {step}, which is not on disk"
             )
+    by_step = {s["step"]: s for s in steps}
+    for bad in repair.check_iterations(root):
+        if bad.named not in by_step:
+            continue  # not on disk: said above
+        described = by_step[bad.named]
+        if described["state"] == "committed":
+            described["state"] = "not whole"
+            described["note"] = f"named by {bad.path.name}, but not whole: {bad.problem}"
+        problems.append(f"{bad.describe()}. {_repair_hint(root, bad)}")
+    problems += [
+        f"step {s['step']} is damaged: {s['note']}" for s in steps if s["state"] == "damaged"
+    ]
     return {
         "root": str(root.resolve()),
         "latest": latest,
@@ -187,6 +215,15 @@ def root_status(root: Path, latest: dict[str, int | None]) -> dict:
         "steps": steps,
         "problems": problems,
     }
+
+
+def _repair_hint(root: Path, bad: repair.BadIteration) -> str:
+    if bad.latest_whole is None:
+        return (
+            f"`obsckpt repair {root}` moves the file aside (no step on disk is whole); "
+            "a resume then starts afresh"
+        )
+    return f"`obsckpt repair {root}` points it at step {bad.latest_whole} (it deletes nothing)"
 
 
 def format_status(st: dict) -> str:

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from obsckpt.errors import IterationFileError
+from obsckpt.errors import IterationContentError
 from obsckpt.validators import MAX_STEP, validate_step
 
 ITERATION_FILES = {
@@ -216,13 +216,13 @@ def repair_advice(path: str | os.PathLike) -> str:
 def parse_iteration(text: str, path: str | os.PathLike) -> int:
     stripped = text.strip()
     if not stripped.isdigit() or not stripped.isascii():
-        raise IterationFileError(
+        raise IterationContentError(
             f"{path} holds {text[:40]!r}, not a step number; it must hold one non-negative "
             f"integer. {repair_advice(path)}"
         )
     value = int(stripped)
     if value > MAX_STEP:
-        raise IterationFileError(
+        raise IterationContentError(
             f"{path} names step {stripped[:40]}..., beyond 2**63 - 1: not a step number. "
             f"{repair_advice(path)}"
         )

@@ -13,16 +13,18 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from obsckpt.errors import IterationFileError
+from obsckpt.errors import IterationContentError, IterationFileError
 from obsckpt.layout import (
     ITERATION_FILES,
     MANIFEST_NAME,
     MAX_ITERATION_BYTES,
+    SHARD_RE,
     FileRecord,
     is_temp_name,
     parse_iteration,
     parse_manifest,
     repair_advice,
+    shard_name,
     step_of_dir_name,
 )
 
@@ -129,7 +131,7 @@ def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
             ) from None
         raise IterationFileError(f"cannot read {path}: {read_error_advice(exc)}") from exc
     if len(raw) > MAX_ITERATION_BYTES:
-        raise IterationFileError(
+        raise IterationContentError(
             f"{path} is {os.path.getsize(path)} bytes long, not a step number; "
             f"it must hold one non-negative integer. {repair_advice(path)}"
         )
@@ -253,3 +255,24 @@ def unlisted(sdir: str | os.PathLike, records: list[FileRecord]) -> list[str]:
         prefix = "" if dirpath == top else os.path.relpath(dirpath, top) + os.sep
         extra.extend(prefix + name for name in names if prefix + name not in listed)
     return extra
+
+
+def missing_shards(sdir: str | os.PathLike) -> list[str]:
+    """The rank shards a step directory lacks (relative paths), by the world size its
+    shards name: ``model_world_size_2_rank_0.pt`` alone lacks ``..._rank_1.pt``.
+
+    What tells a step written without a manifest (verl's own checkpointing) is not
+    whole; a step with a manifest is checked against it instead.
+    """
+    top = os.fspath(sdir)
+    missing = []
+    for dirpath, names in walk_files(top):
+        ranks: dict[tuple[str, int], set[int]] = {}
+        for name in names:
+            m = SHARD_RE.match(name)
+            if m is not None:
+                ranks.setdefault((m.group(1), int(m.group(2))), set()).add(int(m.group(3)))
+        prefix = "" if dirpath == top else os.path.relpath(dirpath, top) + os.sep
+        for (kind, world), seen in sorted(ranks.items()):
+            missing += [prefix + shard_name(kind, world, r) for r in range(world) if r not in seen]
+    return missing

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from obsckpt import commit, layout, reader
+from obsckpt.errors import IterationContentError
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +32,14 @@ class BadIteration:
 
     kind: str  # "checkpoint" or "state_dict"
     path: Path  # the iteration file
-    named: int  # the step it names
-    problem: str  # why that step is not whole
+    named: int | None  # the step it names (None: it holds no step number)
+    problem: str  # why that step is not whole, or what the file holds
     latest_whole: int | None  # the step a rewind would name (None: none is whole)
 
     def describe(self) -> str:
         whole = "none" if self.latest_whole is None else f"step {self.latest_whole}"
+        if self.named is None:
+            return f"{self.path} {self.problem}; the latest whole step on disk is {whole}"
         return (
             f"{self.path} names step {self.named}, which is not whole ({self.problem}); "
             f"the latest whole step on disk is {whole}"
@@ -52,6 +55,10 @@ def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = False)
     sdir = layout.step_dir(root, step)
     if not sdir.is_dir():
         return f"{sdir} does not exist"
+    if not (sdir / layout.MANIFEST_NAME).is_file():
+        missing = reader.missing_shards(sdir)
+        lacks = f"; {_listed(missing)} missing" if missing else ""
+        return f"no manifest.json: never committed by obsckpt{lacks}"
     if checksums:
         problems = reader.verify_step(sdir, unlisted_files=False)
         if not problems:
@@ -74,31 +81,60 @@ def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = False)
     return None
 
 
-def _is_full(root: str | os.PathLike, step: int) -> bool:
-    try:
-        records = reader.read_manifest(layout.step_dir(root, step))
-    except (ValueError, OSError):
-        return False
-    return any(
-        os.path.basename(r.path).startswith(layout.FULL_CHECKPOINT_PREFIXES) for r in records
-    )
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
+def foreign_problem(root: str | os.PathLike, step: int) -> str | None:
+    """Why ``step`` of a root obsckpt never committed in (no manifest anywhere) is not
+    whole: its directory is missing, or it lacks rank shards. None: nothing says so."""
+    sdir = layout.step_dir(root, step)
+    if not sdir.is_dir():
+        return f"{sdir} does not exist"
+    missing = reader.missing_shards(sdir)
+    if missing:
+        return f"no manifest.json (not written by obsckpt), and {_listed(missing)} missing"
+    return None
+
+
+def _is_full(root: str | os.PathLike, step: int, foreign: bool = False) -> bool:
+    sdir = layout.step_dir(root, step)
+    if foreign:
+        names = [n for _d, ns in reader.walk_files(os.fspath(sdir)) for n in ns]
+    else:
+        try:
+            names = [os.path.basename(r.path) for r in reader.read_manifest(sdir)]
+        except (ValueError, OSError):
+            return False
+    return any(n.startswith(layout.FULL_CHECKPOINT_PREFIXES) for n in names)
 
 
 def latest_whole_step(
-    root: str | os.PathLike, kind: str, *, below: int | None = None, checksums: bool = False
+    root: str | os.PathLike,
+    kind: str,
+    *,
+    below: int | None = None,
+    checksums: bool = False,
+    foreign: bool = False,
 ) -> int | None:
     """The newest whole step (below ``below``) an iteration file of ``kind`` may name.
 
     A ``checkpoint`` file names a full checkpoint where the root has any (verl's
-    optimizer and extra-state files); a ``state_dict`` file any whole step.
+    optimizer and extra-state files); a ``state_dict`` file any whole step. In a
+    ``foreign`` root (no manifest anywhere) whole means no rank shard missing.
     """
     steps = [s for s in reader.steps_on_disk(root) if below is None or s < below]
-    full = {s: _is_full(root, s) for s in steps} if kind == "checkpoint" else {}
+    full = {s: _is_full(root, s, foreign) for s in steps} if kind == "checkpoint" else {}
     need_full = any(full.values())
     for step in reversed(steps):
         if need_full and not full[step]:
             continue
-        if step_problem(root, step, checksums=checksums) is None:
+        if foreign:
+            problem = foreign_problem(root, step)
+        else:
+            problem = step_problem(root, step, checksums=checksums)
+        if problem is None:
             return step
     return None
 
@@ -107,39 +143,62 @@ def check_iterations(root: str | os.PathLike, *, checksums: bool = False) -> lis
     """The iteration files of ``root`` that name a step that is not whole.
 
     A root no step of which has a manifest was written before obsckpt committed
-    there (verl's own checkpointing): nothing says its steps are whole or not, so
-    nothing is reported for it.
+    there (verl's own checkpointing): only a missing step directory or a missing
+    rank shard (by the world size the shards name) tells that a step is not whole.
+    A file that holds no step number (empty, text) is reported too, with the
+    latest whole step of all.
 
     Raises:
-        IterationFileError: an iteration file does not hold a step number.
+        IterationFileError: an iteration file cannot be read (a read error, a
+            directory in its place): leave it, as the error says.
     """
     steps = reader.steps_on_disk(root)
-    foreign = steps and not any(
+    foreign = bool(steps) and not any(
         (layout.step_dir(root, s) / layout.MANIFEST_NAME).is_file() for s in steps
     )
     bad = []
     for kind in layout.KINDS:
-        named = reader.read_iteration(root, kind)
+        path = Path(root) / layout.ITERATION_FILES[kind]
+        try:
+            named = reader.read_iteration(root, kind)
+        except IterationContentError:
+            held = _held(path)
+            whole = latest_whole_step(root, kind, checksums=checksums, foreign=foreign)
+            bad.append(BadIteration(kind, path, None, f"holds {held}, not a step number", whole))
+            continue
         if named is None:
             continue
-        if foreign and layout.step_dir(root, named).is_dir():
-            continue
-        problem = step_problem(root, named, checksums=checksums)
+        if foreign:
+            problem = foreign_problem(root, named)
+        else:
+            problem = step_problem(root, named, checksums=checksums)
         if problem is not None:
-            whole = latest_whole_step(root, kind, below=named, checksums=checksums)
-            path = Path(root) / layout.ITERATION_FILES[kind]
+            whole = latest_whole_step(root, kind, below=named, checksums=checksums, foreign=foreign)
             bad.append(BadIteration(kind, path, named, problem, whole))
     return bad
 
 
-def rewind(root: str | os.PathLike, found: list[BadIteration] | None = None) -> list[str]:
+def _held(path: Path) -> str:
+    """What a bad iteration file holds, shortly: ``nothing`` or ``'abc'``."""
+    with open(path, "rb") as f:
+        raw = f.read(41)
+    if not raw.strip():
+        return "nothing" if not raw else "only white space"
+    text = raw[:40].decode("utf-8", errors="replace").strip()
+    return repr(text) + ("..." if len(raw) > 40 else "")
+
+
+def rewind(
+    root: str | os.PathLike, found: list[BadIteration] | None = None, *, log: bool = True
+) -> list[str]:
     """Point every iteration file naming a step that is not whole at the latest whole one.
 
     ``found`` is what ``check_iterations(root, checksums=True)`` returned (found
     again when None): the step each file is pointed at has been checked in full,
     CRC32s included. Each file is rewritten atomically (temp file, fsync, rename);
     one for which no whole step exists is renamed aside (``<name>.bad-<unix
-    time>``), never deleted. Returns what was done, one line per file (also logged).
+    time>``), never deleted. Returns what was done, one line per file (also logged,
+    unless ``log`` is False: ``obsckpt repair`` prints the lines itself).
     """
     done = []
     for bad in check_iterations(root, checksums=True) if found is None else found:
@@ -147,12 +206,16 @@ def rewind(root: str | os.PathLike, found: list[BadIteration] | None = None) -> 
         if whole is not None:
             # Backwards on purpose, so not write_iteration (which only moves forward).
             commit.atomic_write(bad.path, f"{whole}\n".encode())
-            line = f"{bad.path}: step {bad.named} -> {whole} ({bad.problem})"
+            if bad.named is None:
+                line = f"{bad.path}: {bad.problem}; it now names step {whole}"
+            else:
+                line = f"{bad.path}: step {bad.named} -> {whole} ({bad.problem})"
         else:
             aside = bad.path.with_name(f"{bad.path.name}.bad-{int(time.time())}")
             os.replace(bad.path, aside)
             commit.fsync_dir(bad.path.parent)
             line = f"{bad.path}: moved to {aside.name}, no whole step to name ({bad.problem})"
-        logger.warning("obsckpt repair: %s", line)
+        if log:
+            logger.warning("obsckpt repair: %s", line)
         done.append(line)
     return done

@@ -136,6 +136,24 @@ class TestVerify:
         assert "step 4: OK" in out and "step 6: FAILED, not on disk" in out
         assert "but latest_state_dict_iteration.txt names it" in err
 
+    @pytest.mark.parametrize("foreign", [False, True], ids=["obsckpt root", "verl root"])
+    def test_status_names_an_iteration_file_whose_step_is_not_whole(self, tmp_path, foreign):
+        """No manifest and a rank's shard missing: status says so and exits 1, as verify does."""
+        root = tmp_path / "ckpt"
+        make_step(root, 2, commit=not foreign)
+        make_step(root, 4, commit=False)
+        (layout.model_dir(root, 4) / "model_world_size_2_rank_1.pt").unlink()
+        commit.write_iteration(root, "checkpoint", 4)
+        code, out, _ = run("status", str(root))
+        assert code == 1, out
+        (line,) = [ln for ln in out.splitlines() if ln.lstrip().startswith("4 ")]
+        assert "not whole" in line and "committed" not in line.split()[1]
+        assert "actor/model_world_size_2_rank_1.pt missing" in out
+        assert f"`obsckpt repair {root}` points it at step 2" in out
+        assert run("verify", str(root))[0] == 1
+        st = json.loads(run("status", str(root), "--json")[1])
+        assert st["steps"][-1]["state"] == "not whole" and st["problems"]
+
     def test_a_step_whose_files_vanished_is_damaged_not_retention(self, root):
         """A step holding only its manifest is `damaged` in status and fails verify --all:
         obsckpt's retention removes whole step directories, so something else removed these."""

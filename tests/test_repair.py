@@ -95,6 +95,29 @@ class TestCheck:
         commit.write_iteration(root, "checkpoint", 2)
         assert repair.check_iterations(root) == []
 
+    def test_a_verl_root_whose_named_step_lacks_a_rank_shard(self, tmp_path):
+        """No manifest anywhere: a missing rank shard (by the world size the shards
+        name) still tells the named step is not whole; the latest complete one is named."""
+        root = tmp_path / "verl"
+        for n in (1, 2):
+            for rank in (0, 1):
+                path = layout.model_dir(root, n) / f"model_world_size_2_rank_{rank}.pt"
+                write_torch_file({"w": torch.ones(2)}, path)
+        (layout.model_dir(root, 2) / "model_world_size_2_rank_1.pt").unlink()
+        commit.write_iteration(root, "checkpoint", 2)
+        (bad,) = repair.check_iterations(root)
+        assert (bad.named, bad.latest_whole) == (2, 1)
+        assert "actor/model_world_size_2_rank_1.pt missing" in bad.problem
+
+    @pytest.mark.parametrize(
+        "held", ["abc\n", "", "\n", "12x"], ids=["text", "empty", "blank", "12x"]
+    )
+    def test_a_file_holding_no_step_number(self, root, held):
+        (root / "latest_checkpointed_iteration.txt").write_text(held)
+        (bad,) = repair.check_iterations(root)
+        assert (bad.kind, bad.named, bad.latest_whole) == ("checkpoint", None, 4)
+        assert "not a step number" in bad.describe()
+
 
 class TestRepair:
     def test_dry_run_changes_nothing(self, root):
@@ -134,6 +157,34 @@ class TestRepair:
         assert reader.read_iteration(root, "checkpoint") is None
         (aside,) = root.glob("latest_checkpointed_iteration.txt.bad-*")
         assert aside.read_text().strip() == "3"
+
+    @pytest.mark.parametrize("held", ["abc\n", ""], ids=["text", "empty"])
+    def test_a_file_holding_no_step_number_is_pointed_at_the_latest_whole_step(
+        self, root, held, caplog
+    ):
+        """What status, verify and the monitor's start advise for such a file works."""
+        before = files(root)
+        (root / "latest_checkpointed_iteration.txt").write_text(held)
+        code, _, err = cli("status", str(root))
+        assert code == 2 and f"`obsckpt repair {root}`" in err
+        code, out, err = cli("repair", str(root))
+        assert code == 0, err
+        assert out.count("\n") == 1 and "not a step number; it now names step 4" in out
+        assert reader.read_iteration(root, "checkpoint") == 4
+        assert files(root) == before
+        # Printed once: not logged as well.
+        assert not [r for r in caplog.records if r.name == "obsckpt.repair"]
+        assert cli("status", str(root))[0] == 0
+
+    def test_status_after_repair_calls_a_corrupted_committed_step_damaged(self, root):
+        shard = layout.model_dir(root, 5) / "model_world_size_1_rank_0.pt"
+        shard.write_bytes(shard.read_bytes()[:10])
+        assert cli("repair", str(root))[0] == 0
+        code, out, _ = cli("status", str(root))
+        assert code == 1
+        (line,) = [ln for ln in out.splitlines() if ln.lstrip().startswith("5 ")]
+        assert "damaged" in line and "uncommitted" not in line and "did not finish" not in out
+        assert "problem: step 5 is damaged" in out
 
     def test_refused_while_a_monitor_holds_the_root(self, root):
         commit.write_iteration(root, "checkpoint", 1000000)
