@@ -102,6 +102,7 @@ class SeaweedServer:
             f"-master.port={p['master']}",
             f"-master.port.grpc={p['master_grpc']}",
             "-master.telemetry=false",
+            "-master.resumeState=false",
             "-master.volumeSizeLimitMB=64",
             f"-volume.port={p['volume']}",
             f"-volume.port.grpc={p['volume_grpc']}",

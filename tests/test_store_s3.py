@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -334,6 +335,23 @@ class TestTransfers:
         back = client.get_ranged_parallel(key, len(data), 1024 * 1024, concurrency=4, etag=etag)
         assert back == data
         assert client.list_multipart_uploads(f"{prefix}/") == []
+
+    def test_no_second_copy_of_the_whole(self, client: S3Client, prefix: str) -> None:
+        """Parts are read from views of the source; a read lands in one preallocated buffer."""
+        data = bytearray(os.urandom(4 * MIN_PART_SIZE))
+        key = f"{prefix}/big"
+        tracemalloc.start()
+        try:
+            client.upload_file_multipart(key, data, MIN_PART_SIZE, concurrency=4)
+            uploading = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            back = client.get_ranged_parallel(key, len(data), MIN_PART_SIZE, concurrency=4)
+            reading = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert back == data
+        assert uploading < len(data) / 2, uploading
+        assert reading < len(data) * 1.5, reading
 
     def test_multipart_from_a_file(self, client: S3Client, prefix: str, tmp_path: Path) -> None:
         path = tmp_path / "shard.pt"

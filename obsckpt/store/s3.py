@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import io
-import mmap
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import boto3
 import botocore
@@ -49,16 +45,21 @@ from obsckpt.store.errors import (
     StoreError,
     StoreUnavailableError,
 )
+from obsckpt.store.transfer import (
+    MIN_PART_SIZE,
+    UploadSource,
+    ViewReader,
+    check_part_size,
+    run_parallel,
+    source_view,
+)
 
 __all__ = ["MIN_PART_SIZE", "S3Client", "S3Options", "UploadSource"]
 
-_T = TypeVar("_T")
-
-# S3's limits on multipart uploads: every part but the last at least 5 MiB, at most
-# 5 GiB, at most 10,000 parts.
-MIN_PART_SIZE = 5 * 1024 * 1024
-MAX_PART_SIZE = 5 * 1024**3
-MAX_PARTS = 10_000
+# A range is read into its buffer this many bytes at a time: urllib3 reads each
+# readinto() into a temporary bytes object first, so one call for a whole part
+# would hold a second copy of it.
+_READ_CHUNK = 1024 * 1024
 # DeleteObjects takes at most this many keys per request.
 _DELETE_BATCH = 1000
 # The wait before trying a connection again: doubles from this, up to _MAX_BACKOFF_S.
@@ -76,8 +77,6 @@ _NO_ANSWER = (
     boto_errors.HTTPClientError,
     boto_errors.IncompleteReadError,
 )
-
-UploadSource = bytes | bytearray | memoryview | str | os.PathLike[str] | IO[bytes]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -276,8 +275,8 @@ class S3Client:
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        with _source_view(source) as view:
-            _check_part_size(part_size, len(view))
+        with source_view(source) as view:
+            check_part_size(part_size, len(view))
             bounds = [
                 (start, min(start + part_size, len(view)))
                 for start in range(0, max(len(view), 1), part_size)
@@ -287,7 +286,7 @@ class S3Client:
                     "UploadId"
                 ]
             try:
-                etags = _run_parallel(
+                etags = run_parallel(
                     [
                         partial(self._upload_part, key, upload_id, n, view[lo:hi])
                         for n, (lo, hi) in enumerate(bounds, start=1)
@@ -318,7 +317,7 @@ class S3Client:
                 Key=key,
                 UploadId=upload_id,
                 PartNumber=number,
-                Body=_ViewReader(part),
+                Body=ViewReader(part),
             )
         return str(answer["ETag"])
 
@@ -348,7 +347,7 @@ class S3Client:
             )
         out = bytearray(size)
         view = memoryview(out)
-        _run_parallel(
+        run_parallel(
             [
                 partial(self._read_range, key, view[lo : min(lo + part_size, size)], lo, etag)
                 for lo in range(0, size, part_size)
@@ -373,7 +372,7 @@ class S3Client:
                     body = self._client.get_object(**args)["Body"]
                     filled = 0
                     while filled < len(into):
-                        n = body.readinto(into[filled:])
+                        n = body.readinto(into[filled : filled + _READ_CHUNK])
                         if n == 0:
                             break
                         filled += n
@@ -520,101 +519,6 @@ class S3Client:
         )
 
 
-class _ViewReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview: a part's body without copying it.
-
-    botocore reads a body to checksum it and seeks back to send it (and again to
-    retry), so a plain iterator would not do.
-    """
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def readinto(self, buffer: Any) -> int:
-        chunk = self._view[self._pos : self._pos + len(buffer)]
-        memoryview(buffer).cast("B")[: len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
-
-    def read(self, size: int | None = -1) -> bytes:
-        stop = len(self._view) if size is None or size < 0 else self._pos + size
-        chunk = bytes(self._view[self._pos : stop])
-        self._pos += len(chunk)
-        return chunk
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-@contextlib.contextmanager
-def _source_view(source: UploadSource) -> Iterator[memoryview]:
-    """A flat byte view of ``source``; a path or a file is mapped, not read."""
-    if isinstance(source, bytes | bytearray | memoryview):
-        view = memoryview(source)
-        yield view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        return
-    with contextlib.ExitStack() as stack:
-        if isinstance(source, str | os.PathLike):
-            source = stack.enter_context(open(source, "rb"))
-        try:
-            fd = source.fileno()
-        except (AttributeError, io.UnsupportedOperation):
-            if isinstance(source, io.BytesIO):
-                yield source.getbuffer()
-                return
-            raise TypeError(
-                f"upload source must be bytes-like, a path or a file with a fileno(), got "
-                f"{type(source).__name__}"
-            ) from None
-        if os.fstat(fd).st_size == 0:
-            yield memoryview(b"")
-            return
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        try:
-            yield memoryview(mapped)
-        finally:
-            # A part's view still held (by a traceback, say) keeps the mapping open; it
-            # is unmapped with the last view then.
-            with contextlib.suppress(BufferError):
-                mapped.close()
-
-
-def _run_parallel(calls: list[Callable[[], _T]], concurrency: int, *, name: str) -> list[_T]:
-    """The results of ``calls``, run ``concurrency`` at a time; the first failure is raised.
-
-    Calls not yet started when one fails are cancelled; the pool is joined first.
-    """
-    if concurrency == 1 or len(calls) == 1:
-        return [call() for call in calls]
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name) as pool:
-        futures: list[Future[_T]] = [pool.submit(call) for call in calls]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            for future in futures:
-                future.cancel()
-            exc = failed.exception()
-            assert exc is not None
-            raise exc
-        return [future.result() for future in futures]
-
-
 def _info(answer: dict[str, Any]) -> ObjectInfo:
     return ObjectInfo(
         size=int(answer.get("ContentLength") or 0),
@@ -628,19 +532,6 @@ def _check_range(value: tuple[int, int]) -> tuple[int, int]:
     if not 0 <= start <= stop:
         raise ValueError(f"range must be (start, stop) with 0 <= start <= stop, got {value!r}")
     return start, stop
-
-
-def _check_part_size(part_size: int, total: int) -> None:
-    if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
-        raise ValueError(
-            f"part_size must be between {MIN_PART_SIZE} (5 MiB) and {MAX_PART_SIZE} (5 GiB), "
-            f"S3's limits, got {part_size}"
-        )
-    if -(-total // part_size) > MAX_PARTS:
-        raise ValueError(
-            f"{total} bytes in parts of {part_size} make more than S3's {MAX_PARTS} parts; "
-            f"use parts of at least {-(-total // MAX_PARTS)} bytes"
-        )
 
 
 def _backoff(attempt: int) -> float:
