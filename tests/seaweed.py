@@ -209,10 +209,17 @@ class SeaweedServer:
         graceful stop, and a kill is also what a crashed store looks like.
         """
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.kill()
-        process.wait(STOP_TIMEOUT_S)
+        if process.poll() is None:
+            process.kill()
+            process.wait(STOP_TIMEOUT_S)
+        # weed listens on /tmp/seaweedfs-<role>-grpc-<port>.sock beside each gRPC port (a
+        # fixed place, no flag moves it); only a graceful stop removes them.
+        for role in ("master", "volume", "filer", "s3"):
+            Path(f"/tmp/seaweedfs-{role}-grpc-{self.ports[role + '_grpc']}.sock").unlink(
+                missing_ok=True
+            )
 
     def _log_tail(self, lines: int = 30) -> str:
         try:

@@ -59,6 +59,7 @@ class TestParseRoot:
             ("run:7", "run:7"),
             ("file:///ckpt/my%20run", "/ckpt/my run"),
             ("file://localhost/ckpt", "/ckpt"),
+            ("file:/ckpt", "/ckpt"),
         ],
     )
     def test_local(self, value: str, path: str) -> None:
@@ -98,6 +99,7 @@ class TestParseRoot:
             ("s3:/bucket/ckpt", "mistyped s3:// URL"),
             ("s3:bucket", "mistyped s3:// URL"),
             ("gs:bucket/x", "mistyped gs:// URL"),
+            ("file:ckpt", "mistyped file:// URL"),
             ("file://otherhost/ckpt", "file:///ckpt"),
             ("s3:///ckpt", "no bucket"),
             ("s3://ab/x", "not an S3 bucket name"),

@@ -180,8 +180,10 @@ class RootPointer:
         """Make ``owner`` the root's owner, fencing the one before; its :class:`Lease`.
 
         The pointer's epoch goes up by one (1 on a root without a pointer); steps
-        are kept. The iteration objects are then brought up to the pointer's steps
-        (a previous owner may have stopped between the two).
+        are kept. The root is taken from whoever holds it, running or not: deciding
+        that this owner should have it is the caller's part. The iteration objects
+        are then brought up to the pointer's steps (a previous owner may have
+        stopped between the two).
 
         Raises:
             StoreError: the pointer could not be swapped in ``max_tries`` tries (others
@@ -204,10 +206,17 @@ class RootPointer:
             etag = self._swap(put, commit_id)
             if etag is not None:
                 lease = Lease(root=self.root, owner=owner, epoch=new.epoch, pointer=new, etag=etag)
-                for kind in KINDS:
-                    step = new.step(kind)
-                    if step is not None:
-                        self._advance_iteration(kind, step)
+                try:
+                    for kind in KINDS:
+                        step = new.step(kind)
+                        if step is not None:
+                            self._advance_iteration(kind, step)
+                except StoreError as err:
+                    err.add_note(
+                        f"{owner!r} took {self.root} (epoch {new.epoch}), but its iteration "
+                        "objects could not be brought up to the pointer"
+                    )
+                    raise
                 return lease
         raise self._gave_up("take_ownership", f"{self._max_tries} other owners took it meanwhile")
 

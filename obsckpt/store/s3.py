@@ -177,7 +177,9 @@ class S3Client:
         """Replace ``key`` only if its ETag is still ``etag`` (If-Match); its new ETag.
 
         Raises:
-            PreconditionFailed: the ETag moved, or there is no object.
+            PreconditionFailed: the ETag moved (some servers, SeaweedFS among them, also
+                answer 412 where there is no object).
+            ObjectNotFoundError: there is no object (AWS S3 answers 404).
             ConditionalConflict, StoreUnavailableError: as for :meth:`put_create_only`.
         """
         return self._conditional_put("put_if_match", key, data, IfMatch=etag)

@@ -113,6 +113,8 @@ def parse_root(value: str | os.PathLike[str], *, what: str = "checkpoint root") 
     match = _URL_RE.match(stripped)
     if match is None:
         mistyped = _MISTYPED_RE.match(stripped)
+        if mistyped is not None and stripped.lower().startswith("file:/") and stripped == value:
+            return Root(scheme=LOCAL, path=unquote(value[len("file:") :]))  # RFC 8089's file:/path
         if mistyped is not None and mistyped.group(1).lower() in _KNOWN_SCHEMES:
             scheme = mistyped.group(1).lower()
             _refuse(value, what, f"it looks like a mistyped {scheme}:// URL")
