@@ -23,6 +23,8 @@ OBSCKPT_EXIT_WAIT_S = "OBSCKPT_EXIT_WAIT_S"
 OBSCKPT_VERL_COMMIT_TIMEOUT_S = "OBSCKPT_VERL_COMMIT_TIMEOUT_S"
 # "1": a checkpoint manager's save_checkpoint returns only once its files are durable.
 OBSCKPT_SYNC_SAVE = "OBSCKPT_SYNC_SAVE"
+# "1": a checkpoint manager submits each step it saves (no trainer does); "0": the trainer does.
+OBSCKPT_MANAGER_COMMITS = "OBSCKPT_MANAGER_COMMITS"
 # Set in `obsckpt demo`'s driver process: the id of the process that started it.
 OBSCKPT_DEMO_DRIVER = "OBSCKPT_DEMO_DRIVER"
 
@@ -42,6 +44,7 @@ VARIABLES = (
     OBSCKPT_EXIT_WAIT_S,
     OBSCKPT_VERL_COMMIT_TIMEOUT_S,
     OBSCKPT_SYNC_SAVE,
+    OBSCKPT_MANAGER_COMMITS,
     OBSCKPT_DEMO_DRIVER,
     OBSCKPT_METRICS_PORT,
     OBSCKPT_METRICS_HOST,

@@ -150,6 +150,11 @@ class MonitorOptions:
             another size): ``"refuse"`` (the default) fails its start with one line
             saying so; ``"rewind"`` points the file at the latest whole step on disk
             first, as ``obsckpt repair`` does (logged; nothing is deleted).
+        trainer_submits: a trainer submits each step once all its managers have
+            saved (verl's and Trinity-RFT's switched trainers set it when they create
+            the monitor); obsckpt's checkpoint managers then leave submitting to it.
+            False: a manager submits the steps it saves itself (used alone; see
+            :mod:`obsckpt.integrations.alone`).
     """
 
     default_local_dir: str
@@ -163,6 +168,7 @@ class MonitorOptions:
     lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S
     max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS
     on_bad_iteration: str = "refuse"
+    trainer_submits: bool = False
 
     def __post_init__(self) -> None:
         if self.on_bad_iteration not in ON_BAD_ITERATION:

@@ -41,6 +41,7 @@ class Rank:
         from obsckpt.integrations import FSDPCheckpointManager
 
         self.manager = FSDPCheckpointManager(
+            commit_steps=False,  # the test submits each step, as the trainer does
             sync_save=sync_save,
             model=self.model,
             optimizer=self.optimizer,
@@ -339,6 +340,7 @@ class PretrainedRank:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.manager = FSDPCheckpointManager(
+            commit_steps=False,  # the test submits each step, as the trainer does
             model=model,
             checkpoint_config={"save_contents": ["model", "hf_model"], "load_contents": ["model"]},
             ray_namespace=namespace,
@@ -490,6 +492,7 @@ class FSDP1Rank:
         self.model(torch.randn(2, 6, device="cuda")).sum().backward()
         self.optimizer.step()
         self.manager = FSDPCheckpointManager(
+            commit_steps=False,  # the test submits each step, as the trainer does
             model=self.model,
             optimizer=self.optimizer,
             checkpoint_config={
@@ -631,7 +634,10 @@ class TestLoraOnly:
         root = tmp_path / "ckpt"
         monitor = started_monitor(namespace, root)
         manager = FSDPCheckpointManager(
-            model=model, checkpoint_config=config, ray_namespace=namespace
+            commit_steps=False,  # the test submits each step, as the trainer does
+            model=model,
+            checkpoint_config=config,
+            ray_namespace=namespace,
         )
         path = root / "global_step_1" / "actor"
         assert manager.save_checkpoint(str(path), global_step=1) == {
@@ -686,6 +692,7 @@ class TestLoraOnly:
         fsdp2(model, one_rank, model.model.layers)
         monitor = started_monitor(namespace, tmp_path / "ckpt")
         manager = FSDPCheckpointManager(
+            commit_steps=False,  # the test submits each step, as the trainer does
             model=model,
             checkpoint_config={"save_contents": ["model"], "save_lora_only": True},
             ray_namespace=namespace,
@@ -723,7 +730,10 @@ class TestHFExportKeepsCommittedFiles:
 
         def save() -> dict:
             manager = FSDPCheckpointManager(
-                model=model, checkpoint_config=config, ray_namespace=namespace
+                commit_steps=False,  # the test submits each step, as the trainer does
+                model=model,
+                checkpoint_config=config,
+                ray_namespace=namespace,
             )
             counts = manager.save_checkpoint(str(path), global_step=1)
             manager.wait_on_save_thread(timeout=60)
@@ -805,3 +815,99 @@ def test_resume_record_through_the_manager(namespace, tmp_path):
     assert {f"resume/rank_{r}.pt" for r in (0, 1)} <= listed
     restored = both("restore_record", str(root), 1)
     assert restored == [(1, {"position": 4}, next_draws[r]) for r in (0, 1)]
+
+
+class TestUsedAlone:
+    """The manager with no trainer submitting its steps (verl's own tests, a user's loop):
+    it submits each step it saves, and a load of a step this process saved waits for
+    the step's commit instead of refusing it as uncommitted."""
+
+    def make(self, one_rank, namespace, **kwargs):
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        torch.manual_seed(0)
+        model = fsdp2(
+            torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), one_rank, []
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        contents = ["model", "optimizer", "extra"]
+        manager = FSDPCheckpointManager(
+            model=model,
+            optimizer=optimizer,
+            checkpoint_config={"save_contents": contents, "load_contents": contents},
+            ray_namespace=namespace,
+            **kwargs,
+        )
+        return model, manager
+
+    def test_saves_commit_and_a_load_waits_for_the_commit(
+        self, namespace, tmp_path, one_rank, monkeypatch
+    ):
+
+        monkeypatch.delenv("OBSCKPT_MANAGER_COMMITS", raising=False)
+        root = tmp_path / "ckpt"
+        monitor = started_monitor(namespace, root)
+        model, manager = self.make(one_rank, namespace)
+        assert manager.commit_steps is True  # this monitor was made by no trainer
+        saved = full_params(model)
+        path = root / "global_step_1" / "actor"
+        assert manager.save_checkpoint(str(path), global_step=1) == {
+            "state_dict": 1,
+            "checkpoint": 2,
+        }
+        # A second manager of this process (verl's tests build one to load): the load
+        # waits for step 1's commit, which nothing but the saving manager submitted.
+        other, loader = self.make(one_rank, namespace)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        loader.load_checkpoint(str(path))
+        assert same(saved, full_params(other)) == []
+        status = ray.get(monitor.status.remote())
+        assert status["latest"] == {"checkpoint": 1, "state_dict": 1}
+        assert status["resaves"] == 0  # submitted once
+        from obsckpt import reader
+
+        assert reader.verify_step(root / "global_step_1") == []
+
+    def test_a_step_the_trainer_did_not_submit_is_refused_at_once(
+        self, namespace, tmp_path, one_rank
+    ):
+        """With commit_steps=False the trainer submits: a load of a step it never
+        submitted waits for nothing and is refused as uncommitted, at once."""
+        root = tmp_path / "ckpt"
+        monitor = started_monitor(namespace, root)  # held: the actor lives while its handle does
+        _model, manager = self.make(one_rank, namespace, commit_steps=False)
+        path = root / "global_step_3" / "actor"
+        manager.save_checkpoint(str(path), global_step=3)
+        t0 = time.monotonic()
+        with pytest.raises(UnverifiedCheckpointError, match="step 3 was never committed"):
+            manager.load_checkpoint(str(path))
+        assert time.monotonic() - t0 < 30
+        assert ray.get(monitor.status.remote())["latest"]["checkpoint"] is None
+
+    def test_the_default_follows_the_monitor_and_the_variable(
+        self, namespace, tmp_path, monkeypatch
+    ):
+        """A monitor a switched trainer made (trainer_submits=True) keeps submitting to
+        the trainer; OBSCKPT_MANAGER_COMMITS and the argument say it outright."""
+        from obsckpt.integrations import alone
+
+        monkeypatch.delenv("OBSCKPT_MANAGER_COMMITS", raising=False)
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace,
+            default_local_dir=str(tmp_path),
+            metrics_port=None,
+            trainer_submits=True,
+        )
+        coordinator = CheckpointCoordinator(monitor)
+        assert ray.get(monitor.status.remote())["trainer_submits"] is True
+        assert alone.commits_steps(None, coordinator) is False
+        assert alone.commits_steps(True, coordinator) is True
+        monkeypatch.setenv("OBSCKPT_MANAGER_COMMITS", "1")
+        assert alone.commits_steps(None, coordinator) is True
+        monkeypatch.setenv("OBSCKPT_MANAGER_COMMITS", "yes")
+        with pytest.raises(ValueError, match="OBSCKPT_MANAGER_COMMITS='yes'"):
+            alone.commits_steps(None, coordinator)

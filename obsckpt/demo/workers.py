@@ -147,6 +147,7 @@ class TrainerRank:
             ray_namespace=self.namespace,
             monitor=self.monitor,
             coordinator=self.coordinator,
+            commit_steps=False,  # the demo's driver submits each step, as a trainer does
         )
         return {"parameters": params, "backend": backend, "device": rd.describe()}
 

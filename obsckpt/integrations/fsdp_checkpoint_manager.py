@@ -45,7 +45,7 @@ from obsckpt import commit, layout, loading
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
-from obsckpt.integrations import verl_install
+from obsckpt.integrations import alone, verl_install
 from obsckpt.integrations._common import hand_to_synchronizer
 from obsckpt.integrations.fsdp_files import check_world_size, committed_files, hf_model_class
 from obsckpt.integrations.retention import removable
@@ -98,6 +98,14 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             variable (``1``), else off: saves run in the background and training
             stalls only for the snapshot. The step still commits when the trainer
             submits it (verl_install's trainer does, and waits for the commit).
+        commit_steps: this manager submits each step it saves, once every rank has
+            registered its saves, and a load of a step this process saved waits for
+            its commit (:mod:`obsckpt.integrations.alone`): for a manager used
+            without a trainer that submits (verl's own tests, a user's loop).
+            False: the trainer submits (``register_and_monitor``), as verl's and
+            Trinity's switched trainers do. Default: the ``OBSCKPT_MANAGER_COMMITS``
+            variable, else True unless the monitor says a trainer submits the steps
+            (``trainer_submits``: the switches' trainers create it so).
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         synchronizer: Any = None,
         save_timeout: float | None = None,
         sync_save: bool | None = None,
+        commit_steps: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -122,8 +131,16 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         )
         if self.checkpoint_monitor is None:
             self.checkpoint_monitor = self.coordinator.monitor
+        self._commit_steps = commit_steps
         self._synchronizer = synchronizer
         self.previous_state_dict_step: int | None = None
+
+    @property
+    def commit_steps(self) -> bool:
+        """Whether this manager submits the steps it saves (asked once, at the first save)."""
+        if self._commit_steps is None:
+            self._commit_steps = alone.commits_steps(None, self.coordinator)
+        return self._commit_steps
 
     def _lookup(self, name: str) -> Any:
         maker = "CheckpointMonitor" if name == MONITOR_ACTOR_NAME else "Synchronizer"
@@ -193,6 +210,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         state_dict = self._model_state_dict(lora_only=False)
         self._register(global_step, state_dict=1, checkpoint=0)
         self._save_model(local_path, global_step, state_dict)
+        self._submit(global_step, "state_dict")
         return 1
 
     def _announce(self, global_step: int) -> None:
@@ -296,6 +314,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         if self.rank == 0:
             self.previous_saved_paths.append(local_path)
             self.enforce_retention(max_ckpt_to_keep)
+        if counts["state_dict"] or counts["checkpoint"]:
+            self._submit(global_step, "checkpoint" if counts["checkpoint"] else "state_dict")
         if self.sync_save:
             self.coordinator.wait_all()
         return counts
@@ -308,7 +328,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     ) -> None:
         """Wait for this rank's saves in flight, then load as verl does, verified.
 
-        ``local_path=None`` loads nothing and returns at once, as verl's does.
+        ``local_path=None`` loads nothing and returns at once, as verl's does. A
+        step this process saved and submitted (``commit_steps``) is loaded once it
+        is committed: the load waits for its commit (``OBSCKPT_VERL_COMMIT_TIMEOUT_S``,
+        default 1800 s).
 
         Each file verl's loader reads goes through :mod:`obsckpt.loading`: it
         must belong to a committed step, be listed in its manifest and match its
@@ -318,13 +341,17 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         Raises:
             FileNotFoundError: ``local_path`` was saved by a different number of
                 ranks (the message names both and what to do), or lacks a file.
-            UnverifiedCheckpointError: the step is not committed, or a file is not
-                listed in its manifest or does not match it.
+            UnverifiedCheckpointError: the step is not committed (one saved here: not
+                within the wait, or it failed), or a file is not listed in its manifest
+                or does not match it.
             UnsafeCheckpointError: a file names a global loading could run code from.
         """
         if local_path is None:  # verl loads nothing then (a failed save raises at the next)
             return
         self.coordinator.wait_all()
+        if "://" not in local_path:
+            # A step this process saved: its commit may still be on its way.
+            alone.wait_for_saved_step(self.coordinator, local_path)
         if "://" not in local_path:  # only lists names; the load below verifies the files
             check_world_size(
                 local_path,
@@ -395,6 +422,19 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         self.enforce_retention(max_ckpt_to_keep)
 
     # -- internals -------------------------------------------------------
+
+    def _submit(self, step: int, kind: str) -> None:
+        """Submit the step where no trainer will (``commit_steps``), and remember it: a
+        load of it here waits for its commit."""
+        if self.commit_steps:
+            alone.note_saved(self.coordinator, step, kind)
+            alone.submit(
+                self.coordinator,
+                step,
+                is_state_dict=kind == "state_dict",
+                rank=self.rank,
+                barrier=torch.distributed.barrier,
+            )
 
     def _register(self, step: int, *, state_dict: int, checkpoint: int) -> None:
         if not (state_dict or checkpoint):

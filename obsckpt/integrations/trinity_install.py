@@ -128,7 +128,8 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
         """
         if default_local_dir is None:
             return CheckpointMonitor.get_actor(namespace)
-        trinity_given: dict[str, Any] = {"namespace": namespace}
+        # Trinity's trainer submits each step (register_and_monitor).
+        trinity_given: dict[str, Any] = {"namespace": namespace, "trainer_submits": True}
         if save_strategy is not None:
             trinity_given["save_strategy"] = save_strategy
         if default_hdfs_dir is not None:

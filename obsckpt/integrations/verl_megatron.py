@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from obsckpt import loading
-from obsckpt.integrations import verl_install
+from obsckpt.integrations import alone, verl_install
 from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
@@ -213,6 +213,14 @@ def _config_value(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
+def _barrier() -> None:
+    """Every rank of the job's process group, where there is one (Megatron's)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 class MegatronCheckpointManager:
     """verl's Megatron checkpoint manager, its saves reported to and committed by the monitor.
 
@@ -236,6 +244,8 @@ class MegatronCheckpointManager:
             Megatron-core).
         ray_namespace, monitor, coordinator: as :class:`FSDPCheckpointManager`.
         save_timeout: passed to the default coordinator.
+        commit_steps: as :class:`FSDPCheckpointManager`'s: submit each step saved
+            here (no trainer does), and a load of one waits for its commit.
 
     Raises:
         ValueError: verl's checkpoint config asks for ``async_save``.
@@ -244,7 +254,9 @@ class MegatronCheckpointManager:
     """
 
     # Attributes of this wrapper; every other one is verl's manager's.
-    _OWN = frozenset({"base", "coordinator", "checkpoint_monitor", "saved_paths", "_reporting"})
+    _OWN = frozenset(
+        {"base", "coordinator", "checkpoint_monitor", "saved_paths", "_reporting", "_commit_steps"}
+    )
 
     def __init__(
         self,
@@ -254,6 +266,7 @@ class MegatronCheckpointManager:
         monitor: Any = None,
         coordinator: Any = None,
         save_timeout: float | None = None,
+        commit_steps: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if base_class is None:
@@ -293,8 +306,16 @@ class MegatronCheckpointManager:
             )
         self.coordinator = coordinator
         self.checkpoint_monitor = monitor if monitor is not None else coordinator.monitor
+        self._commit_steps = commit_steps
         self.saved_paths: list[str] = []
         self._reporting = True
+
+    @property
+    def commit_steps(self) -> bool:
+        """Whether this manager submits the steps it saves (asked once, at the first save)."""
+        if self._commit_steps is None:
+            self._commit_steps = alone.commits_steps(None, self.coordinator)
+        return self._commit_steps
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["base"], name)
@@ -352,6 +373,15 @@ class MegatronCheckpointManager:
         if getattr(self.base, "rank", 0) == 0:
             self.saved_paths.append(local_path)
             self.enforce_retention(max_ckpt_to_keep)
+        if written and self.commit_steps:
+            alone.note_saved(self.coordinator, global_step, "checkpoint")
+            alone.submit(
+                self.coordinator,
+                global_step,
+                is_state_dict=False,
+                rank=int(getattr(self.base, "rank", 0) or 0),
+                barrier=_barrier,
+            )
         return {"state_dict": 0, "checkpoint": int(written)}
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:
@@ -370,6 +400,7 @@ class MegatronCheckpointManager:
                 listed in its manifest or does not match it.
         """
         self.coordinator.wait_all()
+        alone.wait_for_saved_step(self.coordinator, local_path)  # saved here: its commit
         with loading.verified_torch_load(local_path) as step:
             step.verify_all(local_path)
             return self.base.load_checkpoint(local_path, *args, **kwargs)

@@ -228,6 +228,7 @@ def monitor_for(trainer: Any) -> Any:
             lease_timeout_s=options.lease_timeout_s,
             max_slot_labels=options.max_slot_labels,
             on_bad_iteration=options.on_bad_iteration,
+            trainer_submits=True,  # this trainer submits each step (save_and_submit)
         )
         trainer._obsckpt_monitor = monitor
     return monitor

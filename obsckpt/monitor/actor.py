@@ -232,6 +232,7 @@ class CheckpointMonitor(MeasurementRPCs):
         lease_timeout_s: float | None = DEFAULT_LEASE_TIMEOUT_S,
         max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
         on_bad_iteration: str = "refuse",
+        trainer_submits: bool = False,
     ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -276,6 +277,7 @@ class CheckpointMonitor(MeasurementRPCs):
             lease_timeout_s=lease_timeout_s,
             max_slot_labels=max_slot_labels,
             on_bad_iteration=on_bad_iteration,
+            trainer_submits=trainer_submits,
         )
         return start_actor(cls, options, max_restarts=max_restarts)
 
@@ -501,6 +503,7 @@ class CheckpointMonitor(MeasurementRPCs):
             committing=self._committer.progress.current(),
             node_queries_failed=self._dead_nodes.failures,
             iteration_repairs=self.iteration_repairs,
+            trainer_submits=self.options.trainer_submits,
         )
 
     async def debug_spans(self) -> list[dict[str, Any]]:

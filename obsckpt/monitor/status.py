@@ -21,6 +21,7 @@ def status_view(
     committing: dict[str, Any] | None = None,
     node_queries_failed: int = 0,
     iteration_repairs: list[str] | None = None,
+    trainer_submits: bool = False,
 ) -> dict[str, Any]:
     """Latest committed steps, pending, failed and abandoned steps, saves in flight.
 
@@ -106,4 +107,6 @@ def status_view(
         "committing": committing,
         "node_queries_failed": node_queries_failed,
         "iteration_repairs": list(iteration_repairs or []),
+        # A trainer submits the steps (verl's, Trinity's): managers leave it to it.
+        "trainer_submits": trainer_submits,
     }

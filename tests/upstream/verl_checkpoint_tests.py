@@ -20,8 +20,9 @@ run on a CPU with ``PY`` (default: this interpreter), which must have verl
   fail with the error named there (docs/integrations.md, "verl 0.9.1's own
   checkpoint tests", gives each reason);
 * ``obsckpt-step-dirs``: verl's FSDP LoRA checkpoint tests, rewritten as
-  :data:`STEP_DIRS_REWRITES` says (save into a step directory, commit the step
-  before loading it) with ``OBSCKPT_SYNC_SAVE=1``, against obsckpt's manager:
+  :data:`STEP_DIRS_REWRITES` says (save into a step directory, nothing else)
+  with ``OBSCKPT_SYNC_SAVE=1``, against obsckpt's manager used alone (no
+  trainer: it commits the steps it saves, and a load waits for that commit):
   verl's own assertions, all of which must pass.
 
 Exits non-zero on any unexpected outcome: a test that fails (or passes where a
@@ -109,7 +110,7 @@ _PLAIN_DIR_THEN_LOAD = Difference(
     "and obsckpt loads only a committed step's files, checked against its manifest",
 )
 # Every test that fails with obsckpt in place, and only those. Each passes in the
-# obsckpt-step-dirs mode, saving into a step directory and committing it.
+# obsckpt-step-dirs mode, saving into a step directory (which the manager then commits).
 DIFFERENCES: dict[str, Difference] = {
     _LORA + "test_save_lora_only_filters_state_dict": _PLAIN_DIR,
     _LORA + "test_save_lora_only_no_lora_saves_full": _PLAIN_DIR,
@@ -119,22 +120,20 @@ DIFFERENCES: dict[str, Difference] = {
 }
 
 
-# The same LoRA tests once more, rewritten (in build/, from the sdist's file) as a job
-# running obsckpt saves and resumes: the save directory is a step directory, the step is
-# committed before a second manager loads it (the trainer submits each step, and a
-# resume loads a committed one), and OBSCKPT_SYNC_SAVE=1 (the tests read the files right
-# after save_checkpoint returns). verl's assertions are unchanged and must all pass.
+# The same LoRA tests once more, rewritten (in build/, from the sdist's file) to save into
+# a step directory, which is all obsckpt asks of a save; OBSCKPT_SYNC_SAVE=1 as the tests
+# read the files right after save_checkpoint returns. With no trainer in these tests, the
+# manager submits each step it saves and a second manager's load waits for the commit.
+# verl's assertions are unchanged and must all pass.
 LORA_FILE = "tests/checkpoint_engine/test_fsdp_lora_only_checkpoint_on_cpu.py"
 STEP_DIRS_FILE = "tests/checkpoint_engine/test_fsdp_lora_only_checkpoint_in_step_dirs.py"
 STEP_DIRS_TESTS = STEP_DIRS_FILE + "::TestFSDPCheckpointManagerLoraOnly"
 STEP_DIRS_COUNT = 7
 _STEP_DIR = 'tmp_path / "global_step_1" / "actor"'
-_LOAD = "        mgr2 = self._make_fsdp_manager("
 STEP_DIRS_REWRITES: list[tuple[str, str, int]] = [  # (old, new, occurrences)
     ('tmp_path / "ckpt"', _STEP_DIR, 3),
     ('tmp_path / "lora_only"', _STEP_DIR, 1),
     ('tmp_path / "full_ckpt"', _STEP_DIR, 1),
-    (_LOAD, f'        __import__("{Path(__file__).stem}").commit(1)\n' + _LOAD, 2),
 ]
 MODES: dict[str, tuple[list[str], dict[str, int]]] = {  # mode -> (pytest args, tests per file)
     "baseline": (list(SELECTED), SELECTED),
@@ -387,7 +386,7 @@ def pytest_collection_finish(session: Any) -> None:
         raise _usage(f"documented differences not collected: {missing}")
 
 
-_monitor: list[Any] = []  # the running checkpoint monitor, for commit()
+_monitor: list[Any] = []  # the running checkpoint monitor
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -448,16 +447,6 @@ def _stop_monitor() -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"the checkpoint monitor in namespace {NAMESPACE!r} did not end in 30 s")
-
-
-def commit(step: int) -> None:
-    """Submit ``step`` to the running monitor and wait for its commit, as verl's trainer does."""
-    import asyncio
-
-    from obsckpt.coordinator import CheckpointCoordinator
-
-    coordinator = CheckpointCoordinator(_monitor[-1])
-    asyncio.run(coordinator.register_and_monitor(step, is_state_dict=False))
 
 
 def _manager_check(mode: str) -> tuple[str | None, list[str]]:

@@ -1,0 +1,153 @@
+"""A checkpoint manager used without a trainer that submits its steps: it commits them itself.
+
+verl's and Trinity-RFT's trainers, switched to obsckpt, register each step's
+saves and submit the step once every manager of every rank has saved
+(:func:`obsckpt.integrations.verl_install.install`, the Trinity plugin): a
+step then commits with the actor's and the critic's files alike. A manager
+built directly, with no such trainer (verl's own checkpoint tests, a user's
+loop), has nobody to submit its steps, which would never commit, and a load
+of one would be refused as uncommitted. Such a manager submits each step it
+saves itself, once every rank has registered its saves (a barrier), and a
+load of a step this process saved waits for that step's commit first.
+
+Whether a trainer submits is the monitor's to say: verl's and Trinity-RFT's
+switched trainers create it with ``trainer_submits=True``
+(:func:`trainer_submits`); ``OBSCKPT_MANAGER_COMMITS`` (``1``/``0``) or the
+managers' ``commit_steps=`` argument says it outright. Two managers saving
+into one step (an actor's and a critic's) need the trainer's submission: the
+first to submit would commit the step before the other's saves are registered.
+
+Nothing here imports verl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from obsckpt import layout
+from obsckpt.env import OBSCKPT_MANAGER_COMMITS, OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
+from obsckpt.errors import UnverifiedCheckpointError
+
+logger = logging.getLogger(__name__)
+
+# How long a load waits for the commit of a step this process saved (seconds).
+DEFAULT_COMMIT_WAIT_S = 1800.0
+
+_lock = threading.Lock()
+# (root, step) -> the kind this process saved of it ("checkpoint" wins over "state_dict").
+_saved: dict[tuple[str, int], str] = {}
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(
+            f"{OBSCKPT_MANAGER_COMMITS}={text!r}: set it to 1 (a checkpoint manager submits "
+            "each step it saves) or 0 (the trainer submits them)"
+        )
+    return text == "1"
+
+
+def trainer_submits(coordinator: Any) -> bool:
+    """Whether the job's trainer submits each step: verl's and Trinity-RFT's switched
+    trainers create the monitor saying so (``MonitorOptions.trainer_submits``)."""
+    return bool(coordinator.link.status().get("trainer_submits", False))
+
+
+def commits_steps(value: bool | None, coordinator: Any) -> bool:
+    """A manager's ``commit_steps``: the argument, else ``OBSCKPT_MANAGER_COMMITS``, else
+    whether no trainer submits the job's steps (asked of the monitor).
+
+    Raises:
+        ValueError: the variable holds something other than ``0`` or ``1``.
+    """
+    if value is None and os.environ.get(OBSCKPT_MANAGER_COMMITS) is None:
+        return not trainer_submits(coordinator)
+    return from_env_if_absent(value, OBSCKPT_MANAGER_COMMITS, True, _flag)
+
+
+def submit(
+    coordinator: Any,
+    step: int,
+    *,
+    is_state_dict: bool,
+    rank: int,
+    barrier: Callable[[], None],
+) -> None:
+    """Submit ``step`` once every rank has registered its saves of it (rank 0 submits)."""
+    barrier()
+    if rank == 0:
+        coordinator.link.monitor_step(step, is_state_dict=is_state_dict, trace_context=None)
+
+
+def note_saved(coordinator: Any, step: int, kind: str) -> None:
+    """Remember that this process saved and submits ``step`` (of ``kind``) in the
+    monitor's root: a load of it here waits for its commit (:func:`wait_for_saved_step`).
+    A step a trainer submits is not noted: whether it will is the trainer's to know."""
+    root = os.path.realpath(coordinator.link.checkpoint_root())
+    with _lock:
+        if _saved.get((root, step)) != "checkpoint":
+            _saved[(root, step)] = kind
+
+
+def wait_for_saved_step(
+    coordinator: Any, local_path: str, timeout: float | None = None, poll_s: float = 0.1
+) -> int | None:
+    """Wait for the commit of the step holding ``local_path`` if this process saved and
+    submitted it (:func:`note_saved`).
+
+    Returns the step waited for (None: ``local_path`` is no such step, which the
+    verified load then checks as any other: an uncommitted one is refused at once).
+
+    Raises:
+        UnverifiedCheckpointError: the step failed, was abandoned, or was not committed
+            within ``timeout`` seconds (default ``OBSCKPT_VERL_COMMIT_TIMEOUT_S`` or 1800),
+            naming the step and why.
+    """
+    located = layout.step_of_path(os.path.abspath(local_path))
+    if located is None:
+        return None
+    root, step = located
+    with _lock:
+        kind = _saved.get((os.path.realpath(root), step))
+    if kind is None:
+        return None
+    timeout = from_env_if_absent(
+        timeout, OBSCKPT_VERL_COMMIT_TIMEOUT_S, DEFAULT_COMMIT_WAIT_S, float
+    )
+    link = coordinator.link
+    deadline = time.monotonic() + timeout
+    logged = False
+    while True:
+        status = link.status()
+        latest = status["latest"].get(kind)
+        if latest is not None and latest >= step:
+            return step
+        failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == kind]
+        if failed:
+            raise UnverifiedCheckpointError(
+                f"{local_path}: step {step} was saved here but its {kind} failed, so it was "
+                f"never committed and is not loaded: {failed[0]['error']}"
+            )
+        abandoned = [a for a in status["abandoned"] if a["step"] == step]
+        if abandoned:
+            raise UnverifiedCheckpointError(
+                f"{local_path}: step {step} was saved here but abandoned ({abandoned[0]['reason']}), "
+                "so it is not loaded"
+            )
+        pending = [p for p in status["pending"] if p["step"] == step and p["kind"] == kind]
+        if time.monotonic() >= deadline:
+            why = f"its saves are still in flight ({pending[0] if pending else 'no record'})"
+            raise UnverifiedCheckpointError(
+                f"{local_path}: step {step} ({kind}), saved here, was not committed after "
+                f"{timeout:g} s, so it is not loaded; {why}. The wait is "
+                f"{OBSCKPT_VERL_COMMIT_TIMEOUT_S} seconds"
+            )
+        if not logged:
+            logger.info("obsckpt: loading %s waits for the commit of step %d", local_path, step)
+            logged = True
+        time.sleep(poll_s)
