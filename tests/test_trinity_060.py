@@ -344,7 +344,33 @@ class TestDetachedLifetime:
         )
         assert out.returncode == 0, out.stderr
         assert "ended" in out.stdout
+        assert "RuntimeWarning" not in out.stderr  # nothing imports the command's module
         assert gone("synchronizer", namespace)
+
+    def test_the_stop_command_on_an_unreachable_cluster_says_so_in_one_line(self):
+        from obsckpt.sync.group import free_port
+
+        address = f"127.0.0.1:{free_port()}"  # nothing listens there
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "obsckpt.sync.lifetime",
+                "--namespace",
+                "x",
+                "--address",
+                address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        )
+        assert time.monotonic() - t0 < 60
+        assert out.returncode == 2 and out.stdout == ""
+        (line,) = out.stderr.strip().splitlines()
+        assert f"cannot reach the Ray cluster at {address}" in line and "--address" in line
 
 
 class TestSafetensorsCheckpointSync:

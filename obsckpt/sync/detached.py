@@ -1,20 +1,17 @@
-"""How long a detached Synchronizer lives, and the command that ends one.
+"""How long a detached Synchronizer lives, and how one is ended.
 
 Trinity-RFT 0.6.0's synchronizer is a detached actor: it outlives the job
 that created it, and ends once every module that asked for it (the trainer
 and explorer actors, ``add_module``) is dead. :class:`ModuleWatch` does the
 same for obsckpt's. A synchronizer created outside an actor tracks no module;
-it ends with its owner's ``shutdown()`` call, or with this command::
-
-    python -m obsckpt.sync.lifetime --namespace <ray namespace> [--address auto]
+it ends with its owner's ``shutdown()`` call, or with :func:`stop`, which
+``python -m obsckpt.sync.lifetime`` runs (:mod:`obsckpt.sync.lifetime`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -123,25 +120,3 @@ def stop(namespace: str | None, *, timeout_s: float = 30.0) -> bool:
         pass
     ray.kill(actor, no_restart=True)
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m obsckpt.sync.lifetime",
-        description="End a detached obsckpt Synchronizer (Trinity-RFT 0.6.0's form).",
-    )
-    parser.add_argument("--namespace", required=True, help="the job's Ray namespace")
-    parser.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
-    args = parser.parse_args(argv)
-    import ray
-
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
-    found = stop(args.namespace)
-    print(
-        f"synchronizer in namespace {args.namespace!r}: " + ("ended" if found else "none running")
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

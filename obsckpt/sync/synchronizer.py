@@ -26,7 +26,7 @@ Two APIs, one class. Created with ``get_actor(namespace, default_local_dir)``
 only ``ray_namespace``) it holds no version until one is published (None)
 and ``wait_new_model_state_dict`` waits as long as its ``timeout``. Created
 from a Trinity-RFT 0.6.0 config (it has a ``synchronizer`` section) it is
-that release's synchronizer: a detached actor (see :mod:`obsckpt.sync.lifetime`),
+that release's synchronizer: a detached actor (see :mod:`obsckpt.sync.detached`),
 version 0 before anything is published, checkpoint sync of
 ``config.checkpoint_job_dir`` for ``sync_method: checkpoint``, waits bounded
 by ``synchronizer.sync_timeout``, and the status handshakes of
@@ -47,8 +47,8 @@ import torch
 from obsckpt import layout, reader, validators
 from obsckpt.errors import IterationFileError
 from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
-from obsckpt.sync import lifetime, naming, step_model
-from obsckpt.sync.lifetime import ModuleWatch
+from obsckpt.sync import detached, naming, step_model
+from obsckpt.sync.detached import ModuleWatch
 from obsckpt.sync.shards import state_dict_meta
 from obsckpt.sync.step_model import load_step_model
 from obsckpt.sync.telemetry import WeightSyncTelemetry
@@ -210,7 +210,7 @@ class Synchronizer(TrinityProtocol):
         if namespace:
             options["namespace"] = namespace
         if settings is not None:
-            options["lifetime"] = "detached"  # as Trinity 0.6.0's; see obsckpt.sync.lifetime
+            options["lifetime"] = "detached"  # as Trinity 0.6.0's; see obsckpt.sync.detached
         if default_local_dir is not None:
             # As the caller sees it, not against the actor's working directory.
             default_local_dir = os.path.abspath(os.fspath(default_local_dir))
@@ -228,7 +228,7 @@ class Synchronizer(TrinityProtocol):
         if default_local_dir is not None:
             naming.check_root(actor, default_local_dir, namespace)
         if settings is not None:
-            module = lifetime.current_actor()
+            module = detached.current_actor()
             if module is not None:
                 ray.get(actor.add_module.remote(module))
         if watch:
@@ -274,7 +274,7 @@ class Synchronizer(TrinityProtocol):
         await self.stop()
         self._modules.cancel()
         await self.set_trainer_status("stopped")
-        asyncio.get_running_loop().call_later(0.2, lifetime.exit_this_actor)
+        asyncio.get_running_loop().call_later(0.2, detached.exit_this_actor)
 
     async def _end(self) -> None:
         await self.shutdown()
