@@ -41,6 +41,7 @@ from obsckpt.demo.config import (
     SAVE_STRATEGIES,
     SYNC_METHODS,
     DemoConfig,
+    flag_names,
 )
 from obsckpt.demo.driver import become_driver, run_detached
 from obsckpt.demo.result import finish_line, validate_result_json, write_result_json
@@ -196,7 +197,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             check_resume=args.check_resume,
         )
     except ValueError as exc:
-        raise CliError(_flag_names(str(exc))) from None
+        raise CliError(flag_names(str(exc))) from None
     # Checked before the run, not found out after it.
     result_json = validate_result_json(args.result_json) if args.result_json else None
     try:
@@ -278,36 +279,6 @@ def _seconds(text: str) -> float:
             f"must be a positive, finite number of seconds, got {text}"
         )
     return value
-
-
-# The demo's settings by the flags that set them: DemoConfig's own errors name its fields.
-_DEMO_FLAGS = {
-    "kill_in_save": "--kill-at K:save",
-    "kill_at": "--kill-at",
-    "save_every": "--save-every",
-    "world_size": "--world-size",
-    "sync_method": "--sync-method",
-    "metrics_port": "--metrics-port",
-    "metrics_host": "--metrics-host",
-    "save_strategy": "--save-strategy",
-    "otlp_endpoint": "--otlp-endpoint",
-    "file_sd": "--file-sd",
-    "ckpt_dir": "--ckpt-dir",
-    "steps": "--steps",
-    "keep": "--keep",
-    "device": "--device",
-    "seed": "--seed",
-    "duration": "--duration",
-    "resume": "--resume",
-    "address": "--address",
-    "namespace": "--namespace",
-}
-
-
-def _flag_names(message: str) -> str:
-    """``message`` with the demo settings' field names replaced by their flags."""
-    pattern = r"\b(" + "|".join(map(re.escape, _DEMO_FLAGS)) + r")\b"
-    return re.sub(pattern, lambda m: _DEMO_FLAGS[m.group(1)], message)
 
 
 def _kill_at(text: str) -> tuple[int, bool]:

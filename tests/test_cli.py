@@ -505,6 +505,20 @@ class TestDemoRefusesBeforeStarting:
         assert err.count("\n") == 1, err
         return code, err
 
+    def test_kill_at_a_step_that_saves_nothing_names_the_flags(self, tmp_path):
+        code, err = self.demo(tmp_path / "run", "--kill-at", "5:save", "--save-every", "10")
+        assert code == 2
+        assert "--kill-at 5:save" in err and "--save-every 10" in err
+        assert "--kill-at 10:save" in err  # a step that works
+        assert "kill_in_save" not in err and "kill_at" not in err
+
+    def test_settings_are_named_by_their_flags(self):
+        from obsckpt.demo.config import flag_names
+
+        assert flag_names("save_every must be positive; kill_at 3") == (
+            "--save-every must be positive; --kill-at 3"
+        )
+
     def test_result_json_in_a_missing_directory(self, tmp_path):
         root = earlier_demo_run(tmp_path)
         before = snapshot(root)

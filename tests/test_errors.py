@@ -38,6 +38,22 @@ WITH_STATE = {
     "SaveTimeoutError": dict(slot="model", step=8),
     "PartsMismatchError": dict(failed=[(3, "checkpoint")]),
     "RootInUseError": dict(holder={"host": "node-1", "pid": 42}),
+    **{
+        name: dict(operation="put_if_match", key="run/obsckpt-pointer.json", status=412)
+        for name in (
+            "StoreError",
+            "PreconditionFailed",
+            "ConditionalConflict",
+            "ObjectNotFoundError",
+        )
+    },
+    "StoreUnavailableError": dict(
+        operation="put", key="run/x", status="timeout", maybe_applied=False
+    ),
+    "ConditionalWritesUnsupportedError": dict(
+        endpoint="http://127.0.0.1:8333", check="create-only put over an existing key"
+    ),
+    "FencedError": dict(root="s3://ckpt/run", epoch=3, new_epoch=4),
 }
 
 

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "staging",
             "file_records",
             "save_threads",
+            "store",
         ),
     ),
     (

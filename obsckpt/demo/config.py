@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,3 +168,33 @@ class DemoResult:
     republished_version: int | None = None
     # --check-resume: "matched ..." or "MISMATCH ...".
     resume_check: str | None = None
+
+
+# The demo's settings by the flags that set them: DemoConfig's own errors name its fields.
+FLAGS = {
+    "kill_in_save": "--kill-at K:save",
+    "kill_at": "--kill-at",
+    "save_every": "--save-every",
+    "world_size": "--world-size",
+    "sync_method": "--sync-method",
+    "metrics_port": "--metrics-port",
+    "metrics_host": "--metrics-host",
+    "save_strategy": "--save-strategy",
+    "otlp_endpoint": "--otlp-endpoint",
+    "file_sd": "--file-sd",
+    "ckpt_dir": "--ckpt-dir",
+    "steps": "--steps",
+    "keep": "--keep",
+    "device": "--device",
+    "seed": "--seed",
+    "duration": "--duration",
+    "resume": "--resume",
+    "address": "--address",
+    "namespace": "--namespace",
+}
+
+
+def flag_names(message: str) -> str:
+    """``message`` with the demo settings' field names replaced by their flags."""
+    pattern = r"\b(" + "|".join(map(re.escape, FLAGS)) + r")\b"
+    return re.sub(pattern, lambda m: FLAGS[m.group(1)], message)
