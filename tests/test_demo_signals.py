@@ -337,3 +337,38 @@ class TestStopByPhase:
         stop.install()  # again, as after ray.init
         stop.restore()
         assert {signal.getsignal(sig) for sig in self.SIGNALS} == {self.not_taken}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scraped", [True, False], ids=["while scraped", "never scraped"])
+def test_sigterm_withdraws_the_file_sd_target(tmp_path, scraped):
+    """A clean stop withdraws the demo's target from --file-sd, whether or not a scraper
+    polls /metrics (the monitor then waits for its last scrape, within the stop's few
+    seconds): Prometheus must not go on scraping a dead address (ObsckptMonitorDown)."""
+    import http.client
+
+    from obsckpt.telemetry.server import read_file_sd_targets
+
+    root = tmp_path / "ckpt"
+    sd = tmp_path / "targets.json"
+    demo = Demo(root, *("--steps", "0", "--file-sd", str(sd)))
+    try:
+        demo.wait_for(lambda: sd.exists() and read_file_sd_targets(sd), "file_sd target")
+        (target,) = read_file_sd_targets(sd)
+        scraper = None
+        if scraped:
+            # As Prometheus scrapes: over a connection it keeps open between scrapes.
+            host, port = target.rsplit(":", 1)
+            scraper = http.client.HTTPConnection(host, int(port), timeout=10)
+            for _ in range(3):  # polled every 1.5 s: the monitor waits for a last scrape
+                scraper.request("GET", "/metrics")
+                assert b"obsckpt_" in scraper.getresponse().read()
+                time.sleep(1.5)
+        code, took, sessions = demo.stop("SIGTERM to the group")
+        if scraper is not None:
+            scraper.close()
+    finally:
+        demo.kill()
+    assert code == 128 + signal.SIGTERM, demo.err
+    assert took < STOP_WITHIN_S
+    assert read_file_sd_targets(sd) == [], f"{sd} still names the stopped demo"

@@ -191,7 +191,9 @@ def shutdown(actors: list[Any], monitor: Any, owns_ray: bool, *, patient: bool =
             continue
         try:
             if a is monitor:
-                ray.get(monitor.shutdown.remote(), timeout=wait_s)
+                # Its last scrape is waited for within the stop's own bound.
+                last_scrape_s = None if patient else wait_s / 3
+                ray.get(monitor.shutdown.remote(last_scrape_s), timeout=wait_s)
             ray.kill(a)
         except Exception:  # noqa: BLE001 - already gone
             pass

@@ -510,8 +510,11 @@ class CheckpointMonitor(MeasurementRPCs):
         """Spans this process recorded with the ``memory`` exporter (for tests)."""
         return tracing.finished_spans()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, final_scrape_wait_s: float | None = None) -> None:
         """Stop serving /metrics, withdraw the file_sd target and unlock the root.
+
+        ``final_scrape_wait_s``: the longest wait for a polling scraper's last scrape
+        (default 15 s); a stop on a signal, which must end within seconds, gives less.
 
         End the actor with ray.kill afterwards. From the release on, this monitor
         commits nothing: a step that becomes whole later fails, its iteration file
@@ -531,4 +534,5 @@ class CheckpointMonitor(MeasurementRPCs):
                 self._committer.progress.current(),
             )
         self._root_lock.release()
-        await asyncio.to_thread(self.telemetry.close, self.clock.time(), _FINAL_SCRAPE_WAIT_S)
+        wait_s = _FINAL_SCRAPE_WAIT_S if final_scrape_wait_s is None else final_scrape_wait_s
+        await asyncio.to_thread(self.telemetry.close, self.clock.time(), wait_s)

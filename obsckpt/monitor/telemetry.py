@@ -176,13 +176,15 @@ class MonitorTelemetry(MonitorObserver):
         # Served in one more scrape (while a scraper polls), so that ObsckptMonitorDown
         # tells this clean finish from a lost monitor once the target is withdrawn.
         self.metrics.shutdown_timestamp.set(now_unix)
-        self.server.close(final_scrape_timeout_s=final_scrape_wait_s)
-        if not (self.file_sd_path and address):
-            return
-        try:
-            withdraw_file_sd(self.file_sd_path, address)
-        except (OSError, ValueError) as exc:
-            logger.error("obsckpt: cannot withdraw file_sd %s: %s", self.file_sd_path, exc)
+        self.server.await_final_scrape(final_scrape_wait_s)
+        # Withdrawn before the server closes: closing ends the scrapers' connections,
+        # which can take seconds, and a stop on a signal may not wait that long.
+        if self.file_sd_path and address:
+            try:
+                withdraw_file_sd(self.file_sd_path, address)
+            except (OSError, ValueError) as exc:
+                logger.error("obsckpt: cannot withdraw file_sd %s: %s", self.file_sd_path, exc)
+        self.server.close()
 
     # -- per-rank series --------------------------------------------------------
 

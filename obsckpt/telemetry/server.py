@@ -316,6 +316,13 @@ class MetricsServer:
                 just before (a clean shutdown's timestamp). An endpoint that no
                 scraper polls (never read, or read once) closes at once.
         """
+        self.await_final_scrape(final_scrape_timeout_s)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def await_final_scrape(self, final_scrape_timeout_s: float) -> None:
+        """While a scraper polls the endpoint, wait for its next scrape (see :meth:`close`)."""
         scrapes = self._scrapes
         if self._server is not None and final_scrape_timeout_s > 0 and scrapes is not None:
             due = scrapes.next_due(final_scrape_timeout_s)
@@ -329,9 +336,6 @@ class MetricsServer:
                         self.address,
                         due,
                     )
-        if self._server is not None:
-            self._server.close()
-            self._server = None
         self.address = None
 
 
