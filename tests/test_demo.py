@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from docs_samples import block_with, missing_shapes
 from reliability_helpers import RunsCode, rewrite_manifest
 
 from obsckpt import commit, layout, reader
@@ -17,6 +18,7 @@ from obsckpt.cli import main
 from obsckpt.commit import finalize_step
 from obsckpt.demo import DemoConfig, run_demo
 from obsckpt.demo.plan import resolve_plan
+from obsckpt.demo.result import finish_line
 from obsckpt.demo.root import MARKER, prepare_root
 from obsckpt.demo.summary import Histogram, Scrape
 from obsckpt.errors import DemoError
@@ -78,6 +80,19 @@ class TestDemoRun:
         code_out = io.StringIO()
         assert main(["verify", str(root)], out=code_out, err=io.StringIO()) == 0
         assert code_out.getvalue().startswith("step 4: OK")
+
+        # docs/demo.md's sample run and summary have the shape of what this run printed:
+        # the same lines, rows and columns, other figures (Ray was up already here, and
+        # this root's name has a space, so it is quoted).
+        printed = err.getvalue() + table + finish_line(result) + "\n"
+        run_sample = block_with("demo.md", "$ obsckpt demo --steps 6 --save-every 3")[1:]
+        run_sample = [
+            line
+            for line in run_sample
+            if not line.startswith(("starting a local Ray", "Ray up in", "checkpoints: "))
+        ]
+        assert missing_shapes(run_sample, printed) == []
+        assert missing_shapes(block_with("demo.md", "count"), printed) == []
         status_out = io.StringIO()
         assert main(["status", str(root), "--json"], out=status_out) == 0
         st = json.loads(status_out.getvalue())
