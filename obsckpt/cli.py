@@ -42,11 +42,13 @@ from obsckpt.demo.config import (
     SYNC_METHODS,
     DemoConfig,
     flag_names,
+    kill_in_save_problem,
 )
 from obsckpt.demo.driver import become_driver, run_detached
 from obsckpt.demo.result import finish_line, validate_result_json, write_result_json
 from obsckpt.errors import CliError
 from obsckpt.options import OBSCKPT_DEMO_DRIVER
+from obsckpt.store.uri import local_root
 
 # The demo's root marker: a directory holding it is a root before its first save.
 DEMO_MARKER = MARKER
@@ -164,13 +166,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from obsckpt.errors import DemoError
 
     if args.kill_at and args.kill_at[1] and args.kill_at[0] % args.save_every:
-        step, every = args.kill_at[0], args.save_every
-        raise CliError(
-            f"--kill-at {step}:save stops the job while step {step}'s checkpoint is written, "
-            f"but step {step} saves none with --save-every {every}: name a multiple of "
-            f"--save-every (e.g. --kill-at {(step // every + 1) * every}:save), or "
-            f"--kill-at {step} to stop it after the step"
-        )
+        raise CliError(kill_in_save_problem(args.kill_at[0], args.save_every))
     try:
         cfg = DemoConfig(
             steps=args.steps,
@@ -281,6 +277,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _ckpt_dir(text: str) -> str:
+    """A local directory: a URL (s3://, gs://) is refused, never taken for a relative path."""
+    try:
+        return local_root(text, "--ckpt-dir") and text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _kill_at(text: str) -> tuple[int, bool]:
     """``K`` or ``K:save``: (step, whether mid-save)."""
     step, _, when = text.partition(":")
@@ -368,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--ckpt-dir",
         default=_DEMO_DEFAULTS.ckpt_dir,
+        type=_ckpt_dir,
         help=f"checkpoint root (default {os.path.join(os.curdir, _DEMO_DEFAULTS.ckpt_dir)})",
     )
     d.add_argument("--resume", action="store_true", help="continue from the newest committed step")

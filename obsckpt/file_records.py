@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from obsckpt import commit, layout, reader
-from obsckpt.errors import SavePathError
+from obsckpt.errors import SavePathError, UnsupportedStoreError
 from obsckpt.layout import FileRecord
+from obsckpt.store.uri import local_root
 
 
 def path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:
@@ -54,6 +55,13 @@ def check_targets(
     """
     own = layout.step_dir(root, step)
     for path in paths:
+        try:
+            local_root(path, "path")
+        except UnsupportedStoreError as exc:  # a URL, never a relative path of that name
+            raise SavePathError(
+                f"save {slot!r} of step {step} refused before writing {path!r}: it is a URL, "
+                f"not a path in its own step directory {own} ({exc})"
+            ) from None
         where = os.path.abspath(path)
         lies = _outside(path, root, step)
         why = None if lies is None else f"it {lies}"

@@ -14,7 +14,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from obsckpt import layout, reader, repair, rootlock
-from obsckpt.errors import CliError, IterationContentError, IterationFileError
+from obsckpt.errors import (
+    CliError,
+    IterationContentError,
+    IterationFileError,
+    UnsupportedStoreError,
+)
+from obsckpt.store.uri import local_root
 
 
 def open_root(
@@ -29,7 +35,10 @@ def open_root(
         repairing: an iteration file that holds no step number (empty, text) is
             what ``obsckpt repair`` mends: its kind's step is None, not an error.
     """
-    root = Path(path)
+    try:
+        root = Path(local_root(path, "DIR"))
+    except (UnsupportedStoreError, ValueError) as exc:
+        raise CliError(str(exc)) from None
     if not root.exists():
         raise CliError(f"{path}: no such directory")
     if not root.is_dir():

@@ -198,3 +198,13 @@ def flag_names(message: str) -> str:
     """``message`` with the demo settings' field names replaced by their flags."""
     pattern = r"\b(" + "|".join(map(re.escape, FLAGS)) + r")\b"
     return re.sub(pattern, lambda m: FLAGS[m.group(1)], message)
+
+
+def kill_in_save_problem(step: int, every: int) -> str:
+    """What ``--kill-at STEP:save`` with ``--save-every EVERY`` asks that cannot be done."""
+    return (
+        f"--kill-at {step}:save stops the job while step {step}'s checkpoint is written, "
+        f"but step {step} saves none with --save-every {every}: name a multiple of "
+        f"--save-every (e.g. --kill-at {(step // every + 1) * every}:save), or "
+        f"--kill-at {step} to stop it after the step"
+    )

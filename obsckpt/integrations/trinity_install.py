@@ -47,6 +47,7 @@ from obsckpt.loading import CommittedStep
 from obsckpt.monitor import CheckpointMonitor
 from obsckpt.monitor.lifecycle import start_actor
 from obsckpt.options import MonitorOptions
+from obsckpt.store.uri import local_root
 
 __all__ = [
     "HOOK",
@@ -134,9 +135,7 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
             trinity_given["save_strategy"] = save_strategy
         if default_hdfs_dir is not None:
             trinity_given["default_hdfs_dir"] = default_hdfs_dir
-        options = MonitorOptions.from_settings(
-            os.path.abspath(os.fspath(default_local_dir)), None, **trinity_given
-        )
+        options = MonitorOptions.from_settings(local_root(default_local_dir), None, **trinity_given)
         return start_actor(CheckpointMonitor, options)
 
 

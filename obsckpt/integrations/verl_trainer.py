@@ -26,6 +26,7 @@ from obsckpt import commit, layout, reader
 from obsckpt.env import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
 from obsckpt.options import MonitorOptions
+from obsckpt.store.uri import local_root
 
 logger = logging.getLogger("obsckpt.integrations.verl_install")
 
@@ -198,7 +199,7 @@ def fit_wrapper(orig: Any) -> Any:
 
 def checkpoint_root(trainer: Any) -> str:
     """``trainer.default_local_dir`` as an absolute path (verl resolves it against the cwd)."""
-    return os.path.abspath(os.fspath(trainer.config.trainer.default_local_dir))
+    return local_root(trainer.config.trainer.default_local_dir, "trainer.default_local_dir")
 
 
 def monitor_for(trainer: Any) -> Any:

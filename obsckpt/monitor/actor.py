@@ -43,6 +43,7 @@ from obsckpt.options import (
     MonitorOptions,
     lookup_actor,
 )
+from obsckpt.store.uri import local_root
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, Metrics, disable_created_series
 from obsckpt.tickets import Ticket
@@ -267,7 +268,7 @@ class CheckpointMonitor(MeasurementRPCs):
             save_strategy,
             # As the caller sees it: a relative root would otherwise be resolved against
             # the actor's working directory, which on another node is not the caller's.
-            os.path.abspath(os.fspath(default_local_dir)),
+            local_root(default_local_dir),
             default_hdfs_dir=default_hdfs_dir,
             metrics_port=metrics_port,
             metrics_host=metrics_host,

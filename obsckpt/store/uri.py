@@ -18,7 +18,7 @@ from urllib.parse import unquote
 
 from obsckpt.store.errors import UnsupportedStoreError
 
-__all__ = ["Root", "is_remote", "join_key", "parse_root", "refuse_unsupported"]
+__all__ = ["Root", "is_remote", "join_key", "local_root", "parse_root", "refuse_unsupported"]
 
 LOCAL = "file"
 S3 = "s3"
@@ -157,6 +157,45 @@ def refuse_unsupported(
             "file:///ckpt) only; s3:// roots are not supported there"
         )
     return root
+
+
+_LOCAL_ONLY = (
+    "give a local path on a filesystem every node shares (/ckpt, ./ckpt, file:///ckpt; NFS, "
+    "Lustre, a shared volume) and copy committed global_step_<N> directories to object "
+    "storage once an iteration file names them"
+)
+
+
+def local_root(value: str | os.PathLike[str], what: str = "default_local_dir") -> str:
+    """``value`` as an absolute local directory, for a caller that writes to a
+    filesystem (the monitor's commit, the command line's status, verify and repair).
+
+    A URL is never taken for a relative path: ``s3://ckpt/run`` would otherwise make
+    a directory named ``s3:`` in the working directory and commit there.
+
+    Raises:
+        UnsupportedStoreError: ``value`` is a URL (an ``s3://`` root included, whose
+            commit these callers do not run yet) or a mistyped one; one line naming
+            ``what``, the value and what to give instead.
+        ValueError: ``value`` is empty or not a string or path.
+    """
+    try:
+        root = parse_root(value, what=what)
+    except UnsupportedStoreError:
+        text = os.fspath(value)
+        m = _URL_RE.match(text) or _MISTYPED_RE.match(text)
+        scheme = m.group(1).lower() if m else ""
+        if scheme == S3 and _URL_RE.match(text) is None:
+            raise  # a mistyped s3:// URL: parse_root's own words say so
+        raise UnsupportedStoreError(
+            f"{what}={text!r}: {scheme}:// is not a filesystem path; {_LOCAL_ONLY}"
+        ) from None
+    if root.is_remote:
+        raise UnsupportedStoreError(
+            f"{what}={os.fspath(value)!r}: committing to S3 directly is not supported yet "
+            f"(S3 mounts lack the atomic rename a commit needs); {_LOCAL_ONLY}"
+        )
+    return os.path.abspath(root.path)
 
 
 def _refuse(value: str, what: str, reason: str) -> NoReturn:

@@ -47,6 +47,7 @@ import torch
 from obsckpt import layout, reader, validators
 from obsckpt.errors import IterationFileError
 from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
+from obsckpt.store.uri import local_root
 from obsckpt.sync import detached, naming, step_model
 from obsckpt.sync.detached import ModuleWatch
 from obsckpt.sync.shards import state_dict_meta
@@ -213,7 +214,7 @@ class Synchronizer(TrinityProtocol):
             options["lifetime"] = "detached"  # as Trinity 0.6.0's; see obsckpt.sync.detached
         if default_local_dir is not None:
             # As the caller sees it, not against the actor's working directory.
-            default_local_dir = os.path.abspath(os.fspath(default_local_dir))
+            default_local_dir = local_root(default_local_dir)
         actor: Any = (
             ray.remote(cls)
             .options(**options)

@@ -1,0 +1,88 @@
+"""Every entry point that takes a checkpoint root refuses a URL it cannot commit to in
+one line, and never takes it for a relative path: ``s3://ckpt/run`` once made a
+directory named ``s3:`` in the working directory and committed there, and ``verify``
+then called that local copy fine."""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+
+from obsckpt import CheckpointMonitor, file_records
+from obsckpt.cli import main
+from obsckpt.errors import SavePathError, UnsupportedStoreError
+from obsckpt.options import MonitorOptions
+
+URLS = ["s3://ckpt/run", "gs://ckpt/run", "hdfs://namenode/ckpt", "s3a://ckpt/run", "s3:ckpt"]
+
+
+@pytest.fixture(autouse=True)
+def in_empty_dir(tmp_path, monkeypatch):
+    """The working directory, checked to be left empty: nothing is taken for a path in it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    yield
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_the_monitors_options(url):
+    with pytest.raises(UnsupportedStoreError) as info:
+        MonitorOptions(default_local_dir=url)
+    text = str(info.value)
+    assert "\n" not in text and f"default_local_dir={url!r}" in text
+    assert "/ckpt" in text  # what to give instead
+
+
+def test_get_actor_refuses_before_anything_is_made(ray_cluster, namespace):
+    with pytest.raises(UnsupportedStoreError, match="committing to S3 directly"):
+        CheckpointMonitor.get_actor(namespace=namespace, default_local_dir="s3://ckpt/run")
+
+
+def test_the_verl_trainers_root():
+    from obsckpt.integrations.verl_trainer import checkpoint_root
+
+    trainer = types.SimpleNamespace(
+        config=types.SimpleNamespace(trainer=types.SimpleNamespace(default_local_dir="gs://b/x"))
+    )
+    with pytest.raises(UnsupportedStoreError, match=r"trainer\.default_local_dir='gs://b/x'"):
+        checkpoint_root(trainer)
+
+
+def test_trinitys_monitor():
+    from obsckpt.integrations.trinity_install import TrinityCheckpointMonitor
+
+    with pytest.raises(UnsupportedStoreError, match="s3://ckpt/run"):
+        TrinityCheckpointMonitor.get_actor(namespace="n", default_local_dir="s3://ckpt/run")
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_a_save_path(url, tmp_path):
+    with pytest.raises(SavePathError, match="it is a URL"):
+        file_records.check_targets(
+            [f"{url}/global_step_1/actor/model.pt"], root=str(tmp_path), step=1, slot="model"
+        )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "s3://ckpt/run"],
+        ["verify", "gs://ckpt/run"],
+        ["repair", "s3://ckpt/run"],
+        ["status", "s3:ckpt"],
+        ["demo", "--ckpt-dir", "s3://ckpt/run", "--steps", "1"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_the_command_line(argv, capsys):
+    out, err = io.StringIO(), io.StringIO()
+    assert main(argv, out=out, err=err) == 2
+    assert out.getvalue() == ""
+    said = err.getvalue() + capsys.readouterr().err  # argparse's usage errors: stderr
+    last = said.strip().splitlines()[-1]
+    assert "s3:" in last or "gs://" in last
+    assert "no such directory" not in last
