@@ -100,6 +100,26 @@ def start(core: MonitorCore, step: int = 1, *, slot: str = "model", lease: bool 
     return ticket
 
 
+def finished_ok(core: MonitorCore, ticket: Ticket, **measured: float) -> None:
+    """``ticket``'s save of step 1 (slot ``model``, rank 0) finished ok."""
+    core.finish(
+        1,
+        "checkpoint",
+        ticket=ticket.ticket,
+        slot="model",
+        rank=0,
+        ok=True,
+        error=None,
+        duration_s=measured.get("duration_s"),
+        nbytes=measured.get("nbytes"),
+        join_wait_s=None,
+        files=None,
+        part=None,
+        parts=None,
+        admitted=True,
+    )
+
+
 class TestLeaseExpiry:
     """A leased save with no heartbeat for longer than lease_timeout_s is failed, its
     admission released and its step failed; one that renews its lease is left alone."""
@@ -162,22 +182,7 @@ class TestLeaseExpiry:
         ticket = start(core)
         clock.advance(LEASE_S + 1)
         core.expire_stale_leases()
-        core.finish(
-            1,
-            "checkpoint",
-            ticket=ticket.ticket,
-            slot="model",
-            rank=0,
-            ok=True,
-            error=None,
-            duration_s=1.0,
-            nbytes=10,
-            join_wait_s=None,
-            files=None,
-            part=None,
-            parts=None,
-            admitted=True,
-        )
+        finished_ok(core, ticket, duration_s=1.0, nbytes=10)
         assert core.begin_next_commit() is None
         assert [(s, k) for s, k, _ in core.tracker.failed()] == [(1, "checkpoint")]
 
@@ -199,22 +204,7 @@ class TestCommitTimes:
         core.register(1, checkpoint_count=1)
         ticket = start(core)
         clock.advance(5.0)
-        core.finish(
-            1,
-            "checkpoint",
-            ticket=ticket.ticket,
-            slot="model",
-            rank=0,
-            ok=True,
-            error=None,
-            duration_s=None,
-            nbytes=None,
-            join_wait_s=None,
-            files=None,
-            part=None,
-            parts=None,
-            admitted=True,
-        )
+        finished_ok(core, ticket)
         core.submit(1, "checkpoint")
         job = core.begin_next_commit()
         assert job is not None and (job.step, job.kind, job.saves) == (1, "checkpoint", 1)
@@ -237,22 +227,7 @@ class TestSettled:
         assert not core.settled(1)  # registered saves are on their way
         ticket = start(core)
         assert not core.settled(1)
-        core.finish(
-            1,
-            "checkpoint",
-            ticket=ticket.ticket,
-            slot="model",
-            rank=0,
-            ok=True,
-            error=None,
-            duration_s=None,
-            nbytes=None,
-            join_wait_s=None,
-            files=None,
-            part=None,
-            parts=None,
-            admitted=True,
-        )
+        finished_ok(core, ticket)
         core.submit(1, "checkpoint")
         job = core.begin_next_commit()
         assert job is not None

@@ -358,9 +358,12 @@ class TestDamagedCommittedSteps:
         # Without --all the latest committed step is the one checked.
         code, out, _err = _cli("verify", str(job.root))
         assert code == 1 and out == "step 3: FAILED, 1 problem(s)\n"
-        # status reads the root as it is (it checks no contents): exit 0, no traceback.
+        # status checks sizes, not checksums: the truncated step and the step whose
+        # manifest is unreadable are damaged (exit 1), the same-size rewrite is for verify.
         code, out, err = _cli("status", str(job.root))
-        assert code == 0 and "latest checkpoint: 3" in out and err == ""
+        assert code == 1 and "latest checkpoint: 3" in out and err == ""
+        assert "problem: step 1 is damaged" in out and "problem: step 3 is damaged" in out
+        assert "step 2 is damaged" not in out
         # The job goes on: the next step commits whole.
         assert job.save(4) is None
         assert assert_root_consistent(job.root)["checkpoint"] == 4

@@ -250,6 +250,21 @@ class WorkerGroup:  # verl's worker group, for one worker
         ray.get(self.worker.wait_on_save_thread.remote())
 
 
+def trinity_trainer(job_config, monitor, worker):
+    # The attributes Trinity's VERLTrainer save methods read, as its __init__ sets them.
+    trainer = types.SimpleNamespace(
+        global_config=job_config,
+        checkpoint_coordinator=verl_trainer.CheckpointCoordinator(monitor),
+        actor_rollout_wg=WorkerGroup(worker),
+        use_critic=False,
+        logger=logging.getLogger("trainer"),
+        _saved_checkpoint_paths=[],
+    )
+    trainer._retain_checkpoints = lambda p: verl_trainer.VERLTrainer._retain_checkpoints(trainer, p)
+    trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
+    return trainer
+
+
 def committed(name, step, job_root=None):
     path = os.path.join(job_root or root, name)
     deadline = time.monotonic() + 60
@@ -273,16 +288,7 @@ monitor = verl_trainer.CheckpointMonitor.get_actor(
 )
 worker = WorkerProcess.remote(namespace, f"tcp://127.0.0.1:{dist_port}")
 report.update(ray.get(worker.facts.remote()))
-trainer = types.SimpleNamespace(
-    global_config=config,
-    checkpoint_coordinator=verl_trainer.CheckpointCoordinator(monitor),
-    actor_rollout_wg=WorkerGroup(worker),
-    use_critic=False,
-    logger=logging.getLogger("trainer"),
-    _saved_checkpoint_paths=[],
-)
-trainer._retain_checkpoints = lambda path: verl_trainer.VERLTrainer._retain_checkpoints(trainer, path)
-trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
+trainer = trinity_trainer(config, monitor, worker)
 
 
 # Checkpoint sync at steps 1 and 2 (VERLTrainer.save_state_dict and its worker's).
@@ -410,16 +416,7 @@ def run(strategy, job_root, steps, workers):
         default_hdfs_dir=None,
     )
     worker = WorkerProcess.remote(namespace, f"file://{init_dir}/{strategy}-{workers}")
-    trainer = types.SimpleNamespace(
-        global_config=job_config,
-        checkpoint_coordinator=verl_trainer.CheckpointCoordinator(monitor),
-        actor_rollout_wg=WorkerGroup(worker),
-        use_critic=False,
-        logger=logging.getLogger("trainer"),
-        _saved_checkpoint_paths=[],
-    )
-    trainer._retain_checkpoints = lambda p: verl_trainer.VERLTrainer._retain_checkpoints(trainer, p)
-    trainer.wait_for_save = lambda: verl_trainer.VERLTrainer.wait_for_save(trainer)
+    trainer = trinity_trainer(job_config, monitor, worker)
     last = steps[-1]
     for step in steps:
         trainer.global_steps = step

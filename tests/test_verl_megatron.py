@@ -352,6 +352,7 @@ class TestMegatronCheckpointManager:
         from obsckpt.integrations import MegatronCheckpointManager
 
         engine = FakeMcoreEngine()
+        kwargs.setdefault("commit_steps", False)  # the tests submit, as the trainer does
         manager = MegatronCheckpointManager(
             engine=engine,
             base_class=VerlLikeMegatronManager,
@@ -360,6 +361,21 @@ class TestMegatronCheckpointManager:
             **kwargs,
         )
         return engine, manager
+
+    def test_used_alone_it_commits_its_own_saves(self, monitor, tmp_path):
+        """No trainer submits (this monitor was made by none): the manager submits the
+        step it saved, and a load of it waits for that commit."""
+        engine, manager = self.make(monitor, commit_steps=None)
+        assert manager.commit_steps is True
+        path = layout.model_dir(tmp_path / "ckpt", 4)
+        assert manager.save_checkpoint(str(path), None, 4)["checkpoint"] == 1
+        saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1)
+        manager.load_checkpoint(str(path))
+        assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+        assert ray.get(monitor.status.remote())["latest"]["checkpoint"] == 4
 
     @pytest.mark.parametrize(
         "config",
