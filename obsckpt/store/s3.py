@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import boto3
-import botocore
-from botocore import exceptions as boto_errors
-from botocore.config import Config
+import boto3  # type: ignore[import-untyped]
+import botocore  # type: ignore[import-untyped]
+from botocore import exceptions as boto_errors  # type: ignore[import-untyped]
+from botocore.config import Config  # type: ignore[import-untyped]
 
 from obsckpt.store.client import Blob, ListedObject, MultipartUpload, ObjectInfo
 from obsckpt.store.errors import (

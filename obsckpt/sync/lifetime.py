@@ -13,6 +13,7 @@ a module already imported).
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             address=args.address,
             namespace=args.namespace,
             log_to_driver=False,
-            logging_level="ERROR",
+            logging_level=logging.ERROR,
         )
     except (ConnectionError, TimeoutError, ValueError) as exc:
         print(
