@@ -280,9 +280,10 @@ def _seconds(text: str) -> float:
 def _ckpt_dir(text: str) -> str:
     """A local directory: a URL (s3://, gs://) is refused, never taken for a relative path."""
     try:
-        return local_root(text, "--ckpt-dir") and text
+        local_root(text, "--ckpt-dir")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _kill_at(text: str) -> tuple[int, bool]:

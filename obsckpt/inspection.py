@@ -56,8 +56,7 @@ def open_root(
         except IterationFileError as exc:
             raise CliError(str(exc)) from None
     if (
-        all(v is None for v in latest.values())
-        and not any((root / name).is_file() for name in layout.ITERATION_FILES.values())
+        not any((root / name).is_file() for name in layout.ITERATION_FILES.values())
         and not reader.steps_on_disk(root)
         # The demo's root before its first save: a root all the same (it says to run status).
         and not any((root / name).is_file() for name in markers)

@@ -20,7 +20,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from obsckpt import validators
@@ -451,6 +451,41 @@ class MonitorLink:
     def status(self) -> dict[str, Any]:
         """The monitor's status view (latest, pending, failed and abandoned steps, ...)."""
         return self._get(lambda: self.monitor.status.remote(), "status", self.rpc_timeout)
+
+    def wait_committed(
+        self,
+        step: int,
+        kind: str,
+        timeout_s: float,
+        poll_s: float = 0.2,
+        on_wait: Callable[[], None] | None = None,
+    ) -> tuple[str, str] | None:
+        """Poll :meth:`status` until ``step`` of ``kind`` is committed; None once it is.
+
+        Otherwise why it is not: ``("failed", error)``, ``("abandoned", reason)``, or,
+        after ``timeout_s`` seconds, ``("timeout", "latest committed: ...; progress:
+        ...")``. ``on_wait`` is called once, before the first wait between polls.
+        """
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            status = self.status()
+            latest = status["latest"].get(kind)
+            if latest is not None and latest >= step:
+                return None
+            failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == kind]
+            if failed:
+                return "failed", failed[0]["error"]
+            abandoned = [a for a in status["abandoned"] if a["step"] == step]
+            if abandoned:
+                return "abandoned", abandoned[0]["reason"]
+            if time.monotonic() >= deadline:
+                pending = [p for p in status["pending"] if p["step"] == step]
+                return "timeout", f"latest committed: {latest}; progress: {pending}"
+            if on_wait is not None and not waited:
+                on_wait()
+            waited = True
+            time.sleep(poll_s)
 
     def _register_thread_count(self, step: int, state_dict: int, checkpoint: int) -> Any:
         return self.monitor.register_thread_count.remote(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,32 +72,29 @@ def commits_steps(value: bool | None, coordinator: Any) -> bool:
 def submit(
     coordinator: Any,
     step: int,
+    kind: str,
     *,
-    is_state_dict: bool,
     rank: int,
     barrier: Callable[[], None],
 ) -> None:
-    """Submit ``step`` once every rank has registered its saves of it (rank 0 submits)."""
-    barrier()
-    if rank == 0:
-        coordinator.link.monitor_step(step, is_state_dict=is_state_dict, trace_context=None)
-
-
-def note_saved(coordinator: Any, step: int, kind: str) -> None:
-    """Remember that this process saved and submits ``step`` (of ``kind``) in the
-    monitor's root: a load of it here waits for its commit (:func:`wait_for_saved_step`).
-    A step a trainer submits is not noted: whether it will is the trainer's to know."""
+    """Submit ``step`` (``kind``'s saves) once every rank has registered its saves of it
+    (rank 0 submits), and remember it: a load of it here waits for its commit
+    (:func:`wait_for_saved_step`). A step a trainer submits is not remembered:
+    whether it will commit is the trainer's to know."""
     root = os.path.realpath(coordinator.link.checkpoint_root())
     with _lock:
         if _saved.get((root, step)) != "checkpoint":
             _saved[(root, step)] = kind
+    barrier()
+    if rank == 0:
+        coordinator.link.monitor_step(step, is_state_dict=kind == "state_dict", trace_context=None)
 
 
 def wait_for_saved_step(
     coordinator: Any, local_path: str, timeout: float | None = None, poll_s: float = 0.1
 ) -> int | None:
     """Wait for the commit of the step holding ``local_path`` if this process saved and
-    submitted it (:func:`note_saved`).
+    submitted it (:func:`submit`).
 
     Returns the step waited for (None: ``local_path`` is no such step, which the
     verified load then checks as any other: an uncommitted one is refused at once).
@@ -119,35 +115,25 @@ def wait_for_saved_step(
     timeout = from_env_if_absent(
         timeout, OBSCKPT_VERL_COMMIT_TIMEOUT_S, DEFAULT_COMMIT_WAIT_S, float
     )
-    link = coordinator.link
-    deadline = time.monotonic() + timeout
-    logged = False
-    while True:
-        status = link.status()
-        latest = status["latest"].get(kind)
-        if latest is not None and latest >= step:
-            return step
-        failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == kind]
-        if failed:
-            raise UnverifiedCheckpointError(
-                f"{local_path}: step {step} was saved here but its {kind} failed, so it was "
-                f"never committed and is not loaded: {failed[0]['error']}"
-            )
-        abandoned = [a for a in status["abandoned"] if a["step"] == step]
-        if abandoned:
-            raise UnverifiedCheckpointError(
-                f"{local_path}: step {step} was saved here but abandoned ({abandoned[0]['reason']}), "
-                "so it is not loaded"
-            )
-        pending = [p for p in status["pending"] if p["step"] == step and p["kind"] == kind]
-        if time.monotonic() >= deadline:
-            why = f"its saves are still in flight ({pending[0] if pending else 'no record'})"
-            raise UnverifiedCheckpointError(
-                f"{local_path}: step {step} ({kind}), saved here, was not committed after "
-                f"{timeout:g} s, so it is not loaded; {why}. The wait is "
-                f"{OBSCKPT_VERL_COMMIT_TIMEOUT_S} seconds"
-            )
-        if not logged:
-            logger.info("obsckpt: loading %s waits for the commit of step %d", local_path, step)
-            logged = True
-        time.sleep(poll_s)
+    outcome = coordinator.link.wait_committed(
+        step,
+        kind,
+        timeout,
+        poll_s,
+        on_wait=lambda: logger.info(
+            "obsckpt: loading %s waits for the commit of step %d", local_path, step
+        ),
+    )
+    if outcome is None:
+        return step
+    what, detail = outcome
+    if what == "timeout":
+        raise UnverifiedCheckpointError(
+            f"{local_path}: step {step} ({kind}), saved here, was not committed after "
+            f"{timeout:g} s, so it is not loaded ({detail}). The wait is "
+            f"{OBSCKPT_VERL_COMMIT_TIMEOUT_S} seconds"
+        )
+    raise UnverifiedCheckpointError(
+        f"{local_path}: step {step} was saved here but its {kind} {what}, so it was never "
+        f"committed and is not loaded: {detail}"
+    )

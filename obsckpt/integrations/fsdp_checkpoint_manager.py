@@ -352,7 +352,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         if "://" not in local_path:
             # A step this process saved: its commit may still be on its way.
             alone.wait_for_saved_step(self.coordinator, local_path)
-        if "://" not in local_path:  # only lists names; the load below verifies the files
+            # Only lists names; the load below verifies the files.
             check_world_size(
                 local_path,
                 self.world_size,
@@ -427,13 +427,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         """Submit the step where no trainer will (``commit_steps``), and remember it: a
         load of it here waits for its commit."""
         if self.commit_steps:
-            alone.note_saved(self.coordinator, step, kind)
             alone.submit(
-                self.coordinator,
-                step,
-                is_state_dict=kind == "state_dict",
-                rank=self.rank,
-                barrier=torch.distributed.barrier,
+                self.coordinator, step, kind, rank=self.rank, barrier=torch.distributed.barrier
             )
 
     def _register(self, step: int, *, state_dict: int, checkpoint: int) -> None:

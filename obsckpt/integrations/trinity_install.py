@@ -135,7 +135,9 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
             trinity_given["save_strategy"] = save_strategy
         if default_hdfs_dir is not None:
             trinity_given["default_hdfs_dir"] = default_hdfs_dir
-        options = MonitorOptions.from_settings(local_root(default_local_dir), None, **trinity_given)
+        # Checked here: from_settings names a refused value among the job's settings.
+        root = local_root(default_local_dir)
+        options = MonitorOptions.from_settings(root, None, **trinity_given)
         return start_actor(CheckpointMonitor, options)
 
 

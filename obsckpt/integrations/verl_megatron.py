@@ -374,14 +374,8 @@ class MegatronCheckpointManager:
             self.saved_paths.append(local_path)
             self.enforce_retention(max_ckpt_to_keep)
         if written and self.commit_steps:
-            alone.note_saved(self.coordinator, global_step, "checkpoint")
-            alone.submit(
-                self.coordinator,
-                global_step,
-                is_state_dict=False,
-                rank=int(getattr(self.base, "rank", 0) or 0),
-                barrier=_barrier,
-            )
+            rank = int(getattr(self.base, "rank", 0) or 0)
+            alone.submit(self.coordinator, global_step, "checkpoint", rank=rank, barrier=_barrier)
         return {"state_dict": 0, "checkpoint": int(written)}
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> Any:

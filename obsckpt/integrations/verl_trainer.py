@@ -421,24 +421,13 @@ def wait_for_commit(trainer: Any, timeout: float | None = None, poll_s: float = 
     if step is None:
         return None
     timeout = from_env_if_absent(timeout, COMMIT_TIMEOUT_ENV, DEFAULT_COMMIT_TIMEOUT_S, float)
-    link = link_for(trainer)
-    deadline = time.monotonic() + timeout
-    while True:
-        status = link.status()
-        latest = status["latest"].get("checkpoint")
-        if latest is not None and latest >= step:
-            return step
-        failed = [f for f in status["failed"] if f["step"] == step and f["kind"] == "checkpoint"]
-        if failed:
-            raise RuntimeError(f"checkpoint of step {step} failed: {failed[0]['error']}")
-        abandoned = [a for a in status["abandoned"] if a["step"] == step]
-        if abandoned:
-            raise RuntimeError(f"checkpoint of step {step} abandoned: {abandoned[0]['reason']}")
-        if time.monotonic() >= deadline:
-            pending = [p for p in status["pending"] if p["step"] == step]
-            raise TimeoutError(
-                f"checkpoint of step {step} not committed after {timeout:.0f} s "
-                f"(latest committed: {latest}; progress: {pending}); raise "
-                f"{COMMIT_TIMEOUT_ENV} or check the workers' logs"
-            )
-        time.sleep(poll_s)
+    outcome = link_for(trainer).wait_committed(step, "checkpoint", timeout, poll_s)
+    if outcome is None:
+        return step
+    what, detail = outcome
+    if what != "timeout":
+        raise RuntimeError(f"checkpoint of step {step} {what}: {detail}")
+    raise TimeoutError(
+        f"checkpoint of step {step} not committed after {timeout:.0f} s ({detail}); raise "
+        f"{COMMIT_TIMEOUT_ENV} or check the workers' logs"
+    )

@@ -43,7 +43,6 @@ from obsckpt.options import (
     MonitorOptions,
     lookup_actor,
 )
-from obsckpt.store.uri import local_root
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, Metrics, disable_created_series
 from obsckpt.tickets import Ticket
@@ -266,9 +265,9 @@ class CheckpointMonitor(MeasurementRPCs):
             )
         options = MonitorOptions.from_arguments(
             save_strategy,
-            # As the caller sees it: a relative root would otherwise be resolved against
-            # the actor's working directory, which on another node is not the caller's.
-            local_root(default_local_dir),
+            # Made absolute here, as the caller sees it (MonitorOptions does, refusing a
+            # URL): against the actor's working directory, on another node, it would not be.
+            default_local_dir,
             default_hdfs_dir=default_hdfs_dir,
             metrics_port=metrics_port,
             metrics_host=metrics_host,

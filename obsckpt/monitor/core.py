@@ -227,12 +227,10 @@ class MonitorCore:
         file in the directory that its manifest does not list is then a stray
         (a host's temp file of a skipped re-save, say), not a file on its way.
         """
-        if any(t.step == step for t in self.tickets):
-            return False
+        if self.committing(step) or any(t.step == step for t in self.tickets):
+            return False  # a commit lists the directory; a ticket's save writes into it
         for kind, rec in self.tracker.steps.get(step, {}).items():
-            if rec.state == COMMITTING or rec.resaving:
-                return False  # a commit lists the directory; a re-save writes into it
-            if rec.active and not self.tracker.closed(step, kind):
+            if rec.resaving or (rec.active and not self.tracker.closed(step, kind)):
                 return False
         return True
 
