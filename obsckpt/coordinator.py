@@ -31,7 +31,7 @@ from typing import Any
 
 from obsckpt import layout, validators
 from obsckpt.errors import SaveError, SavePathError, SaveTimeoutError
-from obsckpt.file_records import check_targets, path_list, run_and_record
+from obsckpt.file_records import check_targets, object_destination, path_list, run_and_record
 from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
 from obsckpt.save_job import SaveErrors, SaveJob, wait_jobs
@@ -303,7 +303,7 @@ class CheckpointCoordinator:
                 before anything is copied or written (the step fails).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
-        from obsckpt.torchfile import write_torch_file
+        from obsckpt.torchfile import upload_torch_file, write_torch_file
 
         validate_slot(name)
         validate_step(global_step)
@@ -324,9 +324,14 @@ class CheckpointCoordinator:
             self._job(name, global_step, is_state_dict, part, parts).fail_unstarted(exc)
             raise
 
+        destination = object_destination(self._link.checkpoint_root(), path)
+
         def write() -> list[FileRecord]:
             if copier is not None:
                 copier.finish()
+            if destination is not None:
+                store, step, rel = destination
+                return [upload_torch_file(snapshot, store.writer(step, rel), rel)]
             return [write_torch_file(snapshot, path)]
 
         job = self._job(

@@ -16,7 +16,8 @@ from typing import Any
 from obsckpt import commit, layout, reader
 from obsckpt.errors import SavePathError, UnsupportedStoreError
 from obsckpt.layout import FileRecord
-from obsckpt.store.uri import local_root
+from obsckpt.store.s3root import S3Root, locate_in_root, shared_s3_root
+from obsckpt.store.uri import is_remote, local_root, parse_root
 
 
 def path_list(paths: Iterable[str | os.PathLike] | None) -> list[str] | None:
@@ -53,6 +54,9 @@ def check_targets(
         SavePathError: one line naming the path, the step directory it lies in
             and the save's step (or the name and the length limit).
     """
+    if is_remote(root):
+        _check_object_targets(paths, root=root, step=step, slot=slot)
+        return
     own = layout.step_dir(root, step)
     for path in paths:
         try:
@@ -82,6 +86,34 @@ def check_targets(
                 raise SavePathError(
                     f"save {slot!r} of step {step} refused before writing {where}: {exc}"
                 ) from None
+
+
+def _check_object_targets(paths: Iterable[str], *, root: str, step: int, slot: str) -> None:
+    """``check_targets`` for an ``s3://`` root: each path an object URL in the step's prefix."""
+    parsed = parse_root(root)
+    own = f"{root}/{layout.step_dir_name(step)}/"
+    for path in paths:
+        try:
+            located = locate_in_root(parsed, path)
+        except UnsupportedStoreError as exc:
+            raise SavePathError(f"save {slot!r} of step {step} refused: {exc}") from None
+        if located is None or located[0] != step:
+            raise SavePathError(
+                f"save {slot!r} of step {step} refused before writing {path!r}: the monitor "
+                f"commits under {root}, so give an s3:// URL under {own}"
+            )
+
+
+def object_destination(root: str, path: str) -> tuple[S3Root, int, str] | None:
+    """(root, step, path in the step) when ``path`` is an object of the ``s3://`` ``root``
+    (which :func:`check_targets` has checked), else None (a local root)."""
+    if not is_remote(root):
+        return None
+    store = shared_s3_root(root)
+    located = store.locate(path)
+    if located is None:
+        raise SavePathError(f"{path!r} is not an object in a step of {root}")
+    return store, located[0], located[1]
 
 
 def _outside(path: str, root: str, step: int) -> str | None:
@@ -147,4 +179,4 @@ def relative_record(rec: FileRecord, step: int) -> dict:
     path = rec.path
     if located is not None and located[1] == step:
         path = os.path.relpath(os.path.abspath(rec.path), layout.step_dir(*located))
-    return FileRecord(path=path, size=rec.size, crc32=rec.crc32).to_json()
+    return FileRecord(path=path, size=rec.size, crc32=rec.crc32, etag=rec.etag).to_json()

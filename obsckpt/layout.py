@@ -133,9 +133,14 @@ class FileRecord:
     path: str  # relative to the step directory
     size: int
     crc32: int
+    # The object's ETag, for a file that is an object in an S3 root (None on a filesystem).
+    etag: str | None = None
 
     def to_json(self) -> dict:
-        return {"path": self.path, "size": self.size, "crc32": f"{self.crc32:08x}"}
+        out: dict = {"path": self.path, "size": self.size, "crc32": f"{self.crc32:08x}"}
+        if self.etag is not None:
+            out["etag"] = self.etag
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> FileRecord:
@@ -159,7 +164,10 @@ class FileRecord:
             raise ValueError(f"{path!r} has size {size!r}, not a non-negative integer")
         if not isinstance(crc, str) or not _CRC_RE.match(crc):
             raise ValueError(f"{path!r} has crc32 {crc!r}, not 8 hexadecimal digits")
-        return cls(path=path, size=size, crc32=int(crc, 16))
+        etag = obj.get("etag")
+        if etag is not None and (not isinstance(etag, str) or not 0 < len(etag) <= 256):
+            raise ValueError(f"{path!r} has etag {etag!r:.80}, not an object's ETag")
+        return cls(path=path, size=size, crc32=int(crc, 16), etag=etag)
 
 
 def kind_of(is_state_dict: bool) -> str:

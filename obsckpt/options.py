@@ -35,7 +35,7 @@ from obsckpt.env import (
     OBSCKPT_VERL_COMMIT_TIMEOUT_S,
     from_env_if_absent,
 )
-from obsckpt.store.uri import local_root
+from obsckpt.store.uri import root_or_url
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, validate_max_slot_labels
 from obsckpt.telemetry.server import validate_port
 
@@ -180,7 +180,7 @@ class MonitorOptions:
             raise ValueError("default_local_dir is required: the checkpoint root directory")
         # The strategy and paths are normalised in place: a frozen dataclass allows it here.
         object.__setattr__(self, "save_strategy", SaveStrategy.parse(self.save_strategy))
-        object.__setattr__(self, "default_local_dir", local_root(self.default_local_dir))
+        object.__setattr__(self, "default_local_dir", root_or_url(self.default_local_dir))
         if self.file_sd_path is not None:
             object.__setattr__(self, "file_sd_path", os.fspath(self.file_sd_path) or None)
         validate_max_slot_labels(self.max_slot_labels)

@@ -29,6 +29,7 @@ from obsckpt.file_records import relative_record
 from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import MonitorLink, one_line
 from obsckpt.save_threads import STALL_WARNING_S, wait_watched
+from obsckpt.store.uri import is_remote
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
@@ -365,8 +366,10 @@ class SaveJob:
         """Remove the files the committed step's manifest does not list (the host's own
         temp files of this skipped save), so the step stays as its manifest says."""
         try:
-            sdir = layout.step_dir(self._link.checkpoint_root(), self.step)
-            removed = commit.remove_strays(sdir)
+            root = self._link.checkpoint_root()
+            if is_remote(root):
+                return  # nothing is written to an object before the save runs
+            removed = commit.remove_strays(layout.step_dir(root, self.step))
         except Exception as exc:  # noqa: BLE001 - the commit stands; this is tidying
             self._logger.warning(
                 "obsckpt: could not remove unlisted files from committed step %d: %s",

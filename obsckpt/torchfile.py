@@ -559,6 +559,27 @@ def _remove_temp(tmp: str) -> None:
         )
 
 
+def upload_torch_file(obj: Any, writer: Any, path: str) -> FileRecord:
+    """``torch.save`` of ``obj`` straight into an object (``writer``, an
+    :class:`obsckpt.store.stream.ObjectWriter`); the record of ``path`` (its path in
+    the step) with the object's size, CRC32 and ETag.
+
+    Small storages are packed as in :func:`write_torch_file`; nothing is written to
+    local disk. A failure aborts the object's upload.
+    """
+    packer = StoragePacker(obj)
+    try:
+        try:
+            _save_packed(obj, writer, packer.pickle_module())
+        finally:
+            packer.close()
+        done = writer.finish()
+    except BaseException as exc:
+        writer.abort(exc)
+        raise
+    return FileRecord(path=path, size=done.size, crc32=done.crc32, etag=done.etag)
+
+
 def write_torch_file(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
     """``torch.save`` to a temp file, fsync, rename into place, fsync the directory.
 

@@ -17,6 +17,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OBSCKPT_EXIT_WAIT_S", "5")
 
 
+def _s3_env() -> None:
+    """Name the session's S3 server (tests/seaweed.py) in the standard AWS variables now,
+    before any Ray cluster starts: its workers (a monitor on an s3:// root) inherit them."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from seaweed import S3_PORT_VARIABLE, reserve_s3_port, session_aws_env
+
+    port = int(os.environ.get(S3_PORT_VARIABLE) or reserve_s3_port())
+    os.environ[S3_PORT_VARIABLE] = str(port)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+        os.environ.pop(name, None)
+    os.environ.update(session_aws_env(port))
+
+
+_s3_env()
+# One S3 server for the whole session (a fixture imported into two test modules would
+# make two, both on the one port the AWS variables name).
+from seaweed import seaweed_server_fixture  # noqa: E402,F401 - provides seaweed_server
+
+
 def worker_env() -> dict[str, str]:
     """Environment for Ray workers: they import test helper modules (tests/workers.py) by name."""
     tests_dir = str(Path(__file__).resolve().parent)

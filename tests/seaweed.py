@@ -4,9 +4,8 @@ The fixture ``seaweed_server`` (session-scoped) starts ``weed server`` with its 
 volume server, filer and S3 gateway on 127.0.0.1, on free ports, with its data in
 a temp directory and one S3 identity allowed everything; it yields a
 :class:`SeaweedServer` once the gateway answers and a bucket exists, and stops it
-at the end. Import the fixture into a test module::
-
-    from seaweed import seaweed_server_fixture  # noqa: F401 - provides seaweed_server
+at the end. ``tests/conftest.py`` registers it once for the session (and names the
+server's port in the AWS variables before any Ray cluster starts).
 
 Without the binary the fixture fails (not skips): the dev extra installs it.
 """
@@ -48,6 +47,42 @@ def weed_binary() -> Path | None:
                 return path
     found = shutil.which("weed")
     return Path(found) if found else None
+
+
+# The S3 gateway's port is chosen when the test session starts (tests/conftest.py), so
+# that Ray workers, which inherit the environment the cluster started with, find
+# AWS_ENDPOINT_URL naming it. It is taken from below the kernel's ephemeral range and
+# above Ray's worker ports (10002-19999), where nothing else of the session binds.
+_S3_PORTS = range(20000, 32000)
+S3_PORT_VARIABLE = "OBSCKPT_TEST_S3_PORT"
+
+
+def reserve_s3_port() -> int:
+    """A port free on 127.0.0.1 now, for the S3 gateway (see ``_S3_PORTS``)."""
+    import random
+
+    for port in random.sample(_S3_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for the S3 test server in 20000-32000")
+
+
+def session_aws_env(port: int) -> dict[str, str]:
+    """The standard AWS variables naming the session's server, as its test identity; no
+    profile or config file of the host counts."""
+    return {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
 
 
 def _free_ports(count: int) -> list[int]:
@@ -128,6 +163,8 @@ class SeaweedServer:
         if not self.ports:
             names = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc")
             self.ports = dict(zip(names + ("s3", "s3_grpc"), _free_ports(8), strict=True))
+            if os.environ.get(S3_PORT_VARIABLE):
+                self.ports["s3"] = int(os.environ[S3_PORT_VARIABLE])
         (self.workdir / "data").mkdir(parents=True, exist_ok=True)
         identity = {
             "name": "obsckpt-test",

@@ -20,7 +20,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError, ReadTimeoutError
-from seaweed import BUCKET, SeaweedServer, seaweed_server_fixture  # noqa: F401 - the fixture
+from seaweed import BUCKET, SeaweedServer
 
 from obsckpt.errors import ObsckptError, RootLockLostError
 from obsckpt.store import (
@@ -414,8 +414,10 @@ class TestPointer:
         assert lease.epoch == 1
         written = root.commit(lease, "checkpoint", 3, _manifest(3))
         assert written == read_pointer(client, prefix)
-        assert (written.checkpoint_step, written.state_dict_step, written.epoch) == (3, None, 1)
+        # A full checkpoint commits its state dict too, as on a local root.
+        assert (written.checkpoint_step, written.state_dict_step, written.epoch) == (3, 3, 1)
         assert client.get(f"{prefix}/latest_checkpointed_iteration.txt") == b"3\n"
+        assert client.get(f"{prefix}/latest_state_dict_iteration.txt") == b"3\n"
         assert client.get(f"{prefix}/global_step_3/manifest.json") == _manifest(3)
         root.commit(lease, "state_dict", 4, _manifest(4))
         assert client.get(f"{prefix}/latest_state_dict_iteration.txt") == b"4\n"

@@ -35,6 +35,7 @@ from obsckpt.monitor.lifecycle import (
     was_restarted,
 )
 from obsckpt.monitor.measurements import MeasurementRPCs
+from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, start_sweep
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
 from obsckpt.options import (
@@ -43,6 +44,8 @@ from obsckpt.options import (
     MonitorOptions,
     lookup_actor,
 )
+from obsckpt.store.s3root import S3Root, open_s3_root
+from obsckpt.store.uri import is_remote
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, Metrics, disable_created_series
 from obsckpt.tickets import Ticket
@@ -114,25 +117,41 @@ class CheckpointMonitor(MeasurementRPCs):
         self.namespace = options.namespace
         self.default_hdfs_dir = options.default_hdfs_dir
         self.clock: Clock = clock if clock is not None else SystemClock()
-        self.root = commit.ensure_root(options.default_local_dir)
         restarted = was_restarted()
-        # Taken before reading the root: what this monitor sees of it is then no
-        # other monitor's work in progress (a monitor Ray restarted waits for the
-        # lock of the process it replaces; see rootlock).
-        self._root_lock = rootlock.acquire(
-            self.root,
-            namespace=options.namespace,
-            wait_s=rootlock.RESTART_WAIT_S if restarted else rootlock.START_WAIT_S,
-        )
+        self.store: S3Root | None = None
+        if is_remote(options.default_local_dir):
+            # An s3:// root: owned by moving its pointer to a new epoch (which fences
+            # the monitor before), once the endpoint is known to enforce conditional writes.
+            self.store = open_s3_root(options.default_local_dir)
+            self.root = self.store.url
+            self._root_lock: Any = S3Ownership(self.store, options.namespace)
+        else:
+            self.root = commit.ensure_root(options.default_local_dir)
+            # Taken before reading the root: what this monitor sees of it is then no
+            # other monitor's work in progress (a monitor Ray restarted waits for the
+            # lock of the process it replaces; see rootlock).
+            self._root_lock = rootlock.acquire(
+                self.root,
+                namespace=options.namespace,
+                wait_s=rootlock.RESTART_WAIT_S if restarted else rootlock.START_WAIT_S,
+            )
         try:
             self._start(options, registry, restarted)
         except BaseException:
             self._root_lock.release()
             raise
 
-    def _start(
-        self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
-    ) -> None:
+    def _read_root(self, options: MonitorOptions, restarted: bool) -> dict[str, int | None]:
+        """The committed steps, after the start's checks and sweep of the root."""
+        if self.store is not None:
+            # The pointer is the truth; taking the root brought the iteration objects up to it.
+            self.iteration_repairs = []
+            pointer = self._root_lock.lease.pointer
+            latest = {k: pointer.step(k) for k in KINDS}
+            swept = None if restarted else start_sweep(self.store, set(latest.values()) - {None})
+            self.leftovers_removed = [] if swept is None else swept.removed_objects
+            self.uploads_aborted = [] if swept is None else swept.aborted_uploads
+            return latest
         # A job's start: iteration files must name whole steps (a restarted monitor's
         # were written by the one it replaces, in this job).
         self.iteration_repairs = (
@@ -143,8 +162,19 @@ class CheckpointMonitor(MeasurementRPCs):
         # writer can still be using a temp file older than the last commit. (A monitor
         # Ray restarted mid-job leaves them: the job's saves may be writing.)
         self.leftovers_removed = [] if restarted else commit.sweep_leftovers(self.root)
+        self.uploads_aborted = []
+        return latest
+
+    def _start(
+        self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
+    ) -> None:
+        latest = self._read_root(options, restarted)
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
-        self.telemetry.leftovers_swept(self.root, self.leftovers_removed)
+        self.telemetry.leftovers_swept(self.root, self.leftovers_removed + self.uploads_aborted)
+        if self.store is not None:
+            self.store.client.on_error = self.telemetry.store_request_failed
+            self.store.pointer.on_conflict = self.telemetry.store_cas_conflict
+            self.telemetry.store_root = True
         self.core = MonitorCore(
             self.strategy,
             latest=latest,
@@ -157,19 +187,21 @@ class CheckpointMonitor(MeasurementRPCs):
         )
         # Commits what is ready, one at a time, each proving first that this monitor
         # still owns the root (the lock's fence).
-        self._committer = CommitRunner(
-            self.core,
-            StepWriter(self.root, self._root_lock.fenced),
-            phases=self.telemetry,
-            clock=self.clock,
+        writer: Any = (
+            StepWriter(self.root, self._root_lock.fenced)
+            if self.store is None
+            else S3StepWriter(self.store, self._root_lock, self.telemetry.store_commit_fenced)
         )
+        self._committer = CommitRunner(self.core, writer, phases=self.telemetry, clock=self.clock)
         self.telemetry.attach_fence(lambda: self._root_lock.lost)
         # Between commits too: a lock file deleted while the job runs is made anew.
         self._root_lock.watch()
-        self.core.mark_found_on_disk(reader.steps_on_disk(self.root))
+        self.core.mark_found_on_disk(
+            reader.steps_on_disk(self.root) if self.store is None else self.store.steps()
+        )
         self._dead_nodes = DeadNodes(on_failure=self.telemetry.node_query_failed)
         self._lease_watch = LeaseWatch(self.core, self._commit_ready_steps, self._dead_nodes)
-        if restarted:
+        if restarted and self.store is None:
             # Ray restarted this monitor within the job: its last commit is the
             # iteration file's, or a stalled job would go unnoticed until the next.
             recover_last_commits(self.core, self.root, latest)

@@ -18,6 +18,7 @@ from obsckpt.errors import IterationFileError, MonitorCallError
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor_link import strip_colour
 from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
+from obsckpt.store.uri import is_remote
 
 logger = logging.getLogger("obsckpt.monitor")
 
@@ -153,16 +154,20 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
 
     namespace = options.namespace
     root = options.default_local_dir
-    # Checked here too, so a bad root fails in the caller, not in a dead actor.
-    commit.ensure_root(root)
+    remote = is_remote(root)
+    if not remote:
+        # Checked here too, so a bad root fails in the caller, not in a dead actor.
+        commit.ensure_root(root)
     try:
         ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace or None)
     except ValueError:
         # None runs in this namespace: a monitor holding the root is another job's
-        # (or one this job just killed, whose process is ending).
-        rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
-        if options.on_bad_iteration == "refuse":  # the actor checks again, under the lock
-            check_iterations_at_start(root, "refuse")
+        # (or one this job just killed, whose process is ending). On S3 the new
+        # monitor fences the one before by the pointer's epoch instead.
+        if not remote:
+            rootlock.check_free(root, wait_s=rootlock.START_WAIT_S)
+            if options.on_bad_iteration == "refuse":  # the actor checks again, under the lock
+                check_iterations_at_start(root, "refuse")
     actor_options: dict[str, Any] = dict(
         name=MONITOR_ACTOR_NAME,
         get_if_exists=True,
@@ -182,9 +187,10 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
     except ray.exceptions.RayActorError as exc:
         # Its constructor failed; the likeliest cause, another job's monitor that
         # took the root since the check above, gets its own error.
-        rootlock.check_free(root)
+        if not remote:
+            rootlock.check_free(root)
         raise _start_error(exc, root) from exc
-    if os.path.realpath(running) != os.path.realpath(root):
+    if (running != root) if remote or is_remote(running) else not _same_dir(running, root):
         where = f"namespace {namespace!r}" if namespace else "this job's namespace"
         raise ValueError(
             f"a {MONITOR_ACTOR_NAME} actor already runs in {where} with checkpoint root "
@@ -193,6 +199,10 @@ def start_actor(cls: type, options: MonitorOptions, *, max_restarts: int = -1) -
             "(namespace=...), or pass the same default_local_dir"
         )
     return monitor
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _start_error(exc: BaseException, root: str) -> MonitorCallError:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from obsckpt.errors import StoreError
 from obsckpt.layout import KINDS
 from obsckpt.monitor.events import CommitRecord, MonitorObserver
 from obsckpt.monitor.labels import RankSeries, SlotLabels
@@ -83,6 +84,8 @@ class MonitorTelemetry(MonitorObserver):
         self._oldest_pending: dict[str, float | None] = {k: None for k in KINDS}
         self.server: MetricsServer | None = None
         self.file_sd_path: str | None = None
+        # On an s3:// root, a save's time and bytes are its upload's too.
+        self.store_root = False
 
     def attach(self, core: MonitorCore, latest: dict[str, int | None]) -> None:
         """Read ``core``'s commit times at each scrape; show the ``latest`` steps found."""
@@ -274,6 +277,10 @@ class MonitorTelemetry(MonitorObserver):
                 self._rank_series.set(m.rank_last_save_duration, str(rank), slot_label, duration_s)
         if ok and nbytes:
             m.save_bytes.labels(slot_label, kind).inc(nbytes)
+        if ok and self.store_root:
+            m.add("store_upload_bytes", nbytes or 0, slot_label)
+            if duration_s is not None:
+                m.observe("store_upload_seconds", duration_s, slot_label)
         if join_wait_s is not None:
             m.observe("join_wait", join_wait_s, slot_label)
         if not ok:
@@ -387,6 +394,20 @@ class MonitorTelemetry(MonitorObserver):
         self._rank_series.set(m.staging_pinned_bytes, rank_label, slot_label, pinned_bytes)
         if cold:
             m.staging_cold_saves.labels(slot_label).inc()
+
+    # -- an s3:// root ----------------------------------------------------------
+
+    def store_request_failed(self, err: StoreError) -> None:
+        """A request to the root's endpoint failed (from the request's thread)."""
+        self.metrics.store_request_errors.labels(err.operation.split()[0], err.code).inc()
+
+    def store_cas_conflict(self) -> None:
+        """A conditional write of a commit lost a race (412) or met a 409, and was settled."""
+        self.metrics.store_cas_conflicts.inc()
+
+    def store_commit_fenced(self) -> None:
+        """A commit was refused: another monitor took the root."""
+        self.metrics.store_fenced_commits.inc()
 
     def record_upload(self, seconds: float) -> None:
         validate_seconds("seconds", seconds)

@@ -42,6 +42,7 @@ class ListedObject:
     key: str
     size: int
     etag: str
+    modified: float | None = None  # last modified, seconds since the epoch
 
 
 @dataclass(frozen=True, slots=True)

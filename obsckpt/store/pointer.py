@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from obsckpt.layout import ITERATION_FILES, KINDS, MANIFEST_NAME, step_dir_name
+from obsckpt.layout import ITERATION_FILES, KINDS, MANIFEST_NAME, parse_manifest, step_dir_name
 from obsckpt.store.client import ObjectClient
 from obsckpt.store.errors import (
     ConditionalConflict,
@@ -52,9 +52,21 @@ from obsckpt.store.errors import (
 from obsckpt.store.uri import join_key
 from obsckpt.validators import MAX_STEP, validate_step
 
-__all__ = ["POINTER_NAME", "Lease", "Pointer", "RootPointer", "read_pointer"]
+__all__ = [
+    "POINTER_NAME",
+    "STORE_COMMIT_PHASES",
+    "Lease",
+    "Pointer",
+    "RootPointer",
+    "read_pointer",
+]
 
 POINTER_NAME = "obsckpt-pointer.json"
+# A commit's phases on an object store, as it tells them (the commit's metrics).
+PHASE_HEAD_CHECK = "head_check"  # the reported objects checked with HEAD (the caller's)
+PHASE_MANIFEST_PUT = "manifest_put"  # the manifest written create-only
+PHASE_POINTER_CAS = "pointer_cas"  # the pointer swapped, the iteration objects moved
+STORE_COMMIT_PHASES = (PHASE_HEAD_CHECK, PHASE_MANIFEST_PUT, PHASE_POINTER_CAS)
 # The pointer format this obsckpt writes and reads; a reader refuses another.
 POINTER_FORMAT = 1
 # The most bytes a pointer can take; anything longer is not one.
@@ -78,8 +90,16 @@ class Pointer:
         return self.checkpoint_step if kind == "checkpoint" else self.state_dict_step
 
     def with_step(self, kind: str, step: int, commit_id: str) -> Pointer:
+        """This pointer with ``kind`` at ``step``; a full checkpoint also commits its state
+        dict (the state-dict step moves up to it, never down)."""
         if kind == "checkpoint":
-            return dataclasses.replace(self, commit_id=commit_id, checkpoint_step=step)
+            sd = self.state_dict_step
+            return dataclasses.replace(
+                self,
+                commit_id=commit_id,
+                checkpoint_step=step,
+                state_dict_step=step if sd is None or sd < step else sd,
+            )
         return dataclasses.replace(self, commit_id=commit_id, state_dict_step=step)
 
     def to_bytes(self) -> bytes:
@@ -165,6 +185,8 @@ class RootPointer:
         self._prefix = prefix.strip("/")
         self._max_tries = max_tries
         self._key = join_key(self._prefix, POINTER_NAME)
+        # Told each time a conditional write of the pointer lost a race or met a 409.
+        self.on_conflict: Callable[[], None] | None = None
 
     @property
     def root(self) -> str:
@@ -220,14 +242,32 @@ class RootPointer:
                 return lease
         raise self._gave_up("take_ownership", f"{self._max_tries} other owners took it meanwhile")
 
-    def commit(self, lease: Lease, kind: str, step: int, manifest: bytes) -> Pointer:
+    def check(self, lease: Lease) -> Pointer:
+        """The pointer, read now, if ``lease`` still owns the root.
+
+        Raises:
+            FencedError: another owner took the root.
+        """
+        return self._owned(lease)[0]
+
+    def commit(
+        self,
+        lease: Lease,
+        kind: str,
+        step: int,
+        manifest: bytes,
+        *,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> Pointer:
         """Commit ``step`` of ``kind``: its manifest, then the pointer, then the iteration object.
 
         The manifest goes to ``global_step_<N>/manifest.json`` create-only (the same
         bytes already there are a retry of this commit, and fine); the pointer
         moves by If-Match on the ETag just read, with this lease's epoch and a new
         commit id. Committing the step the pointer already names again is a no-op
-        (its manifest checked). Returns the pointer as written.
+        (its manifest checked). A full checkpoint also moves the state-dict step up
+        to it. ``on_phase`` is told ``manifest_put`` and ``pointer_cas`` as each
+        begins. Returns the pointer as written.
 
         Raises:
             FencedError: another owner took the root (now or before); nothing more of
@@ -248,7 +288,10 @@ class RootPointer:
                 f"{self.root}: {kind} step {step} is below the committed step {committed}; "
                 "steps must not go backwards"
             )
+        begin = on_phase if on_phase is not None else (lambda _phase: None)
+        begin(PHASE_MANIFEST_PUT)
         self._write_manifest(step, manifest)
+        begin(PHASE_POINTER_CAS)
         for _ in range(self._max_tries):
             current = pointer.step(kind)
             if current is not None and current >= step:
@@ -269,7 +312,10 @@ class RootPointer:
         else:
             raise self._gave_up(f"commit of {kind} step {step}", "the pointer kept moving")
         try:
-            self._advance_iteration(kind, step)
+            for moved in KINDS:
+                committed_step = lease.pointer.step(moved)
+                if committed_step is not None and (moved == kind or committed_step == step):
+                    self._advance_iteration(moved, committed_step)
         except StoreError as err:
             err.add_note(
                 f"{kind} step {step} is committed (the pointer names it); its iteration object "
@@ -319,10 +365,13 @@ class RootPointer:
         try:
             return put()
         except PreconditionFailed:
+            self._conflicted()
             return None
         except (ConditionalConflict, StoreUnavailableError) as err:
             if isinstance(err, StoreUnavailableError) and not err.maybe_applied:
                 raise  # never sent: nothing to settle
+            if isinstance(err, ConditionalConflict):
+                self._conflicted()
             try:
                 found = self._read()
             except StoreError as read_err:
@@ -334,6 +383,10 @@ class RootPointer:
             if found is not None and found[0].commit_id == commit_id:
                 return found[1]
             return None
+
+    def _conflicted(self) -> None:
+        if self.on_conflict is not None:
+            self.on_conflict()
 
     def _write_manifest(self, step: int, data: bytes) -> None:
         key = join_key(self._prefix, step_dir_name(step), MANIFEST_NAME)
@@ -351,6 +404,14 @@ class RootPointer:
                 continue  # the ambiguous write did not land: write it again
             if existing.data == data:
                 return  # ours, from an earlier try; or the same manifest committed before
+            if _extends(existing.data, data):
+                # A later commit of the step (its full checkpoint after its state dict)
+                # lists more files and keeps every record of the first: replace it.
+                try:
+                    self._client.put_if_match(key, data, existing.info.etag)
+                    return
+                except (PreconditionFailed, ConditionalConflict):
+                    continue  # moved meanwhile (or the outcome is unknown): read it again
             raise ManifestConflictError(
                 f"s3://{self._client.bucket}/{key} already holds another manifest "
                 f"({len(existing.data)} bytes, {len(data)} given): step {step} was committed "
@@ -397,6 +458,16 @@ class RootPointer:
             key=self._key,
             status="contention",
         )
+
+
+def _extends(old: bytes, new: bytes) -> bool:
+    """Whether manifest ``new`` lists every record of ``old`` unchanged (and maybe more)."""
+    try:
+        before = {r.path: r for r in parse_manifest(json.loads(old))}
+        after = {r.path: r for r in parse_manifest(json.loads(new))}
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return all(after.get(path) == rec for path, rec in before.items())
 
 
 def _is_count(value: object) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -133,6 +133,9 @@ class S3Client:
     ) -> None:
         self._bucket = bucket
         self._options = options if options is not None else S3Options()
+        # Told of every failed request but the answers that are part of the protocol
+        # (404 for an absent object, 412 for a condition that did not hold): a metric.
+        self.on_error: Callable[[StoreError], None] | None = None
         session = session if session is not None else boto3.session.Session()
         self._client = session.client("s3", config=self._config(self._options.max_attempts))
         # Conditional writes: never retried by botocore (see the module's docstring).
@@ -246,16 +249,32 @@ class S3Client:
                     status=str(bad.get("Code", "error")),
                 )
 
-    def list(self, prefix: str) -> builtins.list[ListedObject]:
-        """Every object whose key starts with ``prefix``, in key order."""
+    def list(self, prefix: str, *, max_keys: int | None = None) -> builtins.list[ListedObject]:
+        """The objects whose key starts with ``prefix``, in key order (the first ``max_keys``)."""
         found: builtins.list[ListedObject] = []
         with self._translated("list", prefix):
             pages = self._client.get_paginator("list_objects_v2")
-            for page in pages.paginate(Bucket=self._bucket, Prefix=prefix):
+            limit = {} if max_keys is None else {"PaginationConfig": {"MaxItems": max_keys}}
+            for page in pages.paginate(Bucket=self._bucket, Prefix=prefix, **limit):
                 for item in page.get("Contents") or []:
+                    modified = item.get("LastModified")
                     found.append(
-                        ListedObject(key=item["Key"], size=int(item["Size"]), etag=item["ETag"])
+                        ListedObject(
+                            key=item["Key"],
+                            size=int(item["Size"]),
+                            etag=item["ETag"],
+                            modified=None if modified is None else modified.timestamp(),
+                        )
                     )
+        return found[:max_keys] if max_keys is not None else found
+
+    def list_prefixes(self, prefix: str) -> builtins.list[str]:
+        """The "directories" right under ``prefix`` (keys up to the next ``/``), in order."""
+        found: builtins.list[str] = []
+        with self._translated("list", prefix):
+            pages = self._client.get_paginator("list_objects_v2")
+            for page in pages.paginate(Bucket=self._bucket, Prefix=prefix, Delimiter="/"):
+                found += [item["Prefix"] for item in page.get("CommonPrefixes") or []]
         return found
 
     # --- multipart uploads and parallel reads ----------------------------------
@@ -283,36 +302,29 @@ class S3Client:
                 (start, min(start + part_size, len(view)))
                 for start in range(0, max(len(view), 1), part_size)
             ]
-            with self._translated("create_multipart", key):
-                upload_id = self._client.create_multipart_upload(Bucket=self._bucket, Key=key)[
-                    "UploadId"
-                ]
+            upload_id = self.begin_multipart(key)
             try:
                 etags = run_parallel(
                     [
-                        partial(self._upload_part, key, upload_id, n, view[lo:hi])
+                        partial(self.upload_part, key, upload_id, n, view[lo:hi])
                         for n, (lo, hi) in enumerate(bounds, start=1)
                     ],
                     concurrency,
                     name="obsckpt-s3-upload",
                 )
-                parts = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, start=1)]
-                with self._translated("complete_multipart", key):
-                    done = self._client.complete_multipart_upload(
-                        Bucket=self._bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        MultipartUpload={"Parts": parts},
-                    )
+                return self.complete_multipart(key, upload_id, etags)
             except BaseException as err:
-                try:
-                    self.abort_multipart(key, upload_id)
-                except StoreError as abort_err:
-                    err.add_note(f"aborting upload {upload_id} failed too: {abort_err}")
+                self.abort_quietly(key, upload_id, err)
                 raise
-        return str(done["ETag"])
 
-    def _upload_part(self, key: str, upload_id: str, number: int, part: memoryview) -> str:
+    def begin_multipart(self, key: str) -> str:
+        """Start a multipart upload to ``key``; its upload id."""
+        with self._translated("create_multipart", key):
+            answer = self._client.create_multipart_upload(Bucket=self._bucket, Key=key)
+        return str(answer["UploadId"])
+
+    def upload_part(self, key: str, upload_id: str, number: int, part: memoryview) -> str:
+        """Upload part ``number`` (from 1) of an upload from a view, without copying it; its ETag."""
         with self._translated(f"upload_part {number}", key):
             answer = self._client.upload_part(
                 Bucket=self._bucket,
@@ -322,6 +334,25 @@ class S3Client:
                 Body=ViewReader(part),
             )
         return str(answer["ETag"])
+
+    def complete_multipart(self, key: str, upload_id: str, etags: builtins.list[str]) -> str:
+        """Complete an upload from its parts' ETags, in part order; the object's ETag."""
+        parts = [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, start=1)]
+        with self._translated("complete_multipart", key):
+            done = self._client.complete_multipart_upload(
+                Bucket=self._bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        return str(done["ETag"])
+
+    def abort_quietly(self, key: str, upload_id: str, cause: BaseException) -> None:
+        """Abort an upload that failed with ``cause``; an abort failing too is noted on it."""
+        try:
+            self.abort_multipart(key, upload_id)
+        except StoreError as abort_err:
+            cause.add_note(f"aborting upload {upload_id} of {key} failed too: {abort_err}")
 
     def get_ranged_parallel(
         self,
@@ -436,25 +467,39 @@ class S3Client:
         try:
             yield
         except boto_errors.ClientError as err:
-            raise self._client_error(err, operation, key) from err
+            raise self._seen(self._client_error(err, operation, key)) from err
         except _NOT_SENT + _NO_ANSWER as err:
-            raise self._unavailable(err, operation, key) from err
+            raise self._seen(self._unavailable(err, operation, key)) from err
         except boto_errors.NoCredentialsError as err:
-            raise StoreError(
-                f"S3 {operation} of {self._where(key)} at {self.endpoint}: no AWS credentials "
-                "found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
-                operation=operation,
-                key=key,
-                status="credentials",
+            raise self._seen(
+                StoreError(
+                    f"S3 {operation} of {self._where(key)} at {self.endpoint}: no AWS credentials "
+                    "found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+                    operation=operation,
+                    key=key,
+                    status="credentials",
+                )
             ) from err
         except boto_errors.BotoCoreError as err:
-            raise StoreError(
-                f"S3 {operation} of {self._where(key)} at {self.endpoint} failed: "
-                f"{type(err).__name__}: {_one_line(str(err))}",
-                operation=operation,
-                key=key,
-                status="client",
+            raise self._seen(
+                StoreError(
+                    f"S3 {operation} of {self._where(key)} at {self.endpoint} failed: "
+                    f"{type(err).__name__}: {_one_line(str(err))}",
+                    operation=operation,
+                    key=key,
+                    status="client",
+                )
             ) from err
+
+    def _seen(self, err: StoreError) -> StoreError:
+        if self.on_error is not None and not isinstance(
+            err, ObjectNotFoundError | PreconditionFailed
+        ):
+            try:
+                self.on_error(err)
+            except Exception:  # noqa: BLE001 - a metric must not change the request's error
+                pass
+        return err
 
     def _where(self, key: str) -> str:
         return f"s3://{self._bucket}/{key}"

@@ -18,7 +18,15 @@ from urllib.parse import unquote
 
 from obsckpt.store.errors import UnsupportedStoreError
 
-__all__ = ["Root", "is_remote", "join_key", "local_root", "parse_root", "refuse_unsupported"]
+__all__ = [
+    "Root",
+    "is_remote",
+    "join_key",
+    "local_root",
+    "parse_root",
+    "refuse_unsupported",
+    "root_or_url",
+]
 
 LOCAL = "file"
 S3 = "s3"
@@ -196,6 +204,21 @@ def local_root(value: str | os.PathLike[str], what: str = "default_local_dir") -
             f"(S3 mounts lack the atomic rename a commit needs); {_LOCAL_ONLY}"
         )
     return os.path.abspath(root.path)
+
+
+def root_or_url(value: str | os.PathLike[str], what: str = "default_local_dir") -> str:
+    """``value`` as a monitor keeps it: an absolute local directory, or ``s3://bucket/prefix``
+    normalised (slashes collapsed) for a root on S3.
+
+    Raises:
+        UnsupportedStoreError: another scheme, or a mistyped URL (see :func:`local_root`).
+        ValueError: ``value`` is empty or not a string or path.
+    """
+    try:
+        root = parse_root(value, what=what)
+    except UnsupportedStoreError:
+        return local_root(value, what)  # its one line names what to give instead
+    return str(root) if root.is_remote else os.path.abspath(root.path)
 
 
 def _refuse(value: str, what: str, reason: str) -> NoReturn:

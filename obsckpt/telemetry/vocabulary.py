@@ -13,6 +13,7 @@ import math
 from obsckpt.admission import STRATEGIES
 from obsckpt.commit import COMMIT_PHASES
 from obsckpt.layout import KINDS
+from obsckpt.store.pointer import STORE_COMMIT_PHASES
 from obsckpt.validators import non_negative_int
 
 RESULTS = ("ok", "error")
@@ -40,7 +41,8 @@ KNOWN_LABELS: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
     "backend": BACKENDS,
     "role": ROLES,
-    "phase": COMMIT_PHASES,
+    # A local root's commit phases, then an s3:// root's.
+    "phase": COMMIT_PHASES + STORE_COMMIT_PHASES,
 }
 
 

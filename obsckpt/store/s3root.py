@@ -1,0 +1,332 @@
+"""A checkpoint root in an S3 bucket: where its objects are, writing, checking and reading them.
+
+:class:`S3Root` is what the rest of obsckpt holds for an ``s3://bucket/prefix``
+root. The layout under the prefix is a local root's, as keys::
+
+    <prefix>/obsckpt-pointer.json                    the commit pointer (see pointer)
+    <prefix>/latest_checkpointed_iteration.txt       iteration objects, for verl and Trinity
+    <prefix>/latest_state_dict_iteration.txt
+    <prefix>/global_step_<N>/manifest.json           written create-only by the commit
+    <prefix>/global_step_<N>/<path>                  the files the ranks wrote
+
+Ranks write their files with :meth:`S3Root.writer` (multipart, parallel parts,
+CRC32 on the way); the monitor checks them with HEAD (:meth:`S3Root.check_reported`)
+and commits through :class:`~obsckpt.store.pointer.RootPointer`; readers go through
+:meth:`S3Root.read_verified`, which checks size and CRC32 against the committed
+manifest before a byte is handed over.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from obsckpt.layout import (
+    ITERATION_FILES,
+    MANIFEST_NAME,
+    FileRecord,
+    parse_manifest,
+    step_dir_name,
+    step_of_dir_name,
+)
+from obsckpt.reader import crc32
+from obsckpt.store.errors import StoreError
+from obsckpt.store.pointer import POINTER_NAME, Pointer, RootPointer
+from obsckpt.store.probe import PROBE_DIR
+from obsckpt.store.stream import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectWriter
+from obsckpt.store.transfer import run_parallel
+from obsckpt.store.uri import Root, parse_root
+
+__all__ = ["S3Root", "SweepReport", "locate_in_root", "open_s3_root", "shared_s3_root"]
+
+# Reads of a verified file: ranges of this many bytes, this many at once.
+READ_PART_SIZE = 16 * 1024 * 1024
+READ_CONCURRENCY = 8
+# HEADs of a commit's files at once.
+HEAD_CONCURRENCY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What a start-up sweep removed."""
+
+    aborted_uploads: list[str]
+    removed_objects: list[str]
+
+
+class S3Root:
+    """The root ``root`` (an ``s3://`` :class:`~obsckpt.store.uri.Root`) through ``client``.
+
+    Args:
+        root: the parsed root.
+        client: the bucket's client (:class:`~obsckpt.store.s3.S3Client`).
+        part_size: bytes per part of the files ranks upload.
+        concurrency: parts in flight per file.
+    """
+
+    def __init__(
+        self,
+        root: Root,
+        client: Any,
+        *,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if not root.is_remote:
+            raise ValueError(f"{root} is a local root, not an s3:// one")
+        self.root = root
+        self.client = client
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.pointer = RootPointer(client, root.prefix)
+
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.client.endpoint)
+
+    # --- names ---------------------------------------------------------------------
+
+    def key(self, *parts: str) -> str:
+        return self.root.key(*parts)
+
+    def step_key(self, step: int, path: str = "") -> str:
+        """The key of ``path`` in step ``step`` (the step's prefix with ``path`` empty)."""
+        return self.key(step_dir_name(step), path)
+
+    def url_of(self, key: str) -> str:
+        return f"s3://{self.root.bucket}/{key}"
+
+    def locate(self, url: str) -> tuple[int, str] | None:
+        """(step, path in the step) of ``url`` when it names a file in a step of this root."""
+        return locate_in_root(self.root, url)
+
+    # --- writing -----------------------------------------------------------------
+
+    def writer(self, step: int, path: str) -> ObjectWriter:
+        """A file-like sink that becomes ``path`` in step ``step`` once finished."""
+        return ObjectWriter(
+            self.client,
+            self.step_key(step, path),
+            part_size=self.part_size,
+            concurrency=self.concurrency,
+        )
+
+    def record(self, step: int, path: str, data: bytes) -> FileRecord:
+        """Write a small file of step ``step`` in one PUT; its record."""
+        etag = self.client.put(self.step_key(step, path), data)
+        return FileRecord(path=path, size=len(data), crc32=crc32(data), etag=etag)
+
+    # --- the commit's checks -------------------------------------------------------
+
+    def check_reported(self, step: int, files: dict[str, FileRecord]) -> list[str]:
+        """Problems with ``step``'s reported files as HEAD finds them: missing, another size
+        or another ETag than the rank reported. Empty when every object is as reported."""
+
+        def check(rec: FileRecord) -> str | None:
+            info = self.client.head(self.step_key(step, rec.path))
+            where = self.url_of(self.step_key(step, rec.path))
+            if info is None:
+                return f"{where}: missing (a rank reported it written)"
+            if info.size != rec.size:
+                return f"{where}: {info.size} bytes, the rank reported {rec.size}"
+            if rec.etag is not None and info.etag != rec.etag:
+                return f"{where}: ETag {info.etag}, the rank reported {rec.etag} (rewritten since)"
+            return None
+
+        found = run_parallel(
+            [partial(check, rec) for rec in files.values()],
+            HEAD_CONCURRENCY,
+            name="obsckpt-s3-head",
+        )
+        return [p for p in found if p is not None]
+
+    def has_objects(self, step: int) -> bool:
+        return bool(self.client.list(self.step_key(step) + "/", max_keys=1))
+
+    # --- reading -------------------------------------------------------------------
+
+    def read_pointer(self) -> Pointer | None:
+        return self.pointer.read()
+
+    def committed(self, kind: str) -> int | None:
+        """The committed step of ``kind``: the pointer's, else the iteration object's."""
+        pointer = self.pointer.read()
+        if pointer is not None:
+            return pointer.step(kind)
+        blob = self.client.read(self.key(ITERATION_FILES[kind]))
+        text = None if blob is None else blob.data.strip()
+        return int(text) if text and text.isdigit() else None
+
+    def manifest(self, step: int) -> list[FileRecord] | None:
+        """Step ``step``'s manifest records; None when it has no manifest.
+
+        Raises:
+            ValueError: the manifest is not one obsckpt writes (named in the message).
+        """
+        key = self.step_key(step, MANIFEST_NAME)
+        blob = self.client.read(key)
+        if blob is None:
+            return None
+        try:
+            return parse_manifest(json.loads(blob.data))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"{self.url_of(key)}: not an obsckpt manifest: {err}") from None
+
+    def steps(self) -> list[int]:
+        """The steps with any object under the root, in order."""
+        found = set()
+        for prefix in self.client.list_prefixes(self.key() + "/" if self.key() else ""):
+            step = step_of_dir_name(prefix.rstrip("/").rsplit("/", 1)[-1])
+            if step is not None:
+                found.add(step)
+        return sorted(found)
+
+    def verify_step(self, step: int, *, deep: bool = True) -> list[str]:
+        """What is wrong with committed step ``step``: no manifest, a file missing, of another
+        size, or (``deep``) whose CRC32 differs from the manifest's. Empty when whole."""
+        try:
+            records = self.manifest(step)
+        except ValueError as err:
+            return [str(err)]
+        if records is None:
+            return [f"{self.url_of(self.step_key(step))}: no manifest (not committed)"]
+        problems = self.check_reported(step, {r.path: r for r in records})
+        if problems or not deep:
+            return problems
+
+        def crc_problem(rec: FileRecord) -> str | None:
+            try:
+                self.read_verified(step, rec.path, records=records, concurrency=2)
+            except (ValueError, StoreError) as err:
+                return str(err)
+            return None
+
+        return [p for p in map(crc_problem, records) if p is not None]
+
+    def read_verified(
+        self,
+        step: int,
+        path: str,
+        *,
+        records: list[FileRecord] | None = None,
+        part_size: int = READ_PART_SIZE,
+        concurrency: int = READ_CONCURRENCY,
+    ) -> bytearray:
+        """File ``path`` of committed step ``step``, read with ranged, parallel GETs and
+        checked against the manifest (size, ETag, CRC32) before it is returned.
+
+        Raises:
+            ValueError: the step has no manifest, the manifest does not list ``path``,
+                or the bytes are not what it records (named, with both values).
+            StoreError: the object could not be read.
+        """
+        records = records if records is not None else self.manifest(step)
+        where = self.url_of(self.step_key(step, path))
+        if records is None:
+            raise ValueError(f"{where}: step {step} has no manifest in {self.url}; not committed")
+        rec = next((r for r in records if r.path == path), None)
+        if rec is None:
+            raise ValueError(f"{where}: not listed in the manifest of step {step}")
+        data = self.client.get_ranged_parallel(
+            self.step_key(step, path), rec.size, part_size, concurrency, etag=rec.etag
+        )
+        got = crc32(data)
+        if got != rec.crc32:
+            raise ValueError(
+                f"{where}: corrupted (crc32 {got:08x}, the manifest says {rec.crc32:08x})"
+            )
+        return data
+
+    # --- tidying -------------------------------------------------------------------
+
+    def sweep(self, committed_steps: set[int], older_than_s: float = 0.0) -> SweepReport:
+        """Abort obsckpt's dangling multipart uploads under the root and remove the objects of
+        steps that are not committed and not in ``committed_steps`` (orphans of saves that
+        never committed), when ``older_than_s`` seconds old. Only keys obsckpt writes (under
+        ``global_step_<N>/`` and its probe directory) are touched. Run it at a monitor's
+        start, before any save is admitted."""
+        base = self.key() + "/" if self.key() else ""
+        aborted = []
+        for upload in self.client.list_multipart_uploads(base):
+            if self._ours(upload.key, base):
+                self.client.abort_multipart(upload.key, upload.upload_id)
+                aborted.append(self.url_of(upload.key))
+        removed = []
+        newest = time.time() - older_than_s
+        for step in self.steps():
+            if step in committed_steps:
+                continue
+            try:
+                if self.manifest(step) is not None:
+                    continue  # committed once (the pointer moved on): retention's to remove
+            except ValueError:
+                continue  # not ours to judge
+            stale = [
+                o.key
+                for o in self.client.list(self.step_key(step) + "/")
+                if o.modified is None or o.modified <= newest
+            ]
+            self.client.delete(stale)
+            removed += [self.url_of(k) for k in stale]
+        probes = [o.key for o in self.client.list(self.key(PROBE_DIR) + "/")]
+        self.client.delete(probes)
+        return SweepReport(aborted_uploads=aborted, removed_objects=removed)
+
+    def remove_steps(self, steps: list[int]) -> list[str]:
+        """Delete every object of ``steps`` (retention, after the commit that made them
+        unneeded): the manifest first, so a step half-removed is never taken as whole."""
+        removed = []
+        for step in steps:
+            manifest = self.step_key(step, MANIFEST_NAME)
+            self.client.delete([manifest])
+            keys = [o.key for o in self.client.list(self.step_key(step) + "/")]
+            self.client.delete(keys)
+            removed += [self.url_of(manifest), *map(self.url_of, keys)]
+        return removed
+
+    def _ours(self, key: str, base: str) -> bool:
+        rest = key[len(base) :]
+        head = rest.split("/", 1)[0]
+        return step_of_dir_name(head) is not None or head == PROBE_DIR or rest == POINTER_NAME
+
+
+def locate_in_root(root: Root, url: str) -> tuple[int, str] | None:
+    """(step, path in the step) of ``url`` when it names a file in a step of ``root``."""
+    target = parse_root(url, what="path")
+    if not target.is_remote or target.bucket != root.bucket:
+        return None
+    rest = target.prefix
+    if root.prefix:
+        if not rest.startswith(root.prefix + "/"):
+            return None
+        rest = rest[len(root.prefix) + 1 :]
+    head, _, path = rest.partition("/")
+    step = step_of_dir_name(head)
+    if step is None or not path:
+        return None
+    return step, path
+
+
+@functools.lru_cache(maxsize=8)
+def shared_s3_root(url: str) -> S3Root:
+    """This process's :class:`S3Root` for ``url`` (one client per root, shared by its saves)."""
+    return open_s3_root(url)
+
+
+def open_s3_root(value: str, what: str = "default_local_dir", **options: Any) -> S3Root:
+    """The :class:`S3Root` that ``value`` (``s3://bucket/prefix``) names, with a client made
+    from the standard AWS settings (the ``s3`` extra's boto3)."""
+    root = parse_root(value, what=what)
+    if not root.is_remote:
+        raise ValueError(f"{what}={value!r} is a local path, not an s3:// root")
+    from obsckpt.store import S3Client
+
+    return S3Root(root, S3Client(root.bucket), **options)
