@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from obsckpt import inspection, layout, monitor_link, repair, rootlock, validators
+from obsckpt import inspection, inspection_s3, layout, monitor_link, repair, rootlock, validators
 from obsckpt.assets import RUNBOOK_URL_ENV
 from obsckpt.demo import endpoints
 from obsckpt.demo.config import (
@@ -43,10 +43,12 @@ from obsckpt.demo.config import (
     DemoConfig,
     flag_names,
     kill_in_save_problem,
+    missing_demo_modules,
 )
 from obsckpt.demo.driver import become_driver, run_detached
 from obsckpt.demo.result import finish_line, validate_result_json, write_result_json
 from obsckpt.errors import CliError
+from obsckpt.inspection_s3 import is_remote_dir
 from obsckpt.options import OBSCKPT_DEMO_DRIVER
 from obsckpt.store.uri import local_root
 
@@ -68,6 +70,8 @@ _DEMO_DEFAULTS = DemoConfig()
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """``obsckpt status DIR [--json]``: 1 when the root has a problem."""
+    if is_remote_dir(args.dir):
+        return inspection_s3.cli_status(args.dir, args.json, out)
     root, latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,))
     st = inspection.root_status(root, latest)
     if args.json:
@@ -83,6 +87,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     A step of a root obsckpt never committed in is NOT VERIFIABLE (no manifest to
     check against), said apart from FAILED, and exits 1 too.
     """
+    if is_remote_dir(args.dir):
+        return inspection_s3.cli_verify(args.dir, args, out, err)
     root, latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,))
     results = inspection.verify_root(root, latest, step=args.step, every=args.all, shown=args.dir)
     if args.json:
@@ -113,6 +119,8 @@ def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     Deletes nothing. 0 when every iteration file names a whole step afterwards
     (or did already), 1 with ``--dry-run`` when one does not.
     """
+    if is_remote_dir(args.dir):
+        raise CliError(inspection_s3.REPAIR_NOT_NEEDED.format(root=args.dir))
     root, _latest = inspection.open_root(args.dir, markers=(DEMO_MARKER,), repairing=True)
     holder = rootlock.locked_by(root)
     if holder is not None and not args.dry_run:
@@ -131,25 +139,6 @@ def cmd_repair(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for line in repair.rewind(root, bad, log=False):  # printed here, not logged as well
         out.write(line + "\n")
     return EXIT_OK
-
-
-# Top-level modules of the ``demo`` extra that the job's processes import.
-DEMO_MODULES = ("verl", "transformers", "accelerate")
-
-
-def missing_demo_modules() -> list[str]:
-    """The demo's modules that cannot be found, without importing them (verl takes ~10 s)."""
-    import importlib.util
-
-    missing = []
-    for name in DEMO_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -288,3 +288,51 @@ class TestReads:
             "obsckpt_store_request_errors_total", {"operation": "put", "code": "403"}
         )
         assert value == 1
+
+
+class TestCommandLine:
+    """``obsckpt status`` and ``verify`` read an s3:// root through its pointer and manifests."""
+
+    def _run(self, *argv: str) -> tuple[int, str, str]:
+        import io
+
+        from obsckpt.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        code = main(list(argv), out=out, err=err)
+        return code, out.getvalue(), err.getvalue()
+
+    def test_status_and_verify(self, root_url: str, store: S3Root) -> None:
+        async def scenario() -> None:
+            monitor = _monitor(root_url)
+            for step in (1, 2):
+                await monitor.register_thread_count(step, checkpoint_thread_count=1)
+                await _commit(monitor, step, _report(store, step, "model.pt", MIB))
+
+        asyncio.run(scenario())
+        store.client.put(store.step_key(3, "half.pt"), b"never committed")
+        code, out, _ = self._run("status", root_url)
+        assert code == 0, out
+        assert "latest checkpoint: 2" in out and "epoch 1" in out
+        assert "global_step_3: not whole" in out and "no problems" in out
+        code, out, err = self._run("verify", root_url, "--all")
+        assert code == 1  # step 3 is not obsckpt's to vouch for
+        assert "step 1: OK" in out and "step 2: OK" in out and "step 3: NOT VERIFIABLE" in out
+        code, out, _ = self._run("verify", root_url, "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["ok"] and [s["step"] for s in doc["steps"]] == [2]
+        # A committed object damaged: verify and status say so, exit 1.
+        key = store.step_key(2, "model.pt")
+        data = bytearray(store.client.get(key))
+        data[-1] ^= 0xFF
+        store.client.put(key, bytes(data))
+        code, out, err = self._run("verify", root_url)
+        assert code == 1 and "step 2: FAILED" in out and "model.pt" in err
+        code, out, _ = self._run("status", root_url, "--json")
+        assert code == 1 and json.loads(out)["problems"]
+        code, _, err = self._run("repair", root_url)
+        assert code == 2 and "needs no repair" in err
+
+    def test_unreachable_or_empty_root_is_one_line(self, root_url: str) -> None:
+        code, _, err = self._run("status", root_url)
+        assert code == 2 and "not a checkpoint root" in err and err.count("\n") == 1

@@ -208,3 +208,22 @@ def kill_in_save_problem(step: int, every: int) -> str:
         f"--save-every (e.g. --kill-at {(step // every + 1) * every}:save), or "
         f"--kill-at {step} to stop it after the step"
     )
+
+
+# Top-level modules of the ``demo`` extra that the job's processes import.
+DEMO_MODULES = ("verl", "transformers", "accelerate")
+
+
+def missing_demo_modules() -> list[str]:
+    """The demo's modules that cannot be found, without importing them (verl takes ~10 s)."""
+    import importlib.util
+
+    missing = []
+    for name in DEMO_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
