@@ -151,7 +151,53 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
         alert = "ObsckptRolloutWeightsStale"
         return _check(minute, alert, _expected(alert, rules, {"job": JOB, "instance": INSTANCE}, 1))
 
+    # ObsckptStoreErrors: a first PUT error, or a fenced commit, a window and 10 minutes in
+    # (a new series counts once its target has been scraped a window ago).
+    store_min = math.ceil(duration_seconds(t.failure_window) / 60)
+    store_at = store_min + 10
+    store_len = store_at + store_min + 30
+    store_labels = f'{_TARGET},operation="put",code="503"'
+
+    def store_failing(minute: int, **extra: str) -> dict:
+        labels = {"job": JOB, "instance": INSTANCE, **extra}
+        return _check(minute, "ObsckptStoreErrors", _expected("ObsckptStoreErrors", rules, labels))
+
     tests = [
+        {
+            "name": "store errors: a first failed request (its series starts at 1) fires, "
+            "then ends",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, f"1x{store_len}"),
+                _series(
+                    "obsckpt_store_request_errors_total",
+                    store_labels,
+                    f"_x{store_at} 1x{store_len - store_at}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(store_at - 1, "ObsckptStoreErrors"),
+                store_failing(store_at + 2, operation="put", code="503"),
+                _check(store_at + store_min + 5, "ObsckptStoreErrors"),
+            ],
+        },
+        {
+            "name": "store errors: a commit refused because another monitor took the root fires",
+            "interval": "1m",
+            "input_series": [
+                _series("up", _TARGET, f"1x{store_len}"),
+                _series(
+                    "obsckpt_store_fenced_commits_total",
+                    _TARGET,
+                    f"0x{store_at} 1x{store_len - store_at}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(store_at - 1, "ObsckptStoreErrors"),
+                store_failing(store_at + 2),
+                _check(store_at + store_min + 5, "ObsckptStoreErrors"),
+            ],
+        },
         {
             "name": "commit stalled: a pending step older than the threshold fires",
             "interval": "1m",

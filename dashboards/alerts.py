@@ -187,6 +187,9 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
     failures = "obsckpt_broadcast_failures_total"
     sync_by = "job, instance, obsckpt_namespace, method, reason"
     stale_window = t.rollout_stale_window
+    store_errors = "obsckpt_store_request_errors_total"
+    store_by = "job, instance, obsckpt_namespace, operation, code"
+    fenced = "obsckpt_store_fenced_commits_total"
 
     return [
         {
@@ -411,6 +414,39 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     "failing or not being made."
                 ),
                 "runbook_url": runbook("ObsckptRolloutWeightsStale"),
+            },
+        },
+        {
+            "alert": "ObsckptStoreErrors",
+            # Requests to an s3:// root's endpoint that failed, and commits refused
+            # because another monitor took the root. An error's series appears with
+            # its first error, already at 1: the second term counts a series new within
+            # the window, as ObsckptWeightSyncFailures does.
+            "expr": (
+                f"sum by ({store_by}) (increase({store_errors}[{t.failure_window}])) > 0\n"
+                f"or sum by ({store_by}) (\n"
+                f"  ({store_errors} > 0 unless {store_errors} offset {t.failure_window})\n"
+                f"  and on (job, instance) (\n"
+                f"    up offset {t.failure_window} == 1\n"
+                f"    or ((up unless on (job, instance) up offset {t.failure_window})\n"
+                f"      and on () (count(up offset {t.failure_window}) > 0)))) > 0\n"
+                f"or sum by (job, instance, obsckpt_namespace) "
+                f"(increase({fenced}[{t.failure_window}])) > 0\n"
+            ),
+            "for": "0m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "Checkpoint store errors (job {{ $labels.job }}, monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "The monitor {{ $labels.instance }} met failing requests to its s3:// "
+                    f"root's endpoint in the last {t.failure_window} (which operations and "
+                    "codes: obsckpt_store_request_errors_total), or had a commit refused "
+                    "because another monitor took the root. Steps whose commit failed are "
+                    "not committed; the pointer still names the last whole step."
+                ),
+                "runbook_url": runbook("ObsckptStoreErrors"),
             },
         },
     ]

@@ -372,9 +372,10 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
             ),
             PanelSpec(
                 "Commit phase time",
-                "Where a commit's time goes: scan, fsync_files, manifest, rename_iteration "
-                "(failed and timed-out phases included): the last commit's (kept until the "
-                "next), and the mean and percentiles over $window.",
+                "Where a commit's time goes: scan, fsync_files, manifest, rename_iteration on "
+                "a local root; head_check, manifest_put, pointer_cas on an s3:// one (failed "
+                "and timed-out phases included): the last commit's (kept until the next), "
+                "and the mean and percentiles over $window.",
                 "s",
                 latency("obsckpt_commit_phase_seconds", ("phase",), "{{phase}}"),
                 width=8,
@@ -580,6 +581,61 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                     ),
                 ],
                 width=8,
+            ),
+        ],
+    ),
+    (
+        "Checkpoint store (s3:// roots)",
+        [
+            PanelSpec(
+                "Uploads per slot",
+                "How long one save's upload to the s3:// root took, per slot (serialising, "
+                "every part, completing the object): the last one's (kept until the next, "
+                "so it shows however rarely a job saves) and the mean and percentiles over "
+                "$window.",
+                "s",
+                latency("obsckpt_store_upload_seconds", ("slot",), "{{slot}}"),
+                width=8,
+            ),
+            PanelSpec(
+                "Upload throughput per slot",
+                "Bytes the ranks' saves uploaded per second over $window, per slot.",
+                "Bps",
+                [
+                    (
+                        "sum by (slot) "
+                        f"(rate({m('obsckpt_store_upload_bytes_total')}[{WINDOW}]))",
+                        "{{slot}}",
+                    )
+                ],
+                width=8,
+            ),
+            PanelSpec(
+                "Store errors, conflicts and fenced commits",
+                "Requests to the endpoint that failed, by operation and code (ObsckptStoreErrors "
+                "fires on any); compare-and-swap races settled by reading the pointer; commits "
+                "refused because another monitor took the root. Over $window, so one error "
+                "an hour still shows.",
+                "none",
+                [
+                    (
+                        "sum by (instance, operation, code) "
+                        f"(increase({m('obsckpt_store_request_errors_total')}[{WINDOW}]))",
+                        "{{instance}} {{operation}} {{code}}",
+                    ),
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_store_cas_conflicts_total')}[{WINDOW}]))",
+                        "CAS conflicts {{instance}}",
+                    ),
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_store_fenced_commits_total')}[{WINDOW}]))",
+                        "fenced commits {{instance}}",
+                    ),
+                ],
+                width=8,
+                thresholds=FAILURES_RED,
             ),
         ],
     ),

@@ -46,6 +46,7 @@ __all__ = [
     "SavePathError",
     "SaveTimeoutError",
     "StateDictLoadError",
+    "StoreCheckError",
     "StoreError",
     "StoreUnavailableError",
     "TensorMutatedError",
@@ -262,6 +263,10 @@ class StoreError(ObsckptError, OSError):
     def __reduce__(self) -> tuple[Any, ...]:
         rebuild = partial(type(self), operation=self.operation, key=self.key, status=self.status)
         return (rebuild, self.args, dict(vars(self)))
+
+
+class StoreCheckError(StoreError):
+    """Objects a rank reported are missing or differ at commit time; the step is not committed."""
 
 
 class PreconditionFailed(StoreError):

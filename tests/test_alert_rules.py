@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
 CONTRACT_ALERTS = (
+    "ObsckptStoreErrors",
     "ObsckptCommitStalled",
     "ObsckptNoRecentCommit",
     "ObsckptSaveFailures",

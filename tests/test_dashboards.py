@@ -288,6 +288,7 @@ LATENCY_PANELS: dict[str, tuple[str, ...]] = {
     "Commit phase time": ("phase",),
     "Broadcast duration": ("backend",),
     "State dict upload duration": (),
+    "Uploads per slot": ("slot",),
 }
 # Their last-value targets aggregate by the same labels, except the save latency's,
 # read from the per-rank gauge (which has no kind).
@@ -333,6 +334,7 @@ def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str,
         "obsckpt_commit_phase_seconds",
         "obsckpt_broadcast_duration_seconds",
         "obsckpt_state_dict_upload_duration_seconds",
+        "obsckpt_store_upload_seconds",
     }:
         series[f'{metric}_bucket{{{HIST_LABELS},le="1"}}'] = text(0)
         series[f'{metric}_bucket{{{HIST_LABELS},le="2"}}'] = text(1)

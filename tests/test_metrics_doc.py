@@ -39,6 +39,9 @@ DESIGN_METRICS = {
 # Labels whose values are fixed in telemetry/vocabulary.py, and the two that callers fill in,
 # which the monitor bounds (slot: max_slot_labels; rank: the world size).
 BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "role", "phase"}
+# A store request's operation (vocabulary.STORE_OPERATIONS) and its HTTP status or error
+# word, each mapped to "other" outside those (vocabulary.store_error_labels).
+BOUNDED_LABELS |= {"operation", "code"}
 CALLER_LABELS = {"slot", "rank"}
 
 

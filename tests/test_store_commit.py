@@ -143,6 +143,7 @@ class TestMonitorOnS3:
         for phase in ("head_check", "manifest_put", "pointer_cas"):
             assert _sample(address, "obsckpt_commit_phase_seconds_count", phase=phase) == 2
         assert _sample(address, "obsckpt_store_upload_bytes_total", slot="model0") > 2 * 7 * MIB
+        assert 0 < _sample(address, "obsckpt_last_store_upload_seconds", slot="model1") < 60
         assert _sample(address, "obsckpt_store_fenced_commits_total") == 0
         coord.close()
         ray.get(monitor.shutdown.remote(final_scrape_wait_s=0))

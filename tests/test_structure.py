@@ -51,7 +51,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("save side", ("save_job", "slot_staging", "coordinator", "resume")),
     ("weight sync", ("sync",)),
     ("integrations", ("integrations",)),
-    ("applications", ("inspection", "inspection_s3", "assets", "demo", "cli", "verl", "trinity", "__main__", "")),
+    (
+        "applications",
+        ("inspection", "inspection_s3", "assets", "demo", "cli", "verl", "trinity", "__main__", ""),
+    ),
 ]
 MAX_MODULE_LINES = 620
 MAX_CLASS_LINES = 400  # besides docstrings

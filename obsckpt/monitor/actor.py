@@ -21,21 +21,20 @@ from prometheus_client import CollectorRegistry
 from obsckpt import commit, layout, reader, rootlock
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.errors import RootLockLostError
-from obsckpt.layout import KINDS
 from obsckpt.monitor.commit_io import CommitRunner, StepWriter
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.monitor.lease_watch import LeaseWatch
 from obsckpt.monitor.lifecycle import (
     DeadNodes,
-    check_iterations_at_start,
     in_actor,
+    read_local_root,
     recover_last_commits,
     start_actor,
     was_restarted,
 )
 from obsckpt.monitor.measurements import MeasurementRPCs
-from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, start_sweep
+from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, read_s3_root
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
 from obsckpt.options import (
@@ -144,25 +143,15 @@ class CheckpointMonitor(MeasurementRPCs):
     def _read_root(self, options: MonitorOptions, restarted: bool) -> dict[str, int | None]:
         """The committed steps, after the start's checks and sweep of the root."""
         if self.store is not None:
-            # The pointer is the truth; taking the root brought the iteration objects up to it.
             self.iteration_repairs = []
-            pointer = self._root_lock.lease.pointer
-            latest = {k: pointer.step(k) for k in KINDS}
-            swept = None if restarted else start_sweep(self.store, set(latest.values()) - {None})
-            self.leftovers_removed = [] if swept is None else swept.removed_objects
-            self.uploads_aborted = [] if swept is None else swept.aborted_uploads
-            return latest
-        # A job's start: iteration files must name whole steps (a restarted monitor's
-        # were written by the one it replaces, in this job).
-        self.iteration_repairs = (
-            [] if restarted else check_iterations_at_start(self.root, options.on_bad_iteration)
-        )
-        latest = {k: reader.read_iteration(self.root, k) for k in KINDS}
-        # A job's start, under the root's lock and before any save is admitted: no
-        # writer can still be using a temp file older than the last commit. (A monitor
-        # Ray restarted mid-job leaves them: the job's saves may be writing.)
-        self.leftovers_removed = [] if restarted else commit.sweep_leftovers(self.root)
-        self.uploads_aborted = []
+            latest, self.leftovers_removed, self.uploads_aborted = read_s3_root(
+                self.store, self._root_lock, restarted
+            )
+        else:
+            latest, self.iteration_repairs, self.leftovers_removed = read_local_root(
+                self.root, options.on_bad_iteration, restarted
+            )
+            self.uploads_aborted = []
         return latest
 
     def _start(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from obsckpt import commit, layout, repair, rootlock
+from obsckpt import commit, layout, reader, repair, rootlock
 from obsckpt.errors import IterationFileError, MonitorCallError
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor_link import strip_colour
@@ -117,6 +117,23 @@ def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | 
             continue
         # How long ago, by the wall clock (a file from the future: just now).
         core.set_last_commit_age(kind, core.clock.time() - when)
+
+
+def read_local_root(
+    root: Path, on_bad_iteration: str, restarted: bool
+) -> tuple[dict[str, int | None], list[str], list[str]]:
+    """A monitor's start on a local ``root`` (under its lock): the committed steps, the
+    iteration files rewound, and obsckpt's leftover temp files removed.
+
+    A job's start checks that the iteration files name whole steps, and removes temp
+    files older than the last commit: before any save is admitted, no writer can still
+    be using one. A monitor Ray restarted within its job does neither: its iteration
+    files were written by the one it replaces, and the job's saves may be writing.
+    """
+    repairs = [] if restarted else check_iterations_at_start(root, on_bad_iteration)
+    latest = {k: reader.read_iteration(root, k) for k in layout.KINDS}
+    removed = [] if restarted else commit.sweep_leftovers(root)
+    return latest, repairs, removed
 
 
 def check_iterations_at_start(root: str | os.PathLike[str], on_bad: str) -> list[str]:

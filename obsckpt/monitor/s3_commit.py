@@ -17,17 +17,13 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 
-from obsckpt.errors import FencedError, StoreError
-from obsckpt.layout import FileRecord, manifest_bytes
+from obsckpt.errors import FencedError, StoreCheckError
+from obsckpt.layout import KINDS, FileRecord, manifest_bytes
 from obsckpt.store.pointer import PHASE_HEAD_CHECK, Lease
 from obsckpt.store.probe import probe_conditional_writes
-from obsckpt.store.s3root import S3Root, SweepReport
+from obsckpt.store.s3root import S3Root
 
-__all__ = ["S3Ownership", "S3StepWriter", "StoreCheckError"]
-
-
-class StoreCheckError(StoreError):
-    """Objects a rank reported are missing or differ at commit time; the step is not committed."""
+__all__ = ["S3Ownership", "S3StepWriter", "read_s3_root"]
 
 
 class S3Ownership:
@@ -164,7 +160,15 @@ class S3StepWriter:
         )
 
 
-def start_sweep(store: S3Root, committed: set[int]) -> SweepReport:
-    """A monitor's start on ``store`` (before any save is admitted): abort obsckpt's dangling
-    uploads and remove the objects of steps that never committed."""
-    return store.sweep(committed)
+def read_s3_root(
+    store: S3Root, ownership: S3Ownership, restarted: bool
+) -> tuple[dict[str, int | None], list[str], list[str]]:
+    """A monitor's start on ``store``: the committed steps (the pointer's: taking the root
+    brought the iteration objects up to it), and, unless Ray restarted the monitor within
+    its job (whose saves may be uploading), the start's sweep before any save is admitted:
+    the objects of steps that never committed removed, obsckpt's dangling uploads aborted."""
+    latest = {k: ownership.lease.pointer.step(k) for k in KINDS}
+    if restarted:
+        return latest, [], []
+    swept = store.sweep({s for s in latest.values() if s is not None})
+    return latest, swept.removed_objects, swept.aborted_uploads

@@ -30,6 +30,7 @@ from obsckpt.telemetry.server import (
 from obsckpt.telemetry.vocabulary import (
     OVERFLOW_SLOT,
     RESULTS,
+    store_error_labels,
     validate_bytes,
     validate_role,
     validate_seconds,
@@ -399,7 +400,7 @@ class MonitorTelemetry(MonitorObserver):
 
     def store_request_failed(self, err: StoreError) -> None:
         """A request to the root's endpoint failed (from the request's thread)."""
-        self.metrics.store_request_errors.labels(err.operation.split()[0], err.code).inc()
+        self.metrics.store_request_errors.labels(*store_error_labels(err.operation, err.code)).inc()
 
     def store_cas_conflict(self) -> None:
         """A conditional write of a commit lost a race (412) or met a 409, and was settled."""

@@ -200,8 +200,10 @@ def local_root(value: str | os.PathLike[str], what: str = "default_local_dir") -
         ) from None
     if root.is_remote:
         raise UnsupportedStoreError(
-            f"{what}={os.fspath(value)!r}: committing to S3 directly is not supported yet "
-            f"(S3 mounts lack the atomic rename a commit needs); {_LOCAL_ONLY}"
+            f"{what}={os.fspath(value)!r}: {what} takes a local directory, as what writes "
+            "there writes files itself; s3:// roots are taken by the monitor "
+            "(CheckpointMonitor.get_actor) with saves through save_state_dict_async, and by "
+            f"obsckpt status/verify. Here: {_LOCAL_ONLY}"
         )
     return os.path.abspath(root.path)
 

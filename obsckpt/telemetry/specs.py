@@ -387,7 +387,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "store_upload_seconds",
     ),
     MetricSpec(
-        "obsckpt_store_last_upload_seconds",
+        "obsckpt_last_store_upload_seconds",
         "gauge",
         ("slot",),
         "obsckpt_store_upload_seconds's last observation.",

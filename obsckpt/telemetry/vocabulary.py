@@ -30,6 +30,25 @@ FAILURE_REASONS = ("timeout", "error")
 TRAINER, ROLLOUT = "trainer", "rollout"
 ROLES = (TRAINER, ROLLOUT)
 
+# Requests to an object store, as obsckpt.store.s3 names them (the ``operation`` label);
+# a request error's ``code`` is its HTTP status, or one of STORE_ERROR_WORDS when no
+# status came. Anything else is recorded as "other".
+STORE_OPERATIONS = (
+    "put", "put_create_only", "put_if_match", "get", "head", "list", "delete",
+    "create_multipart", "upload_part", "complete_multipart", "abort_multipart",
+    "list_multipart",
+)  # fmt: skip
+STORE_ERROR_WORDS = ("timeout", "connection", "credentials", "client")
+
+
+def store_error_labels(operation: str, code: str) -> tuple[str, str]:
+    """The (operation, code) labels of a failed store request, each from a bounded set."""
+    op = operation.split(" ", 1)[0]
+    op = op if op in STORE_OPERATIONS else "other"
+    ok_code = (code.isdigit() and len(code) == 3) or code in STORE_ERROR_WORDS
+    return op, code if ok_code else "other"
+
+
 # Distinct slot label values a monitor keeps by default; later new slots share OVERFLOW_SLOT.
 DEFAULT_MAX_SLOT_LABELS = 32
 # Not a valid slot name (those start with a letter or digit), so it never collides with one.
