@@ -603,8 +603,7 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 "Bps",
                 [
                     (
-                        "sum by (slot) "
-                        f"(rate({m('obsckpt_store_upload_bytes_total')}[{WINDOW}]))",
+                        f"sum by (slot) (rate({m('obsckpt_store_upload_bytes_total')}[{WINDOW}]))",
                         "{{slot}}",
                     )
                 ],
