@@ -82,7 +82,7 @@ def status(store: S3Root) -> dict[str, Any]:
                 f"{latest[kind]}; the next monitor to take the root brings it up"
             )
     steps = []
-    committed = {s for s in latest.values() if s is not None}
+    newest = max((s for s in latest.values() if s is not None), default=None)
     for step in store.steps():
         try:
             records = store.manifest(step)
@@ -91,11 +91,12 @@ def status(store: S3Root) -> dict[str, Any]:
             records = None
         if records is None:
             state = "not whole (no manifest)"
+        elif newest is None or step > newest:
+            state = "not whole (its commit did not move the pointer)"
         else:
             found = store.check_reported(step, {r.path: r for r in records})
             state = "damaged" if found else "committed"
-            if found and step in committed:
-                problems += [f"step {step}: {p}" for p in found]
+            problems += [f"step {step}: {p}" for p in found]
         steps.append({"step": step, "state": state, "files": len(records or [])})
     return {
         "root": store.url,

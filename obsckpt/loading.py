@@ -402,8 +402,39 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> Any:
-    """Load one file of a committed step: checked against its manifest, weights only."""
+    """Load one file of a committed step: checked against its manifest, weights only.
+
+    ``path`` may be an object of an ``s3://`` root (see :func:`load_object`).
+    """
+    if isinstance(path, str) and path.startswith("s3://"):
+        return load_object(path, map_location)
     return CommittedStep.of(path).torch_load(path, map_location=map_location)
+
+
+def load_object(url: str, map_location: Any = None) -> Any:
+    """Load one file of a committed step of an ``s3://`` root, weights only.
+
+    Its bytes are read with ranged, parallel GETs straight into one buffer and
+    checked against the step's manifest (size, the object's ETag, CRC32) before
+    anything is deserialised; tensors on the CPU are views into that buffer.
+
+    Raises:
+        UnverifiedCheckpointError: the step is not committed (no manifest, or its
+            commit never moved the root's pointer), the manifest does not list the
+            file, or its bytes differ from what it records.
+        StoreError: the object could not be read.
+    """
+    from obsckpt.store.s3root import shared_s3_root, split_step_url
+
+    try:
+        root, step, path = split_step_url(url)
+        data = shared_s3_root(root).read_verified(step, path)
+    except ValueError as exc:
+        raise UnverifiedCheckpointError(f"{url} cannot be loaded: {exc}") from None
+    if not data:
+        raise UnverifiedCheckpointError(f"{url} cannot be loaded: it is empty")
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    return _safely(url, lambda: checked_read.torch_load_buffer(storage, map_location))
 
 
 _ORIGINAL_LOAD = torch.load

@@ -337,3 +337,55 @@ class TestCommandLine:
     def test_unreachable_or_empty_root_is_one_line(self, root_url: str) -> None:
         code, _, err = self._run("status", root_url)
         assert code == 2 and "not a checkpoint root" in err and err.count("\n") == 1
+
+
+class TestResume:
+    """Readers load committed objects only, verified; an unfinished commit is abandoned."""
+
+    def test_load_verifies_and_refuses_uncommitted(self, root_url: str, store: S3Root) -> None:
+        from obsckpt.errors import UnverifiedCheckpointError
+        from obsckpt.layout import manifest_bytes
+        from obsckpt.loading import load
+
+        async def scenario() -> None:
+            monitor = _monitor(root_url)
+            await monitor.register_thread_count(1, checkpoint_thread_count=1)
+            await _commit(monitor, 1, _report(store, 1, "actor/model.pt", 6 * MIB))
+
+        asyncio.run(scenario())
+        loaded = load(f"{root_url}/global_step_1/actor/model.pt")
+        assert torch.equal(loaded["w"], _state(1, 6 * MIB)["w"])
+        # The monitor stopped between step 2's manifest and its pointer swap.
+        rec = _report(store, 2, "actor/model.pt", MIB)
+        store.client.put_create_only(store.step_key(2, "manifest.json"), manifest_bytes([rec]))
+        with pytest.raises(UnverifiedCheckpointError, match="did not finish"):
+            load(f"{root_url}/global_step_2/actor/model.pt")
+        assert "did not finish" in store.verify_step(2)[0]
+        # A corrupted object is refused before deserialising.
+        key = store.step_key(1, "actor/model.pt")
+        data = bytearray(store.client.get(key))
+        data[len(data) // 2] ^= 0x01
+        store.client.put(key, bytes(data))
+        with pytest.raises(Exception, match="precondition|corrupted"):
+            load(f"{root_url}/global_step_1/actor/model.pt")
+
+    def test_next_monitor_abandons_an_unfinished_commit(self, root_url: str, store: S3Root) -> None:
+        from obsckpt.layout import manifest_bytes
+
+        async def scenario() -> None:
+            monitor = _monitor(root_url)
+            await monitor.register_thread_count(1, checkpoint_thread_count=1)
+            await _commit(monitor, 1, _report(store, 1, "model.pt", MIB))
+            rec = _report(store, 2, "model.pt", MIB)
+            store.client.put_create_only(store.step_key(2, "manifest.json"), manifest_bytes([rec]))
+            # The next job's monitor: step 2 was never committed; it is removed, and the
+            # job, resumed from step 1, commits its own step 2.
+            again = _monitor(root_url)
+            assert store.manifest(2) is None and not store.has_objects(2)
+            assert store.read_pointer().checkpoint_step == 1
+            await again.register_thread_count(2, checkpoint_thread_count=1)
+            await _commit(again, 2, _report(store, 2, "model.pt", 2 * MIB))
+            assert store.read_pointer().checkpoint_step == 2
+            assert store.verify_step(2) == []
+
+        asyncio.run(scenario())

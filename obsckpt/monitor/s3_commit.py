@@ -170,5 +170,5 @@ def read_s3_root(
     latest = {k: ownership.lease.pointer.step(k) for k in KINDS}
     if restarted:
         return latest, [], []
-    swept = store.sweep({s for s in latest.values() if s is not None})
+    swept = store.sweep(max((s for s in latest.values() if s is not None), default=None))
     return latest, swept.removed_objects, swept.aborted_uploads

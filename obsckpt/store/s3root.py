@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -41,7 +40,14 @@ from obsckpt.store.stream import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectW
 from obsckpt.store.transfer import run_parallel
 from obsckpt.store.uri import Root, parse_root
 
-__all__ = ["S3Root", "SweepReport", "locate_in_root", "open_s3_root", "shared_s3_root"]
+__all__ = [
+    "S3Root",
+    "SweepReport",
+    "locate_in_root",
+    "open_s3_root",
+    "shared_s3_root",
+    "split_step_url",
+]
 
 # Reads of a verified file: ranges of this many bytes, this many at once.
 READ_PART_SIZE = 16 * 1024 * 1024
@@ -180,6 +186,39 @@ class S3Root:
         except (ValueError, UnicodeDecodeError) as err:
             raise ValueError(f"{self.url_of(key)}: not an obsckpt manifest: {err}") from None
 
+    def newest_committed(self) -> int | None:
+        """The newest step the pointer names, of either kind (None before any commit)."""
+        pointer = self.pointer.read()
+        steps = (
+            []
+            if pointer is None
+            else [s for s in (pointer.checkpoint_step, pointer.state_dict_step) if s is not None]
+        )
+        return max(steps, default=None)
+
+    def committed_records(self, step: int) -> list[FileRecord]:
+        """Committed step ``step``'s manifest records.
+
+        A step is committed when its manifest exists and the pointer has reached it: a
+        manifest above the pointer's steps was written by a commit that never moved the
+        pointer (its monitor stopped between the two), and is not vouched for.
+
+        Raises:
+            ValueError: the step is not committed (named, with why).
+        """
+        records = self.manifest(step)
+        where = self.url_of(self.step_key(step))
+        if records is None:
+            raise ValueError(f"{where}: step {step} has no manifest in {self.url}; not committed")
+        newest = self.newest_committed()
+        if newest is None or step > newest:
+            raise ValueError(
+                f"{where}: step {step} has a manifest but the root's pointer names "
+                f"{'no step' if newest is None else f'step {newest}'}; its commit did not "
+                "finish, so it is not committed"
+            )
+        return records
+
     def steps(self) -> list[int]:
         """The steps with any object under the root, in order."""
         found = set()
@@ -193,11 +232,9 @@ class S3Root:
         """What is wrong with committed step ``step``: no manifest, a file missing, of another
         size, or (``deep``) whose CRC32 differs from the manifest's. Empty when whole."""
         try:
-            records = self.manifest(step)
+            records = self.committed_records(step)
         except ValueError as err:
             return [str(err)]
-        if records is None:
-            return [f"{self.url_of(self.step_key(step))}: no manifest (not committed)"]
         problems = self.check_reported(step, {r.path: r for r in records})
         if problems or not deep:
             return problems
@@ -224,14 +261,13 @@ class S3Root:
         checked against the manifest (size, ETag, CRC32) before it is returned.
 
         Raises:
-            ValueError: the step has no manifest, the manifest does not list ``path``,
-                or the bytes are not what it records (named, with both values).
+            ValueError: the step is not committed (:meth:`committed_records`), its
+                manifest does not list ``path``, or the bytes are not what it records
+                (named, with both values).
             StoreError: the object could not be read.
         """
-        records = records if records is not None else self.manifest(step)
+        records = records if records is not None else self.committed_records(step)
         where = self.url_of(self.step_key(step, path))
-        if records is None:
-            raise ValueError(f"{where}: step {step} has no manifest in {self.url}; not committed")
         rec = next((r for r in records if r.path == path), None)
         if rec is None:
             raise ValueError(f"{where}: not listed in the manifest of step {step}")
@@ -247,35 +283,28 @@ class S3Root:
 
     # --- tidying -------------------------------------------------------------------
 
-    def sweep(self, committed_steps: set[int], older_than_s: float = 0.0) -> SweepReport:
-        """Abort obsckpt's dangling multipart uploads under the root and remove the objects of
-        steps that are not committed and not in ``committed_steps`` (orphans of saves that
-        never committed), when ``older_than_s`` seconds old. Only keys obsckpt writes (under
-        ``global_step_<N>/`` and its probe directory) are touched. Run it at a monitor's
-        start, before any save is admitted."""
+    def sweep(self, newest: int | None) -> SweepReport:
+        """Abort obsckpt's dangling multipart uploads under the root and remove the objects
+        of steps that never committed: any step above ``newest`` (the pointer's newest
+        step; a manifest there is an unfinished commit's), and any step at or below it
+        without a manifest. Only keys obsckpt writes (``global_step_<N>/`` and its probe
+        directory) are touched. Run it at a monitor's start, before any save is admitted."""
         base = self.key() + "/" if self.key() else ""
         aborted = []
         for upload in self.client.list_multipart_uploads(base):
             if self._ours(upload.key, base):
                 self.client.abort_multipart(upload.key, upload.upload_id)
                 aborted.append(self.url_of(upload.key))
-        removed = []
-        newest = time.time() - older_than_s
+        orphans = []
         for step in self.steps():
-            if step in committed_steps:
-                continue
-            try:
-                if self.manifest(step) is not None:
-                    continue  # committed once (the pointer moved on): retention's to remove
-            except ValueError:
-                continue  # not ours to judge
-            stale = [
-                o.key
-                for o in self.client.list(self.step_key(step) + "/")
-                if o.modified is None or o.modified <= newest
-            ]
-            self.client.delete(stale)
-            removed += [self.url_of(k) for k in stale]
+            if newest is not None and step <= newest:
+                try:
+                    if self.manifest(step) is not None:
+                        continue  # committed: retention's to remove, not the sweep's
+                except ValueError:
+                    continue  # a manifest obsckpt did not write: not ours to judge
+            orphans.append(step)
+        removed = self.remove_steps(orphans)
         probes = [o.key for o in self.client.list(self.key(PROBE_DIR) + "/")]
         self.client.delete(probes)
         return SweepReport(aborted_uploads=aborted, removed_objects=removed)
@@ -286,10 +315,12 @@ class S3Root:
         removed = []
         for step in steps:
             manifest = self.step_key(step, MANIFEST_NAME)
-            self.client.delete([manifest])
+            if self.client.head(manifest) is not None:
+                self.client.delete([manifest])
+                removed.append(self.url_of(manifest))
             keys = [o.key for o in self.client.list(self.step_key(step) + "/")]
             self.client.delete(keys)
-            removed += [self.url_of(manifest), *map(self.url_of, keys)]
+            removed += map(self.url_of, keys)
         return removed
 
     def _ours(self, key: str, base: str) -> bool:
@@ -313,6 +344,23 @@ def locate_in_root(root: Root, url: str) -> tuple[int, str] | None:
     if step is None or not path:
         return None
     return step, path
+
+
+def split_step_url(url: str) -> tuple[str, int, str]:
+    """(root URL, step, path in the step) of the object URL of a file in a step:
+    ``s3://b/run/global_step_3/actor/m.pt`` is ``("s3://b/run", 3, "actor/m.pt")``.
+
+    Raises:
+        ValueError: ``url`` names no file inside a ``global_step_<N>`` prefix.
+    """
+    target = parse_root(url, what="path")
+    parts = target.prefix.split("/") if target.is_remote else []
+    for i, part in enumerate(parts[:-1]):
+        step = step_of_dir_name(part)
+        if step is not None:
+            root = Root(scheme=target.scheme, bucket=target.bucket, prefix="/".join(parts[:i]))
+            return str(root), step, "/".join(parts[i + 1 :])
+    raise ValueError(f"{url!r} names no file in a global_step_<N> prefix of an s3:// root")
 
 
 @functools.lru_cache(maxsize=8)
