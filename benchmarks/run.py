@@ -39,6 +39,7 @@ BENCHMARKS = (
     "telemetry",
     "commit_lag",
     "broadcast",
+    "s3",
     "gpu",
     "ipc",
 )
@@ -278,6 +279,10 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
         from benchmarks.save import run_save_benchmarks
 
         return _with_monitor(name, bench_dir, run_id, ray, run_save_benchmarks, sizes)
+    if name == "s3":
+        from benchmarks.s3 import run_s3
+
+        return run_s3(sizes, bench_dir, _log)
     if name == "load":
         from benchmarks.load import run_verified_load
 

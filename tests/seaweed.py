@@ -99,6 +99,10 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+class ServerStartError(RuntimeError):
+    """The server did not start (its log's tail is in the message)."""
+
+
 @dataclass
 class SeaweedServer:
     """One ``weed server`` with an S3 gateway; :meth:`stop` and :meth:`start` restart it in place."""
@@ -108,6 +112,10 @@ class SeaweedServer:
     ports: dict[str, int] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
+    # Volumes of 64 MB, 8 at most: enough for the tests, small on disk. A benchmark
+    # moving GiBs asks for more (volume_max 0: as many as the disk's free space allows).
+    volume_size_limit_mb: int = 64
+    volume_max: int = 8
 
     @property
     def endpoint(self) -> str:
@@ -138,10 +146,10 @@ class SeaweedServer:
             f"-master.port.grpc={p['master_grpc']}",
             "-master.telemetry=false",
             "-master.resumeState=false",
-            "-master.volumeSizeLimitMB=64",
+            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
             f"-volume.port={p['volume']}",
             f"-volume.port.grpc={p['volume_grpc']}",
-            "-volume.max=8",
+            f"-volume.max={self.volume_max}",
             "-volume.preStopSeconds=0",
             "-filer",
             f"-filer.port={p['filer']}",
@@ -202,7 +210,7 @@ class SeaweedServer:
         assert self.process is not None
         while time.monotonic() - begin < START_TIMEOUT_S:
             if self.process.poll() is not None:
-                pytest.fail(
+                raise ServerStartError(
                     f"weed server exited with {self.process.returncode} while starting; "
                     f"its log ends:\n{self._log_tail()}"
                 )
@@ -215,7 +223,7 @@ class SeaweedServer:
                 last = f"{type(err).__name__}: {err}"
             time.sleep(0.1)
         self.stop()
-        pytest.fail(
+        raise ServerStartError(
             f"weed server's S3 gateway at {self.endpoint} did not take a bucket within "
             f"{START_TIMEOUT_S:g} s (last: {last}); its log ends:\n{self._log_tail()}"
         )
@@ -279,7 +287,10 @@ def seaweed_server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     except ModuleNotFoundError:
         pytest.fail("boto3 is not installed; the S3 tests need it: pip install 'obsckpt[s3]'")
     server = SeaweedServer(binary=binary, workdir=tmp_path_factory.mktemp("seaweed"))
-    server.start()
+    try:
+        server.start()
+    except ServerStartError as err:
+        pytest.fail(str(err))
     try:
         yield server
     finally:

@@ -41,6 +41,33 @@ DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
 
 
+class _BufferPool:
+    """Part buffers kept between objects: a save writes the same sizes every step, and a
+    fresh 16 MiB buffer costs its page faults again. Holds at most ``keep`` per size."""
+
+    def __init__(self, keep: int = 2 * (DEFAULT_CONCURRENCY + 1)) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._free: dict[int, list[bytearray]] = {}
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            found = self._free.get(size)
+            if found:
+                return found.pop()
+        return bytearray(size)
+
+    def give(self, buffers: list[bytearray]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                kept = self._free.setdefault(len(buffer), [])
+                if len(kept) < self._keep:
+                    kept.append(buffer)
+
+
+_POOL = _BufferPool()
+
+
 class PartClient(Protocol):
     """What :class:`ObjectWriter` needs of a client (:class:`~obsckpt.store.s3.S3Client`)."""
 
@@ -184,7 +211,7 @@ class ObjectWriter:
     def _take_buffer(self) -> bytearray:
         with self._freed:
             if not self._free and len(self._buffers) < self._concurrency + 1:
-                buffer = bytearray(self._part_size)
+                buffer = _POOL.take(self._part_size)
                 self._buffers.append(buffer)
                 return buffer
             while not self._free:
@@ -236,6 +263,7 @@ class ObjectWriter:
         self._done = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        _POOL.give(self._buffers)
         self._buffers.clear()
         self._free.clear()
         self._buffer = None

