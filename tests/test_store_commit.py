@@ -389,3 +389,76 @@ class TestResume:
             assert store.verify_step(2) == []
 
         asyncio.run(scenario())
+
+
+class TestServerStops:
+    """The store goes away during a save and comes back: that step fails in one line naming
+    the endpoint, nothing committed is touched, and the next step commits.
+
+    Last in the module: it stops and restarts the session's server.
+    """
+
+    def test_save_fails_then_next_step_commits(
+        self, ray_cluster, namespace, root_url, seaweed_server: SeaweedServer, monkeypatch
+    ) -> None:
+        from obsckpt.errors import SaveError
+        from obsckpt.store import stream
+
+        # A part is sent again for this long while the endpoint does not answer.
+        monkeypatch.setattr(stream, "UNAVAILABLE_RETRY_S", 2.0)
+        ray = ray_cluster
+        monitor = CheckpointMonitor.get_actor(namespace=namespace, default_local_dir=root_url)
+        coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=120)
+
+        def save(step: int) -> None:
+            ray.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
+            coord.save_state_dict_async(
+                "model", _state(step, 6 * MIB), f"{root_url}/global_step_{step}/m.pt", step
+            )
+
+        save(1)
+        coord.wait_all(60)
+        ray.get(monitor.monitor_step.remote(1))
+        try:
+            seaweed_server.stop()
+            save(2)
+            with pytest.raises(SaveError) as info:
+                coord.wait_all(120)
+            message = str(info.value)
+            assert seaweed_server.endpoint in message and "\n" not in message, message
+            assert "global_step_2/m.pt" in message
+        finally:
+            if seaweed_server.process is None:
+                seaweed_server.start()
+        ray.get(monitor.monitor_step.remote(2))
+        save(3)
+        coord.wait_all(60)
+        ray.get(monitor.monitor_step.remote(3))
+        status = ray.get(monitor.status.remote())
+        assert status["latest"]["checkpoint"] == 3, status
+        assert 2 in [f["step"] for f in status["failed"]], status["failed"]
+        store = open_s3_root(root_url)
+        assert store.verify_step(1) == [] and store.verify_step(3) == []
+        coord.close()
+        ray.kill(monitor)
+
+    def test_upload_survives_a_server_restart(
+        self, root_url: str, store: S3Root, seaweed_server: SeaweedServer
+    ) -> None:
+        """Parts sent before a restart and after it make one object (the upload id is the
+        server's, kept across its restart); the CRC32 covers all of it."""
+        import zlib
+
+        data = torch.randint(0, 256, (17 * MIB,), dtype=torch.uint8).numpy().tobytes()
+        writer = store.writer(1, "restarted.bin")
+        writer.write(data[: 11 * MIB])  # two parts sent (5 MiB each), one filling
+        try:
+            seaweed_server.stop()
+            seaweed_server.start()
+        finally:
+            if seaweed_server.process is None:
+                seaweed_server.start()
+        writer.write(data[11 * MIB :])
+        done = writer.finish()
+        assert (done.size, done.crc32) == (len(data), zlib.crc32(data))
+        assert store.client.get(store.step_key(1, "restarted.bin")) == data

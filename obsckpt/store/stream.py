@@ -6,7 +6,8 @@ one of a few part buffers; a full part is handed to an upload thread (its CRC32
 computed there, in parallel with the next part filling) and the writer moves
 on to a free buffer. So a rank's file goes straight to the store: no copy of it
 on local disk, and no more memory than ``concurrency + 1`` parts. An object
-smaller than one part is sent in one PUT. :meth:`ObjectWriter.finish` returns
+smaller than one part is sent in one PUT. A part the endpoint does not answer
+(a restart) is sent again for up to :data:`UNAVAILABLE_RETRY_S`. :meth:`ObjectWriter.finish` returns
 the object's size, CRC32 and ETag, which the rank's report carries to the
 monitor; a failure (or :meth:`ObjectWriter.abort`) aborts the multipart upload,
 so no part outlives it.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from obsckpt.reader import crc32
-from obsckpt.store.errors import StoreError
+from obsckpt.store.errors import StoreError, StoreUnavailableError
 
 try:  # zlib-ng's C version (a dependency)
     from zlib_ng.zlib_ng import crc32_combine
@@ -39,6 +40,11 @@ __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "ObjectWriter", "Uploaded
 # 144 MiB of buffers at most per file being written.
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
+# How long a part keeps being sent again while the endpoint does not answer (a
+# restart, a failover): a part is idempotent, its number replaced by the next try.
+# Past it the save fails, naming the endpoint.
+UNAVAILABLE_RETRY_S = 60.0
+_RETRY_PAUSE_S = (0.5, 5.0)  # the first pause, and the longest
 
 
 class _BufferPool:
@@ -242,8 +248,17 @@ class ObjectWriter:
             view = memoryview(buffer)[:length]
             part_crc = crc32(view)
             assert self._upload_id is not None
-            etag = self._client.upload_part(self.key, self._upload_id, number, view)
-            return etag, part_crc, length
+            deadline = time.monotonic() + UNAVAILABLE_RETRY_S
+            pause = _RETRY_PAUSE_S[0]
+            while True:
+                try:
+                    etag = self._client.upload_part(self.key, self._upload_id, number, view)
+                    return etag, part_crc, length
+                except StoreUnavailableError:
+                    if time.monotonic() + pause > deadline or self._done:
+                        raise
+                time.sleep(pause)
+                pause = min(2 * pause, _RETRY_PAUSE_S[1])
         finally:
             with self._freed:
                 self._free.append(buffer)
