@@ -26,10 +26,18 @@ from obsckpt.layout import (
     FileRecord,
     is_own_temp_name,
     manifest_bytes,
+    step_dir,
     step_of_dir_name,
     temp_name,
 )
-from obsckpt.reader import read_iteration, read_manifest, record_file, unlisted, walk_files
+from obsckpt.reader import (
+    read_iteration,
+    read_manifest,
+    record_file,
+    steps_on_disk,
+    unlisted,
+    walk_files,
+)
 from obsckpt.validators import validate_step
 
 # How long one round of fsyncs may take before FsyncTimeoutError: generous, since a
@@ -487,4 +495,37 @@ def remove_strays(sdir: str | os.PathLike) -> list[str]:
             removed.append(rel)
     if removed:
         fsync_many([(d, True) for d in sorted({os.path.dirname(sdir / r) for r in removed})])
+    return removed
+
+
+def steps_beyond(committed: list[int], keep: int, protected: set[int]) -> list[int]:
+    """Which of the ``committed`` steps retention removes: those older than the newest
+    ``keep`` of them, less the ``protected`` ones (steps an iteration file or pointer names)."""
+    ordered = sorted(set(committed))
+    return [s for s in ordered[: max(0, len(ordered) - keep)] if s not in protected]
+
+
+def remove_old_steps(root: str | os.PathLike, keep: int, protected: set[int]) -> list[str]:
+    """Remove the committed step directories of ``root`` beyond the newest ``keep`` (see
+    :func:`steps_beyond`); the removed directories. Each step's manifest goes first (and
+    the step directory is fsynced), so a step cut short by a crash reads as not whole,
+    never as committed with files missing. Only steps with a manifest count: a step
+    being written, or one that never committed, is left alone."""
+    root = Path(root)
+    committed = [s for s in steps_on_disk(root) if (step_dir(root, s) / MANIFEST_NAME).is_file()]
+    newest = max(protected, default=None)
+    removed = []
+    for step in steps_beyond(committed, keep, protected):
+        if newest is not None and step > newest:
+            continue
+        sdir = step_dir(root, step)
+        try:
+            os.unlink(sdir / MANIFEST_NAME)
+        except FileNotFoundError:
+            pass
+        fsync_dir(sdir)
+        shutil.rmtree(sdir)
+        removed.append(str(sdir))
+    if removed:
+        fsync_dir(root)
     return removed

@@ -156,6 +156,10 @@ class MonitorOptions:
             the monitor); obsckpt's checkpoint managers then leave submitting to it.
             False: a manager submits the steps it saves itself (used alone; see
             :mod:`obsckpt.integrations.alone`).
+        keep_steps: after each commit, remove the committed steps older than the
+            newest ``keep_steps`` committed ones (their manifest first, then their
+            files or objects); a step an iteration file or the pointer names is never
+            removed, nor one newer than the last commit. None: remove nothing.
     """
 
     default_local_dir: str
@@ -170,6 +174,7 @@ class MonitorOptions:
     max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS
     on_bad_iteration: str = "refuse"
     trainer_submits: bool = False
+    keep_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_bad_iteration not in ON_BAD_ITERATION:
@@ -184,6 +189,12 @@ class MonitorOptions:
         if self.file_sd_path is not None:
             object.__setattr__(self, "file_sd_path", os.fspath(self.file_sd_path) or None)
         validate_max_slot_labels(self.max_slot_labels)
+        keep = self.keep_steps
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(
+                f"keep_steps must be a positive number of committed steps to keep, or None "
+                f"to remove none, got {keep!r}"
+            )
         lease = self.lease_timeout_s
         if lease is not None and not validators.positive_seconds(lease):
             raise ValueError(f"lease_timeout_s must be positive seconds or None, got {lease!r}")

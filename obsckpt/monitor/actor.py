@@ -177,9 +177,11 @@ class CheckpointMonitor(MeasurementRPCs):
         # Commits what is ready, one at a time, each proving first that this monitor
         # still owns the root (the lock's fence).
         writer: Any = (
-            StepWriter(self.root, self._root_lock.fenced)
+            StepWriter(self.root, self._root_lock.fenced, keep_steps=options.keep_steps)
             if self.store is None
-            else S3StepWriter(self.store, self._root_lock, self.telemetry.store_commit_fenced)
+            else S3StepWriter(
+                self.store, self._root_lock, self.telemetry.store_commit_fenced, options.keep_steps
+            )
         )
         self._committer = CommitRunner(self.core, writer, phases=self.telemetry, clock=self.clock)
         self.telemetry.attach_fence(lambda: self._root_lock.lost)
@@ -254,6 +256,7 @@ class CheckpointMonitor(MeasurementRPCs):
         max_slot_labels: int = DEFAULT_MAX_SLOT_LABELS,
         on_bad_iteration: str = "refuse",
         trainer_submits: bool = False,
+        keep_steps: int | None = None,
     ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -299,6 +302,7 @@ class CheckpointMonitor(MeasurementRPCs):
             max_slot_labels=max_slot_labels,
             on_bad_iteration=on_bad_iteration,
             trainer_submits=trainer_submits,
+            keep_steps=keep_steps,
         )
         return start_actor(cls, options, max_restarts=max_restarts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from obsckpt.layout import FileRecord
 from obsckpt.monitor.core import CommitJob, MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.telemetry import attributes, tracing
+
+logger = logging.getLogger("obsckpt.monitor")
 
 
 def storage_hint(exc: OSError, root: str | os.PathLike[str]) -> str:
@@ -121,6 +124,8 @@ class StepWriter:
             before a commit writes anything and held around each of its renames.
         fsync_timeout_s: the longest wait for each round of a commit's fsyncs
             (default :data:`obsckpt.commit.FSYNC_TIMEOUT_S`).
+        keep_steps: after each commit, remove committed steps beyond the newest
+            ``keep_steps`` (:func:`obsckpt.commit.remove_old_steps`); None: none.
     """
 
     def __init__(
@@ -129,8 +134,10 @@ class StepWriter:
         fence: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         *,
         fsync_timeout_s: float | None = None,
+        keep_steps: int | None = None,
     ) -> None:
         self.root = root
+        self.keep_steps = keep_steps
         self.fence = fence if fence is not None else contextlib.nullcontext
         self.fsync_timeout_s = fsync_timeout_s
         # Whether this process sees the step directories the workers write: then a
@@ -184,6 +191,30 @@ class StepWriter:
             fence=self.fence,
             fsync_timeout_s=self.fsync_timeout_s,
         )
+        if self.keep_steps is not None:
+            named = {reader.read_iteration(self.root, k) for k in layout.KINDS}
+            retain(
+                lambda: commit.remove_old_steps(
+                    self.root, self.keep_steps, {s for s in named if s is not None}
+                ),
+                self.root,
+            )
+
+
+def retain(remove: Callable[[], list[str]], root: object) -> list[str]:
+    """Run retention after a commit; its failure is logged, never the commit's."""
+    try:
+        removed = remove()
+    except Exception as exc:  # noqa: BLE001 - the commit stands; the next one tries again
+        logger.warning(
+            "obsckpt monitor: retention in %s failed (next commit retries): %s", root, exc
+        )
+        return []
+    if removed:
+        logger.info(
+            "obsckpt monitor: retention removed %d old step(s): %s", len(removed), removed[:10]
+        )
+    return removed
 
 
 class CommitRunner:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 from obsckpt.errors import FencedError, StoreCheckError
 from obsckpt.layout import KINDS, FileRecord, manifest_bytes
+from obsckpt.monitor.commit_io import retain
 from obsckpt.store.pointer import PHASE_HEAD_CHECK, Lease
 from obsckpt.store.probe import probe_conditional_writes
 from obsckpt.store.s3root import S3Root
@@ -102,11 +103,13 @@ class S3StepWriter:
         store: S3Root,
         ownership: S3Ownership,
         on_fenced: Callable[[], None] | None = None,
+        keep_steps: int | None = None,
     ) -> None:
         self.store = store
         self.ownership = ownership
         self.root = store.url
         self._on_fenced = on_fenced
+        self.keep_steps = keep_steps
 
     def has_step_dir(self, step: int) -> bool:
         return self.store.has_objects(step)
@@ -155,9 +158,13 @@ class S3StepWriter:
                 status="mismatch",
             )
         records = [files[path] for path in sorted(files)]
-        self.store.pointer.commit(
+        pointer = self.store.pointer.commit(
             self.ownership.lease, kind, step, manifest_bytes(records), on_phase=begin
         )
+        if self.keep_steps is not None:
+            keep = self.keep_steps
+            named = {s for s in (pointer.checkpoint_step, pointer.state_dict_step) if s is not None}
+            retain(lambda: self.store.retain(keep, named), self.root)
 
 
 def read_s3_root(

@@ -220,11 +220,15 @@ class S3Root:
         return records
 
     def steps(self) -> list[int]:
-        """The steps with any object under the root, in order."""
+        """The steps with any object under the root, in order.
+
+        A prefix with no object left is not a step: some servers (SeaweedFS) keep
+        listing a "directory" whose objects were all deleted.
+        """
         found = set()
         for prefix in self.client.list_prefixes(self.key() + "/" if self.key() else ""):
             step = step_of_dir_name(prefix.rstrip("/").rsplit("/", 1)[-1])
-            if step is not None:
+            if step is not None and self.has_objects(step):
                 found.add(step)
         return sorted(found)
 
@@ -308,6 +312,23 @@ class S3Root:
         probes = [o.key for o in self.client.list(self.key(PROBE_DIR) + "/")]
         self.client.delete(probes)
         return SweepReport(aborted_uploads=aborted, removed_objects=removed)
+
+    def retain(self, keep: int, protected: set[int]) -> list[str]:
+        """Remove the committed steps beyond the newest ``keep`` (never a ``protected`` one,
+        nor one above the newest of them); the objects removed."""
+        from obsckpt.commit import steps_beyond
+
+        newest = max(protected, default=None)
+        committed = []
+        for step in self.steps():
+            if newest is None or step > newest:
+                continue
+            try:
+                if self.manifest(step) is not None:
+                    committed.append(step)
+            except ValueError:
+                continue  # not a manifest obsckpt wrote: not ours to remove
+        return self.remove_steps(steps_beyond(committed, keep, protected))
 
     def remove_steps(self, steps: list[int]) -> list[str]:
         """Delete every object of ``steps`` (retention, after the commit that made them
