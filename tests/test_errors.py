@@ -45,6 +45,7 @@ WITH_STATE = {
             "PreconditionFailed",
             "ConditionalConflict",
             "ObjectNotFoundError",
+            "StoreCheckError",
         )
     },
     "StoreUnavailableError": dict(

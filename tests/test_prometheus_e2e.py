@@ -330,6 +330,9 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     # so it needs no window), and the bandwidth panel the last sync's bytes over its
     # duration; the weight sync's and the upload's are those recorded above.
     last_values = {q.panel: expr for q, expr in queries if q.legend.startswith("last")}
+    # The upload panel of the s3:// row has data only on an s3:// root (its series are
+    # scraped in tests/test_store_commit.py); this job's root is local.
+    del last_values["Uploads per slot"]
     assert {
         "Commit lag",
         "Broadcast duration",

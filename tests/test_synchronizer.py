@@ -426,7 +426,7 @@ class TestRetentionRace:
         # committed and retention (max_ckpt_to_keep=1) has deleted step 1.
         layout.step_dir(root, 1).rename(tmp_path / "deleted")
         with caplog.at_level("INFO", logger="obsckpt.sync.step_model"):
-            asyncio.run(sync._load_step(root, 1))
+            asyncio.run(sync._load_step(sync._steps, 1))
         status = asyncio.run(sync.status())
         assert status["load_failures"] == 0 and status["last_error"] is None, status
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
@@ -444,6 +444,6 @@ class TestRetentionRace:
         shard = shard_path(root, 1, 1, 0)
         shard.write_bytes(shard.read_bytes()[:-8])
         sync = Actor(str(root), namespace="no-monitor-here", registry=CollectorRegistry())
-        asyncio.run(sync._load_step(root, 1))
+        asyncio.run(sync._load_step(sync._steps, 1))
         status = asyncio.run(sync.status())
         assert status["load_failures"] == 1 and "step 1:" in status["last_error"], status

@@ -35,7 +35,11 @@ def check_root(actor: Any, default_local_dir: str, namespace: str | None) -> Non
     import ray
 
     running: str | None = ray.get(actor.checkpoint_root.remote())
-    if running is None or os.path.realpath(running) != os.path.realpath(default_local_dir):
+    same = running is not None and (
+        running == default_local_dir
+        or os.path.realpath(running) == os.path.realpath(default_local_dir)
+    )
+    if not same:
         where = f"namespace {namespace!r}" if namespace else "this job's namespace"
         watched = f"watches {running!r}" if running else "watches no checkpoint root"
         raise ValueError(

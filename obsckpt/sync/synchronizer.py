@@ -44,14 +44,14 @@ from typing import Any
 
 import torch
 
-from obsckpt import layout, reader, validators
-from obsckpt.errors import IterationFileError
+from obsckpt import layout, validators
+from obsckpt.errors import IterationFileError, StoreError
 from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
-from obsckpt.store.uri import local_root
-from obsckpt.sync import detached, naming, step_model
+from obsckpt.store.uri import is_remote, root_or_url
+from obsckpt.sync import detached, naming
 from obsckpt.sync.detached import ModuleWatch
 from obsckpt.sync.shards import state_dict_meta
-from obsckpt.sync.step_model import load_step_model
+from obsckpt.sync.step_source import StepSource, step_source
 from obsckpt.sync.telemetry import WeightSyncTelemetry
 from obsckpt.sync.telemetry_route import TelemetryRoute
 from obsckpt.sync.trinity_api import (
@@ -129,7 +129,13 @@ class Synchronizer(TrinityProtocol):
             self._model_root = settings.checkpoint_job_dir
         elif default_local_dir is not None:
             self._model_root = os.fspath(default_local_dir)
-        self.root = Path(default_local_dir) if default_local_dir is not None else None
+        # A local directory, or an s3:// root's URL; its committed steps through _steps.
+        self.root: Path | str | None = None
+        self._steps: StepSource | None = None
+        if default_local_dir is not None:
+            remote = is_remote(default_local_dir)
+            self.root = os.fspath(default_local_dir) if remote else Path(default_local_dir)
+            self._steps = step_source(os.fspath(self.root))
         self.poll_interval_s = float(poll_interval_s)
         self.sync_timeout_s = float(sync_timeout_s)
         self.namespace = namespace
@@ -214,7 +220,7 @@ class Synchronizer(TrinityProtocol):
             options["lifetime"] = "detached"  # as Trinity 0.6.0's; see obsckpt.sync.detached
         if default_local_dir is not None:
             # As the caller sees it, not against the actor's working directory.
-            default_local_dir = local_root(default_local_dir)
+            default_local_dir = root_or_url(default_local_dir)
         actor: Any = (
             ray.remote(cls)
             .options(**options)
@@ -325,10 +331,10 @@ class Synchronizer(TrinityProtocol):
         """
         validators.validate_step(step, "step")
         stale = [v for v in (self._version, self._loaded_step) if v is not None]
-        if self.root is not None:
+        if self._steps is not None:
             try:
-                on_disk = reader.read_iteration(self.root, "state_dict")
-            except IterationFileError:
+                on_disk = await asyncio.to_thread(self._steps.committed)
+            except (IterationFileError, StoreError):
                 on_disk = None
             if on_disk is not None:
                 stale.append(on_disk)
@@ -466,6 +472,8 @@ class Synchronizer(TrinityProtocol):
     def _path_of(self, step: int) -> str | None:
         if self._model_root is None:
             return None
+        if is_remote(self._model_root):
+            return f"{self._model_root}/{layout.step_dir_name(step)}/{layout.MODEL_SUBDIR}"
         return os.fspath(layout.model_dir(self._model_root, step))
 
     async def _publish(
@@ -520,17 +528,17 @@ class Synchronizer(TrinityProtocol):
             await asyncio.sleep(self.poll_interval_s)
 
     async def _poll(self) -> None:
-        if self.root is None:
+        if self._steps is None:
             return
         if self._poll_lock is None:
             self._poll_lock = asyncio.Lock()
         async with self._poll_lock:
-            await self._poll_locked(self.root)
+            await self._poll_locked(self._steps)
 
-    async def _poll_locked(self, root: Path) -> None:
+    async def _poll_locked(self, steps: StepSource) -> None:
         try:
-            step = reader.read_iteration(root, "state_dict")
-        except IterationFileError as exc:
+            step = await asyncio.to_thread(steps.committed)
+        except (IterationFileError, StoreError) as exc:
             self._last_error = str(exc)
             return
         if step is None or step in self._failed_steps:
@@ -539,15 +547,13 @@ class Synchronizer(TrinityProtocol):
             return
         if self._stale_upto is not None and step <= self._stale_upto:
             return
-        await self._load_step(root, step)
+        await self._load_step(steps, step)
 
-    async def _load_step(self, root: Path, step: int) -> None:
-        sdir = layout.step_dir(root, step)
-        model_dir = sdir / layout.MODEL_SUBDIR
+    async def _load_step(self, steps: StepSource, step: int) -> None:
         t0 = time.perf_counter()
         try:
             with tracing.span("obsckpt.upload", attributes={span_attr.STEP: step}) as sp:
-                state_dict = await asyncio.to_thread(load_step_model, model_dir)
+                state_dict = await asyncio.to_thread(steps.load, step)
                 nbytes = sum(
                     t.numel() * t.element_size()
                     for t in state_dict.values()
@@ -555,7 +561,7 @@ class Synchronizer(TrinityProtocol):
                 )
                 sp.set_attribute(span_attr.BYTES, nbytes)
         except Exception as exc:  # noqa: BLE001 - a bad step is skipped, not fatal
-            if await asyncio.to_thread(step_model.removed_by_retention, root, step):
+            if await asyncio.to_thread(steps.removed_by_retention, step):
                 return  # nothing is wrong: a newer step is next
             msg = f"step {step}: {exc}"
             self._failed_steps[step] = str(exc)
@@ -567,7 +573,7 @@ class Synchronizer(TrinityProtocol):
                 "obsckpt: synchronizer skips committed step %d, its model shards in %s cannot "
                 "be used: %s",
                 step,
-                model_dir,
+                steps.where(step),
                 exc,
             )
             return
