@@ -180,11 +180,8 @@ def monitor(ray_cluster, namespace, ckpt_dir, tmp_path):
             ray_cluster.kill(actor)
 
 
-@pytest.fixture
-def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
-    binary = shutil.which("prometheus") or "/usr/bin/prometheus"
-    if not Path(binary).exists():
-        pytest.fail("prometheus not found: install Debian's `prometheus` package")
+def prometheus_for(monitor, ray_cluster, tmp_path: Path) -> PrometheusServer:
+    """The real Prometheus scraping ``monitor`` through its file_sd file, with the rules."""
     address = ray_cluster.get(monitor.metrics_address.remote(), timeout=30)
     assert address and address.startswith("127.0.0.1:"), address
     sd_file = tmp_path / "sd.json"
@@ -196,7 +193,12 @@ def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
     )
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(prometheus_config(sd_file, rules_file)))
-    server = start_prometheus(config_file, tmp_path)
+    return start_prometheus(config_file, tmp_path)
+
+
+@pytest.fixture
+def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
+    server = prometheus_for(monitor, ray_cluster, tmp_path)
     try:
         yield server
     finally:
@@ -391,3 +393,78 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     )
     assert not [a for a in prometheus.alerts("ObsckptMonitorDown") if a["state"] == "firing"]
     assert prometheus.process.poll() is None, prometheus.log_tail()
+
+
+def test_store_row_against_real_prometheus(ray_cluster, namespace, tmp_path, seaweed_server):
+    """The dashboard's s3:// row, its commit phases and ObsckptStoreErrors, against the real
+    Prometheus scraping a monitor whose root is on the S3 server."""
+    import uuid
+
+    import torch
+    from seaweed import BUCKET
+
+    from obsckpt import CheckpointCoordinator, CheckpointMonitor
+
+    root = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:12]}"
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace,
+        default_local_dir=root,
+        metrics_port=0,
+        metrics_host="127.0.0.1",
+        file_sd_path=str(tmp_path / "sd.json"),
+    )
+    coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
+    server = prometheus_for(monitor, ray_cluster, tmp_path)
+    try:
+        for step in (1, 2):
+            ray_cluster.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
+            state = {"w": torch.full((1 << 20,), float(step))}
+            coord.save_state_dict_async("actor", state, f"{root}/global_step_{step}/m.pt", step)
+            coord.wait_all(60)
+            ray_cluster.get(monitor.monitor_step.remote(step))
+        queries = {
+            (q.panel, q.legend): expand(q.expr, job=JOB)
+            for q in panel_queries()
+            if q.panel
+            in (
+                "Uploads per slot",
+                "Upload throughput per slot",
+                "Store errors, conflicts and fenced commits",
+                "Commit phase time",
+            )
+        }
+
+        def values(key: tuple[str, str]) -> dict[str, float]:
+            return {
+                ",".join(sample["metric"].values()): float(sample["value"][1])
+                for sample in server.query(queries[key])
+            }
+
+        wait_for(
+            "the s3:// row's upload panels",
+            lambda: (
+                values(("Uploads per slot", "last {{slot}}"))
+                and values(("Upload throughput per slot", "{{slot}}"))
+                and values(("Commit phase time", "last {{phase}}"))
+            ),
+            timeout=20,
+        )
+        assert set(values(("Uploads per slot", "last {{slot}}"))) == {"actor"}
+        assert all(v > 0 for v in values(("Uploads per slot", "last {{slot}}")).values())
+        phases = values(("Commit phase time", "last {{phase}}"))
+        assert {"head_check", "manifest_put", "pointer_cas"} <= set(phases), phases
+        # No error, conflict or fenced commit: the counters' panels read 0, or nothing for
+        # the error counter, whose series appear with a first error.
+        store_panel = "Store errors, conflicts and fenced commits"
+        for (panel, legend), _expr in queries.items():
+            if panel == store_panel:
+                assert all(v == 0 for v in values((panel, legend)).values()), legend
+        assert values((store_panel, "fenced commits {{instance}}"))
+        assert server.alerts("ObsckptStoreErrors") == []
+        for key in queries:  # every query of the row is one Prometheus takes
+            values(key)
+    finally:
+        server.stop()
+        coord.close()
+        ray_cluster.get(monitor.shutdown.remote(final_scrape_wait_s=0), timeout=30)
+        ray_cluster.kill(monitor)
