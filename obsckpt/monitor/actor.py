@@ -14,6 +14,7 @@ import asyncio
 import enum
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -118,6 +119,7 @@ class CheckpointMonitor(MeasurementRPCs):
         self.clock: Clock = clock if clock is not None else SystemClock()
         restarted = was_restarted()
         self.store: S3Root | None = None
+        self.root: Path | str
         if is_remote(options.default_local_dir):
             # An s3:// root: owned by moving its pointer to a new epoch (which fences
             # the monitor before), once the endpoint is known to enforce conditional writes.
@@ -143,7 +145,7 @@ class CheckpointMonitor(MeasurementRPCs):
     def _read_root(self, options: MonitorOptions, restarted: bool) -> dict[str, int | None]:
         """The committed steps, after the start's checks and sweep of the root."""
         if self.store is not None:
-            self.iteration_repairs = []
+            self.iteration_repairs: list[str] = []
             latest, self.leftovers_removed, self.uploads_aborted = read_s3_root(
                 self.store, self._root_lock, restarted
             )

@@ -130,13 +130,13 @@ class StepWriter:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,
         fence: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         *,
         fsync_timeout_s: float | None = None,
         keep_steps: int | None = None,
     ) -> None:
-        self.root = root
+        self.root = Path(root)
         self.keep_steps = keep_steps
         self.fence = fence if fence is not None else contextlib.nullcontext
         self.fsync_timeout_s = fsync_timeout_s
@@ -192,10 +192,11 @@ class StepWriter:
             fsync_timeout_s=self.fsync_timeout_s,
         )
         if self.keep_steps is not None:
+            keep = self.keep_steps
             named = {reader.read_iteration(self.root, k) for k in layout.KINDS}
             retain(
                 lambda: commit.remove_old_steps(
-                    self.root, self.keep_steps, {s for s in named if s is not None}
+                    self.root, keep, {s for s in named if s is not None}
                 ),
                 self.root,
             )

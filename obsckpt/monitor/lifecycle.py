@@ -106,13 +106,15 @@ class DeadNodes:
         return set(dead)
 
 
-def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | None]) -> None:
+def recover_last_commits(
+    core: MonitorCore, root: Path | str, latest: dict[str, int | None]
+) -> None:
     """When each kind last committed, from its iteration file's mtime (after a restart)."""
     for kind, step in latest.items():
         if step is None:
             continue
         try:
-            when = os.stat(root / layout.ITERATION_FILES[kind]).st_mtime
+            when = os.stat(Path(root) / layout.ITERATION_FILES[kind]).st_mtime
         except OSError:
             continue
         # How long ago, by the wall clock (a file from the future: just now).
@@ -120,7 +122,7 @@ def recover_last_commits(core: MonitorCore, root: Path, latest: dict[str, int | 
 
 
 def read_local_root(
-    root: Path, on_bad_iteration: str, restarted: bool
+    root: Path | str, on_bad_iteration: str, restarted: bool
 ) -> tuple[dict[str, int | None], list[str], list[str]]:
     """A monitor's start on a local ``root`` (under its lock): the committed steps, the
     iteration files rewound, and obsckpt's leftover temp files removed.

@@ -12,7 +12,7 @@ from obsckpt.telemetry.server import MetricsServer
 
 def status_view(
     core: MonitorCore,
-    root: Path,
+    root: Path | str,
     server: MetricsServer,
     *,
     leftovers_removed: int = 0,

@@ -21,18 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from zlib_ng.zlib_ng import crc32_combine  # a dependency: zlib-ng's C version
+
 from obsckpt.reader import crc32
 from obsckpt.store.errors import StoreError, StoreUnavailableError
-
-try:  # zlib-ng's C version (a dependency)
-    from zlib_ng.zlib_ng import crc32_combine
-except ImportError:  # pragma: no cover
-
-    def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-        from obsckpt.torchfile import _crc32_combine
-
-        return _crc32_combine(crc1, crc2, len2)
-
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "ObjectWriter", "Uploaded"]
 
