@@ -137,7 +137,7 @@ def selected(only: str | None) -> list[str]:
     return [n for n in dict.fromkeys(wanted) if PART_OF.get(n) not in wanted]
 
 
-def _start_ray(namespace: str, address: str | None = None):
+def _start_ray(namespace: str, address: str | None = None, env: dict[str, str] | None = None):
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -151,7 +151,8 @@ def _start_ray(namespace: str, address: str | None = None):
         **({} if address else own),
         log_to_driver=False,
         logging_level="ERROR",
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_DEDUP_LOGS": "0"}},
+        # The S3 server's AWS variables too, for monitors on an s3:// root.
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_DEDUP_LOGS": "0", **(env or {})}},
     )
     return ray
 
@@ -210,9 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     errors = 0
     t_start = time.time()
     ray = None
+    s3_server = None
     try:
-        if {"save", "peers", "rss", "telemetry", "commit_lag"} & set(wanted):
-            ray = _start_ray(f"obsckpt-bench-{run_id}", args.ray_address)
+        if "s3" in wanted:
+            from benchmarks.s3 import start_server
+
+            s3_server = start_server(bench_dir)
+        s3_env = s3_server.env() if s3_server is not None and s3_server.started else None
+        if s3_env:
+            os.environ.update(s3_env)
+        if {"save", "peers", "rss", "telemetry", "commit_lag", "s3"} & set(wanted):
+            ray = _start_ray(f"obsckpt-bench-{run_id}", args.ray_address, s3_env)
         for name in wanted:
             # The previous benchmark's files are written back and its deleted ones
             # freed (and discarded, on a filesystem mounted with discard) now, not
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             load_before = loadavg()
             t0 = time.perf_counter()
             try:
-                got = _run_one(name, sizes, bench_dir, run_id, ray)
+                got = _run_one(name, sizes, bench_dir, run_id, ray, s3_server)
             except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
                 errors += 1
                 tb = traceback.format_exc()
@@ -239,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ray is not None and ray.is_initialized():
             ray.shutdown()
+        if s3_server is not None:
+            s3_server.stop()
         if own_dir:
             shutil.rmtree(bench_dir, ignore_errors=True)
 
@@ -274,7 +285,7 @@ def _with_monitor(name: str, bench_dir: str, run_id: str, ray, bench, sizes) -> 
         ray.kill(monitor)
 
 
-def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]:
+def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray, s3_server=None) -> list[Result]:
     if name == "save":
         from benchmarks.save import run_save_benchmarks
 
@@ -282,7 +293,7 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray) -> list[Result]
     if name == "s3":
         from benchmarks.s3 import run_s3
 
-        return run_s3(sizes, bench_dir, _log)
+        return run_s3(sizes, bench_dir, _log, s3_server, ray, f"obsckpt-bench-{run_id}-s3")
     if name == "load":
         from benchmarks.load import run_verified_load
 

@@ -40,6 +40,7 @@ EXPECTED = {
     "s3_verified_load_vs_raw_get": "<= 1.15",
     "s3_commit_p99": "<= 0.05",
     "s3_commit_512_files_p99": "<= 1",
+    "s3_stall_vs_local": "<= 1.05",
 }
 GPU_ONLY = (
     "gpu_stall_vs_d2h",

@@ -232,6 +232,23 @@ class TestFencing:
 
         asyncio.run(scenario())
 
+    def test_many_files_are_checked_by_listing(self, root_url: str, store: S3Root) -> None:
+        """Past LIST_ABOVE files the commit lists the step's prefix instead of a HEAD each;
+        a rewritten object and a missing one are still named."""
+        from obsckpt.store.s3root import LIST_ABOVE
+
+        files = {}
+        for i in range(LIST_ABOVE + 8):
+            path = f"r{i}/m.pt"
+            files[path] = store.record(1, path, b"rank %d" % i)
+        assert store.check_reported(1, files) == []
+        store.client.put(store.step_key(1, "r3/m.pt"), b"rewritten")
+        store.client.delete([store.step_key(1, "r7/m.pt")])
+        problems = store.check_reported(1, files)
+        assert len(problems) == 2, problems
+        assert any("r3/m.pt" in p and "bytes" in p for p in problems)
+        assert any("r7/m.pt: missing" in p for p in problems)
+
     def test_sweep_aborts_a_cut_upload_and_orphans(self, root_url: str, store: S3Root) -> None:
         async def scenario() -> None:
             monitor = _monitor(root_url)

@@ -54,6 +54,8 @@ READ_PART_SIZE = 16 * 1024 * 1024
 READ_CONCURRENCY = 8
 # HEADs of a commit's files at once.
 HEAD_CONCURRENCY = 16
+# A commit of more files than this checks them with one listing of the step's prefix.
+LIST_ABOVE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,25 +135,44 @@ class S3Root:
     # --- the commit's checks -------------------------------------------------------
 
     def check_reported(self, step: int, files: dict[str, FileRecord]) -> list[str]:
-        """Problems with ``step``'s reported files as HEAD finds them: missing, another size
-        or another ETag than the rank reported. Empty when every object is as reported."""
+        """Problems with ``step``'s reported files as the store has them: missing, another
+        size or another ETag than the rank reported. Empty when every object is as reported.
+
+        A few files are checked with HEAD, one request each; more than
+        :data:`LIST_ABOVE` with a listing of the step's prefix (a thousand objects per
+        request, with the same size and ETag a HEAD gives), and HEAD for any the
+        listing does not show.
+        """
+        listed: dict[str, tuple[int, str]] = {}
+        if len(files) > LIST_ABOVE:
+            base = self.step_key(step) + "/"
+            listed = {o.key[len(base) :]: (o.size, o.etag) for o in self.client.list(base)}
 
         def check(rec: FileRecord) -> str | None:
-            info = self.client.head(self.step_key(step, rec.path))
-            where = self.url_of(self.step_key(step, rec.path))
-            if info is None:
-                return f"{where}: missing (a rank reported it written)"
-            if info.size != rec.size:
-                return f"{where}: {info.size} bytes, the rank reported {rec.size}"
-            if rec.etag is not None and info.etag != rec.etag:
-                return f"{where}: ETag {info.etag}, the rank reported {rec.etag} (rewritten since)"
+            key = self.step_key(step, rec.path)
+            where = self.url_of(key)
+            found = listed.get(rec.path)
+            if found is None:
+                info = self.client.head(key)
+                if info is None:
+                    return f"{where}: missing (a rank reported it written)"
+                found = (info.size, info.etag)
+            size, etag = found
+            if size != rec.size:
+                return f"{where}: {size} bytes, the rank reported {rec.size}"
+            if rec.etag is not None and etag != rec.etag:
+                return f"{where}: ETag {etag}, the rank reported {rec.etag} (rewritten since)"
             return None
 
-        found = run_parallel(
-            [partial(check, rec) for rec in files.values()],
-            HEAD_CONCURRENCY,
-            name="obsckpt-s3-head",
+        pending = [rec for rec in files.values() if rec.path not in listed]
+        found = (
+            run_parallel(
+                [partial(check, rec) for rec in pending], HEAD_CONCURRENCY, name="obsckpt-s3-head"
+            )
+            if pending
+            else []
         )
+        found += [check(rec) for rec in files.values() if rec.path in listed]
         return [p for p in found if p is not None]
 
     def has_objects(self, step: int) -> bool:
