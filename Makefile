@@ -15,7 +15,7 @@ FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 UVINSTALL := $(UV) pip install --quiet --compile-bytecode $(FINDLINKS) -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-verl-min test-trinity test-verl-upstream demo lint metrics-doc dashboards bench bench-quick gpu-check clean
+.PHONY: setup test test-verl-min test-trinity test-verl-upstream demo lint metrics-doc dashboards bench bench-quick bench-check gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -96,6 +96,14 @@ bench: setup
 
 bench-quick: setup
 	$(PY) benchmarks/run.py --quick
+
+# The regression guard: this tree's quick benchmarks against REF's (a worktree),
+# alternating in this session on this machine. REF: the previous main (default: the
+# commit before HEAD); ONLY: benchmarks to run (default: all); ROUNDS: runs of each.
+REF ?= HEAD~1
+ROUNDS ?= 2
+bench-check: setup
+	$(PY) benchmarks/check.py --ref $(REF) --rounds $(ROUNDS) $(if $(ONLY),--only $(ONLY),)
 
 # On a machine with CUDA: every gpu-marked test and the GPU benchmarks, logs in LOG_DIR.
 # Uses the machine's python3 (PYTHON=...), not the virtual environment.
