@@ -165,11 +165,23 @@ def start_actors(
     return trainers, rollout, synchronizer, infos[0]
 
 
-def shutdown(actors: list[Any], monitor: Any, owns_ray: bool, *, patient: bool = True) -> None:
+def shutdown(
+    actors: list[Any],
+    monitor: Any,
+    owns_ray: bool,
+    *,
+    patient: bool = True,
+    file_sd: str | None = None,
+    address: str | None = None,
+) -> None:
     """Close the actors, then stop the cluster this run started.
 
     Not ``patient`` (a signal stopped the run): a few seconds for the actors to
-    close, so that the whole stop stays within what a job runner waits.
+    close, so that the whole stop stays within what a job runner waits. The
+    monitor withdraws its ``file_sd`` target (at ``address``) as it shuts down;
+    where it could not (a signal to the process group ended its process first),
+    the driver withdraws it once the monitor is gone, so Prometheus does not go
+    on scraping a dead address.
     """
     import ray
 
@@ -196,6 +208,13 @@ def shutdown(actors: list[Any], monitor: Any, owns_ray: bool, *, patient: bool =
                 ray.get(monitor.shutdown.remote(last_scrape_s), timeout=wait_s)
             ray.kill(a)
         except Exception:  # noqa: BLE001 - already gone
+            pass
+    if file_sd and address:
+        from obsckpt.telemetry.server import withdraw_file_sd
+
+        try:
+            withdraw_file_sd(file_sd, address)  # False when the monitor did already
+        except OSError:
             pass
     if owns_ray:
         if "wait_for_processes" in inspect.signature(ray.shutdown).parameters:

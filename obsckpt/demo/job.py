@@ -191,7 +191,14 @@ def _run(
                 progress.note(DASHBOARD_HINT)
             elif stop.signum is None:
                 progress.note("no summary: no training step ran")
-        shutdown(actors, monitor, owns_ray, patient=stop.signum is None)
+        shutdown(
+            actors,
+            monitor,
+            owns_ray,
+            patient=stop.signum is None,
+            file_sd=cfg.file_sd,
+            address=result.metrics_address,
+        )
         if stop.signum is not None and result.stop_reason != "aborted":
             result.stop_reason = stop_reason(stop.signum)
             result.exit_code = 128 + stop.signum
