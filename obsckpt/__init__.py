@@ -9,6 +9,7 @@ from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.errors import *  # noqa: F403 - every exception is part of the public API
 from obsckpt.errors import __all__ as _errors
 from obsckpt.monitor import CheckpointMonitor
+from obsckpt.store.scratch import scratch_path
 
 if TYPE_CHECKING:
     from obsckpt.resume import ResumeRecord
@@ -23,6 +24,7 @@ __all__ = [
     "SaveStrategy",
     "StagedSave",
     "Synchronizer",
+    "scratch_path",
     *_errors,
 ]
 

@@ -222,7 +222,8 @@ class CheckpointCoordinator:
         self._require_monitor()
         self._check_targets(files, name, global_step, is_state_dict, part, parts)
         job = self._job(name, global_step, is_state_dict, part, parts, unless_committed)
-        self._submit(job, lambda: run_and_record(save_fn, files), trace_context)
+        root = self._link.checkpoint_root() if files else None
+        self._submit(job, lambda: run_and_record(save_fn, files, root), trace_context)
 
     def save_sync(
         self,
@@ -261,7 +262,8 @@ class CheckpointCoordinator:
             name, global_step, is_state_dict, part, parts, unless_committed, background=False
         )
         carrier = trace_context if trace_context is not None else tracing.inject()
-        job.run(lambda: run_and_record(save_fn, files), carrier, 0.0)
+        root = self._link.checkpoint_root() if files else None
+        job.run(lambda: run_and_record(save_fn, files, root), carrier, 0.0)
         return job.result()
 
     def save_state_dict_async(

@@ -17,6 +17,7 @@ from obsckpt import commit, layout, reader
 from obsckpt.errors import SavePathError, UnsupportedStoreError
 from obsckpt.layout import FileRecord
 from obsckpt.store.s3root import S3Root, locate_in_root, shared_s3_root
+from obsckpt.store.scratch import run_and_upload
 from obsckpt.store.uri import is_remote, local_root, parse_root
 
 
@@ -136,8 +137,13 @@ def _same_dir(a: str, b: str) -> bool:
     return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
-def run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[FileRecord]:
+def run_and_record(
+    save_fn: Callable[[], Any], paths: list[str] | None, root: str | None = None
+) -> list[FileRecord]:
     """Run ``save_fn``, then make what it wrote under ``paths`` durable and checksum it.
+
+    With an ``s3://`` ``root``, ``paths`` are object URLs: ``save_fn`` writes at
+    their scratch paths and the files are uploaded (see :mod:`obsckpt.store.scratch`).
 
     A path that is a directory stands for every file under it (temp files of
     unfinished writes excepted); its directories are fsynced too.
@@ -145,6 +151,8 @@ def run_and_record(save_fn: Callable[[], Any], paths: list[str] | None) -> list[
     Raises:
         FileNotFoundError: a path in ``paths`` was not written.
     """
+    if root is not None and is_remote(root):
+        return run_and_upload(save_fn, paths, shared_s3_root(root))
     save_fn()
     if not paths:
         return []

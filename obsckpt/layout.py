@@ -184,6 +184,15 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / step_dir_name(step)
 
 
+def step_location(root: str | os.PathLike, step: int, *parts: str) -> str:
+    """``<root>/global_step_<N>/<parts...>`` as a string, for a local root or an ``s3://``
+    one alike (a URL keeps its ``//``, which a :class:`~pathlib.Path` would collapse)."""
+    text = os.fspath(root)
+    if "://" in text:
+        return "/".join([text.rstrip("/"), step_dir_name(step), *parts])
+    return os.path.join(text, step_dir_name(step), *parts)
+
+
 def step_of_dir_name(name: str) -> int | None:
     """The step a ``global_step_<N>`` directory name holds, None for any other name.
 

@@ -424,17 +424,64 @@ def load_object(url: str, map_location: Any = None) -> Any:
             file, or its bytes differ from what it records.
         StoreError: the object could not be read.
     """
-    from obsckpt.store.s3root import shared_s3_root, split_step_url
+    return CommittedObjects.of(url).torch_load(url, map_location)
 
-    try:
-        root, step, path = split_step_url(url)
-        data = shared_s3_root(root).read_verified(step, path)
-    except ValueError as exc:
-        raise UnverifiedCheckpointError(f"{url} cannot be loaded: {exc}") from None
-    if not data:
-        raise UnverifiedCheckpointError(f"{url} cannot be loaded: it is empty")
-    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-    return _safely(url, lambda: checked_read.torch_load_buffer(storage, map_location))
+
+class CommittedObjects:
+    """A committed step of an ``s3://`` root, opened to read its objects: its manifest
+    and the root's pointer are read once, then each object is checked against the
+    manifest before it is deserialised. Use :meth:`of` to open the step holding a URL."""
+
+    def __init__(self, store: Any, step: int, records: list[layout.FileRecord]) -> None:
+        self.store = store
+        self.step = step
+        self.records = records
+        self.url = store.url_of(store.step_key(step))
+
+    @classmethod
+    def of(cls, url: str) -> CommittedObjects:
+        """The committed step that ``url`` (the step's prefix or an object in it) belongs to.
+
+        Raises:
+            UnverifiedCheckpointError: ``url`` is in no ``global_step_<N>`` prefix, or that
+                step is not committed.
+        """
+        from obsckpt.store.s3root import shared_s3_root, split_step_url
+
+        try:
+            root, step, _ = split_step_url(url.rstrip("/") + "/-")
+            store = shared_s3_root(root)
+            return cls(store, step, store.committed_records(step))
+        except ValueError as exc:
+            raise UnverifiedCheckpointError(f"{url} cannot be loaded: {exc}") from None
+
+    def path_of(self, url: str) -> str:
+        """``url``'s path in the step; refused when it lies outside the step."""
+        if not url.startswith(self.url + "/"):
+            raise UnverifiedCheckpointError(
+                f"a checkpoint loader read {url}, outside the step {self.url} being loaded: "
+                "obsckpt verifies files of a committed step only"
+            )
+        return url[len(self.url) + 1 :]
+
+    def paths(self) -> set[str]:
+        """The paths, in the step, that its manifest lists."""
+        return {r.path for r in self.records}
+
+    def read_bytes(self, url: str) -> bytearray:
+        """The object's bytes, checked against the manifest (size, ETag, CRC32)."""
+        try:
+            return self.store.read_verified(self.step, self.path_of(url), records=self.records)
+        except ValueError as exc:
+            raise UnverifiedCheckpointError(f"{url} cannot be loaded: {exc}") from None
+
+    def torch_load(self, url: str, map_location: Any = None) -> Any:
+        """``torch.load`` of the object after its check, with ``weights_only=True`` always."""
+        data = self.read_bytes(url)
+        if not data:
+            raise UnverifiedCheckpointError(f"{url} cannot be loaded: it is empty")
+        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+        return _safely(url, lambda: checked_read.torch_load_buffer(storage, map_location))
 
 
 _ORIGINAL_LOAD = torch.load
@@ -446,7 +493,7 @@ _ANY_STEP = object()
 
 
 def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-    step: CommittedStep | object | None = getattr(_scope, "step", None)
+    step: CommittedStep | CommittedObjects | object | None = getattr(_scope, "step", None)
     if step is None:  # another thread's call, outside any verified_torch_load
         return _ORIGINAL_LOAD(f, map_location, *args, **kwargs)
     if not isinstance(f, (str, os.PathLike)):
@@ -456,6 +503,8 @@ def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) 
         )
     if step is _ANY_STEP:
         return load(f, map_location=map_location)
+    if isinstance(step, CommittedObjects):
+        return step.torch_load(os.fspath(f), map_location)
     assert isinstance(step, CommittedStep)
     inside = os.path.abspath(f).startswith(os.fspath(step.dir) + os.sep)
     if not inside:
@@ -467,7 +516,9 @@ def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) 
 
 
 @contextlib.contextmanager
-def verified_torch_load(path: str | os.PathLike | None = None) -> Iterator[CommittedStep | None]:
+def verified_torch_load(
+    path: str | os.PathLike | None = None,
+) -> Iterator[CommittedStep | CommittedObjects | None]:
     """Send this thread's ``torch.load`` calls through :meth:`CommittedStep.torch_load`.
 
     For code that calls ``torch.load`` itself (verl's managers and trainer, with
@@ -475,10 +526,14 @@ def verified_torch_load(path: str | os.PathLike | None = None) -> Iterator[Commi
     name a file of the committed step holding ``path`` (with ``path`` None: of
     whichever committed step holds the file, for a loader that picks its step
     itself), is checked against the manifest and is loaded with
-    ``weights_only=True``. Other threads' loads are untouched.
+    ``weights_only=True``. ``path`` may be in a step of an ``s3://`` root: the
+    loads then name its objects' URLs. Other threads' loads are untouched.
     """
     global _patch_users
-    step = CommittedStep.of(path) if path is not None else None
+    step: CommittedStep | CommittedObjects | None = None
+    if path is not None:
+        remote = isinstance(path, str) and path.startswith("s3://")
+        step = CommittedObjects.of(path) if remote else CommittedStep.of(path)
     previous = getattr(_scope, "step", None)
     _scope.step = step if step is not None else _ANY_STEP
     with _patch_lock:  # torch.load is replaced while any thread is inside

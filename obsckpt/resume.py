@@ -69,6 +69,14 @@ def record_path(root: str | os.PathLike, step: int, rank: int) -> Path:
     return layout.step_dir(root, step) / RESUME_SUBDIR / f"rank_{rank}.pt"
 
 
+def record_location(root: str | os.PathLike, step: int, rank: int) -> str:
+    """:func:`record_path` as a string; an object URL for an ``s3://`` root."""
+    if "://" not in os.fspath(root):
+        return os.fspath(record_path(root, step, rank))
+    record_path("/", step, rank)  # the same checks of step and rank
+    return layout.step_location(root, step, RESUME_SUBDIR, f"rank_{rank}.pt")
+
+
 # -- random number generators -------------------------------------------------
 
 
@@ -306,8 +314,10 @@ def save_resume_record(
             "the coordinator has no rank, and each rank saves its own resume record; create "
             "it with CheckpointCoordinator(monitor, rank=<this rank>) or set RANK"
         )
-    path = record_path(coordinator.link.checkpoint_root(), record.step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    root = coordinator.link.checkpoint_root()
+    path = record_location(root, record.step, rank)
+    if "://" not in path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     if register:
         coordinator.link.register_thread_count(record.step, checkpoint_thread_count=1)
     return coordinator.save_state_dict_async(
@@ -325,9 +335,15 @@ def load_resume_record(root: str | os.PathLike, step: int, rank: int) -> ResumeR
             not match its manifest.
         UnsafeCheckpointError: the file names a global loading could run code from.
     """
-    path = record_path(root, step, rank)
-    committed = loading.CommittedStep.of(path)
-    if os.path.relpath(path, committed.dir) not in committed.records:
+    path = record_location(root, step, rank)
+    committed: loading.CommittedStep | loading.CommittedObjects
+    if "://" in path:
+        committed = loading.CommittedObjects.of(path)
+        listed = committed.path_of(path) in committed.paths()
+    else:
+        committed = loading.CommittedStep.of(path)
+        listed = os.path.relpath(path, committed.dir) in committed.records
+    if not listed:
         raise ResumeRecordError(
             f"committed step {step} in {root} has no resume record for rank {rank} ({path} "
             "is not in its manifest): it was saved without save_resume_record, or by fewer "

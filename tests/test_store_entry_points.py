@@ -69,6 +69,14 @@ def test_the_verl_trainers_root():
     )
     with pytest.raises(UnsupportedStoreError, match=r"trainer\.default_local_dir='gs://b/x'"):
         checkpoint_root(trainer)
+    # An s3:// root is the trainer's, given as default_local_dir or (first) default_hdfs_dir.
+    trainer.config.trainer.default_local_dir = "s3://ckpt/run/"
+    assert checkpoint_root(trainer) == "s3://ckpt/run"
+    trainer.config.trainer.default_hdfs_dir = "s3://ckpt/other"
+    assert checkpoint_root(trainer) == "s3://ckpt/other"
+    trainer.config.trainer.default_hdfs_dir = "hdfs://nn/x"
+    with pytest.raises(UnsupportedStoreError, match=r"^trainer\.default_hdfs_dir='hdfs://nn/x'"):
+        checkpoint_root(trainer)
 
 
 def test_trinitys_monitor():

@@ -45,7 +45,7 @@ from obsckpt import commit, layout, loading
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
-from obsckpt.integrations import alone, verl_install
+from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import hand_to_synchronizer
 from obsckpt.integrations.fsdp_files import check_world_size, committed_files, hf_model_class
 from obsckpt.integrations.retention import removable
@@ -61,6 +61,7 @@ from obsckpt.integrations.verl_fsdp import (
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME, lookup_actor
 from obsckpt.resume import ResumeRecord, restore_resume_record, save_resume_record
+from obsckpt.store.scratch import scratch_path
 from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             return 0
         if local_path is None or self.previous_state_dict_step == global_step:
             return 0
-        os.makedirs(local_path, exist_ok=True)
+        if not object_steps.is_url(local_path):
+            os.makedirs(local_path, exist_ok=True)
         torch.distributed.barrier()
         if already_committed(self.coordinator, global_step, logger):
             return 0
@@ -259,12 +261,16 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             if isinstance(max_ckpt_to_keep, bool):
                 save_as_hf = save_as_hf or max_ckpt_to_keep
             global_step, max_ckpt_to_keep, hdfs_path = hdfs_path, global_step or None, None
+        if object_steps.is_url(hdfs_path):  # verl's default_hdfs_dir on S3: written there
+            local_path = hdfs_path
         if local_path is None:
             return {"state_dict": 0, "checkpoint": 0}
         self.previous_global_step = global_step
         if self.rank == 0:
             self.enforce_retention(max_ckpt_to_keep)
-        os.makedirs(local_path, exist_ok=True)
+        remote = object_steps.is_url(local_path)
+        if not remote:
+            os.makedirs(local_path, exist_ok=True)
         torch.distributed.barrier()
         if self.should_save_model and self.model is None:
             raise ValueError("checkpoint save contents include 'model' but no model was given")
@@ -308,7 +314,15 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 self._save_extra_state(local_path, global_step)
         if self.rank == 0 and save_model:
             # With the model: a committed step keeps the metadata it was committed with.
-            save_hf_metadata(self.model, local_path, self.processing_class)
+            if remote:
+                object_steps.save_metadata(
+                    self.coordinator,
+                    local_path,
+                    global_step,
+                    lambda d: save_hf_metadata(self.model, d, self.processing_class),
+                )
+            else:
+                save_hf_metadata(self.model, local_path, self.processing_class)
         if self.should_save_hf_model or save_as_hf:
             self._save_hf_model(local_path, global_step, write=save_hf)
         if self.rank == 0:
@@ -349,24 +363,23 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         if local_path is None:  # verl loads nothing then (a failed save raises at the next)
             return
         self.coordinator.wait_all()
-        if "://" not in local_path:
+        kinds = [
+            prefix
+            for prefix, wanted in (
+                ("model", self.should_load_model),
+                ("optim", self.should_load_optimizer),
+                ("extra_state", self.should_load_extra),
+            )
+            if wanted
+        ]
+        if object_steps.is_url(local_path):
+            listed = loading.CommittedObjects.of(local_path).paths()
+            object_steps.check_world_size(local_path, listed, self.world_size, self.rank, kinds)
+        else:
             # A step this process saved: its commit may still be on its way.
             alone.wait_for_saved_step(self.coordinator, local_path)
             # Only lists names; the load below verifies the files.
-            check_world_size(
-                local_path,
-                self.world_size,
-                self.rank,
-                [
-                    prefix
-                    for prefix, wanted in (
-                        ("model", self.should_load_model),
-                        ("optim", self.should_load_optimizer),
-                        ("extra_state", self.should_load_extra),
-                    )
-                    if wanted
-                ],
-            )
+            check_world_size(local_path, self.world_size, self.rank, kinds)
         with loading.verified_torch_load(local_path):
             super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 
@@ -390,7 +403,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 directory, the step is not committed, or the record does not match.
             ResumeRecordError: the step holds no record for this rank.
         """
-        located = layout.step_of_path(os.path.abspath(local_path))
+        located = (
+            object_steps.step_of(local_path)
+            if object_steps.is_url(local_path)
+            else layout.step_of_path(os.path.abspath(local_path))
+        )
         if located is None:
             raise UnverifiedCheckpointError(
                 f"{local_path} lies in no {layout.STEP_DIR_PREFIX}<N> directory: a resume "
@@ -407,9 +424,15 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
 
     def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
         """Delete old checkpoints beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
-        doomed, step_dirs = removable(list(self.previous_saved_paths), max_ckpt_to_keep)
+        saved = list(self.previous_saved_paths)
+        if saved and object_steps.is_url(saved[-1]):
+            doomed, steps = object_steps.removable(saved, max_ckpt_to_keep)
+            object_steps.remove_steps(saved[-1], steps)
+        else:
+            doomed, step_dirs = removable(saved, max_ckpt_to_keep)
+            if doomed:
+                self.remove_previous_save_local_path(step_dirs)
         if doomed:
-            self.remove_previous_save_local_path(step_dirs)
             self.previous_saved_paths = [p for p in self.previous_saved_paths if p not in doomed]
         return doomed
 
@@ -439,7 +462,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         )
 
     def _path(self, local_path: str, prefix: str) -> str:
-        return os.path.join(local_path, layout.shard_name(prefix, self.world_size, self.rank))
+        return object_steps.join(local_path, layout.shard_name(prefix, self.world_size, self.rank))
 
     def _sharded(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` under verl's sharded state-dict context (FSDP1; a no-op for FSDP2)."""
@@ -541,7 +564,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         model = unwrap(self.model)
         config = model.config
         model_cls = hf_model_class(config, model)  # fails here, not in the background
-        hf_dir = os.path.join(local_path, layout.HF_SUBDIR)
+        remote = object_steps.is_url(local_path)
+        hf_dir = object_steps.join(local_path, layout.HF_SUBDIR)
         processing_class = self.processing_class or find_processing_class(self)
         trust_remote_code = getattr(self, "trust_remote_code", False)
         generation_config = pretrained_generation_config(model)
@@ -564,6 +588,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 pass
             else:
                 drop_tied_target_keys(state_dict, empty, config)
+            if remote:  # written at the URL's scratch path, then uploaded (see save_async)
+                empty.save_pretrained(scratch_path(hf_dir), state_dict=state_dict)
+                if processing_class is not None:
+                    processing_class.save_pretrained(scratch_path(hf_dir))
+                return
             # Written aside, then each file renamed into place: a crash never leaves a torn
             # file in huggingface/, and a file the step's manifest lists (committed with
             # the step's state dict by an earlier run) is kept as committed.

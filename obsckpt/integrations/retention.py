@@ -6,17 +6,21 @@ Shared by the FSDP and Megatron checkpoint managers; imports neither verl nor to
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from obsckpt import layout, reader
 
 logger = logging.getLogger(__name__)
 
-
 step_of = layout.step_of_path  # the name this module's callers know
 
 
 def select_for_removal(
-    saved: list[str], max_ckpt_to_keep: int | None, latest: dict[str, int | None]
+    saved: list[str],
+    max_ckpt_to_keep: int | None,
+    latest: dict[str, int | None],
+    step_of: Callable[[str], tuple[Any, int] | None] = layout.step_of_path,
 ) -> list[str]:
     """Which of ``saved`` (oldest first) retention may delete now.
 

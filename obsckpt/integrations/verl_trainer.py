@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -24,6 +25,7 @@ from typing import Any
 
 from obsckpt import commit, layout, reader
 from obsckpt.env import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
+from obsckpt.integrations import verl_store
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
 from obsckpt.options import MonitorOptions
 from obsckpt.store.uri import local_root
@@ -87,6 +89,18 @@ def wrap_torch_save() -> None:
     @functools.wraps(original)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
         trainer = _saving.get()
+        root = None if trainer is None else verl_store.store_root(trainer.config.trainer)
+        if root is not None and isinstance(f, str | os.PathLike):
+            step = verl_store.data_file_step(trainer, root, os.fspath(f))
+            if step is not None:
+                return verl_store.upload_data_file(
+                    trainer,
+                    link_for(trainer),
+                    root,
+                    step,
+                    obj,
+                    lambda o, b: original(o, b, *args, **kwargs),
+                )
         if trainer is not None and _is_data_file(trainer, f):
             return _save_data_file(trainer, obj, os.fspath(f), original, *args, **kwargs)
         return original(obj, f, *args, **kwargs)
@@ -198,7 +212,11 @@ def fit_wrapper(orig: Any) -> Any:
 
 
 def checkpoint_root(trainer: Any) -> str:
-    """``trainer.default_local_dir`` as an absolute path (verl resolves it against the cwd)."""
+    """The trainer's checkpoint root: its ``s3://`` one (see :mod:`verl_store`), else
+    ``trainer.default_local_dir`` as an absolute path (verl resolves it against the cwd)."""
+    remote = verl_store.store_root(trainer.config.trainer)
+    if remote is not None:
+        return remote
     return local_root(trainer.config.trainer.default_local_dir, "trainer.default_local_dir")
 
 
@@ -209,10 +227,11 @@ def monitor_for(trainer: Any) -> Any:
         from obsckpt.monitor import CheckpointMonitor
 
         hdfs = trainer.config.trainer.get("default_hdfs_dir", None)
-        if hdfs:
+        if hdfs and verl_store.store_root(trainer.config.trainer) != str(hdfs).rstrip("/"):
             raise ValueError(
-                f"trainer.default_hdfs_dir={hdfs!r}: obsckpt's verl integration does not copy "
-                "checkpoints to HDFS (verl 0.9 cannot resume from there either); set it to null"
+                f"trainer.default_hdfs_dir={hdfs!r}: obsckpt's verl integration writes "
+                "checkpoints to a local directory or to s3://bucket/prefix, not HDFS (verl 0.9 "
+                "cannot resume from there either); set it to null or to an s3:// URL"
             )
         # The options from the job's own config (`+obsckpt.metrics_port=9400` on verl's
         # command line), each overridden by its OBSCKPT_* variable.
@@ -321,6 +340,9 @@ def load_wrapper(orig: Any) -> Any:
 
     @functools.wraps(orig)
     def _load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        root = verl_store.store_root(self.config.trainer)
+        if root is not None:  # verl's own joins the URL to the working directory
+            return verl_store.load_checkpoint(self, root)
         with loading.verified_torch_load():
             return orig(self, *args, **kwargs)
 
@@ -337,6 +359,9 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     verl's default callback does nothing, so it does not make the save wait.
     """
     link = link_for(trainer)
+    remote = verl_store.store_root(trainer.config.trainer) is not None
+    if remote:
+        verl_store.refuse_async_modes(trainer, checkpoint_root(trainer))
     writes: list[str] = []
     callback = getattr(trainer, "checkpoint_callback", None)
     deferred: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
@@ -346,7 +371,8 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     saving = _saving.set(trainer)
     started = time.perf_counter()
     try:
-        result = save()
+        with verl_store.no_local_mkdir() if remote else contextlib.nullcontext():
+            result = save()
         stall_s = time.perf_counter() - started
     finally:
         _saving.reset(saving)
@@ -358,14 +384,15 @@ def save_and_submit(trainer: Any, save: Any) -> Any:
     step = _written_step(writes)
     if step is None:  # nothing written (Megatron's async_save path): verl's own counter
         step = int(trainer.global_steps)
-    step_dir = layout.step_dir(checkpoint_root(trainer), step)
-    data = step_dir / layout.DATA_FILE  # verl's dataloader state, written with torch.save
-    if data.exists():
-        commit.fsync_file(data)
-    # The V1 trainer's asynchronous modes save the prompts in flight here.
-    _fsync_tree(step_dir / "transfer_queue")
-    if step_dir.is_dir():
-        commit.fsync_dir(step_dir)
+    if not remote:
+        step_dir = layout.step_dir(checkpoint_root(trainer), step)
+        data = step_dir / layout.DATA_FILE  # verl's dataloader state, written with torch.save
+        if data.exists():
+            commit.fsync_file(data)
+        # The V1 trainer's asynchronous modes save the prompts in flight here.
+        _fsync_tree(step_dir / "transfer_queue")
+        if step_dir.is_dir():
+            commit.fsync_dir(step_dir)
     link.monitor_step(step, False)
     trainer._obsckpt_last_submitted = step
     LOGGER_METRICS.saved(link, stall_s, step)

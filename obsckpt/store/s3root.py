@@ -33,7 +33,7 @@ from obsckpt.layout import (
     step_of_dir_name,
 )
 from obsckpt.reader import crc32
-from obsckpt.store.errors import StoreError
+from obsckpt.store.errors import PreconditionFailed, StoreError
 from obsckpt.store.pointer import POINTER_NAME, Pointer, RootPointer
 from obsckpt.store.probe import PROBE_DIR
 from obsckpt.store.stream import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectWriter
@@ -296,9 +296,15 @@ class S3Root:
         rec = next((r for r in records if r.path == path), None)
         if rec is None:
             raise ValueError(f"{where}: not listed in the manifest of step {step}")
-        data = self.client.get_ranged_parallel(
-            self.step_key(step, path), rec.size, part_size, concurrency, etag=rec.etag
-        )
+        try:
+            data = self.client.get_ranged_parallel(
+                self.step_key(step, path), rec.size, part_size, concurrency, etag=rec.etag
+            )
+        except PreconditionFailed:
+            raise ValueError(
+                f"{where}: replaced since its commit (its ETag is not the manifest's "
+                f"{rec.etag}); the step is damaged, resume from another step"
+            ) from None
         got = crc32(data)
         if got != rec.crc32:
             raise ValueError(

@@ -1,0 +1,141 @@
+"""The checkpoint managers' steps on an ``s3://`` root: the files verl writes beside its
+shards, retention and the world-size check, each on objects instead of a directory.
+
+The shards themselves need nothing here: the coordinator streams each into its
+object (:meth:`~obsckpt.CheckpointCoordinator.save_state_dict_async`). Imports
+neither verl nor boto3 at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from obsckpt import layout
+from obsckpt.store.scratch import prune, scratch_path
+
+logger = logging.getLogger(__name__)
+
+
+def is_url(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is an object URL (``s3://...``), not a local path."""
+    return isinstance(path, str) and "://" in path
+
+
+def join(base: str, *names: str) -> str:
+    """``base/names...``: a URL joined with ``/``, a local path with :func:`os.path.join`."""
+    return "/".join([base.rstrip("/"), *names]) if is_url(base) else os.path.join(base, *names)
+
+
+def save_metadata(
+    coordinator: Any,
+    url: str,
+    step: int,
+    write: Callable[[str], Any],
+) -> bool:
+    """Write a step's small files (HF config, tokenizer, ``fsdp_config.json``) to ``url``.
+
+    ``write(directory)`` writes them into a local scratch directory; each file
+    or directory it wrote is then uploaded as one state-dict save of the step
+    (slot ``hf_metadata``, registered here, so the step's model commits only
+    with them, as on a local root), unless the step is committed already.
+    Returns whether anything was saved.
+    """
+    local = scratch_path(url)
+    os.makedirs(local, exist_ok=True)
+    write(local)
+    names = sorted(os.listdir(local))
+    if not names:
+        prune(local)
+        return False
+    coordinator.link.register_thread_count(step, state_dict_thread_count=1)
+    coordinator.save_sync(
+        lambda: None,
+        step,
+        True,
+        name="hf_metadata",
+        paths=[f"{url}/{name}" for name in names],
+        unless_committed=True,
+    )
+    prune(local)
+    return True
+
+
+def step_of(url: str) -> tuple[str, int] | None:
+    """(root URL, step) of an object URL inside a ``global_step_<N>`` prefix, else None."""
+    from obsckpt.store.s3root import split_step_url
+
+    try:
+        root, step, _ = split_step_url(url.rstrip("/") + "/-")
+    except ValueError:
+        return None
+    return root, step
+
+
+def removable(saved: list[str], max_ckpt_to_keep: int | None) -> tuple[list[str], list[int]]:
+    """``(urls, steps)``: which of ``saved`` (oldest first) retention removes now.
+
+    As for local steps (:func:`obsckpt.integrations.retention.select_for_removal`):
+    never a step the root's pointer names nor a newer one. Nothing is removed when
+    the pointer cannot be read (logged).
+    """
+    from obsckpt.integrations.retention import select_for_removal
+    from obsckpt.store import StoreError
+    from obsckpt.store.s3root import shared_s3_root
+
+    located = step_of(saved[-1]) if saved else None
+    if located is None:
+        return [], []
+    try:
+        pointer = shared_s3_root(located[0]).read_pointer()
+    except (StoreError, ValueError) as exc:
+        logger.error("obsckpt: retention skipped, cannot read the root's pointer: %s", exc)
+        return [], []
+    latest = {kind: None if pointer is None else pointer.step(kind) for kind in layout.KINDS}
+    doomed = select_for_removal(saved, max_ckpt_to_keep, latest, step_of=step_of)
+    return doomed, sorted({located[1] for url in doomed if (located := step_of(url))})
+
+
+def remove_steps(root_of: str, steps: list[int]) -> None:
+    """Remove ``steps``' objects under the root holding ``root_of``, manifest first."""
+    from obsckpt.store.s3root import shared_s3_root
+
+    located = step_of(root_of)
+    if located is not None and steps:
+        shared_s3_root(located[0]).remove_steps(steps)
+
+
+def check_world_size(
+    url: str, listed: set[str], world_size: int, rank: int, kinds: list[str]
+) -> None:
+    """Refuse, by name, a step of objects saved by another number of ranks.
+
+    ``listed`` is the step's manifest paths; ``url`` the manager's prefix in it.
+
+    Raises:
+        FileNotFoundError: a file of ``kinds`` for this job's world size is not listed.
+    """
+    located = step_of(url)
+    if located is None:
+        return
+    sdir = layout.step_location(located[0], located[1])
+    sub = url.rstrip("/")[len(sdir) + 1 :]
+    names = {p[len(sub) + 1 :] for p in listed if p.startswith(sub + "/")} if sub else listed
+    for kind in kinds:
+        if layout.shard_name(kind, world_size, rank) in names:
+            continue
+        sizes = sorted(
+            {
+                int(m.group(2))
+                for n in names
+                if (m := layout.SHARD_RE.match(n)) is not None and m.group(1) == kind
+            }
+        )
+        saved = f"saved by {sizes[0] if len(sizes) == 1 else sizes} ranks" if sizes else "empty"
+        raise FileNotFoundError(
+            f"{url} holds no {kind} shards for {world_size} ranks ({saved}); verl loads "
+            "FSDP shards only at the world size that saved them. Resume with the same "
+            "number of GPUs, or from another committed step"
+        )

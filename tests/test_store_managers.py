@@ -1,0 +1,211 @@
+"""verl's FSDP checkpoint manager (obsckpt's) on an ``s3://`` root, against SeaweedFS.
+
+Two FSDP2 ranks on gloo (Ray actors) train a tiny Llama and save full checkpoints
+straight to the bucket: shards streamed into their objects, the HF metadata and an
+HF export written at a local scratch path and uploaded, each rank's resume record.
+The monitor commits each step on the store; retention removes old steps' objects
+only once a later commit makes them unneeded; a resume loads verified objects only,
+bit for bit, and refuses a flipped byte, an uncommitted step and another world size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import ray
+import torch
+from seaweed import BUCKET, SeaweedServer
+
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout
+from obsckpt.errors import UnverifiedCheckpointError
+from obsckpt.store.s3root import open_s3_root
+from obsckpt.sync.group import free_port
+
+
+@ray.remote
+class S3Rank:
+    def __init__(self, namespace: str, rank: int, port: int) -> None:
+        from workers import cpu_fsdp_group, tiny_fsdp_llama
+
+        from obsckpt.integrations import FSDPCheckpointManager
+
+        torch.set_num_threads(1)
+        self.model = tiny_fsdp_llama(cpu_fsdp_group(rank, 2, port))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.manager = FSDPCheckpointManager(
+            commit_steps=False,  # the test submits each step, as the trainer does
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=None,
+            checkpoint_config={
+                "save_contents": ["model", "optimizer", "extra"],
+                "load_contents": ["model", "optimizer", "extra"],
+            },
+            ray_namespace=namespace,
+        )
+
+    def train(self, step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        torch.rand(1)
+
+    def save(self, path: str, step: int, keep: int | None, hdfs: str | None = None) -> dict:
+        from obsckpt.resume import ResumeRecord
+
+        counts = self.manager.save_checkpoint(
+            path, hdfs, global_step=step, max_ckpt_to_keep=keep, save_as_hf=step == 2
+        )
+        self.manager.save_resume_record(ResumeRecord.capture(step, data={"at": step}))
+        self.manager.wait_on_save_thread(timeout=120)
+        return counts
+
+    def weights(self) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        return {
+            n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            for n, p in self.model.named_parameters()
+        }
+
+    def load(self, path: str) -> int:
+        self.manager.load_checkpoint(path)
+        return self.manager.restore_resume_record(path).data["at"]
+
+
+def _commit(monitor, step: int) -> None:
+    asyncio.run(CheckpointCoordinator(monitor).register_and_monitor(step, is_state_dict=False))
+
+
+def test_fsdp_manager_saves_commits_and_resumes_on_s3(namespace, seaweed_server: SeaweedServer):
+    root = f"s3://{BUCKET}/verl/{uuid.uuid4().hex[:12]}"
+    store = open_s3_root(root)
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace, default_local_dir=root, metrics_port=None
+    )
+    ray.get(monitor.status.remote())
+    port = free_port()
+    ranks = [S3Rank.remote(namespace, r, port) for r in range(2)]
+
+    def both(method, *args):
+        return ray.get([getattr(r, method).remote(*args) for r in ranks])
+
+    def actor(step: int) -> str:
+        return layout.step_location(root, step, "actor")
+
+    for step in (1, 2, 3):
+        both("train", step)
+        # Step 3 as verl's trainer passes it with default_hdfs_dir on S3: a local path
+        # (never written) and the S3 one, where the files go.
+        where = ("/nonexistent/local/actor", actor(step)) if step == 3 else (actor(step), None)
+        counts = both("save", where[0], step, 1, where[1])
+        assert counts[1] == {"state_dict": 1, "checkpoint": 2}
+        _commit(monitor, step)
+        assert store.committed("checkpoint") == step
+    assert not os.path.exists("/nonexistent")
+    saved = both("weights")[0]
+
+    listed = {r.path for r in store.committed_records(3)}
+    for rank in (0, 1):
+        for kind in ("model", "optim", "extra_state"):
+            assert f"actor/{kind}_world_size_2_rank_{rank}.pt" in listed
+        assert f"resume/rank_{rank}.pt" in listed
+    assert {"actor/fsdp_config.json", "actor/huggingface/config.json"} <= listed
+    # The HF export of step 2 went through the scratch path: uploaded, listed, and gone
+    # from local disk.
+    exported = {r.path for r in store.committed_records(2)}
+    assert any(p.startswith("actor/huggingface/model") for p in exported), sorted(exported)
+    from obsckpt.store.scratch import scratch_path
+
+    assert not os.path.exists(scratch_path(actor(2)))
+    # max_ckpt_to_keep=1: step 1's objects went once step 2 was committed (at step 3's save).
+    assert store.steps() == [2, 3]
+    assert store.manifest(1) is None
+
+    both("train", 4)
+    assert both("load", actor(3)) == [3, 3]
+    resumed = both("weights")[0]
+    assert all(torch.equal(saved[n], resumed[n]) for n in saved)
+
+    # A step with no commit is refused, on every rank.
+    with pytest.raises(UnverifiedCheckpointError, match="step 7"):
+        both("load", actor(7))
+
+    # One flipped byte in a committed shard: refused before anything is deserialised.
+    key = store.step_key(3, "actor/model_world_size_2_rank_1.pt")
+    blob = store.client.read(key)
+    flipped = bytearray(blob.data)
+    flipped[len(flipped) // 2] ^= 0x01
+    store.client.put(key, bytes(flipped))
+    with pytest.raises(UnverifiedCheckpointError, match="model_world_size_2_rank_1.pt"):
+        both("load", actor(3))
+
+
+@pytest.mark.parametrize(
+    "kind,where", [("legacy", "default_hdfs_dir"), ("v1", "default_local_dir")]
+)
+def test_verl_trainer_saves_and_resumes_on_s3(
+    kind, where, ray_cluster, seaweed_server: SeaweedServer, tmp_path, monkeypatch
+):
+    """verl's own trainer code with its checkpoints on S3: ``default_hdfs_dir`` set to an
+    ``s3://`` URL (the local directory verl also names receives nothing), or
+    ``default_local_dir`` itself an ``s3://`` URL; then verl's resume from the store."""
+    from test_verl_install import VerlWorker, WorkerGroup, make_trainer, params, trainer_class
+    from workers import kill_named
+
+    from obsckpt.integrations import verl_install
+
+    verl_install.patch()
+    Trainer, _ = trainer_class(kind, monkeypatch)
+    root = f"s3://{BUCKET}/trainer/{uuid.uuid4().hex[:12]}"
+    local = tmp_path / "ckpt"
+    monkeypatch.chdir(tmp_path)  # a URL taken for a relative path would show up here
+
+    def new_trainer(actor_wg=None, critic_wg=None):
+        trainer = make_trainer(local, actor_wg, critic_wg, v1=kind == "v1")
+        trainer.config.trainer[where] = root
+        return trainer
+
+    trainer = new_trainer()
+    monitor = verl_install.monitor_for(trainer)
+    store = open_s3_root(root)
+    try:
+        assert ray.get(monitor.checkpoint_root.remote()) == root
+        actor = [VerlWorker.remote("actor", r, 2, port) for port in [free_port()] for r in (0, 1)]
+        critic = [VerlWorker.remote("critic", 0, 1, free_port())]
+        workers = actor + critic
+        trainer.actor_rollout_wg, trainer.critic_wg = WorkerGroup(actor), WorkerGroup(critic)
+        for step in (1, 2):
+            ray.get([w.train.remote(step) for w in workers])
+            trainer.global_steps = step
+            trainer.train_dataloader.position = step
+            Trainer._save_checkpoint(trainer)
+            assert verl_install.wait_for_commit(trainer, timeout=120) == step
+        saved_actor, _, saved_critic = params(workers)
+        listed = {r.path for r in store.committed_records(2)}
+        for name in (
+            "data.pt",
+            "actor/model_world_size_2_rank_1.pt",
+            "critic/optim_world_size_1_rank_0.pt",
+            "critic/huggingface/config.json",
+        ):
+            assert name in listed, (name, sorted(listed))
+        assert store.committed("checkpoint") == 2
+        assert not local.exists() and not (tmp_path / "s3:").exists()
+        assert sorted(os.listdir(tmp_path)) == []
+
+        ray.get([w.train.remote(3) for w in workers])
+        resumed = new_trainer(WorkerGroup(actor), WorkerGroup(critic))
+        Trainer._load_checkpoint(resumed)
+        assert resumed.global_steps == 2
+        assert resumed.train_dataloader.position == 2
+        now = params(workers)
+        for saved, current in zip((saved_actor, saved_actor, saved_critic), now, strict=True):
+            assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
+    finally:
+        kill_named(monitor, "checkpoint_monitor")
