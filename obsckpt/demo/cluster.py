@@ -19,13 +19,15 @@ from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
 
 from obsckpt.demo.config import DemoConfig, ModelSpec
 from obsckpt.demo.signals import StartupStopped, own_session
+from obsckpt.store.uri import is_remote
 
 # Every variable of the OpenTelemetry SDK starts so; the workers get them all.
 OTEL_PREFIX = "OTEL_"
 
 
 def otel_env(cfg: DemoConfig) -> tuple[dict[str, str], str | None]:
-    """The ``OTEL_*`` variables the job's processes get, and where traces go.
+    """The ``OTEL_*`` variables the job's processes get (and ``AWS_*`` ones for an ``s3://``
+    root), and where traces go.
 
     ``--otlp-endpoint`` is put into this process's environment as the SDK's
     variables (so ``tracing.requested()`` here sees it); every ``OTEL_*`` variable
@@ -35,7 +37,10 @@ def otel_env(cfg: DemoConfig) -> tuple[dict[str, str], str | None]:
     if cfg.otlp_endpoint:
         os.environ[OTEL_EXPORTER_OTLP_ENDPOINT] = cfg.otlp_endpoint
         os.environ.setdefault(OTEL_TRACES_EXPORTER, "otlp")
-    env = {k: v for k, v in os.environ.items() if k.startswith(OTEL_PREFIX)}
+    # With an s3:// --ckpt-dir the standard AWS settings reach the workers too: every
+    # rank writes to the store.
+    prefixes = (OTEL_PREFIX, "AWS_") if is_remote(cfg.ckpt_dir) else (OTEL_PREFIX,)
+    env = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
     return env, env.get(OTEL_EXPORTER_OTLP_ENDPOINT) or env.get(OTEL_TRACES_EXPORTER)
 
 
@@ -99,7 +104,12 @@ def start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> None:
 
 
 def start_actors(
-    cfg: DemoConfig, namespace: str, device: str, env: dict[str, str], root: Path, actors: list
+    cfg: DemoConfig,
+    namespace: str,
+    device: str,
+    env: dict[str, str],
+    root: Path | str,
+    actors: list,
 ) -> tuple[list[Any], Any, Any, dict[str, Any]]:
     """Start the job's actors, each added to ``actors`` as it is created (so a start-up
     cut short shuts down the ones it has)."""

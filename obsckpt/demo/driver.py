@@ -15,10 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
-from obsckpt.demo.root import committed_on_disk
+from obsckpt.demo.root import committed_on_disk, demo_root
 from obsckpt.demo.signals import STOP_SIGNALS, signal_name, stop_reason
 from obsckpt.errors import CliError
 from obsckpt.options import OBSCKPT_DEMO_DRIVER
@@ -91,7 +90,7 @@ def run_detached(ckpt_dir: str, err: TextIO) -> int:
             f"obsckpt demo: the job did not stop within {KILL_AFTER_S} s of "
             f"{signal_name(stopped_by)}; killed it\n"
         )
-    committed = committed_on_disk(Path(ckpt_dir).expanduser())["checkpoint"]
+    committed = committed_on_disk(demo_root(ckpt_dir))["checkpoint"]
     err.write(
         f"demo {stop_reason(stopped_by)}: committed checkpoint "
         f"{'none' if committed is None else committed}, "

@@ -42,7 +42,7 @@ from obsckpt.demo.loop import Job, drain, report, sync, train
 from obsckpt.demo.plan import plan_line, resolve_plan
 from obsckpt.demo.progress import Progress
 from obsckpt.demo.resume_check import check_resume, final_digest, kill_targets, load_reference
-from obsckpt.demo.root import committed_on_disk, prepare_root
+from obsckpt.demo.root import committed_on_disk, demo_root, prepare_root
 from obsckpt.demo.signals import StartupStopped, StopSignals, stop_reason
 from obsckpt.errors import DemoError, StateDictLoadError
 from obsckpt.monitor_link import one_line
@@ -86,8 +86,7 @@ def run_demo(
         if stop.signum is not None:
             # Not the monitor's word: what the iteration files name once it is gone (a
             # commit it had under way when the run stopped may have landed since).
-            root = Path(result.root or cfg.ckpt_dir).expanduser()
-            result.committed = committed_on_disk(root)
+            result.committed = committed_on_disk(demo_root(result.root or cfg.ckpt_dir))
         result.elapsed_s = time.monotonic() - t_start
 
 
@@ -224,7 +223,7 @@ DASHBOARD_HINT = (
 
 
 def _start_monitor(
-    cfg: DemoConfig, namespace: str, root: Path, progress: Progress, result: DemoResult
+    cfg: DemoConfig, namespace: str, root: Path | str, progress: Progress, result: DemoResult
 ) -> Any:
     """The job's CheckpointMonitor actor, serving /metrics (and file_sd) as asked.
 
@@ -262,7 +261,7 @@ def _start_monitor(
 
 def _resume(
     cfg: DemoConfig,
-    root: Path,
+    root: Path | str,
     resumed: int,
     state_dict_step: int | None,
     actors: tuple[list[Any], Any, Any],

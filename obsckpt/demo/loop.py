@@ -43,7 +43,7 @@ class Job:
     kill_targets: list[tuple[str, int]] = field(default_factory=list)
 
 
-def train(cfg: DemoConfig, root: Path, resumed: int, job: Job, *, retrained: int) -> None:
+def train(cfg: DemoConfig, root: Path | str, resumed: int, job: Job, *, retrained: int) -> None:
     """Train steps ``resumed + 1`` on; with checkpoint sync, steps up to ``retrained``
     have a committed state dict already: they save none and sync nothing.
 

@@ -16,12 +16,20 @@ from pathlib import Path
 
 from obsckpt import commit, layout, reader, rootlock
 from obsckpt.demo.config import MARKER, DemoConfig, ModelSpec
+from obsckpt.demo.store_root import (
+    committed_in_store,
+    prepare_store_root,
+    rotate_store_state_dicts,
+)
 from obsckpt.errors import CheckpointDirError, DemoError, IterationFileError, RootInUseError
+from obsckpt.store.uri import is_remote
 
-__all__ = ["MARKER", "committed_on_disk", "prepare_root", "rotate_state_dicts"]
+__all__ = ["MARKER", "committed_on_disk", "demo_root", "prepare_root", "rotate_state_dicts"]
 
 
-def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, int, int | None]:
+def prepare_root(
+    cfg: DemoConfig, say, *, dry_run: bool = False
+) -> tuple[Path | str, int, int | None]:
     """Create or check the checkpoint root.
 
     The demo removes checkpoints as it runs (it starts over without --resume,
@@ -38,6 +46,8 @@ def prepare_root(cfg: DemoConfig, say, *, dry_run: bool = False) -> tuple[Path, 
         The root, the committed checkpoint to resume after (0: none) and, with
         --resume, the committed state-dict step (None: none).
     """
+    if is_remote(cfg.ckpt_dir):
+        return prepare_store_root(cfg, say, dry_run=dry_run)
     root = Path(cfg.ckpt_dir).expanduser().resolve()
     _ensure_root(root)
     # Before anything is removed: a running job's steps are not this demo's to clear
@@ -175,13 +185,17 @@ def _clear(root: Path, steps: list[int], *, iteration_files: bool = True) -> Non
         shutil.rmtree(layout.step_dir(root, step), ignore_errors=True)
 
 
-def rotate_state_dicts(root: Path, full_steps: list[int], latest: dict[str, int | None]) -> None:
+def rotate_state_dicts(
+    root: Path | str, full_steps: list[int], latest: dict[str, int | None]
+) -> None:
     """Remove state-dict-only steps below both committed steps (checkpoint sync leaves one a step).
 
     Full checkpoints are the manager's to keep or remove (``max_ckpt_to_keep``):
     this run's (``full_steps``) and, after --resume, an earlier run's, told by
     their optimizer files.
     """
+    if is_remote(root):
+        return rotate_store_state_dicts(os.fspath(root), full_steps, latest)
     if any(s is None for s in latest.values()):
         return
     floor = min(latest.values())
@@ -196,8 +210,16 @@ def _is_full_checkpoint(root: Path, step: int) -> bool:
     return any(any(model.glob(prefix + "*")) for prefix in layout.FULL_CHECKPOINT_PREFIXES)
 
 
-def committed_on_disk(root: Path) -> dict[str, int | None]:
-    """The steps the iteration files name (None: no file, or one that cannot be read)."""
+def demo_root(text: str) -> Path | str:
+    """``--ckpt-dir`` as the demo keeps it: a local path (``~`` expanded) or an ``s3://`` URL."""
+    return text if is_remote(text) else Path(text).expanduser()
+
+
+def committed_on_disk(root: Path | str) -> dict[str, int | None]:
+    """The steps the iteration files name (None: no file, or one that cannot be read);
+    for an ``s3://`` root, the steps its pointer names."""
+    if is_remote(root):
+        return committed_in_store(os.fspath(root))
     latest: dict[str, int | None] = {}
     for kind in layout.KINDS:
         try:

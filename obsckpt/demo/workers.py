@@ -195,7 +195,7 @@ class TrainerRank:
             weight_version=weight_version,
             user={"tokens_seen": self.tokens_seen, "loss_sum": self.loss_sum},
         )
-        path = str(layout.model_dir(root, step))
+        path = layout.step_location(root, step, layout.MODEL_SUBDIR)
         # The manager's saves take the current context: make it the step's trace.
         token = tracing.attach(trace_context)
         try:
@@ -212,7 +212,7 @@ class TrainerRank:
         """Start a state-dict save (this rank's model shard) of ``step``; returns how many."""
         from obsckpt.telemetry import tracing
 
-        path = str(layout.model_dir(root, step))
+        path = layout.step_location(root, step, layout.MODEL_SUBDIR)
         token = tracing.attach(trace_context)
         try:
             return self.manager.save_state_dict(path, global_step=step)
@@ -232,7 +232,7 @@ class TrainerRank:
         """Load ``step``'s checkpoint and restore its resume record; returns its weight version."""
         from obsckpt.resume import restore_resume_record
 
-        path = str(layout.model_dir(root, step))
+        path = layout.step_location(root, step, layout.MODEL_SUBDIR)
         self.manager.load_checkpoint(path)
         # After verl's load, which sets the RNGs from its extra state: the record's win.
         record = restore_resume_record(root, step, self.rank, data_loader=self.data)
