@@ -223,7 +223,7 @@ class CheckpointCoordinator:
         self._check_targets(files, name, global_step, is_state_dict, part, parts)
         job = self._job(name, global_step, is_state_dict, part, parts, unless_committed)
         root = self._link.checkpoint_root() if files else None
-        self._submit(job, lambda: run_and_record(save_fn, files, root), trace_context)
+        self._submit(job, lambda: run_and_record(save_fn, files, root, self.rank), trace_context)
 
     def save_sync(
         self,
@@ -263,7 +263,7 @@ class CheckpointCoordinator:
         )
         carrier = trace_context if trace_context is not None else tracing.inject()
         root = self._link.checkpoint_root() if files else None
-        job.run(lambda: run_and_record(save_fn, files, root), carrier, 0.0)
+        job.run(lambda: run_and_record(save_fn, files, root, self.rank), carrier, 0.0)
         return job.result()
 
     def save_state_dict_async(

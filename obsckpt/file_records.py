@@ -138,12 +138,16 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 def run_and_record(
-    save_fn: Callable[[], Any], paths: list[str] | None, root: str | None = None
+    save_fn: Callable[[], Any],
+    paths: list[str] | None,
+    root: str | None = None,
+    rank: int | None = None,
 ) -> list[FileRecord]:
     """Run ``save_fn``, then make what it wrote under ``paths`` durable and checksum it.
 
     With an ``s3://`` ``root``, ``paths`` are object URLs: ``save_fn`` writes at
-    their scratch paths and the files are uploaded (see :mod:`obsckpt.store.scratch`).
+    their scratch paths (of ``rank``) and the files are uploaded (see
+    :mod:`obsckpt.store.scratch`).
 
     A path that is a directory stands for every file under it (temp files of
     unfinished writes excepted); its directories are fsynced too.
@@ -152,7 +156,7 @@ def run_and_record(
         FileNotFoundError: a path in ``paths`` was not written.
     """
     if root is not None and is_remote(root):
-        return run_and_upload(save_fn, paths, shared_s3_root(root))
+        return run_and_upload(save_fn, paths, shared_s3_root(root), rank)
     save_fn()
     if not paths:
         return []

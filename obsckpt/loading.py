@@ -503,9 +503,8 @@ def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) 
         )
     if step is _ANY_STEP:
         return load(f, map_location=map_location)
-    if isinstance(step, CommittedObjects):
-        return step.torch_load(os.fspath(f), map_location)
-    assert isinstance(step, CommittedStep)
+    if not isinstance(step, CommittedStep):  # CommittedObjects, or a verified local copy
+        return step.torch_load(os.fspath(f), map_location)  # type: ignore[attr-defined]
     inside = os.path.abspath(f).startswith(os.fspath(step.dir) + os.sep)
     if not inside:
         raise UnverifiedCheckpointError(
@@ -518,7 +517,9 @@ def _verified_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) 
 @contextlib.contextmanager
 def verified_torch_load(
     path: str | os.PathLike | None = None,
-) -> Iterator[CommittedStep | CommittedObjects | None]:
+    *,
+    step: Any = None,
+) -> Iterator[Any]:
     """Send this thread's ``torch.load`` calls through :meth:`CommittedStep.torch_load`.
 
     For code that calls ``torch.load`` itself (verl's managers and trainer, with
@@ -527,11 +528,13 @@ def verified_torch_load(
     whichever committed step holds the file, for a loader that picks its step
     itself), is checked against the manifest and is loaded with
     ``weights_only=True``. ``path`` may be in a step of an ``s3://`` root: the
-    loads then name its objects' URLs. Other threads' loads are untouched.
+    loads then name its objects' URLs. ``step`` instead of ``path``: an object
+    with a ``torch_load(path, map_location)`` that checks and loads (a verified
+    local copy of a step, see :mod:`obsckpt.integrations.object_steps`). Other
+    threads' loads are untouched.
     """
     global _patch_users
-    step: CommittedStep | CommittedObjects | None = None
-    if path is not None:
+    if step is None and path is not None:
         remote = isinstance(path, str) and path.startswith("s3://")
         step = CommittedObjects.of(path) if remote else CommittedStep.of(path)
     previous = getattr(_scope, "step", None)

@@ -122,7 +122,7 @@ def test_fsdp_manager_saves_commits_and_resumes_on_s3(namespace, seaweed_server:
     assert any(p.startswith("actor/huggingface/model") for p in exported), sorted(exported)
     from obsckpt.store.scratch import scratch_path
 
-    assert not os.path.exists(scratch_path(actor(2)))
+    assert not os.path.exists(scratch_path(actor(2), 0))
     # max_ckpt_to_keep=1: step 1's objects went once step 2 was committed (at step 3's save).
     assert store.steps() == [2, 3]
     assert store.manifest(1) is None
@@ -271,3 +271,92 @@ def test_demo_on_s3(ray_cluster, seaweed_server: SeaweedServer):
             handle_signals=False,
         )
     assert open_s3_root(foreign).client.read(open_s3_root(foreign).key("notes.txt")) is not None
+
+
+class TestMegatronOnS3:
+    """The Megatron helpers on an ``s3://`` root, against a stand-in engine (Megatron-core
+    cannot be installed here; see tests/test_verl_megatron.py): each rank's files are
+    written at a scratch path of its own and uploaded; a load downloads the committed
+    files under the path, each checked against the manifest, and loads from there."""
+
+    def _manager(self, monitor, rank: int):
+        from test_verl_megatron import FakeMcoreEngine, VerlLikeMegatronManager
+
+        from obsckpt.integrations import MegatronCheckpointManager
+
+        engine = FakeMcoreEngine(rank=rank, world_size=2)
+        manager = MegatronCheckpointManager(
+            engine=engine,
+            base_class=VerlLikeMegatronManager,
+            monitor=monitor,
+            commit_steps=False,
+        )
+        return engine, manager
+
+    def test_save_commit_retention_and_load(
+        self, namespace, seaweed_server: SeaweedServer, tmp_path, monkeypatch
+    ):
+        from obsckpt.store.scratch import SCRATCH_ENV, scratch_base
+
+        monkeypatch.setenv(SCRATCH_ENV, str(tmp_path / "scratch"))
+        root = f"s3://{BUCKET}/megatron/{uuid.uuid4().hex[:12]}"
+        store = open_s3_root(root)
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=root, metrics_port=None
+        )
+        ray.get(monitor.status.remote())
+        ranks = [self._manager(monitor, r) for r in (0, 1)]  # two ranks on one node
+        for step in (1, 2, 3):
+            for _, manager in ranks:
+                counts = manager.save_checkpoint(
+                    layout.step_location(root, step, "actor"), None, step, 1
+                )
+                assert counts == {"state_dict": 0, "checkpoint": 1}
+            if step < 3:  # step 3 is saved but never submitted
+                _commit(monitor, step)
+        listed = {r.path for r in store.committed_records(2)}
+        assert {"actor/model_0.pt", "actor/model_1.pt", "actor/optim_1.pt"} <= listed
+        assert store.steps() == [2, 3]  # max_ckpt_to_keep=1: step 1 went after 2 committed
+        assert not any(files for _, _, files in os.walk(scratch_base()))
+
+        engine, manager = ranks[1]
+        saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1)
+        with pytest.raises(UnverifiedCheckpointError, match="step 3"):
+            manager.load_checkpoint(layout.step_location(root, 3, "actor"))
+        manager.load_checkpoint(layout.step_location(root, 2, "actor"))
+        assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+        assert not any(files for _, _, files in os.walk(scratch_base()))  # the copy is gone
+
+        # An object replaced after the commit: refused while downloading, nothing loaded.
+        key = store.step_key(2, "actor/optim_0.pt")
+        store.client.put(key, b"not what was committed")
+        with pytest.raises(UnverifiedCheckpointError, match="optim_0.pt"):
+            manager.load_checkpoint(layout.step_location(root, 2, "actor"))
+
+    def test_checkpoint_sync_saves_each_ranks_part(self, namespace, seaweed_server):
+        from obsckpt.integrations import megatron_save_state_dict
+
+        root = f"s3://{BUCKET}/megatron/{uuid.uuid4().hex[:12]}"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=root, metrics_port=None
+        )
+        ray.get(monitor.status.remote())
+        path = layout.step_location(root, 5, "actor")
+        for rank in (0, 1):
+            engine, _ = self._manager(monitor, rank)
+            coord = CheckpointCoordinator(monitor, rank=rank)
+            megatron_save_state_dict(engine, path, 5, coord)
+        asyncio.run(
+            CheckpointCoordinator(monitor).register_and_monitor(
+                5, is_state_dict=True, state_dict_thread_count=1
+            )
+        )
+        store = open_s3_root(root)
+        assert store.committed("state_dict") == 5
+        assert {r.path for r in store.committed_records(5)} == {
+            "actor/model_0.pt",
+            "actor/model_1.pt",
+        }

@@ -81,13 +81,18 @@ def submit(
     (rank 0 submits), and remember it: a load of it here waits for its commit
     (:func:`wait_for_saved_step`). A step a trainer submits is not remembered:
     whether it will commit is the trainer's to know."""
-    root = os.path.realpath(coordinator.link.checkpoint_root())
+    root = _root_key(coordinator.link.checkpoint_root())
     with _lock:
         if _saved.get((root, step)) != "checkpoint":
             _saved[(root, step)] = kind
     barrier()
     if rank == 0:
         coordinator.link.monitor_step(step, is_state_dict=kind == "state_dict", trace_context=None)
+
+
+def _root_key(root: str) -> str:
+    """A root as :data:`_saved` keys it: a URL as it is, a directory resolved."""
+    return root.rstrip("/") if "://" in root else os.path.realpath(root)
 
 
 def wait_for_saved_step(
@@ -104,12 +109,17 @@ def wait_for_saved_step(
             within ``timeout`` seconds (default ``OBSCKPT_VERL_COMMIT_TIMEOUT_S`` or 1800),
             naming the step and why.
     """
-    located = layout.step_of_path(os.path.abspath(local_path))
+    if "://" in local_path:
+        from obsckpt.integrations.object_steps import step_of
+
+        located: tuple[Any, int] | None = step_of(local_path)
+    else:
+        located = layout.step_of_path(os.path.abspath(local_path))
     if located is None:
         return None
     root, step = located
     with _lock:
-        kind = _saved.get((os.path.realpath(root), step))
+        kind = _saved.get((_root_key(os.fspath(root)), step))
     if kind is None:
         return None
     timeout = from_env_if_absent(

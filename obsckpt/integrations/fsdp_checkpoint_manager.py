@@ -372,12 +372,12 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             )
             if wanted
         ]
+        # A step this process saved: its commit may still be on its way.
+        alone.wait_for_saved_step(self.coordinator, local_path)
         if object_steps.is_url(local_path):
             listed = loading.CommittedObjects.of(local_path).paths()
             object_steps.check_world_size(local_path, listed, self.world_size, self.rank, kinds)
         else:
-            # A step this process saved: its commit may still be on its way.
-            alone.wait_for_saved_step(self.coordinator, local_path)
             # Only lists names; the load below verifies the files.
             check_world_size(local_path, self.world_size, self.rank, kinds)
         with loading.verified_torch_load(local_path):
@@ -589,9 +589,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             else:
                 drop_tied_target_keys(state_dict, empty, config)
             if remote:  # written at the URL's scratch path, then uploaded (see save_async)
-                empty.save_pretrained(scratch_path(hf_dir), state_dict=state_dict)
+                empty.save_pretrained(scratch_path(hf_dir, self.rank), state_dict=state_dict)
                 if processing_class is not None:
-                    processing_class.save_pretrained(scratch_path(hf_dir))
+                    processing_class.save_pretrained(scratch_path(hf_dir, self.rank))
                 return
             # Written aside, then each file renamed into place: a crash never leaves a torn
             # file in huggingface/, and a file the step's manifest lists (committed with

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from obsckpt import loading
-from obsckpt.integrations import alone, verl_install
+from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
@@ -106,20 +106,23 @@ def megatron_save_state_dict(
     if already_committed(coordinator, global_step, log):
         return 0
     rank, world = dist_rank(engine), dist_world_size(engine)
-    # Megatron writes local_path in place, shared by every rank (so not paths=).
+    # Megatron writes local_path in place, shared by every rank (so not paths=); on an
+    # s3:// root each rank writes at its scratch path, uploaded after the save.
     coordinator.check_targets(
         [local_path], global_step, True, name=MODEL_SLOT, part=rank, parts=world
     )
+    where, paths = object_steps.written_at(local_path, coordinator.rank)
 
     def save() -> None:
         with model_contents_only(manager):
-            engine.save_checkpoint(local_path, global_step=global_step)
+            engine.save_checkpoint(where, global_step=global_step)
 
     written = coordinator.save_sync(
         save,
         global_step,
         is_state_dict=True,
         name=MODEL_SLOT,
+        paths=paths,
         trace_context=trace_context,
         part=rank,
         parts=world,
@@ -362,12 +365,12 @@ class MegatronCheckpointManager:
                 global_step, state_dict_thread_count=0, checkpoint_thread_count=1
             )
             self.coordinator.check_targets([local_path], global_step, name="megatron_checkpoint")
+            where, paths = object_steps.written_at(local_path, self.coordinator.rank)
             written = self.coordinator.save_sync(
-                lambda: self.base.save_checkpoint(
-                    local_path, hdfs_path, global_step, None, **kwargs
-                ),
+                lambda: self.base.save_checkpoint(where, hdfs_path, global_step, None, **kwargs),
                 global_step,
                 name="megatron_checkpoint",
+                paths=paths,
                 unless_committed=True,
             )
         if getattr(self.base, "rank", 0) == 0:
@@ -395,6 +398,16 @@ class MegatronCheckpointManager:
         """
         self.coordinator.wait_all()
         alone.wait_for_saved_step(self.coordinator, local_path)  # saved here: its commit
+        if object_steps.is_url(local_path):  # downloaded, verified, then loaded from there
+            copy = object_steps.VerifiedCopy(
+                local_path, object_steps.scratch_path(local_path, self.coordinator.rank)
+            )
+            try:
+                copy.fetch()
+                with loading.verified_torch_load(step=copy):
+                    return self.base.load_checkpoint(copy.dir, *args, **kwargs)
+            finally:
+                copy.remove()
         with loading.verified_torch_load(local_path) as step:
             step.verify_all(local_path)
             return self.base.load_checkpoint(local_path, *args, **kwargs)
@@ -405,9 +418,13 @@ class MegatronCheckpointManager:
 
         from obsckpt.integrations.retention import removable
 
-        doomed, step_dirs = removable(self.saved_paths, max_ckpt_to_keep)
-        for step_dir in step_dirs:
-            shutil.rmtree(step_dir, ignore_errors=True)
+        if self.saved_paths and object_steps.is_url(self.saved_paths[-1]):
+            doomed, steps = object_steps.removable(self.saved_paths, max_ckpt_to_keep)
+            object_steps.remove_steps(self.saved_paths[-1], steps)
+        else:
+            doomed, step_dirs = removable(self.saved_paths, max_ckpt_to_keep)
+            for step_dir in step_dirs:
+                shutil.rmtree(step_dir, ignore_errors=True)
         self.saved_paths = [p for p in self.saved_paths if p not in doomed]
         return doomed
 

@@ -105,7 +105,7 @@ def upload_data_file(trainer: Any, link: Any, root: str, step: int, obj: Any, sa
     save(obj, buffer)
 
     def write() -> None:
-        local = scratch_path(url)
+        local = scratch_path(url, coordinator.rank)
         os.makedirs(os.path.dirname(local), exist_ok=True)
         with open(local, "wb") as f:
             f.write(buffer.getvalue())

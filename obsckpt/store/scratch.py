@@ -36,22 +36,26 @@ def scratch_base() -> str:
     return os.environ.get(SCRATCH_ENV) or os.path.join(tempfile.gettempdir(), "obsckpt-scratch")
 
 
-def scratch_path(url: str) -> str:
-    """The local path a save function writes for the object (or prefix) ``url``.
+def scratch_path(url: str, rank: int | None = None) -> str:
+    """The local path a save function of ``rank`` (its coordinator's rank; None for a
+    process without one) writes for the object (or prefix) ``url``.
 
-    The same URL always maps to the same path on a node, so a save function can
-    be built before the save runs. A local path is returned as it is.
+    The same URL and rank always map to the same path on a node, so a save
+    function can be built before the save runs; ranks on one node get paths of
+    their own (several ranks write files under one prefix, as Megatron's
+    distributed checkpoint does). A local path is returned as it is.
     """
     target = parse_root(url, what="path")
     if not target.is_remote:
         return os.fspath(url)
-    return os.path.join(scratch_base(), target.bucket, *target.prefix.split("/"))
+    owner = "driver" if rank is None else f"rank-{rank}"
+    return os.path.join(scratch_base(), owner, target.bucket, *target.prefix.split("/"))
 
 
 def run_and_upload(
-    save_fn: Callable[[], Any], urls: list[str] | None, store: Any
+    save_fn: Callable[[], Any], urls: list[str] | None, store: Any, rank: int | None = None
 ) -> list[FileRecord]:
-    """Run ``save_fn``, then upload what it wrote at each URL's scratch path.
+    """Run ``save_fn``, then upload what it wrote at each URL's scratch path (of ``rank``).
 
     ``store`` is the root's :class:`~obsckpt.store.s3root.S3Root`; each URL is in
     one of its steps (checked before the save started). Returns the records of
@@ -62,7 +66,7 @@ def run_and_upload(
         FileNotFoundError: ``save_fn`` wrote nothing at a URL's scratch path.
         StoreError: an upload failed (its object is not left half-written).
     """
-    scratches = [scratch_path(u) for u in urls or []]
+    scratches = [scratch_path(u, rank) for u in urls or []]
     try:
         save_fn()
         jobs: list[tuple[str, int, str]] = []
@@ -83,7 +87,7 @@ def run_and_upload(
                 raise FileNotFoundError(
                     f"{url} is named in paths= but the save function wrote nothing at its "
                     f"local scratch path {local} (an s3:// root's saves write there, see "
-                    "obsckpt.scratch_path); name only what the save writes"
+                    "obsckpt.scratch_path(url, coordinator.rank)); name only what the save writes"
                 )
         if not jobs:
             return []
