@@ -71,7 +71,11 @@ def open_store(url: str) -> S3Root:
 def status(store: S3Root) -> dict[str, Any]:
     """The root's state, as ``obsckpt status --json`` prints it."""
     pointer = store.read_pointer()
-    latest = {k: store.committed(k) for k in layout.KINDS}
+    latest = (
+        {k: pointer.step(k) for k in layout.KINDS}
+        if pointer is not None
+        else store.committed_steps()
+    )
     problems: list[str] = []
     for kind in layout.KINDS:
         blob = store.client.read(store.key(layout.ITERATION_FILES[kind]))
@@ -125,7 +129,8 @@ def format_status(st: dict[str, Any]) -> str:
 def verify(store: S3Root, *, step: int | None, every: bool) -> list[dict[str, Any]]:
     """Results of checking steps (the latest committed, ``step`` or ``every`` one), in
     :func:`obsckpt.inspection.verify_one`'s shape."""
-    latest = {k: store.committed(k) for k in layout.KINDS}
+    latest = store.committed_steps()
+    newest_committed = max((v for v in latest.values() if v is not None), default=None)
     if every:
         steps = store.steps()
     elif step is not None:
@@ -142,7 +147,16 @@ def verify(store: S3Root, *, step: int | None, every: bool) -> list[dict[str, An
         except ValueError as exc:
             records, problems = [], [str(exc)]
         else:
-            problems = store.verify_step(s) if records is not None else []
+            if records is None:
+                problems = []
+            elif newest_committed is None or s > newest_committed:
+                problems = [
+                    f"{store.url_of(store.step_key(s))}: step {s} has a manifest but the "
+                    "root's pointer has not reached it; its commit did not finish, so it is "
+                    "not committed"
+                ]
+            else:  # the manifest just read, not read again
+                problems = store.verify_step(s, records=records)
         on_disk = bool(records) or store.has_objects(s)
         if records is None:
             result = "unverifiable" if on_disk else "failed"

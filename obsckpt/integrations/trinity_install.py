@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from obsckpt import layout
-from obsckpt.errors import UnverifiedCheckpointError
+from obsckpt.errors import UnsupportedStoreError, UnverifiedCheckpointError
 from obsckpt.integrations._rebind import Rebinder, with_setup_hook, wrap_ray_init
 from obsckpt.integrations._rebind import original as _original
 from obsckpt.loading import CommittedStep
 from obsckpt.monitor import CheckpointMonitor
 from obsckpt.monitor.lifecycle import start_actor
 from obsckpt.options import MonitorOptions
-from obsckpt.store.uri import local_root
+from obsckpt.store.uri import is_remote, local_root
 
 __all__ = [
     "HOOK",
@@ -135,6 +135,14 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
             trinity_given["save_strategy"] = save_strategy
         if default_hdfs_dir is not None:
             trinity_given["default_hdfs_dir"] = default_hdfs_dir
+        if is_remote(default_local_dir):
+            raise UnsupportedStoreError(
+                f"checkpoint_job_dir={os.fspath(default_local_dir)!r}: Trinity-RFT writes its "
+                "own job state (the trainer's and explorer's state files) and lists steps "
+                "under checkpoint_job_dir with local file calls, so obsckpt's Trinity switch "
+                "takes a local (shared) directory there; s3:// roots are taken by verl's "
+                "trainer and managers, the monitor and obsckpt demo (docs/storage.md)"
+            )
         # Checked here: from_settings names a refused value among the job's settings.
         root = local_root(default_local_dir)
         options = MonitorOptions.from_settings(root, None, **trinity_given)

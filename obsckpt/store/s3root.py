@@ -26,6 +26,7 @@ from typing import Any
 
 from obsckpt.layout import (
     ITERATION_FILES,
+    KINDS,
     MANIFEST_NAME,
     FileRecord,
     parse_manifest,
@@ -185,12 +186,20 @@ class S3Root:
 
     def committed(self, kind: str) -> int | None:
         """The committed step of ``kind``: the pointer's, else the iteration object's."""
+        return self.committed_steps(kinds=(kind,))[kind]
+
+    def committed_steps(self, kinds: tuple[str, ...] = KINDS) -> dict[str, int | None]:
+        """The committed step of each kind, from one read of the pointer (else the
+        iteration objects, for a root whose pointer is gone)."""
         pointer = self.pointer.read()
         if pointer is not None:
-            return pointer.step(kind)
-        blob = self.client.read(self.key(ITERATION_FILES[kind]))
-        text = None if blob is None else blob.data.strip()
-        return int(text) if text and text.isdigit() else None
+            return {kind: pointer.step(kind) for kind in kinds}
+        out: dict[str, int | None] = {}
+        for kind in kinds:
+            blob = self.client.read(self.key(ITERATION_FILES[kind]))
+            text = None if blob is None else blob.data.strip()
+            out[kind] = int(text) if text and text.isdigit() else None
+        return out
 
     def manifest(self, step: int) -> list[FileRecord] | None:
         """Step ``step``'s manifest records; None when it has no manifest.
@@ -253,13 +262,19 @@ class S3Root:
                 found.add(step)
         return sorted(found)
 
-    def verify_step(self, step: int, *, deep: bool = True) -> list[str]:
+    def verify_step(
+        self, step: int, *, deep: bool = True, records: list[FileRecord] | None = None
+    ) -> list[str]:
         """What is wrong with committed step ``step``: no manifest, a file missing, of another
-        size, or (``deep``) whose CRC32 differs from the manifest's. Empty when whole."""
-        try:
-            records = self.committed_records(step)
-        except ValueError as err:
-            return [str(err)]
+        size, or (``deep``) whose CRC32 differs from the manifest's. Empty when whole.
+
+        ``records``: the step's manifest records, read by a caller that has checked the
+        step is committed (they are not read again)."""
+        if records is None:
+            try:
+                records = self.committed_records(step)
+            except ValueError as err:
+                return [str(err)]
         problems = self.check_reported(step, {r.path: r for r in records})
         if problems or not deep:
             return problems

@@ -76,14 +76,14 @@ class S3Steps:
         return self.store.committed("state_dict")
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
-        from obsckpt.loading import load_object
+        from obsckpt.loading import CommittedObjects
 
-        try:
-            records = self.store.committed_records(step)
+        try:  # the pointer and the manifest are read once, for every shard
+            objects = CommittedObjects(self.store, step, self.store.committed_records(step))
         except ValueError as exc:
             raise UnverifiedCheckpointError(str(exc)) from None
         found: dict[int, dict[int, str]] = {}
-        for rec in records:
+        for rec in objects.records:
             head, _, name = rec.path.rpartition("/")
             match = _SHARD.match(name)
             if head == layout.MODEL_SUBDIR and match is not None:
@@ -102,8 +102,8 @@ class S3Steps:
             )
         shards: dict[int, Mapping[str, Any]] = {}
         for rank in range(world):
-            url = f"{self.store.url_of(self.store.step_key(step, paths[rank]))}"
-            obj = load_object(url, map_location="cpu")
+            url = f"{objects.url}/{paths[rank]}"
+            obj = objects.torch_load(url, map_location="cpu")
             if not isinstance(obj, Mapping):
                 raise StateDictLoadError(f"{url} holds a {type(obj).__name__}, not a state dict")
             if rank == 0 and is_adapter_only(obj):
