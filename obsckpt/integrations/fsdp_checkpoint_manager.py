@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -41,27 +40,23 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed
 
-from obsckpt import commit, layout, loading
+from obsckpt import layout, loading
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import hand_to_synchronizer
-from obsckpt.integrations.fsdp_files import check_world_size, committed_files, hf_model_class
+from obsckpt.integrations.fsdp_files import check_world_size
 from obsckpt.integrations.retention import removable
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
     already_committed,
-    find_processing_class,
-    move_durably,
-    pretrained_generation_config,
     save_hf_metadata,
     unwrap,
     upload_state_dict,
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME, lookup_actor
 from obsckpt.resume import ResumeRecord, restore_resume_record, save_resume_record
-from obsckpt.store.scratch import scratch_path
 from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)
@@ -551,65 +546,11 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         )
 
     def _save_hf_model(self, local_path: str, global_step: int, *, write: bool) -> None:
-        """Gather the full state dict (a collective) and write an HF model on rank 0 in the background.
+        """Gather the full state dict (a collective) and write an HF model on rank 0 in the
+        background (:func:`obsckpt.integrations.fsdp_export.save_hf_model`)."""
+        from obsckpt.integrations.fsdp_export import save_hf_model
 
-        The model class is chosen as verl's own manager chooses it (critic:
-        token classification, actor: causal LM, vision: verl's vision2seq class).
-        """
-        from verl.utils.fsdp_utils import get_fsdp_full_state_dict
-
-        state_dict = get_fsdp_full_state_dict(self.model, offload_to_cpu=True, rank0_only=True)
-        if not write:
-            return
-        model = unwrap(self.model)
-        config = model.config
-        model_cls = hf_model_class(config, model)  # fails here, not in the background
-        remote = object_steps.is_url(local_path)
-        hf_dir = object_steps.join(local_path, layout.HF_SUBDIR)
-        processing_class = self.processing_class or find_processing_class(self)
-        trust_remote_code = getattr(self, "trust_remote_code", False)
-        generation_config = pretrained_generation_config(model)
-
-        def save() -> None:
-            from accelerate import init_empty_weights
-
-            with init_empty_weights():
-                empty = model_cls.from_config(
-                    config, torch_dtype=torch.bfloat16, trust_remote_code=trust_remote_code
-                )
-            empty.to_empty(device="cpu")
-            # save_pretrained writes the model's generation config: the pretrained one, as
-            # save_hf_metadata wrote it, not one derived from the model config.
-            if generation_config is not None and empty.can_generate():
-                empty.generation_config = generation_config
-            try:  # verl >= 0.9: tied weights' duplicate keys are dropped before saving
-                from verl.utils.transformers_compat import drop_tied_target_keys
-            except ImportError:
-                pass
-            else:
-                drop_tied_target_keys(state_dict, empty, config)
-            if remote:  # written at the URL's scratch path, then uploaded (see save_async)
-                empty.save_pretrained(scratch_path(hf_dir, self.rank), state_dict=state_dict)
-                if processing_class is not None:
-                    processing_class.save_pretrained(scratch_path(hf_dir, self.rank))
-                return
-            # Written aside, then each file renamed into place: a crash never leaves a torn
-            # file in huggingface/, and a file the step's manifest lists (committed with
-            # the step's state dict by an earlier run) is kept as committed.
-            # Named as a temp file: a commit meanwhile does not list what is in it.
-            scratch = commit.scratch_dir(hf_dir)
-            try:
-                empty.save_pretrained(scratch, state_dict=state_dict)
-                if processing_class is not None:
-                    processing_class.save_pretrained(scratch)
-                move_durably(scratch, hf_dir, keep=committed_files(hf_dir))
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-
-        # Fsynced and checksummed by this process (the monitor may run on another node).
-        self.coordinator.save_async(
-            "hf_model", save, global_step, paths=[hf_dir], unless_committed=True
-        )
+        save_hf_model(self, local_path, global_step, write=write)
 
 
 # Where verl's module was patched while this one was being imported, bind it now.
