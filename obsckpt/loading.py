@@ -535,8 +535,10 @@ def verified_torch_load(
     """
     global _patch_users
     if step is None and path is not None:
-        remote = isinstance(path, str) and path.startswith("s3://")
-        step = CommittedObjects.of(path) if remote else CommittedStep.of(path)
+        if isinstance(path, str) and path.startswith("s3://"):
+            step = CommittedObjects.of(path)
+        else:
+            step = CommittedStep.of(path)
     previous = getattr(_scope, "step", None)
     _scope.step = step if step is not None else _ANY_STEP
     with _patch_lock:  # torch.load is replaced while any thread is inside

@@ -196,9 +196,11 @@ def rotate_state_dicts(
     """
     if is_remote(root):
         return rotate_store_state_dicts(os.fspath(root), full_steps, latest)
-    if any(s is None for s in latest.values()):
+    root = Path(root)
+    committed = [s for s in latest.values() if s is not None]
+    if len(committed) < len(latest):
         return
-    floor = min(latest.values())
+    floor = min(committed)
     full = set(full_steps)
     for step in reader.steps_on_disk(root):
         if step < floor and step not in full and not _is_full_checkpoint(root, step):

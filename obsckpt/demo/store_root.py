@@ -92,6 +92,7 @@ def _check_step(store: Any, step: int, world_size: int | None) -> None:
     """Refuse to resume from ``step`` saved by another number of ranks, or not whole."""
     from obsckpt.store import StoreError
 
+    assert world_size is not None, "the plan is resolved before the root is prepared"
     where = shlex.quote(store.url)
     try:
         records = store.committed_records(step)

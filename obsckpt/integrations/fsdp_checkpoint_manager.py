@@ -256,8 +256,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             if isinstance(max_ckpt_to_keep, bool):
                 save_as_hf = save_as_hf or max_ckpt_to_keep
             global_step, max_ckpt_to_keep, hdfs_path = hdfs_path, global_step or None, None
-        if object_steps.is_url(hdfs_path):  # verl's default_hdfs_dir on S3: written there
-            local_path = hdfs_path
+        if isinstance(hdfs_path, str) and object_steps.is_url(hdfs_path):
+            local_path = hdfs_path  # verl's default_hdfs_dir on S3: the files go there
         if local_path is None:
             return {"state_dict": 0, "checkpoint": 0}
         self.previous_global_step = global_step
