@@ -47,7 +47,7 @@ from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import hand_to_synchronizer
 from obsckpt.integrations.fsdp_files import check_world_size
-from obsckpt.integrations.retention import removable
+from obsckpt.integrations.retention import prune
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
     already_committed,
@@ -419,14 +419,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
 
     def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
         """Delete old checkpoints beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
-        saved = list(self.previous_saved_paths)
-        if saved and object_steps.is_url(saved[-1]):
-            doomed, steps = object_steps.removable(saved, max_ckpt_to_keep)
-            object_steps.remove_steps(saved[-1], steps)
-        else:
-            doomed, step_dirs = removable(saved, max_ckpt_to_keep)
-            if doomed:
-                self.remove_previous_save_local_path(step_dirs)
+        doomed = prune(list(self.previous_saved_paths), max_ckpt_to_keep)
         if doomed:
             self.previous_saved_paths = [p for p in self.previous_saved_paths if p not in doomed]
         return doomed

@@ -1,5 +1,6 @@
 """The checkpoint managers' steps on an ``s3://`` root: the files verl writes beside its
-shards, retention and the world-size check, each on objects instead of a directory.
+shards, the world-size check and a verified local copy, each on objects instead of a
+directory (retention is :func:`obsckpt.integrations.retention.prune`'s, on either).
 
 The shards themselves need nothing here: the coordinator streams each into its
 object (:meth:`~obsckpt.CheckpointCoordinator.save_state_dict_async`). Imports
@@ -8,15 +9,12 @@ neither verl nor boto3 at module level.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from obsckpt import layout
 from obsckpt.store.scratch import prune, scratch_path
-
-logger = logging.getLogger(__name__)
 
 
 def is_url(path: str | os.PathLike | None) -> bool:
@@ -72,39 +70,6 @@ def step_of(url: str) -> tuple[str, int] | None:
     except ValueError:
         return None
     return root, step
-
-
-def removable(saved: list[str], max_ckpt_to_keep: int | None) -> tuple[list[str], list[int]]:
-    """``(urls, steps)``: which of ``saved`` (oldest first) retention removes now.
-
-    As for local steps (:func:`obsckpt.integrations.retention.select_for_removal`):
-    never a step the root's pointer names nor a newer one. Nothing is removed when
-    the pointer cannot be read (logged).
-    """
-    from obsckpt.integrations.retention import select_for_removal
-    from obsckpt.store import StoreError
-    from obsckpt.store.s3root import shared_s3_root
-
-    located = step_of(saved[-1]) if saved else None
-    if located is None:
-        return [], []
-    try:
-        pointer = shared_s3_root(located[0]).read_pointer()
-    except (StoreError, ValueError) as exc:
-        logger.error("obsckpt: retention skipped, cannot read the root's pointer: %s", exc)
-        return [], []
-    latest = {kind: None if pointer is None else pointer.step(kind) for kind in layout.KINDS}
-    doomed = select_for_removal(saved, max_ckpt_to_keep, latest, step_of=step_of)
-    return doomed, sorted({located[1] for url in doomed if (located := step_of(url))})
-
-
-def remove_steps(root_of: str, steps: list[int]) -> None:
-    """Remove ``steps``' objects under the root holding ``root_of``, manifest first."""
-    from obsckpt.store.s3root import shared_s3_root
-
-    located = step_of(root_of)
-    if located is not None and steps:
-        shared_s3_root(located[0]).remove_steps(steps)
 
 
 def check_world_size(

@@ -413,18 +413,10 @@ class MegatronCheckpointManager:
             return self.base.load_checkpoint(local_path, *args, **kwargs)
 
     def enforce_retention(self, max_ckpt_to_keep: int | None) -> list[str]:
-        """Delete step directories beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
-        import shutil
+        """Delete steps beyond ``max_ckpt_to_keep`` that are safe to delete (rank 0)."""
+        from obsckpt.integrations.retention import prune
 
-        from obsckpt.integrations.retention import removable
-
-        if self.saved_paths and object_steps.is_url(self.saved_paths[-1]):
-            doomed, steps = object_steps.removable(self.saved_paths, max_ckpt_to_keep)
-            object_steps.remove_steps(self.saved_paths[-1], steps)
-        else:
-            doomed, step_dirs = removable(self.saved_paths, max_ckpt_to_keep)
-            for step_dir in step_dirs:
-                shutil.rmtree(step_dir, ignore_errors=True)
+        doomed = prune(self.saved_paths, max_ckpt_to_keep)
         self.saved_paths = [p for p in self.saved_paths if p not in doomed]
         return doomed
 
