@@ -360,3 +360,20 @@ class TestMegatronOnS3:
             "actor/model_0.pt",
             "actor/model_1.pt",
         }
+
+
+def test_world_size_of_a_step_of_objects_is_checked_from_its_manifest():
+    """The manager's world-size check on S3 reads the names the step's manifest lists
+    under its prefix (no listing of the bucket), and refuses another world size by name."""
+    from obsckpt.integrations.fsdp_files import check_world_size
+    from obsckpt.integrations.object_steps import names_under
+
+    url = f"s3://{BUCKET}/run/global_step_3/actor"
+    listed = {f"actor/model_world_size_4_rank_{r}.pt" for r in range(4)} | {"data.pt"}
+    names = names_under(url, listed)
+    assert names == {f"model_world_size_4_rank_{r}.pt" for r in range(4)}
+    check_world_size(url, 4, 1, ["model"], names)
+    with pytest.raises(FileNotFoundError, match=r"saved by 4 ranks .* this job runs 2 ranks"):
+        check_world_size(url, 2, 0, ["model"], names)
+    with pytest.raises(FileNotFoundError, match="optim_world_size_4_rank_1.pt does not exist"):
+        check_world_size(url, 4, 1, ["optim"], names)

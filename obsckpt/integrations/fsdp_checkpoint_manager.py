@@ -369,12 +369,12 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         ]
         # A step this process saved: its commit may still be on its way.
         alone.wait_for_saved_step(self.coordinator, local_path)
+        # Only names are read (of a step of objects: its manifest's); the load verifies.
+        listed = None
         if object_steps.is_url(local_path):
-            listed = loading.CommittedObjects.of(local_path).paths()
-            object_steps.check_world_size(local_path, listed, self.world_size, self.rank, kinds)
-        else:
-            # Only lists names; the load below verifies the files.
-            check_world_size(local_path, self.world_size, self.rank, kinds)
+            paths = loading.CommittedObjects.of(local_path).paths()
+            listed = object_steps.names_under(local_path, paths)
+        check_world_size(local_path, self.world_size, self.rank, kinds, listed)
         with loading.verified_torch_load(local_path):
             super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
 

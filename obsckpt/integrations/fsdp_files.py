@@ -8,30 +8,44 @@ used and tested without building a manager.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from obsckpt import layout, reader
 
 
-def check_world_size(local_path: str, world_size: int, rank: int, kinds: list[str]) -> None:
+def check_world_size(
+    local_path: str,
+    world_size: int,
+    rank: int,
+    kinds: list[str],
+    listed: set[str] | None = None,
+) -> None:
     """Refuse, by name, a checkpoint written by another number of ranks.
 
     verl reads ``<kind>_world_size_<W>_rank_<R>.pt`` for this job's W and R
     only; without this check a resume on another number of GPUs fails with a
-    bare missing-file error on some ranks.
+    bare missing-file error on some ranks. ``listed``: the names under
+    ``local_path`` that its step's manifest lists (a step of objects), instead
+    of the directory's files.
 
     Raises:
         FileNotFoundError: a file of ``kinds`` for this rank is missing (the message
             names the world size that saved the step, if another, and what to do).
     """
     for kind in kinds:
-        path = os.path.join(local_path, layout.shard_name(kind, world_size, rank))
-        if os.path.exists(path):
+        name = layout.shard_name(kind, world_size, rank)
+        path = f"{local_path}/{name}" if listed is not None else os.path.join(local_path, name)
+        present = name in listed if listed is not None else os.path.exists(path)
+        if present:
             continue
-        try:
-            names = os.listdir(local_path)
-        except OSError:
-            names = []
+        if listed is not None:
+            names: Iterable[str] = listed
+        else:
+            try:
+                names = os.listdir(local_path)
+            except OSError:
+                names = []
         sizes = sorted(
             {
                 int(m.group(2))
@@ -41,14 +55,19 @@ def check_world_size(local_path: str, world_size: int, rank: int, kinds: list[st
         )
         if sizes and world_size not in sizes:
             saved = sizes[0] if len(sizes) == 1 else sizes
+            merge = (  # verl's model merger reads a local directory
+                ", or merge the step into an HF model (python -m verl.model_merger merge "
+                f"--backend fsdp --local_dir {local_path} --target_dir <dir>) and start a "
+                "new run from it"
+                if listed is None
+                else ""
+            )
             raise FileNotFoundError(
                 f"{local_path} holds a checkpoint saved by {saved} ranks "
                 f"({kind}_world_size_{sizes[0]}_rank_*.pt), but this job runs "
                 f"{world_size} ranks; verl loads FSDP shards only at the world size "
                 "that saved them. Resume with the same number of GPUs (trainer.nnodes x "
-                "trainer.n_gpus_per_node), or merge the step into an HF model (python -m "
-                f"verl.model_merger merge --backend fsdp --local_dir {local_path} "
-                "--target_dir <dir>) and start a new run from it"
+                f"trainer.n_gpus_per_node){merge}"
             )
         raise FileNotFoundError(
             f"{path} does not exist: {local_path} is not a whole checkpoint of {world_size} "

@@ -1,5 +1,5 @@
 """The checkpoint managers' steps on an ``s3://`` root: the files verl writes beside its
-shards, the world-size check and a verified local copy, each on objects instead of a
+shards, the names a world-size check reads and a verified local copy, each on objects instead of a
 directory (retention is :func:`obsckpt.integrations.retention.prune`'s, on either).
 
 The shards themselves need nothing here: the coordinator streams each into its
@@ -72,38 +72,14 @@ def step_of(url: str) -> tuple[str, int] | None:
     return root, step
 
 
-def check_world_size(
-    url: str, listed: set[str], world_size: int, rank: int, kinds: list[str]
-) -> None:
-    """Refuse, by name, a step of objects saved by another number of ranks.
-
-    ``listed`` is the step's manifest paths; ``url`` the manager's prefix in it.
-
-    Raises:
-        FileNotFoundError: a file of ``kinds`` for this job's world size is not listed.
-    """
+def names_under(url: str, listed: set[str]) -> set[str]:
+    """The names, relative to ``url`` (a prefix in a step), of the step's manifest
+    paths ``listed`` under it."""
     located = step_of(url)
     if located is None:
-        return
-    sdir = layout.step_location(located[0], located[1])
-    sub = url.rstrip("/")[len(sdir) + 1 :]
-    names = {p[len(sub) + 1 :] for p in listed if p.startswith(sub + "/")} if sub else listed
-    for kind in kinds:
-        if layout.shard_name(kind, world_size, rank) in names:
-            continue
-        sizes = sorted(
-            {
-                int(m.group(2))
-                for n in names
-                if (m := layout.SHARD_RE.match(n)) is not None and m.group(1) == kind
-            }
-        )
-        saved = f"saved by {sizes[0] if len(sizes) == 1 else sizes} ranks" if sizes else "empty"
-        raise FileNotFoundError(
-            f"{url} holds no {kind} shards for {world_size} ranks ({saved}); verl loads "
-            "FSDP shards only at the world size that saved them. Resume with the same "
-            "number of GPUs, or from another committed step"
-        )
+        return set()
+    sub = url.rstrip("/")[len(layout.step_location(*located)) + 1 :]
+    return {p[len(sub) + 1 :] for p in listed if p.startswith(sub + "/")} if sub else listed
 
 
 def written_at(url: str, rank: int | None) -> tuple[str, list[str] | None]:
