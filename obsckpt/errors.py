@@ -25,6 +25,7 @@ __all__ = [
     "FencedError",
     "FsyncTimeoutError",
     "IpcLayoutUnknownError",
+    "WeightSyncCorruptError",
     "IterationContentError",
     "IterationFileError",
     "ManifestConflictError",
@@ -177,6 +178,11 @@ class BroadcastError(ObsckptError, RuntimeError):
 
 class BroadcastTimeoutError(BroadcastError, TimeoutError):
     """A weight broadcast (or the group's rendezvous) did not finish within its timeout."""
+
+
+class WeightSyncCorruptError(BroadcastError):
+    """A weight sync failed its integrity check on a receiver (a chunk's CRC32, or a digest
+    after the apply); that receiver keeps its version, the group stays usable."""
 
 
 class IpcLayoutUnknownError(BroadcastError):

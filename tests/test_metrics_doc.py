@@ -42,6 +42,8 @@ BOUNDED_LABELS = {"kind", "result", "strategy", "backend", "method", "reason", "
 # A store request's operation (vocabulary.STORE_OPERATIONS) and its HTTP status or error
 # word, each mapped to "other" outside those (vocabulary.store_error_labels).
 BOUNDED_LABELS |= {"operation", "code"}
+# A delta-capable weight sync's phase, encoding and failed check (vocabulary.validate_weight_sync).
+BOUNDED_LABELS |= {"sync_phase", "encoding", "check"}
 CALLER_LABELS = {"slot", "rank"}
 
 

@@ -19,7 +19,7 @@ from obsckpt import CheckpointMonitor
 from obsckpt.monitor.events import CommitRecord
 from obsckpt.monitor.telemetry import MonitorTelemetry
 from obsckpt.sync.telemetry import WeightSyncTelemetry
-from obsckpt.telemetry.metrics import METRICS, Metrics
+from obsckpt.telemetry.metrics import METRICS, SYNC_PHASES, Metrics
 
 SPECS = {spec.attr: spec for spec in METRICS}
 # Histogram name -> the name of the gauge holding its last observation.
@@ -71,9 +71,14 @@ class TestDefinitions:
             assert spec.labels == histograms[histogram].labels, gauge
 
     def test_the_weight_sync_bytes_have_a_last_value_gauge(self):
-        """The bytes of the last sync (its bandwidth is last bytes / last duration): the one
-        counter with a last-value gauge, under the last duration's labels."""
-        assert LAST_ADDED == {"obsckpt_broadcast_bytes_total": BYTES}
+        """The bytes of the last sync (its bandwidth is last bytes / last duration), and a
+        delta-capable sync's bytes sent and state size: the counters with a last-value
+        gauge, the first under the last duration's labels."""
+        assert LAST_ADDED == {
+            "obsckpt_broadcast_bytes_total": BYTES,
+            "obsckpt_weight_sync_sent_bytes_total": "obsckpt_last_weight_sync_sent_bytes",
+            "obsckpt_weight_sync_state_bytes_total": "obsckpt_last_weight_sync_state_bytes",
+        }
         assert len(LAST) + len(LAST_ADDED) == len([s for s in METRICS if s.last_of])
         spec = next(s for s in METRICS if s.name == BYTES)
         duration = next(s for s in METRICS if s.name == LAST["obsckpt_broadcast_duration_seconds"])
@@ -343,6 +348,22 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
             )
             ray.get(monitor.record_broadcast.remote("gloo", broadcast, nbytes))
             ray.get(monitor.record_upload.remote(upload))
+            phases = dict(
+                zip(SYNC_PHASES, (0.01 * step, 0.02, 0.03, 0.04 * step, 0.05), strict=True)
+            )
+            report = {
+                "method": "broadcast",
+                "step": step,
+                "encoding": "delta",
+                "phases": phases,
+                "sent_bytes": nbytes // 20,
+                "state_bytes": nbytes,
+                "changed_fraction": 0.02,
+                "pause_s": 0.1 * step,
+                "rollout_version": step,
+                "corrupt": None,
+            }
+            ray.get(monitor.record_weight_sync.remote(report))
             current = wait_for(
                 lambda step=step: (
                     s

@@ -6,6 +6,8 @@ trainer's and rollout's processes reach /metrics through it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from obsckpt.monitor.core import validate_rank
 from obsckpt.monitor.telemetry import MonitorTelemetry
 
@@ -19,6 +21,10 @@ class MeasurementRPCs:
         self, backend: str, seconds: float, nbytes: int, method: str = "broadcast"
     ) -> None:
         self.telemetry.record_broadcast(backend, seconds, nbytes, method)
+
+    async def record_weight_sync(self, report: dict[str, Any]) -> None:
+        """One delta-capable weight sync (:class:`~obsckpt.sync.delta_broadcast.DeltaSyncResult`)."""
+        self.telemetry.record_weight_sync(report)
 
     async def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
         self.telemetry.record_broadcast_failure(backend, method, reason)

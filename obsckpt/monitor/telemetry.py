@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -371,6 +371,9 @@ class MonitorTelemetry(MonitorObserver):
         validate_bytes("nbytes", nbytes)
         self.metrics.observe("broadcast_duration", seconds, backend, method)
         self.metrics.add("broadcast_bytes", nbytes, backend, method)
+
+    def record_weight_sync(self, report: Mapping[str, Any]) -> None:
+        self.metrics.weight_sync(report)
 
     def record_broadcast_failure(self, backend: str, method: str, reason: str) -> None:
         validate_sync_labels(backend, method, reason)

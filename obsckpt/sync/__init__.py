@@ -13,9 +13,11 @@ from obsckpt.errors import (
     IpcLayoutUnknownError,
     MegatronLayoutError,
     StateDictLoadError,
+    WeightSyncCorruptError,
 )
 from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
+from obsckpt.sync.delta_broadcast import DeltaBroadcaster, DeltaSyncResult
 from obsckpt.sync.device import RankDevice, setup_rank_device
 from obsckpt.sync.group import WeightSyncGroup, free_port
 from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
@@ -30,6 +32,8 @@ __all__ = [
     "BroadcastError",
     "BroadcastResult",
     "BroadcastTimeoutError",
+    "DeltaBroadcaster",
+    "DeltaSyncResult",
     "IpcLayoutUnknownError",
     "IpcPayload",
     "IpcWeightReceiver",
@@ -40,6 +44,7 @@ __all__ = [
     "Synchronizer",
     "TensorMeta",
     "WeightBroadcaster",
+    "WeightSyncCorruptError",
     "WeightSyncGroup",
     "WeightSyncTelemetry",
     "free_port",

@@ -308,6 +308,22 @@ class WeightSyncGroup:
             self.mark_broken(f"broadcast could not start: {exc}")
             raise BroadcastError(f"{self!r}: {exc}") from exc
 
+    def min_async(self, tensor: torch.Tensor, deadline: float) -> Any:
+        """Start an element-wise minimum of ``tensor`` over every member (int64, in place).
+
+        The delta sync (:mod:`~obsckpt.sync.delta_broadcast`) agrees on the
+        base version and gathers the receivers' results with it.
+        """
+        self._check()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        opts.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            return self._pg.allreduce([tensor], opts)
+        except RuntimeError as exc:
+            self.mark_broken(f"all-reduce could not start: {exc}")
+            raise BroadcastError(f"{self!r}: {exc}") from exc
+
     def wait(self, work: Any, deadline: float, progress: Callable[[bool], str]) -> None:
         """Wait for ``work`` until ``deadline`` (monotonic seconds); raise with ``progress`` on failure.
 

@@ -34,6 +34,13 @@ class WeightSyncTelemetry:
             self._safe(lambda: m.add("broadcast_bytes", nbytes, backend, method))
         self._rpc("record_broadcast", backend, seconds, nbytes, method)
 
+    def weight_sync(self, report: dict[str, Any]) -> None:
+        """One delta-capable sync's report (phases, bytes, changed fraction, checks, versions)."""
+        m = self.metrics
+        if m is not None:
+            self._safe(lambda: m.weight_sync(report))
+        self._rpc("record_weight_sync", report)
+
     def failure(self, backend: str, method: str, exc: BaseException) -> None:
         """Count one weight sync that raised (``reason``: ``timeout`` or ``error``)."""
         reason = "timeout" if isinstance(exc, TimeoutError) else "error"

@@ -10,7 +10,8 @@ The label values and the checks on what callers send are
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,6 +23,7 @@ from obsckpt.telemetry.vocabulary import (
     BROADCAST_BACKENDS,
     CUDA_IPC,
     DEFAULT_MAX_SLOT_LABELS,
+    DELTA_METHODS,
     FAILURE_REASONS,
     GLOO,
     IPC_BACKENDS,
@@ -32,13 +34,17 @@ from obsckpt.telemetry.vocabulary import (
     ROLES,
     ROLLOUT,
     SHM,
+    SYNC_CHECKS,
+    SYNC_ENCODINGS,
     SYNC_METHODS,
+    SYNC_PHASES,
     TRAINER,
     validate_bytes,
     validate_max_slot_labels,
     validate_role,
     validate_seconds,
     validate_sync_labels,
+    validate_weight_sync,
 )
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "BROADCAST_BACKENDS",
     "CUDA_IPC",
     "DEFAULT_MAX_SLOT_LABELS",
+    "DELTA_METHODS",
     "DURATION_BUCKETS",
     "FAILURE_REASONS",
     "GLOO",
@@ -58,7 +65,10 @@ __all__ = [
     "ROLLOUT",
     "SHM",
     "SPANS",
+    "SYNC_CHECKS",
+    "SYNC_ENCODINGS",
     "SYNC_METHODS",
+    "SYNC_PHASES",
     "TRAINER",
     "MetricSpec",
     "Metrics",
@@ -160,6 +170,32 @@ class Metrics:
         (metric.labels(*labels) if labels else metric).inc(amount)
         self._set_last(counter, amount, labels)
 
+    def weight_sync(self, report: Mapping[str, Any]) -> None:
+        """Record one delta-capable weight sync (a :class:`~obsckpt.sync.DeltaSyncResult`'s report).
+
+        Raises:
+            ValueError: a field a metric cannot take (:func:`validate_weight_sync`).
+        """
+        validate_weight_sync(report)
+        method, encoding = report["method"], report["encoding"]
+        for phase, seconds in (report.get("phases") or {}).items():
+            self.observe("weight_sync_phase", seconds, method, phase)
+        self.add("weight_sync_sent_bytes", report["sent_bytes"], method, encoding)
+        self.add("weight_sync_state_bytes", report["state_bytes"], method, encoding)
+        if report.get("changed_fraction") is not None:
+            self.weight_sync_changed_fraction.labels(method).set(report["changed_fraction"])
+        self.observe("rollout_pause", report.get("pause_s") or 0.0, method)
+        if report.get("corrupt") is not None:
+            self.weight_sync_corrupt.labels(method, report["corrupt"]).inc()
+        step, rollout = report.get("step"), report.get("rollout_version")
+        if step is not None:
+            self.model_version.labels(TRAINER).set(step)
+        if step is not None and rollout is not None:
+            # A receiver that holds no version at all lags by every version so far.
+            self.weight_sync_version_lag.labels(method).set(max(0, step - max(rollout, -1)))
+            if rollout >= 0:
+                self.model_version.labels(ROLLOUT).set(rollout)
+
     def _set_last(self, attr: str, value: float, labels: tuple[str, ...]) -> None:
         last = self._last.get(attr)
         if isinstance(last, Gauge):
@@ -177,6 +213,11 @@ class Metrics:
             for pair in pairs:
                 for tail in rest:
                     metric.labels(*pair, *tail)
+            return
+        if spec.labels == ("method", "check"):  # integrity failures: alerted on from zero
+            for method in DELTA_METHODS:
+                for check in SYNC_CHECKS:
+                    metric.labels(method, check)
             return
         if not all(label in KNOWN_LABELS for label in spec.labels):
             return  # slot and rank values are only known once a worker reports them
@@ -212,6 +253,17 @@ class Metrics:
     broadcast_bytes: Counter
     last_broadcast_bytes: Gauge
     broadcast_failures: Counter
+    weight_sync_phase: Histogram
+    last_weight_sync_phase: Gauge
+    weight_sync_sent_bytes: Counter
+    last_weight_sync_sent_bytes: Gauge
+    weight_sync_state_bytes: Counter
+    last_weight_sync_state_bytes: Gauge
+    weight_sync_changed_fraction: Gauge
+    rollout_pause: Histogram
+    last_rollout_pause: Gauge
+    weight_sync_corrupt: Counter
+    weight_sync_version_lag: Gauge
     upload_duration: Histogram
     last_upload_duration: UnlabelledLastValue
     model_version: Gauge

@@ -20,7 +20,10 @@ from obsckpt.telemetry.vocabulary import (
     OVERFLOW_SLOT,
     RESULTS,
     ROLES,
+    SYNC_CHECKS,
+    SYNC_ENCODINGS,
     SYNC_METHODS,
+    SYNC_PHASES,
 )
 
 
@@ -62,6 +65,12 @@ def reference_markdown() -> str:
         + _codes(STRATEGIES)
         + "; `phase` is "
         + _codes(COMMIT_PHASES)
+        + "; a delta-capable sync's `sync_phase` is "
+        + _codes(SYNC_PHASES)
+        + ", its `encoding` "
+        + _codes(SYNC_ENCODINGS)
+        + " and its failed `check` "
+        + _codes(SYNC_CHECKS)
         + ".",
         "Series whose labels take only these values exist at zero from the first scrape",
         "(the last-value gauges below excepted);",

@@ -285,6 +285,96 @@ METRICS: tuple[MetricSpec, ...] = (
         "broadcast_failures",
     ),
     MetricSpec(
+        "obsckpt_weight_sync_phase_seconds",
+        "histogram",
+        ("method", "sync_phase"),
+        "Time each phase of a delta-capable weight sync took on the sender: snapshot (the "
+        "host copy the next delta is taken against), encode, wire, verify (the digests); "
+        "apply is the slowest receiver's.",
+        "weight_sync_phase",
+    ),
+    MetricSpec(
+        "obsckpt_last_weight_sync_phase_seconds",
+        "gauge",
+        ("method", "sync_phase"),
+        "obsckpt_weight_sync_phase_seconds's last observation, kept until the next.",
+        "last_weight_sync_phase",
+        last_of="weight_sync_phase",
+    ),
+    MetricSpec(
+        "obsckpt_weight_sync_sent_bytes_total",
+        "counter",
+        ("method", "encoding"),
+        "Bytes of weights a delta-capable sync sent (encoding: full, or delta: only the "
+        "values that changed since the version the receivers hold).",
+        "weight_sync_sent_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_last_weight_sync_sent_bytes",
+        "gauge",
+        ("method", "encoding"),
+        "Bytes the last sync sent, kept until the next: "
+        "obsckpt_weight_sync_sent_bytes_total's last increment.",
+        "last_weight_sync_sent_bytes",
+        last_of="weight_sync_sent_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_weight_sync_state_bytes_total",
+        "counter",
+        ("method", "encoding"),
+        "The whole state's bytes, for each sync: what a full sync would have sent.",
+        "weight_sync_state_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_last_weight_sync_state_bytes",
+        "gauge",
+        ("method", "encoding"),
+        "The whole state's bytes at the last sync (obsckpt_last_weight_sync_sent_bytes "
+        "over it is the fraction sent).",
+        "last_weight_sync_state_bytes",
+        last_of="weight_sync_state_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_weight_sync_changed_fraction",
+        "gauge",
+        ("method",),
+        "Fraction of the weights' values that changed at the last delta sync.",
+        "weight_sync_changed_fraction",
+    ),
+    MetricSpec(
+        "obsckpt_rollout_pause_seconds",
+        "histogram",
+        ("method",),
+        "How long the slowest receiver was inside one sync (from its start to its weights "
+        "applied and verified): the rollout's pause.",
+        "rollout_pause",
+    ),
+    MetricSpec(
+        "obsckpt_last_rollout_pause_seconds",
+        "gauge",
+        ("method",),
+        "obsckpt_rollout_pause_seconds's last observation, kept until the next.",
+        "last_rollout_pause",
+        last_of="rollout_pause",
+    ),
+    MetricSpec(
+        "obsckpt_weight_sync_corrupt_total",
+        "counter",
+        ("method", "check"),
+        "Syncs that failed an integrity check on a receiver (check: checksum, a chunk's "
+        "CRC32 before the apply; digest, the weights' CRC32 after it). That receiver keeps "
+        "its version and the next sync is a full one.",
+        "weight_sync_corrupt",
+    ),
+    MetricSpec(
+        "obsckpt_weight_sync_version_lag",
+        "gauge",
+        ("method",),
+        "After the last sync, how many versions the receiver furthest behind lags the "
+        "trainer (0 when every receiver took it).",
+        "weight_sync_version_lag",
+    ),
+    MetricSpec(
         "obsckpt_state_dict_upload_duration_seconds",
         "histogram",
         (),

@@ -9,6 +9,8 @@ cannot record. :mod:`obsckpt.telemetry.metrics` re-exports every name.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from obsckpt.admission import STRATEGIES
 from obsckpt.commit import COMMIT_PHASES
@@ -26,6 +28,11 @@ BROADCAST_BACKENDS = (NCCL, GLOO)
 IPC_BACKENDS = (CUDA_IPC, SHM)
 SYNC_METHODS = {"broadcast": BROADCAST_BACKENDS, "ipc": IPC_BACKENDS}
 FAILURE_REASONS = ("timeout", "error")
+# A delta-capable sync: how the weights went, its phases, the integrity checks that can fail.
+SYNC_ENCODINGS = ("full", "delta")
+SYNC_PHASES = ("snapshot", "encode", "wire", "apply", "verify")
+SYNC_CHECKS = ("checksum", "digest")
+DELTA_METHODS = ("broadcast",)
 # Who holds a model version: the trainer, or the rollout side it syncs to.
 TRAINER, ROLLOUT = "trainer", "rollout"
 ROLES = (TRAINER, ROLLOUT)
@@ -95,6 +102,35 @@ def validate_sync_labels(backend: object, method: object, reason: object = None)
             f"weight-sync failure reason {reason!r} is not one of {FAILURE_REASONS}; pass "
             "'timeout' for a sync that stalled past its timeout, else 'error'"
         )
+
+
+def validate_weight_sync(report: Mapping[str, Any]) -> None:
+    """Refuse a delta-capable sync's report whose labels or measurements a metric cannot take.
+
+    Raises:
+        ValueError: naming the field and the value.
+    """
+    if report.get("method") not in DELTA_METHODS:
+        raise ValueError(
+            f"weight-sync report method {report.get('method')!r}: pass one of {DELTA_METHODS}"
+        )
+    if report.get("encoding") not in SYNC_ENCODINGS:
+        raise ValueError(
+            f"weight-sync report encoding {report.get('encoding')!r}: pass one of {SYNC_ENCODINGS}"
+        )
+    for phase, seconds in dict(report.get("phases") or {}).items():
+        if phase not in SYNC_PHASES:
+            raise ValueError(f"weight-sync phase {phase!r} is not one of {SYNC_PHASES}")
+        validate_seconds(f"phases[{phase!r}]", seconds)
+    validate_seconds("pause_s", report.get("pause_s"))
+    validate_bytes("sent_bytes", report.get("sent_bytes"))
+    validate_bytes("state_bytes", report.get("state_bytes"))
+    corrupt = report.get("corrupt")
+    if corrupt is not None and corrupt not in SYNC_CHECKS:
+        raise ValueError(f"weight-sync check {corrupt!r} is not one of {SYNC_CHECKS}")
+    fraction = report.get("changed_fraction")
+    if fraction is not None and not (isinstance(fraction, (int, float)) and 0 <= fraction <= 1):
+        raise ValueError(f"changed_fraction must be in [0, 1] or None, got {fraction!r}")
 
 
 def validate_seconds(name: str, value: object) -> None:

@@ -1,0 +1,290 @@
+"""Delta weight sync: the encoding, and the protocol between real gloo processes.
+
+The codec tests run in this process; the protocol runs a sender and two
+receivers, each a process of its own, over a real weight-sync group: 55
+steps of a real AdamW on fp32 master weights published in bf16, fp16 and
+fp32, the receivers' weights compared bit for bit with the sender's after
+every sync, a chunk corrupted on the wire and a tensor corrupted after the
+apply both caught.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+from obsckpt.errors import WeightSyncCorruptError
+from obsckpt.sync import delta
+from obsckpt.sync.buckets import tensor_meta
+from obsckpt.sync.delta_broadcast import DeltaBroadcaster
+from broadcast_helpers import new_group, new_metrics, run_ranks
+
+# ----------------------------------------------------------------------
+# The encoding
+# ----------------------------------------------------------------------
+
+
+def _changed(base: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    new = base.clone()
+    mask = torch.rand(base.shape, generator=g) < fraction
+    new[mask] = (torch.randn(int(mask.sum()), generator=g) * 3).to(base.dtype)
+    return new
+
+
+def _roundtrip(news, bases, chunk_bytes=1 << 12):
+    plan, payload = delta.encode_delta(news, bases, chunk_bytes=chunk_bytes)
+    assert delta.check_chunks(payload, plan) == []
+    delta.check_plan(plan, tensor_meta((str(i), t) for i, t in enumerate(news)), payload.numel())
+    targets = [b.clone() for b in bases]
+    wire = delta.DeltaPlan.from_wire(plan.to_wire())
+    delta.apply_delta(targets, wire, payload)
+    for t, n in zip(targets, news, strict=True):
+        assert torch.equal(delta.bits(t), delta.bits(n))
+    return plan, payload
+
+
+class TestEncoding:
+    @pytest.mark.parametrize(
+        "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
+    )
+    def test_roundtrip_is_bit_exact(self, dtype):
+        base = (torch.randn(300, 77) * 4).to(dtype)
+        plan, _ = _roundtrip([_changed(base, 0.03)], [base])
+        assert 0.015 < plan.fraction < 0.045
+
+    def test_payload_is_under_twice_the_changed_values(self):
+        base = torch.randn(1000, 100).to(torch.bfloat16)
+        plan, payload = _roundtrip([_changed(base, 0.02)], [base])
+        assert plan.nbytes == payload.numel()
+        assert plan.nbytes <= 1.6 * plan.changed_bytes  # 3 bytes per bf16 entry
+        assert plan.nbytes <= 0.05 * base.numel() * 2
+
+    def test_long_unchanged_runs_are_bridged(self):
+        base = torch.zeros(100_000, dtype=torch.bfloat16)
+        new = base.clone()
+        new[0], new[5000], new[99_999] = 1, 2, 3
+        plan, _ = _roundtrip([new], [base])
+        assert plan.changed == 3
+        assert sum(n for _, _, n in plan.blocks) == 3 + (99_999 - 5000) // 255 + 5000 // 255
+
+    def test_blocks_split_a_tensor(self, monkeypatch):
+        monkeypatch.setattr(delta, "BLOCK", 1000)
+        base = torch.randn(10_500).to(torch.float16)
+        plan, _ = _roundtrip([_changed(base, 0.05)], [base])
+        assert [k for _, k, _ in plan.blocks] == list(range(11))
+
+    def test_bits_not_values(self):
+        base = torch.tensor([0.0, float("nan"), 1.0, -0.0])
+        new = torch.tensor([-0.0, float("nan"), 1.0, -0.0])
+        plan, _ = _roundtrip([new], [base])
+        assert plan.changed == 1  # -0.0 replaced 0.0; the same NaN is no change
+
+    def test_nothing_changed_sends_nothing(self):
+        base = torch.randn(64, 64)
+        plan, payload = _roundtrip([base.clone(), base[:3].clone()], [base, base[:3]])
+        assert plan.blocks == [] and payload.numel() == 0 and plan.chunks == []
+
+    def test_a_flipped_byte_fails_its_chunk(self):
+        base = torch.randn(400, 100).to(torch.bfloat16)
+        plan, payload = delta.encode_delta([_changed(base, 0.05)], [base], chunk_bytes=1000)
+        payload[2500] ^= 0x10
+        assert delta.check_chunks(payload, plan) == [2]
+
+    def test_a_plan_that_does_not_fit_is_refused(self):
+        base = torch.randn(10, 10)
+        plan, payload = delta.encode_delta([_changed(base, 0.5)], [base], chunk_bytes=64)
+        small = tensor_meta([("w", torch.empty(3))])
+        with pytest.raises(ValueError, match="does not fit 'w'"):
+            delta.check_plan(plan, small, payload.numel())
+        with pytest.raises(ValueError, match="names tensor #0, but the sync has 0"):
+            delta.check_plan(plan, [], payload.numel())
+
+    def test_digests_sample_by_step_and_take_all_when_full(self):
+        meta = tensor_meta((str(i), torch.empty(1)) for i in range(20))
+        a = delta.digest_indices(meta, 7, sample=4, full=False)
+        assert a == delta.digest_indices(meta, 7, sample=4, full=False) and len(a) == 4
+        assert delta.digest_indices(meta, 7, sample=4, full=True) == list(range(20))
+
+    @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+    def test_settings_are_checked(self, bad):
+        g = new_group()
+        try:
+            with pytest.raises(ValueError, match="full_every must be a positive int"):
+                DeltaBroadcaster(g, full_every=bad)
+        finally:
+            g.close()
+
+
+# ----------------------------------------------------------------------
+# The protocol, between processes
+# ----------------------------------------------------------------------
+
+STEPS = 55
+FULL_EVERY = 10
+CORRUPT_WIRE_AT = 23  # a delta chunk flipped on the wire
+CORRUPT_HELD_AT = 36  # receiver 1's weights damaged before this sync's delta lands
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def _published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 master weights as a rollout gets them: bf16 and fp16 (mixed precision), fp32."""
+    p = dict(model.named_parameters())
+    return {
+        "0.weight": p["0.weight"].detach().to(torch.bfloat16),
+        "0.bias": p["0.bias"].detach().to(torch.float16),
+        "2.weight": p["2.weight"].detach().to(torch.bfloat16),
+        "2.bias": p["2.bias"].detach().clone(),
+    }
+
+
+def _crcs(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {
+        n: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for n, t in state.items()
+    }
+
+
+def _delta_ranks(rank: int, port: int) -> dict:
+    from obsckpt.sync import delta_broadcast
+
+    group = new_group(rank, port, world_size=3, timeout_s=60)
+    metrics = new_metrics() if rank == 0 else None
+    b = DeltaBroadcaster(
+        group, bucket_bytes=4096, full_every=FULL_EVERY, digest_tensors=1, metrics=metrics
+    )
+    out: dict = {"crcs": {}, "errors": {}, "results": {}}
+    try:
+        if rank == 0:
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            x = torch.randn(32, 64)
+            real = DeltaBroadcaster._broadcast_now
+            for step in range(STEPS):
+                if step:
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                state = _published(model)
+                if step == CORRUPT_WIRE_AT:
+
+                    def flipped(self, t, deadline, what, _real=real):
+                        if what == "delta chunk":
+                            t = t.clone()
+                            t[t.numel() // 2] ^= 0xFF
+                        return _real(self, t, deadline, what)
+
+                    delta_broadcast.DeltaBroadcaster._broadcast_now = flipped  # type: ignore[method-assign]
+                r = b.send(state, step=step)
+                delta_broadcast.DeltaBroadcaster._broadcast_now = real  # type: ignore[method-assign]
+                out["crcs"][step] = _crcs(state)
+                out["results"][step] = (
+                    r.encoding,
+                    r.sent_bytes,
+                    r.state_bytes,
+                    r.changed_fraction,
+                    r.corrupt,
+                    r.rollout_version,
+                )
+            reg = metrics.registry
+            out["metrics"] = {
+                check: reg.get_sample_value(
+                    "obsckpt_weight_sync_corrupt_total", {"method": "broadcast", "check": check}
+                )
+                for check in ("checksum", "digest")
+            }
+            out["metrics"]["lag"] = reg.get_sample_value(
+                "obsckpt_weight_sync_version_lag", {"method": "broadcast"}
+            )
+            out["metrics"]["delta_bytes"] = reg.get_sample_value(
+                "obsckpt_weight_sync_sent_bytes_total", {"method": "broadcast", "encoding": "delta"}
+            )
+            out["metrics"]["phases"] = sorted(
+                s.labels["sync_phase"]
+                for m in reg.collect()
+                if m.name == "obsckpt_last_weight_sync_phase_seconds"
+                for s in m.samples
+            )
+        else:
+            into = (
+                {n: torch.empty_like(t) for n, t in _published(_model()).items()}
+                if rank == 2
+                else None
+            )
+            for step in range(STEPS):
+                if rank == 1 and step == CORRUPT_HELD_AT:
+                    held = b._held
+                    meta = tensor_meta(held.items())
+                    [i] = delta.digest_indices(meta, step, sample=1, full=False)
+                    t = held[meta[i].name].view(-1)
+                    t[:16] = t[:16] * 3 + 1  # damaged after the last apply, wire checks pass
+                try:
+                    got = b.recv(into=into)
+                except WeightSyncCorruptError as exc:
+                    out["errors"][step] = (str(exc), b.last_step, b.weights_valid)
+                    continue
+                if into is not None:
+                    assert all(got[n] is into[n] for n in into)
+                out["crcs"][step] = _crcs(got)
+                out["results"][step] = b.last_step
+    finally:
+        group.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def synced():
+    return run_ranks(_delta_ranks, world_size=3, timeout=240)
+
+
+class TestDeltaProtocol:
+    def test_receivers_hold_the_senders_bits_after_every_sync(self, synced):
+        sent = synced[0]["crcs"]
+        for rank in (1, 2):
+            failed = set(synced[rank]["errors"])
+            for step in range(STEPS):
+                if step in failed:
+                    continue
+                assert synced[rank]["crcs"][step] == sent[step], (rank, step)
+        assert set(synced[2]["errors"]) == {CORRUPT_WIRE_AT}
+        assert set(synced[1]["errors"]) == {CORRUPT_WIRE_AT, CORRUPT_HELD_AT}
+
+    def test_full_first_every_k_and_after_a_failure(self, synced):
+        enc = {s: r[0] for s, r in synced[0]["results"].items()}
+        full = sorted(s for s, e in enc.items() if e == "full")
+        assert full[:2] == [0, FULL_EVERY]
+        assert CORRUPT_WIRE_AT + 1 in full and CORRUPT_HELD_AT + 1 in full
+        assert sum(e == "delta" for e in enc.values()) >= STEPS - 10
+
+    def test_deltas_are_small(self, synced):
+        for step, (enc, sent, size, fraction, _, _) in synced[0]["results"].items():
+            if enc == "delta" and step not in (CORRUPT_WIRE_AT,):
+                assert sent <= 0.2 * size, (step, sent, size, fraction)
+                assert fraction is not None and fraction < 0.1
+
+    def test_a_chunk_corrupted_on_the_wire_is_caught_before_the_apply(self, synced):
+        enc, _, _, _, corrupt, oldest = synced[0]["results"][CORRUPT_WIRE_AT]
+        assert (enc, corrupt, oldest) == ("delta", "checksum", CORRUPT_WIRE_AT - 1)
+        for rank in (1, 2):
+            message, held, valid = synced[rank]["errors"][CORRUPT_WIRE_AT]
+            assert "checksum check" in message and "nothing was applied" in message
+            assert (held, valid) == (CORRUPT_WIRE_AT - 1, True)
+
+    def test_a_tensor_damaged_after_the_apply_is_caught_by_its_digest(self, synced):
+        enc, _, _, _, corrupt, oldest = synced[0]["results"][CORRUPT_HELD_AT]
+        assert (enc, corrupt, oldest) == ("delta", "digest", CORRUPT_HELD_AT - 1)
+        message, held, valid = synced[1]["errors"][CORRUPT_HELD_AT]
+        assert "digest check" in message and (held, valid) == (CORRUPT_HELD_AT - 1, False)
+        assert synced[2]["results"][CORRUPT_HELD_AT] == CORRUPT_HELD_AT
+
+    def test_metrics(self, synced):
+        m = synced[0]["metrics"]
+        assert (m["checksum"], m["digest"]) == (1.0, 1.0)
+        assert m["lag"] == 0.0 and m["delta_bytes"] > 0
+        assert m["phases"] == ["apply", "encode", "snapshot", "verify", "wire"]
