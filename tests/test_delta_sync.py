@@ -10,17 +10,16 @@ apply both caught.
 
 from __future__ import annotations
 
-import functools
 import zlib
 
 import pytest
 import torch
+from broadcast_helpers import new_group, new_metrics, run_ranks
 
 from obsckpt.errors import WeightSyncCorruptError
 from obsckpt.sync import delta
 from obsckpt.sync.buckets import tensor_meta
 from obsckpt.sync.delta_broadcast import DeltaBroadcaster
-from broadcast_helpers import new_group, new_metrics, run_ranks
 
 # ----------------------------------------------------------------------
 # The encoding
