@@ -162,6 +162,31 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
         labels = {"job": JOB, "instance": INSTANCE, **extra}
         return _check(minute, "ObsckptStoreErrors", _expected("ObsckptStoreErrors", rules, labels))
 
+    # ObsckptWeightSyncCorrupt: a digest failure 20 minutes in, its series at 0 before.
+    corrupt_min = math.ceil(duration_seconds(t.weight_sync_corrupt_window) / 60)
+    corrupt_at = 20
+    corrupt_len = corrupt_at + corrupt_min + 20
+    corrupt_labels = f'{_TARGET},method="broadcast",check="digest"'
+
+    def corrupt_fires(minute: int) -> dict:
+        labels = {"job": JOB, "instance": INSTANCE, "method": "broadcast", "check": "digest"}
+        return _check(
+            minute, "ObsckptWeightSyncCorrupt", _expected("ObsckptWeightSyncCorrupt", rules, labels)
+        )
+
+    # ObsckptRolloutVersionLag: a receiver falls behind at minute 10 and stays there.
+    vlag = int(t.rollout_version_max_lag) + 1
+    vlag_due = 10 + math.ceil(duration_seconds(t.rollout_version_lag_for) / 60)
+    vlag_labels = f'{_TARGET},method="broadcast"'
+
+    def vlag_fires(minute: int) -> dict:
+        labels = {"job": JOB, "instance": INSTANCE, "method": "broadcast"}
+        return _check(
+            minute,
+            "ObsckptRolloutVersionLag",
+            _expected("ObsckptRolloutVersionLag", rules, labels, vlag),
+        )
+
     tests = [
         {
             "name": "store errors: a first failed request (its series starts at 1) fires, "
@@ -196,6 +221,52 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
                 _check(store_at - 1, "ObsckptStoreErrors"),
                 store_failing(store_at + 2),
                 _check(store_at + store_min + 5, "ObsckptStoreErrors"),
+            ],
+        },
+        {
+            "name": "weight sync corrupt: a first failed check fires, then ends",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_weight_sync_corrupt_total",
+                    corrupt_labels,
+                    f"0x{corrupt_at} 1x{corrupt_len - corrupt_at}",
+                ),
+                _series(
+                    "obsckpt_weight_sync_corrupt_total",
+                    f'{_TARGET},method="broadcast",check="checksum"',
+                    f"0x{corrupt_len}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(corrupt_at - 1, "ObsckptWeightSyncCorrupt"),
+                corrupt_fires(corrupt_at + 1),
+                _check(corrupt_at + corrupt_min + 5, "ObsckptWeightSyncCorrupt"),
+            ],
+        },
+        {
+            "name": "rollout version lag: a receiver held behind fires after the for time",
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "obsckpt_weight_sync_version_lag",
+                    vlag_labels,
+                    f"0x10 {vlag}x{vlag_due + 10 - 10}",
+                ),
+            ],
+            "alert_rule_test": [
+                _check(vlag_due - 1, "ObsckptRolloutVersionLag"),
+                vlag_fires(vlag_due + 1),
+            ],
+        },
+        {
+            "name": "rollout version lag: one failed sync (lag 1, then 0) stays quiet",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_weight_sync_version_lag", vlag_labels, "0x10 1x30 0x20"),
+            ],
+            "alert_rule_test": [
+                _check(minute, "ObsckptRolloutVersionLag") for minute in (15, 30, 45)
             ],
         },
         {

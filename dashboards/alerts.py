@@ -60,6 +60,11 @@ class AlertThresholds:
         rollout_stale_window: how long the rollout side's model version may stay
             unchanged while the trainer's is ahead before its weights count as stale.
         rollout_stale_for: how long that must persist.
+        rollout_version_max_lag: versions the receiver furthest behind may lag the
+            trainer after a delta-capable sync before ObsckptRolloutVersionLag counts it.
+        rollout_version_lag_for: how long that must persist.
+        weight_sync_corrupt_window: window over which a failed integrity check fires
+            ObsckptWeightSyncCorrupt.
         runbook_base: absolute URL of docs/runbook.md; anchors are appended.
     """
 
@@ -79,6 +84,9 @@ class AlertThresholds:
     weight_sync_failure_window: str = "15m"
     rollout_stale_window: str = "30m"
     rollout_stale_for: str = "5m"
+    rollout_version_max_lag: float = 2.0
+    rollout_version_lag_for: str = "10m"
+    weight_sync_corrupt_window: str = "1h"
     runbook_base: str = DEFAULT_RUNBOOK_URL
 
     def __post_init__(self) -> None:
@@ -87,6 +95,7 @@ class AlertThresholds:
             "no_commit_seconds",
             "weight_sync_max_lag",
             "commit_phase_stuck_seconds",
+            "rollout_version_max_lag",
         ):
             value = getattr(self, name)
             if (
@@ -95,8 +104,9 @@ class AlertThresholds:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-            if value < 0 or (value == 0 and name != "weight_sync_max_lag"):
-                limit = "not be negative" if name == "weight_sync_max_lag" else "be positive"
+            lags = ("weight_sync_max_lag", "rollout_version_max_lag")
+            if value < 0 or (value == 0 and name not in lags):
+                limit = "not be negative" if name in lags else "be positive"
                 raise ValueError(f"{name} must {limit}, got {value!r}")
         for name in (
             "commit_stall_for",
@@ -105,6 +115,7 @@ class AlertThresholds:
             "weight_sync_for",
             "commit_phase_stuck_for",
             "rollout_stale_for",
+            "rollout_version_lag_for",
         ):
             _check_duration(name, getattr(self, name))
         # A range of 0 is a PromQL error: the whole rule file would fail to load.
@@ -114,6 +125,7 @@ class AlertThresholds:
             "finished_quiet_for",
             "weight_sync_failure_window",
             "rollout_stale_window",
+            "weight_sync_corrupt_window",
         ):
             if _check_duration(name, getattr(self, name)) == 0:
                 raise ValueError(f"{name} must be longer than 0, got {getattr(self, name)!r}")
@@ -190,6 +202,10 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
     store_errors = "obsckpt_store_request_errors_total"
     store_by = "job, instance, obsckpt_namespace, operation, code"
     fenced = "obsckpt_store_fenced_commits_total"
+    corrupt = "obsckpt_weight_sync_corrupt_total"
+    corrupt_window = t.weight_sync_corrupt_window
+    version_lag = last("obsckpt_weight_sync_version_lag")
+    max_version_lag = _num(t.rollout_version_max_lag)
 
     return [
         {
@@ -414,6 +430,55 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     "failing or not being made."
                 ),
                 "runbook_url": runbook("ObsckptRolloutWeightsStale"),
+            },
+        },
+        {
+            "alert": "ObsckptWeightSyncCorrupt",
+            # The series exist at 0 from the monitor's start (one per check), so
+            # increase() sees a first failure.
+            "expr": (
+                f"sum by (job, instance, obsckpt_namespace, method, check) "
+                f"(increase({corrupt}[{corrupt_window}])) > 0\n"
+            ),
+            "for": "0m",
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": (
+                    "Weight sync corrupt ({{ $labels.check }}, job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "A {{ $labels.method }} weight sync of the training job whose monitor is "
+                    "{{ $labels.instance }} failed its {{ $labels.check }} check on a "
+                    f"receiver in the last {corrupt_window} (checksum: a chunk damaged on "
+                    "the way, caught before it was applied; digest: the receiver's weights "
+                    "differed from the trainer's after the apply). That receiver kept its "
+                    "version and the next sync was a full one; repeated failures point at "
+                    "the network, the host's memory, or a rollout writing into its weights."
+                ),
+                "runbook_url": runbook("ObsckptWeightSyncCorrupt"),
+            },
+        },
+        {
+            "alert": "ObsckptRolloutVersionLag",
+            # Set by the trainer at each delta-capable sync and kept until the next, so
+            # it holds however rarely weights sync.
+            "expr": f"{version_lag} > {max_version_lag}\n",
+            "for": t.rollout_version_lag_for,
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "A rollout receiver lags the trainer (job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "After the last weight sync of the training job whose monitor is "
+                    "{{ $labels.instance }}, the receiver furthest behind is "
+                    '{{ $value | printf "%.0f" }} versions behind the trainer (threshold '
+                    f"{max_version_lag}): it failed or refused the syncs since. Its "
+                    "rollouts use old weights."
+                ),
+                "runbook_url": runbook("ObsckptRolloutVersionLag"),
             },
         },
         {

@@ -582,6 +582,84 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 ],
                 width=8,
             ),
+            PanelSpec(
+                "Rollout pause",
+                "How long the slowest receiver was inside one delta-capable sync (from its "
+                "start to its weights applied and verified): the last one (kept until the "
+                "next, so it shows however rarely weights sync), and the mean and "
+                "percentiles over $window.",
+                "s",
+                latency("obsckpt_rollout_pause_seconds", ("method",), "{{method}}"),
+                width=8,
+            ),
+            PanelSpec(
+                "Sync phases",
+                "Seconds each phase of a delta-capable sync took: snapshot (the trainer's "
+                "host copy, the next delta's base), encode, wire, apply (the slowest "
+                "receiver), verify. The last sync's (kept until the next), and the mean and "
+                "percentiles over $window.",
+                "s",
+                latency("obsckpt_weight_sync_phase_seconds", ("sync_phase",), "{{sync_phase}}"),
+                width=8,
+            ),
+            PanelSpec(
+                "Bytes sent vs full state",
+                "The last sync's bytes on the wire over the whole state's (1 for a full "
+                "sync) and the fraction of values that changed at the last delta, both kept "
+                "until the next sync; and the bytes sent over the state's over $window.",
+                "percentunit",
+                [
+                    (
+                        f"max by (instance, encoding) ({m('obsckpt_last_weight_sync_sent_bytes')}"
+                        f" / ({m('obsckpt_last_weight_sync_state_bytes')} > 0))",
+                        "{{instance}} sent / full ({{encoding}})",
+                    ),
+                    (
+                        f"max by (instance) ({m('obsckpt_weight_sync_changed_fraction')})",
+                        "{{instance}} changed values",
+                    ),
+                    (
+                        "sum by (instance) "
+                        f"(increase({m('obsckpt_weight_sync_sent_bytes_total')}[{WINDOW}]))"
+                        " / sum by (instance) "
+                        f"(increase({m('obsckpt_weight_sync_state_bytes_total')}[{WINDOW}]) > 0)",
+                        "{{instance}} sent / full over $window",
+                    ),
+                ],
+                width=8,
+            ),
+            PanelSpec(
+                "Integrity failures",
+                "Delta-capable syncs that failed a check on a receiver, per monitor: "
+                "checksum (a chunk damaged on the way, nothing applied) or digest (weights "
+                "differing from the trainer's after the apply); each receiver keeps its "
+                "version and the next sync is full. Totals since the monitor started, so "
+                "one failure a day still shows. ObsckptWeightSyncCorrupt fires on any.",
+                "none",
+                [
+                    (
+                        f"max by (instance, check) ({m('obsckpt_weight_sync_corrupt_total')})",
+                        "{{instance}} {{check}}",
+                    ),
+                ],
+                width=12,
+                thresholds=FAILURES_RED,
+            ),
+            PanelSpec(
+                "Rollout version lag",
+                "After the last delta-capable sync, how many versions the receiver furthest "
+                "behind lags the trainer (kept until the next sync). "
+                "ObsckptRolloutVersionLag fires past the line.",
+                "none",
+                [
+                    (
+                        f"max by (instance) ({m('obsckpt_weight_sync_version_lag')})",
+                        "{{instance}}",
+                    ),
+                ],
+                width=12,
+                thresholds=alert_line(ALERTS.rollout_version_max_lag),
+            ),
         ],
     ),
     (

@@ -32,6 +32,8 @@ CONTRACT_ALERTS = (
     "ObsckptCommitPhaseStuck",
     "ObsckptWeightSyncFailures",
     "ObsckptRolloutWeightsStale",
+    "ObsckptWeightSyncCorrupt",
+    "ObsckptRolloutVersionLag",
 )
 
 

@@ -289,6 +289,8 @@ LATENCY_PANELS: dict[str, tuple[str, ...]] = {
     "Broadcast duration": ("backend",),
     "State dict upload duration": (),
     "Uploads per slot": ("slot",),
+    "Rollout pause": ("method",),
+    "Sync phases": ("sync_phase",),
 }
 # Their last-value targets aggregate by the same labels, except the save latency's,
 # read from the per-rank gauge (which has no kind).
@@ -298,10 +300,11 @@ LAST_BY = {**LATENCY_PANELS, "Save latency by slot and kind": ("slot",)}
 EXPECTED = {"mean": 1.5, "p50": 1.5, "p95": 1.95, "p99": 1.99, "last": 1.5}
 HIST_LABELS = (
     'job="obsckpt",instance="a:9400",slot="actor",kind="checkpoint",strategy="all",'
-    'phase="scan",backend="nccl",method="broadcast"'
+    'phase="scan",backend="nccl",method="broadcast",sync_phase="wire"'
 )
 LABEL_VALUES = {"slot": "actor", "kind": "checkpoint", "strategy": "all", "phase": "scan"}
 LABEL_VALUES["backend"] = "nccl"
+LABEL_VALUES |= {"method": "broadcast", "sync_phase": "wire"}
 
 
 def _events(every_s: int, scrape_s: int, length_s: int) -> list[int]:
@@ -335,6 +338,8 @@ def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str,
         "obsckpt_broadcast_duration_seconds",
         "obsckpt_state_dict_upload_duration_seconds",
         "obsckpt_store_upload_seconds",
+        "obsckpt_rollout_pause_seconds",
+        "obsckpt_weight_sync_phase_seconds",
     }:
         series[f'{metric}_bucket{{{HIST_LABELS},le="1"}}'] = text(0)
         series[f'{metric}_bucket{{{HIST_LABELS},le="2"}}'] = text(1)

@@ -268,6 +268,20 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
             monitor.record_upload.remote(0.1),
             monitor.record_model_version.remote("trainer", 3),
             monitor.record_model_version.remote("rollout", 2),
+            monitor.record_weight_sync.remote(
+                {
+                    "method": "broadcast",
+                    "step": 3,
+                    "encoding": "delta",
+                    "phases": {"encode": 0.05, "wire": 0.02, "apply": 0.01, "verify": 0.004},
+                    "sent_bytes": 1 << 16,
+                    "state_bytes": 1 << 20,
+                    "changed_fraction": 0.02,
+                    "pause_s": 0.3,
+                    "rollout_version": 2,
+                    "corrupt": "digest",
+                }
+            ),
         ],
         timeout=30,
     )
@@ -359,6 +373,30 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     assert last_value("Broadcast duration") == {"gloo": 0.2}
     assert last_value("Broadcast bandwidth") == {"gloo,broadcast": pytest.approx((1 << 20) / 0.2)}
     assert last_value("State dict upload duration") == {"": 0.1}
+    assert last_value("Rollout pause") == {"broadcast": 0.3}
+
+    # The delta sync's panels show the sync recorded above without a window.
+    def panel_values(panel: str) -> list[dict[str, float]]:
+        return [
+            {
+                ",".join(v for k, v in sorted(s["metric"].items()) if k != "instance"): float(
+                    s["value"][1]
+                )
+                for s in prometheus.query(expr)
+            }
+            for q, expr in queries
+            if q.panel == panel
+        ]
+
+    assert last_value("Sync phases") == {
+        "apply": 0.01,
+        "encode": 0.05,
+        "verify": 0.004,
+        "wire": 0.02,
+    }
+    assert panel_values("Bytes sent vs full state")[:2] == [{"delta": 1 / 16}, {"": 0.02}]
+    assert panel_values("Integrity failures") == [{"checksum": 0.0, "digest": 1.0}]
+    assert panel_values("Rollout version lag") == [{"": 1.0}]
     # The last commit moved both iteration files: one lag for each kind.
     lags = last_value("Commit lag")
     assert set(lags) == {"checkpoint", "state_dict"} and all(0 < v < 60 for v in lags.values())
