@@ -39,6 +39,7 @@ BENCHMARKS = (
     "telemetry",
     "commit_lag",
     "broadcast",
+    "delta",
     "s3",
     "gpu",
     "ipc",
@@ -319,6 +320,10 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray, s3_server=None)
         from benchmarks.broadcast import run_broadcast, run_nccl_broadcast
 
         return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
+    if name == "delta":
+        from benchmarks.delta import run_delta
+
+        return run_delta(sizes, _log)
     if name == "gpu":
         from benchmarks.gpu import run_gpu_benchmarks
 

@@ -41,6 +41,10 @@ EXPECTED = {
     "s3_commit_p99": "<= 0.05",
     "s3_commit_512_files_p99": "<= 1",
     "s3_stall_vs_local": "<= 1.05",
+    "delta_payload_vs_full": "<= 0.05",
+    "delta_payload_vs_full_synthetic": "<= 0.05",
+    "delta_payload_vs_changed": "<= 2",
+    "delta_sync_vs_full": "<= 0.5",
 }
 GPU_ONLY = (
     "gpu_stall_vs_d2h",

@@ -62,19 +62,43 @@ class TestEncoding:
         assert plan.nbytes <= 1.6 * plan.changed_bytes  # 3 bytes per bf16 entry
         assert plan.nbytes <= 0.05 * base.numel() * 2
 
+    def test_small_moves_cost_two_bytes_each(self):
+        """A bf16 value nudged by a few units in its last place goes as one signed byte."""
+        base = (torch.randn(500, 200) * 0.02).to(torch.bfloat16)
+        new = base.clone()
+        g = torch.Generator().manual_seed(1)
+        moved = torch.rand(base.shape, generator=g) < 0.03
+        step = torch.randint(-3, 4, base.shape, generator=g, dtype=torch.int16)
+        new.view(torch.int16)[moved] += step[moved]
+        plan, payload = _roundtrip([new], [base])
+        assert all(whole == 0 for _, _, _, whole in plan.blocks)
+        assert plan.nbytes <= 1.05 * plan.changed_bytes
+
+    @pytest.mark.parametrize(
+        ("dtype", "small"), [(torch.int8, 2), (torch.int32, 2), (torch.int64, 4)]
+    )
+    def test_large_moves_go_whole_and_wrapping_ones_stay_exact(self, dtype, small):
+        """max -> min is a large move, sent whole; for 8-byte values the difference is
+        taken modulo 2**64, where it is 1, and added back the same way."""
+        info = torch.iinfo(dtype)
+        base = torch.tensor([info.max, info.min, 5, info.max - 3], dtype=dtype)
+        new = torch.tensor([info.min, info.max, 6, info.max], dtype=dtype)
+        plan, _ = _roundtrip([new], [base])
+        assert plan.blocks == [(0, 0, small, 4 - small)]
+
     def test_long_unchanged_runs_are_bridged(self):
         base = torch.zeros(100_000, dtype=torch.bfloat16)
         new = base.clone()
         new[0], new[5000], new[99_999] = 1, 2, 3
         plan, _ = _roundtrip([new], [base])
         assert plan.changed == 3
-        assert sum(n for _, _, n in plan.blocks) == 3 + (99_999 - 5000) // 255 + 5000 // 255
+        assert sum(a + b for _, _, a, b in plan.blocks) == 3 + (99_999 - 5000) // 255 + 5000 // 255
 
     def test_blocks_split_a_tensor(self, monkeypatch):
         monkeypatch.setattr(delta, "BLOCK", 1000)
         base = torch.randn(10_500).to(torch.float16)
         plan, _ = _roundtrip([_changed(base, 0.05)], [base])
-        assert [k for _, k, _ in plan.blocks] == list(range(11))
+        assert [k for _, k, _, _ in plan.blocks] == list(range(11))
 
     def test_bits_not_values(self):
         base = torch.tensor([0.0, float("nan"), 1.0, -0.0])
@@ -287,3 +311,55 @@ class TestDeltaProtocol:
         assert (m["checksum"], m["digest"]) == (1.0, 1.0)
         assert m["lag"] == 0.0 and m["delta_bytes"] > 0
         assert m["phases"] == ["apply", "encode", "snapshot", "verify", "wire"]
+
+
+def _resume_ranks(rank: int, port: int) -> dict:
+    from obsckpt.errors import BroadcastError
+
+    group = new_group(rank, port, world_size=2, timeout_s=60)
+    b = DeltaBroadcaster(group, bucket_bytes=4096, full_every=100)
+    out: dict = {"log": []}
+    try:
+        if rank == 0:
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            x = torch.randn(32, 64)
+            snapshots = {}
+            for step in range(6):
+                if step:
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                snapshots[step] = _published(model)
+                out["log"].append(("send", step, b.send(snapshots[step], step=step).encoding))
+            # A stale step without a resume: refused by the receiver, the group kept.
+            with pytest.raises(ValueError, match="not newer"):
+                b.send(snapshots[3], step=3)
+            # The trainer crashed after step 5 and resumed from the checkpoint of step 3.
+            b.resume_from(3)
+            for step in (3, 4):
+                r = b.send(snapshots[step], step=step)
+                out["log"].append(("send", step, r.encoding, r.rollout_version))
+                out["crcs"] = _crcs(snapshots[step])
+        else:
+            for _ in range(8):
+                try:
+                    got = b.recv()
+                except BroadcastError as exc:  # pragma: no cover - reported
+                    out["log"].append(("error", str(exc)))
+                    continue
+                out["log"].append(("recv", b.last_step))
+            out["crcs"] = _crcs(got)
+    finally:
+        b.close()
+        group.close()
+    return out
+
+
+def test_a_resumed_trainer_sends_its_committed_version_in_full_and_versions_rise_from_there():
+    out = run_ranks(_resume_ranks, world_size=2, timeout=180)
+    sent = out[0]["log"]
+    assert [e[2] for e in sent[:6]] == ["full"] + ["delta"] * 5
+    assert sent[6:] == [("send", 3, "full", 3), ("send", 4, "delta", 4)]
+    assert [e[1] for e in out[1]["log"]] == [0, 1, 2, 3, 4, 5, 3, 4]
+    assert out[1]["crcs"] == out[0]["crcs"]

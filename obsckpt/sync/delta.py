@@ -9,11 +9,16 @@ positions whose bits changed and their new values instead of every value.
 on the host's cores in parallel. A block's changed positions go as gaps of
 one byte each (1 to 255 from the previous position, the first from the
 block's start; a longer run of unchanged values is bridged by an entry that
-rewrites the value already there, so every gap fits), and the values as
-their raw bits. An entry of a bf16 tensor is 3 bytes against 2
-for the changed value itself (1.5x; 1.25x for fp32), and a tensor that did
+changes nothing, so every gap fits), in two streams: a value whose bits
+moved by at most 127 (as integers: a bf16 weight nudged by a few units in
+its last place, which is nearly every change an RL step makes) goes as that
+difference in one signed byte, added to the receiver's bits; any other as
+its new bits, written over them. A changed bf16 value thus costs 2 bytes,
+what the value itself weighs (1.5x for one sent whole), and a tensor that did
 not change sends nothing. Positions compare bits, not values: ``-0.0`` after
-``0.0`` is a change, a NaN that stays the same NaN is not.
+``0.0`` is a change, a NaN that stays the same NaN is not. Adding differences
+needs the receiver to hold exactly the base version's bits, which the
+version vote and the digests make sure of.
 
 **Payload and chunks.** The encoded tensors are laid back to back in one
 byte buffer (each section aligned to 8 bytes), cut into chunks of at most
@@ -56,7 +61,8 @@ __all__ = [
 GAP_MAX = 255
 BLOCK = 1 << 22  # values per block: encoded and applied as one unit, in parallel
 _ALIGN = 8
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _local = threading.local()
 
 
@@ -78,21 +84,22 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def section_bytes(count: int, itemsize: int) -> int:
-    """Bytes of one block's section: its values, then its gaps, each padded to 8."""
-    return _aligned(count * itemsize) + _aligned(count)
+def section_bytes(small: int, whole: int, itemsize: int) -> int:
+    """Bytes of one block's section: its differences and their gaps, then its whole values
+    and their gaps, each padded to 8."""
+    return 2 * _aligned(small) + _aligned(whole * itemsize) + _aligned(whole)
 
 
 @dataclass(slots=True)
 class DeltaPlan:
     """What a delta payload holds, sent ahead of it.
 
-    ``blocks`` lists ``(tensor index, block index, entries)`` for every block
-    with a change, in payload order; ``chunks`` the payload's chunks as
-    ``(bytes, CRC32)``.
+    ``blocks`` lists ``(tensor index, block index, small entries, whole entries)``
+    for every block with a change, in payload order; ``chunks`` the payload's
+    chunks as ``(bytes, CRC32)``.
     """
 
-    blocks: list[tuple[int, int, int]]
+    blocks: list[tuple[int, int, int, int]]
     chunks: list[tuple[int, int]] = field(default_factory=list)
     changed: int = 0  # values that changed (entries minus bridging ones)
     changed_bytes: int = 0  # their bytes
@@ -116,7 +123,7 @@ class DeltaPlan:
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> DeltaPlan:
-        blocks = [(int(i), int(k), int(n)) for i, k, n in obj["blocks"]]
+        blocks = [(int(i), int(k), int(a), int(b)) for i, k, a, b in obj["blocks"]]
         chunks = [(int(n), int(c)) for n, c in obj["chunks"]]
         changed, changed_bytes, numel = (int(x) for x in obj["counts"])
         return cls(blocks, chunks, changed, changed_bytes, numel)
@@ -138,37 +145,61 @@ def _parallel(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
     return list(_pool().map(fn, items))
 
 
-def bridged(positions: np.ndarray) -> np.ndarray:
-    """Ascending ``positions`` (from -1) with bridging entries added: no gap exceeds :data:`GAP_MAX`."""
+def bridged(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Ascending ``positions`` (from -1) with bridging entries added, so that no gap
+    exceeds :data:`GAP_MAX`, and where the original ones went (None: nothing added)."""
     if positions.size == 0:
-        return positions
-    prev = np.empty_like(positions)
-    prev[0] = -1
-    prev[1:] = positions[:-1]
-    extra = (positions - prev - 1) // GAP_MAX  # bridging entries before each position
-    if not extra.any():
-        return positions
-    counts = extra + 1
-    owner = np.repeat(np.arange(positions.size), counts)
-    starts = np.cumsum(counts) - counts
-    k = np.arange(owner.size) - starts[owner]  # 0.. within each group
-    return np.minimum(prev[owner] + GAP_MAX * (k + 1), positions[owner])
+        return positions, None
+    gaps = np.diff(positions, prepend=-1)
+    extra = (gaps - 1) // GAP_MAX  # bridging entries before each position
+    where = np.flatnonzero(extra)
+    if where.size == 0:
+        return positions, None
+    counts = extra[where]
+    owner = np.repeat(where, counts)
+    k = np.arange(1, owner.size + 1) - np.repeat(np.cumsum(counts) - counts, counts)
+    start = positions[owner] - gaps[owner]  # the position before the long gap
+    out = np.insert(positions, owner, start + GAP_MAX * k)
+    return out, np.arange(positions.size) + np.cumsum(extra)
 
 
-def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(values, gaps, changed)`` of one block (integer views of the same length)."""
+_WIDER = {1: np.int16, 2: np.int32, 4: np.int64, 8: np.int64}
+
+
+def _gaps(pos: np.ndarray) -> np.ndarray:
+    return np.diff(pos, prepend=-1).astype(np.uint8)
+
+
+def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """One block's ``(differences, their gaps, whole values, their gaps, changed)``; None
+    when nothing changed (integer views of the same length)."""
     mask = getattr(_local, "mask", None)
     if mask is None or mask.size < new.size:
         mask = _local.mask = np.empty(max(new.size, BLOCK), dtype=bool)
     m = mask[: new.size]
     np.not_equal(new, base, out=m)
     pos = np.flatnonzero(m)
-    changed = int(pos.size)
-    if changed == 0:
-        return pos, pos, 0
-    pos = bridged(pos)
-    gaps = np.diff(pos, prepend=-1).astype(np.uint8)
-    return new[pos], gaps, changed
+    if pos.size == 0:
+        return None
+    values = new[pos]
+    # Wraps for 8-byte values, and so does the receiver's add.
+    diff = np.subtract(values, base[pos], dtype=_WIDER[new.itemsize])
+    small = np.abs(diff) <= 127
+    if small.all():
+        pos_small, small_diff, pos_whole, whole = pos, diff, pos[:0], values[:0]
+    else:
+        pos_small, small_diff = pos[small], diff[small]
+        large = ~small
+        pos_whole, whole = pos[large], values[large]
+    pos_small, real = bridged(pos_small)
+    diffs = small_diff.astype(np.int8)
+    if real is not None:  # a bridging entry adds 0
+        diffs = np.zeros(pos_small.size, dtype=np.int8)
+        diffs[real] = small_diff
+    pos_whole, real = bridged(pos_whole)
+    if real is not None:  # a bridging entry writes the value already there
+        whole = new[pos_whole]
+    return diffs, _gaps(pos_small), whole, _gaps(pos_whole), pos.size
 
 
 def _host_bits(t: torch.Tensor) -> np.ndarray:
@@ -198,27 +229,27 @@ def encode_delta(
         numel += n.size
         for k, o in enumerate(range(0, n.size, BLOCK)):
             work.append((i, k, n[o : o + BLOCK], b[o : o + BLOCK]))
-    results = _parallel(lambda w: (w[0], w[1], *_encode_block(w[2], w[3])), work)
-    blocks: list[tuple[int, int, int]] = []
-    sections: list[tuple[np.ndarray, np.ndarray]] = []
+    results = _parallel(lambda w: (w[0], w[1], w[2].itemsize, _encode_block(w[2], w[3])), work)
+    blocks: list[tuple[int, int, int, int]] = []
+    sections: list[tuple[np.ndarray, ...]] = []
     changed = changed_bytes = 0
-    for i, k, values, gaps, count in results:
-        if count == 0:
+    for i, k, itemsize, enc in results:
+        if enc is None:
             continue
-        blocks.append((i, k, int(gaps.size)))
-        sections.append((values, gaps))
+        diffs, small_gaps, whole, whole_gaps, count = enc
+        blocks.append((i, k, int(diffs.size), int(whole.size)))
+        sections.append((diffs, small_gaps, whole, whole_gaps))
         changed += count
-        changed_bytes += count * values.itemsize
-    size = sum(section_bytes(g.size, v.itemsize) for v, g in sections)
+        changed_bytes += count * itemsize
+    size = sum(section_bytes(d.size, w.size, w.itemsize) for d, _, w, _ in sections)
     payload = torch.zeros(size, dtype=torch.uint8)
     out = payload.numpy()
     off = 0
-    for values, gaps in sections:
-        vb = values.size * values.itemsize
-        out[off : off + vb] = values.view(np.uint8)
-        off += _aligned(vb)
-        out[off : off + gaps.size] = gaps
-        off += _aligned(gaps.size)
+    for section in sections:
+        for part in section:
+            raw = part.view(np.uint8)
+            out[off : off + raw.size] = raw
+            off += _aligned(raw.size)
     plan = DeltaPlan(blocks, changed=changed, changed_bytes=changed_bytes, numel=numel)
     plan.chunks = [(int(c.numel()), crc32(c.numpy())) for c in _chunks(payload, chunk_bytes)]
     return plan, payload
@@ -254,13 +285,14 @@ def check_plan(plan: DeltaPlan, meta: Sequence[TensorMeta], payload_bytes: int) 
         ValueError: naming what does not fit (nothing was applied).
     """
     need = 0
-    for i, k, count in plan.blocks:
+    for i, k, small, whole in plan.blocks:
         if not 0 <= i < len(meta):
             raise ValueError(f"delta names tensor #{i}, but the sync has {len(meta)}")
         m = meta[i]
-        if not 0 <= k * BLOCK < max(m.numel, 1) or count > min(BLOCK, m.numel - k * BLOCK):
-            raise ValueError(f"delta block {k} ({count} entries) does not fit {m.name!r}")
-        need += section_bytes(count, m.dtype.itemsize)
+        room = min(BLOCK, m.numel - k * BLOCK)
+        if k < 0 or room <= 0 or small > room or whole > room:
+            raise ValueError(f"delta block {k} ({small}+{whole} entries) does not fit {m.name!r}")
+        need += section_bytes(small, whole, m.dtype.itemsize)
     if need != payload_bytes or need != plan.nbytes:
         raise ValueError(
             f"delta plan needs {need} bytes, its chunks hold {plan.nbytes}, {payload_bytes} came"
@@ -268,7 +300,7 @@ def check_plan(plan: DeltaPlan, meta: Sequence[TensorMeta], payload_bytes: int) 
 
 
 def apply_delta(targets: Sequence[torch.Tensor], plan: DeltaPlan, payload: torch.Tensor) -> None:
-    """Write the payload's values into ``targets`` (tensors of the base version), in place.
+    """Move ``targets`` (tensors holding exactly the base version) to the new version, in place.
 
     Check the payload first (:func:`check_chunks`, :func:`check_plan`).
 
@@ -277,38 +309,45 @@ def apply_delta(targets: Sequence[torch.Tensor], plan: DeltaPlan, payload: torch
             its checks cannot do this).
     """
     host = payload if payload.device.type == "cpu" else payload.cpu()
+    raw = host.numpy()
     work = []
     off = 0
-    for i, k, count in plan.blocks:
+    for i, k, small, whole in plan.blocks:
         target = targets[i]
         size = target.element_size()
-        work.append(
-            (
-                target,
-                k,
-                host[off : off + count * size],
-                host[off + _aligned(count * size) :][:count],
-            )
-        )
-        off += section_bytes(count, size)
+        parts = []
+        for n in (small, small, whole * size, whole):
+            parts.append(raw[off : off + n])
+            off += _aligned(n)
+        work.append((target, k, *parts))
     _parallel(_apply_block, work)
 
 
-def _apply_block(work: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]) -> None:
-    target, k, values, gaps = work
+def _positions(gaps: np.ndarray, room: int, k: int) -> np.ndarray:
+    pos = np.cumsum(gaps, dtype=np.int64)
+    pos -= 1
+    if pos.size and pos[-1] >= room:
+        raise ValueError(f"delta block {k} runs past its end ({int(pos[-1])})")
+    return pos
+
+
+def _apply_block(work: tuple[Any, ...]) -> None:
+    target, k, diffs, small_gaps, whole, whole_gaps = work
     flat = bits(target)
     start = k * BLOCK
-    pos = np.cumsum(gaps.numpy(), dtype=np.int64)
-    pos -= 1
-    if pos.size and pos[-1] >= min(BLOCK, flat.numel() - start):
-        raise ValueError(f"delta block {k} runs past its end ({int(pos[-1])})")
-    vals = values.view(flat.dtype)
+    room = min(BLOCK, flat.numel() - start)
+    small_pos = _positions(small_gaps, room, k)
+    whole_pos = _positions(whole_gaps, room, k)
+    values = whole.view(_NP_BITS[flat.element_size()])
     if flat.device.type == "cpu":
-        block = flat[start : start + BLOCK].numpy()
-        block[pos] = vals.numpy()
-    else:
-        idx = torch.from_numpy(pos).to(flat.device, non_blocking=True)
-        flat[start : start + BLOCK][idx] = vals.to(flat.device, non_blocking=True)
+        block = flat[start : start + room].numpy()
+        block[small_pos] += diffs.view(np.int8)  # wraps as the sender's difference did
+        block[whole_pos] = values
+        return
+    block = flat[start : start + room]
+    idx = torch.from_numpy(small_pos).to(block.device)
+    block[idx] += torch.from_numpy(diffs.view(np.int8).astype(values.dtype)).to(block.device)
+    block[torch.from_numpy(whole_pos).to(block.device)] = torch.from_numpy(values).to(block.device)
 
 
 def digest(t: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ whose ``send``/``recv`` run a small protocol around the broadcast:
 
 1. **Offer.** The sender broadcasts the step, the version a delta would be
    based on, and whether it wants a full sync (its first, a new layout, every
-   ``full_every`` versions, or after a failure).
+   ``full_every`` versions, after a failure, or after a resume).
 2. **Vote.** Every member takes part in an all-reduce (minimum): a receiver
    votes for the delta only if it holds that base version, whole. One receiver
    that is new, behind, or whose weights are not a known version makes the
@@ -19,6 +19,13 @@ whose ``send``/``recv`` run a small protocol around the broadcast:
 5. **Result.** A second all-reduce brings each receiver's result (and its
    version, and how long it was paused) back to the sender.
 
+**Resume.** A trainer that resumed from a checkpoint calls
+:meth:`DeltaBroadcaster.resume_from` with the committed step before its first
+sync: that sync is a full one, marked as a resume, and receivers take it even
+though they hold a later version (the run they got it from was rolled back),
+so none waits for versions the trainer will not send again. Versions rise
+from there.
+
 A chunk that fails its check, or a digest that differs, fails that sync on
 that receiver: its version stays, :class:`WeightSyncCorruptError` is raised
 there (the group stays usable), the sender counts it
@@ -30,6 +37,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +64,8 @@ _NONE = 2**62  # a vote's "no version" (the minimum ignores it)
 # refused older step), a digest that differed after the apply, a chunk that failed.
 OK, NOT_TAKEN, DIGEST, CHECKSUM = 3, 2, 1, 0
 _CHECKS = {DIGEST: "digest", CHECKSUM: "checksum"}
+# The offer's last field: a delta is fine, a full sync is wanted, a full sync after a resume.
+_DELTA_OK, _FULL, _RESUME = 0, 1, 2
 PHASES = ("snapshot", "encode", "wire", "apply", "verify")
 
 
@@ -128,6 +138,8 @@ class DeltaBroadcaster(WeightBroadcaster):
         self._base_meta: list[TensorMeta] | None = None
         self._since_full = 0
         self._force_full = True
+        self._resumed = False
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="obsckpt-delta-base")
         # Receiver: the tensors that hold the weights, in the sender's order.
         self._held: dict[str, torch.Tensor] | None = None
         self._held_meta: list[TensorMeta] | None = None
@@ -135,6 +147,17 @@ class DeltaBroadcaster(WeightBroadcaster):
     def force_full(self) -> None:
         """Make the next sync a full one (the sender's side)."""
         self._force_full = True
+
+    def resume_from(self, step: int) -> None:
+        """The trainer resumed from committed ``step``: the next sync (of ``step`` or later) is
+        full, and receivers take it even if they hold a later version (the sender's side).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative integer.
+        """
+        wire.validate_newer_step(step, None)
+        self.last_step = step - 1 if step > 0 else None
+        self._force_full = self._resumed = True
 
     # -- sender --------------------------------------------------------
 
@@ -165,7 +188,8 @@ class DeltaBroadcaster(WeightBroadcaster):
             or self._base_meta != meta
             or self._since_full + 1 >= self.full_every
         )
-        base_step = -1 if self.last_step is None else self.last_step
+        base_step = -1 if self.last_step is None or self._resumed else self.last_step
+        offer = _RESUME if self._resumed else (_FULL if want_full else _DELTA_OK)
         attrs = {
             span_attr.STEP: step,
             span_attr.BYTES: state_bytes,
@@ -178,12 +202,14 @@ class DeltaBroadcaster(WeightBroadcaster):
             sp.set_attribute(span_attr.METHOD, "broadcast")
             deadline = self.group.deadline(self.timeout_s)
             with self._failing("sending"):
-                self._send_small([DELTA_MAGIC, step, base_step, int(want_full)], deadline)
+                self._send_small([DELTA_MAGIC, step, base_step, offer], deadline)
                 vote = self._min([1, _NONE], deadline)
             full = want_full or vote[0] == 0
             sp.set_attribute(span_attr.MODE, "full" if full else "delta")
             fraction: float | None = None
             if full:
+                if self._resumed:
+                    self.last_step = None
                 result = WeightBroadcaster.send(self, items, step=step)
                 phases["wire"] = result.seconds
                 sent = result.nbytes
@@ -203,15 +229,16 @@ class DeltaBroadcaster(WeightBroadcaster):
                     phases["wire"] = time.perf_counter() - t
                     sent = plan.nbytes
                     fraction = plan.fraction
-                    t = time.perf_counter()
-                    delta.apply_delta(self._base, plan, payload)  # the base moves to this version
-                    phases["snapshot"] = time.perf_counter() - t
+                    # The base moves to this version while the receivers apply it.
+                    moving = self._background.submit(self._move_base, plan, payload)
                     self.last_step = step
                 t = time.perf_counter()
                 picked = delta.digest_indices(meta, step, sample=self.digest_tensors, full=full)
                 self._send_obj([(i, delta.digest(tensors[i])) for i in picked], deadline)
                 phases["verify"] = time.perf_counter() - t
                 res = self._min([OK, _NONE, 0, 0, 0], deadline)
+                if not full:
+                    phases["snapshot"] = moving.result()
             status, oldest = int(res[0]), int(res[1])
             phases["apply"] = -int(res[2]) / 1e6
             pause = -int(res[4]) / 1e6
@@ -219,6 +246,7 @@ class DeltaBroadcaster(WeightBroadcaster):
             sp.set_attribute(span_attr.BYTES, sent)
             if corrupt is not None:
                 sp.set_attribute("obsckpt.corrupt", corrupt)
+        self._resumed = False
         if status != OK:
             self._force_full = True
         else:
@@ -241,6 +269,18 @@ class DeltaBroadcaster(WeightBroadcaster):
             self.telemetry.broadcast(self.group.backend, seconds, sent, "broadcast")
         self.telemetry.weight_sync(_report(out))
         return out
+
+    def _move_base(self, plan: delta.DeltaPlan, payload: torch.Tensor) -> float:
+        t = time.perf_counter()
+        assert self._base is not None
+        delta.apply_delta(self._base, plan, payload)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        """Let go of the sender's base copy and helper thread (the group stays the caller's)."""
+        self._background.shutdown(wait=True)
+        self._base = self._base_meta = None
+        self._held = self._held_meta = None
 
     def _keep_base(self, tensors: list[torch.Tensor], meta: list[TensorMeta]) -> None:
         """Copy the version just sent to the host: the base of the next delta."""
@@ -292,7 +332,11 @@ class DeltaBroadcaster(WeightBroadcaster):
                         "sender and receivers disagree on the protocol (use DeltaBroadcaster on "
                         "every member), the group is now broken"
                     )
-                step, base_step, want_full = offer[1], offer[2], bool(offer[3])
+                step, base_step, kind = offer[1], offer[2], offer[3]
+                want_full = kind != _DELTA_OK
+                if kind == _RESUME:
+                    # The sender's run was rolled back to a checkpoint: versions restart.
+                    self.last_step = None
                 sp.set_attribute(span_attr.STEP, step)
                 takes_delta = (
                     self._held is not None
