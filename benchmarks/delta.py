@@ -231,9 +231,7 @@ def _worker(rank: int, port: int, nbytes: int, reps: int, q) -> None:
                     samples["full"].append(timed(lambda s=state: full_sync(s)))
                 else:
                     got = {}
-                    samples["delta"].append(
-                        timed(lambda s=state, g=got: g.update(r=delta_sync(s)))
-                    )
+                    samples["delta"].append(timed(lambda s=state, g=got: g.update(r=delta_sync(s))))
                     if rank == 0:
                         r = got["r"]
                         if r.encoding != "delta" or not r.verified:
