@@ -20,6 +20,7 @@ from obsckpt.errors import WeightSyncCorruptError
 from obsckpt.sync import delta
 from obsckpt.sync.buckets import tensor_meta
 from obsckpt.sync.delta_broadcast import DeltaBroadcaster
+from obsckpt.sync.delta_memory import MemorySyncClient
 
 # ----------------------------------------------------------------------
 # The encoding
@@ -127,10 +128,21 @@ class TestEncoding:
             delta.check_plan(plan, [], payload.numel())
 
     def test_digests_sample_by_step_and_take_all_when_full(self):
-        meta = tensor_meta((str(i), torch.empty(1)) for i in range(20))
+        meta = tensor_meta((str(i), torch.empty(1)) for i in range(100))
         a = delta.digest_indices(meta, 7, sample=4, full=False)
         assert a == delta.digest_indices(meta, 7, sample=4, full=False) and len(a) == 4
-        assert delta.digest_indices(meta, 7, sample=4, full=True) == list(range(20))
+        assert a != delta.digest_indices(meta, 8, sample=4, full=False)
+        assert delta.digest_indices(meta, 7, sample=4, full=True) == list(range(100))
+
+    def test_sampled_digests_read_at_most_a_sixteenth_of_the_state(self):
+        meta = tensor_meta(
+            [("big", torch.empty(1000))] + [(str(i), torch.empty(10)) for i in range(40)]
+        )
+        for step in range(20):
+            picked = delta.digest_indices(meta, step, sample=8, full=False)
+            assert picked and sum(meta[i].nbytes for i in picked) <= max(
+                meta[picked[0]].nbytes, sum(m.nbytes for m in meta) / 16
+            )
 
     @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
     def test_settings_are_checked(self, bad):
@@ -363,3 +375,82 @@ def test_a_resumed_trainer_sends_its_committed_version_in_full_and_versions_rise
     assert sent[6:] == [("send", 3, "full", 3), ("send", 4, "delta", 4)]
     assert [e[1] for e in out[1]["log"]] == [0, 1, 2, 3, 4, 5, 3, 4]
     assert out[1]["crcs"] == out[0]["crcs"]
+
+
+# ----------------------------------------------------------------------
+# The Synchronizer's memory sync
+# ----------------------------------------------------------------------
+
+
+class _DamagedInFlight(MemorySyncClient):
+    """A client whose next delta payload arrives with one byte flipped."""
+
+    flip = False
+
+    def _apply(self, plan, payload):
+        if self.flip and payload.numel():
+            payload = payload.clone()
+            payload[payload.numel() // 3] ^= 0x40
+            self.flip = False
+        return super()._apply(plan, payload)
+
+
+def test_memory_sync_sends_deltas_checked_bit_for_bit(namespace):
+    import ray
+    from metrics_helpers import samples
+
+    from obsckpt import Synchronizer
+
+    sync = Synchronizer.get_actor(namespace=namespace)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    x = torch.randn(32, 64)
+    into = {n: torch.empty_like(t) for n, t in _published(model).items()}
+    clients = {
+        "own": _DamagedInFlight(sync, digest_tensors=100),
+        "into": MemorySyncClient(sync, into=into, digest_tensors=100),
+        "late": MemorySyncClient(sync),  # updates every third version only
+    }
+    seen: dict[str, list] = {name: [] for name in clients}
+    errors: dict[str, list[int]] = {name: [] for name in clients}
+    for step in range(1, 26):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        state = _published(model)
+        assert ray.get(sync.set_model_state_dict.remote(state, step))
+        if step == 9:
+            clients["own"].flip = True
+        if step == 14:  # damaged between syncs: the next delta's digests catch it
+            t = clients["into"].weights["0.weight"].view(-1)
+            t[:16] = t[:16] * 3 + 1
+        for name, client in clients.items():
+            if name == "late" and step % 3:
+                continue
+            try:
+                version = client.update()
+            except WeightSyncCorruptError:
+                errors[name].append(step)
+                continue
+            assert version == step
+            assert _crcs(client.weights) == _crcs(state), (name, step)
+            seen[name].append(step)
+    assert errors == {"own": [9], "into": [14], "late": []}
+    assert seen["own"] == [s for s in range(1, 26) if s != 9]
+    assert seen["late"] == [3, 6, 9, 12, 15, 18, 21, 24]
+    # A client's answers: whole first, after a failure and every 20th version; else deltas.
+    status = samples(ray.get(sync.metrics_text.remote()))
+    key = lambda *kv: ("obsckpt_weight_sync_corrupt_total", tuple(sorted(kv)))  # noqa: E731
+    assert status[key(("check", "checksum"), ("method", "memory"))] == 1
+    assert status[key(("check", "digest"), ("method", "memory"))] == 1
+    sent = {
+        enc: status[
+            ("obsckpt_weight_sync_sent_bytes_total", (("encoding", enc), ("method", "memory")))
+        ]
+        for enc in ("full", "delta")
+    }
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    # Whole: the two regular clients' first, the update after each failure, version 20
+    # (every 20th) for both, and every one of the late client's 8 (never one behind).
+    assert sent["full"] == state_bytes * (2 + 2 + 2 + 8)
+    assert 0 < sent["delta"] < 0.2 * state_bytes * 30

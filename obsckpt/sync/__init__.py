@@ -18,6 +18,7 @@ from obsckpt.errors import (
 from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets, tensor_meta
 from obsckpt.sync.delta_broadcast import DeltaBroadcaster, DeltaSyncResult
+from obsckpt.sync.delta_memory import MemorySyncClient
 from obsckpt.sync.device import RankDevice, setup_rank_device
 from obsckpt.sync.group import WeightSyncGroup, free_port
 from obsckpt.sync.ipc import IpcPayload, IpcWeightReceiver, IpcWeightSender
@@ -39,6 +40,7 @@ __all__ = [
     "IpcWeightReceiver",
     "IpcWeightSender",
     "MegatronLayoutError",
+    "MemorySyncClient",
     "RankDevice",
     "StateDictLoadError",
     "Synchronizer",

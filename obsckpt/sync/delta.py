@@ -359,9 +359,19 @@ def digest(t: torch.Tensor) -> int:
 
 
 def digest_indices(meta: Sequence[TensorMeta], step: int, *, sample: int, full: bool) -> list[int]:
-    """Which tensors are digested after the sync of ``step``: all of them when ``full``,
-    else ``sample`` chosen by the step (both sides compute the same)."""
+    """Which tensors are digested after the sync of ``step``: all of them when ``full``;
+    else up to ``sample`` chosen by the step, within a sixteenth of the state's bytes
+    (at least one tensor). Both sides compute the same."""
     n = len(meta)
-    if full or sample >= n:
+    if full:
         return list(range(n))
-    return sorted(random.Random(step).sample(range(n), max(0, sample)))
+    order = random.Random(step).sample(range(n), n)
+    budget = sum(m.nbytes for m in meta) / 16
+    picked: list[int] = []
+    used = 0
+    for i in order:
+        if len(picked) >= sample or (picked and used + meta[i].nbytes > budget):
+            continue
+        picked.append(i)
+        used += meta[i].nbytes
+    return sorted(picked)

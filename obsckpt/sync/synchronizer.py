@@ -49,6 +49,7 @@ from obsckpt.errors import IterationFileError, StoreError
 from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
 from obsckpt.store.uri import is_remote, root_or_url
 from obsckpt.sync import detached, naming
+from obsckpt.sync.delta_memory import DeltaMemorySync
 from obsckpt.sync.detached import ModuleWatch
 from obsckpt.sync.shards import state_dict_meta
 from obsckpt.sync.step_source import StepSource, step_source
@@ -79,7 +80,7 @@ _KEEP_FAILED = 64
 # ----------------------------------------------------------------------
 
 
-class Synchronizer(TrinityProtocol):
+class Synchronizer(TrinityProtocol, DeltaMemorySync):
     """Holds the latest model state dict and its version for the rollout side; one per job.
 
     Create it with :meth:`get_actor`; the constructor runs inside the actor.
@@ -162,6 +163,7 @@ class Synchronizer(TrinityProtocol):
         # the _created series (a user's process keeps them: nothing is switched at import).
         disable_created_series()
         self._telemetry_route = TelemetryRoute(namespace, registry)
+        self._init_delta()
         if tracing.requested(trace_exporter):
             tracing.setup_tracing("obsckpt-synchronizer", exporter=trace_exporter)
 
@@ -498,8 +500,10 @@ class Synchronizer(TrinityProtocol):
                         held,
                     )
                     return False
+            old = self._state_dict
             self._state_dict = state_dict
             self._version = version
+            self._published(old, held, source)
             self._model_path = self._path_of(version)
             self._source = source
             self._published_at = time.time()

@@ -32,7 +32,7 @@ FAILURE_REASONS = ("timeout", "error")
 SYNC_ENCODINGS = ("full", "delta")
 SYNC_PHASES = ("snapshot", "encode", "wire", "apply", "verify")
 SYNC_CHECKS = ("checksum", "digest")
-DELTA_METHODS = ("broadcast",)
+DELTA_METHODS = ("broadcast", "memory")
 # Who holds a model version: the trainer, or the rollout side it syncs to.
 TRAINER, ROLLOUT = "trainer", "rollout"
 ROLES = (TRAINER, ROLLOUT)
