@@ -75,8 +75,9 @@ class DeltaSyncResult:
 
     ``encoding`` is ``full`` or ``delta``; ``sent_bytes`` what went on the
     wire for the weights, ``state_bytes`` the whole state's size;
-    ``phases`` seconds per phase (``apply`` and ``pause`` are the slowest
-    receiver's); ``rollout_version`` the oldest version a receiver holds
+    ``phases`` seconds per phase (``apply`` is the slowest receiver's,
+    ``verify`` the slowest side's digests; ``pause_s`` the slowest receiver's time
+    in the sync); ``rollout_version`` the oldest version a receiver holds
     after it (None: no receiver holds one); ``corrupt`` the check that failed
     on some receiver (``checksum``, ``digest``) or None.
     """
@@ -234,13 +235,15 @@ class DeltaBroadcaster(WeightBroadcaster):
                     self.last_step = step
                 t = time.perf_counter()
                 picked = delta.digest_indices(meta, step, sample=self.digest_tensors, full=full)
-                self._send_obj([(i, delta.digest(tensors[i])) for i in picked], deadline)
+                digests = [(i, delta.digest(tensors[i])) for i in picked]
                 phases["verify"] = time.perf_counter() - t
+                self._send_obj(digests, deadline)  # taken once every receiver has applied
                 res = self._min([OK, _NONE, 0, 0, 0], deadline)
                 if not full:
                     phases["snapshot"] = moving.result()
             status, oldest = int(res[0]), int(res[1])
             phases["apply"] = -int(res[2]) / 1e6
+            phases["verify"] = max(phases["verify"], -int(res[3]) / 1e6)
             pause = -int(res[4]) / 1e6
             corrupt = _CHECKS.get(status)
             sp.set_attribute(span_attr.BYTES, sent)
