@@ -40,6 +40,7 @@ BENCHMARKS = (
     "commit_lag",
     "broadcast",
     "delta",
+    "publish",
     "s3",
     "gpu",
     "ipc",
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         s3_env = s3_server.env() if s3_server is not None and s3_server.started else None
         if s3_env:
             os.environ.update(s3_env)
-        if {"save", "peers", "rss", "telemetry", "commit_lag", "s3"} & set(wanted):
+        if {"save", "peers", "rss", "telemetry", "commit_lag", "s3", "publish"} & set(wanted):
             ray = _start_ray(f"obsckpt-bench-{run_id}", args.ray_address, s3_env)
         for name in wanted:
             # The previous benchmark's files are written back and its deleted ones
@@ -320,6 +321,10 @@ def _run_one(name: str, sizes, bench_dir: str, run_id: str, ray, s3_server=None)
         from benchmarks.broadcast import run_broadcast, run_nccl_broadcast
 
         return run_broadcast(sizes, _log) + run_nccl_broadcast(sizes, _log)
+    if name == "publish":
+        from benchmarks.shared_snapshot import run_shared_snapshot
+
+        return _with_monitor(name, bench_dir, run_id, ray, run_shared_snapshot, sizes)
     if name == "delta":
         from benchmarks.delta import run_delta
 

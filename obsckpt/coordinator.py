@@ -347,7 +347,9 @@ class CheckpointCoordinator:
             on_skip=copier.settle if copier is not None else None,
         )
         self._submit(job, write, trace_context, join_wait=join_wait)
-        return StagedSave(name, global_step, copier)
+        return StagedSave(
+            name, global_step, copier, snapshot, self._staging, self._staging.generation(name)
+        )
 
     def prepare(self, name: str, state_dict: Any, *, background: bool = False) -> Future:
         """Allocate, pin and pre-fault slot ``name``'s staging for ``state_dict``'s shapes.

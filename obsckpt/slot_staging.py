@@ -11,10 +11,11 @@ torch is imported on first use, not at module load: the monitor actor never need
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
@@ -34,15 +35,27 @@ class StagedSave:
 
     Call :meth:`wait_staged` before changing the saved tensors in place (the
     optimizer step). Without ``overlap`` the state is staged before the save
-    call returns, and it returns at once.
+    call returns, and it returns at once. :meth:`hold` lends the snapshot
+    itself, to publish the same state (weight sync) without a second copy.
     """
 
-    __slots__ = ("slot", "step", "_copy")
+    __slots__ = ("slot", "step", "_copy", "_snapshot", "_staging", "_generation")
 
-    def __init__(self, slot: str, step: int, copy: StagingCopy | None = None) -> None:
+    def __init__(
+        self,
+        slot: str,
+        step: int,
+        copy: StagingCopy | None = None,
+        snapshot: Any = None,
+        staging: SlotStaging | None = None,
+        generation: int = 0,
+    ) -> None:
         self.slot = slot
         self.step = step
         self._copy = copy  # an overlapped save's copy; None: staged before the call returned
+        self._snapshot = snapshot
+        self._staging = staging
+        self._generation = generation
 
     @property
     def staged(self) -> bool:
@@ -75,6 +88,30 @@ class StagedSave:
                 slot=self.slot,
                 step=self.step,
             )
+
+    @contextlib.contextmanager
+    def hold(self, timeout: float | None = None) -> Iterator[Any]:
+        """The snapshot this save writes (host tensors in the slot's staging), lent for the block.
+
+        Publish the step's weights from it (memory sync, a broadcast, a delta)
+        and the state leaves the device once for both the durable write and the
+        publish: no second copy, no second stall. Read it only: the background
+        write reads it too. While the block runs, the slot's next save waits
+        before it stages (so a publish never reads a half-overwritten snapshot);
+        the block should end before then, as a training loop's publish does.
+
+        Raises:
+            SaveTimeoutError: the staging copies did not finish within ``timeout``.
+            TensorMutatedError: a tensor changed before its copy finished (the save fails too).
+            ValueError: the slot's next save already staged over this snapshot.
+        """
+        self.wait_staged(timeout)
+        if self._copy is not None:
+            self._copy.finish()  # in host memory, not only ordered on the device
+        if self._staging is None:
+            raise ValueError(f"the save of slot {self.slot!r} step {self.step} kept no snapshot")
+        with self._staging.holding(self.slot, self._generation, self.step):
+            yield self._snapshot
 
 
 class SlotStaging:
@@ -111,6 +148,11 @@ class SlotStaging:
         self._staged_at: dict[str, int] = {}  # slot -> step of its last save's snapshot
         self._preparing: dict[str, Future] = {}  # slot -> prepare() running or failed
         self._took_over = False  # whether a slot took over another's staging (logged once)
+        # Snapshots lent to publishers (StagedSave.hold): slot -> holders; a save of the
+        # slot waits before staging over its snapshot, counted in generations.
+        self._holds: dict[str, int] = {}
+        self._generations: dict[str, int] = {}
+        self._released = threading.Condition(self._lock)
 
     def __getitem__(self, slot: str) -> StagingBuffers:
         """Slot ``slot``'s staging buffers (KeyError if it has none)."""
@@ -172,7 +214,10 @@ class SlotStaging:
         """
         from obsckpt.staging import StagingCopy
 
+        self._wait_holds(slot)
         staging = self._buffers_for(slot, state=state_dict, step=step)
+        with self._lock:
+            self._generations[slot] = self._generations.get(slot, 0) + 1
         allocations = staging.allocations
         copier = None
         if overlap:
@@ -186,6 +231,56 @@ class SlotStaging:
             # Kept threads: the copy thread costs a queue put, not a thread start.
             copier.start(lambda run: THREADS.submit(run, f"obsckpt-stage-{slot}-step{step}"))
         return snapshot, copier
+
+    def generation(self, slot: str) -> int:
+        """How many snapshots ``slot`` has taken (a lent snapshot is valid while it is the last)."""
+        with self._lock:
+            return self._generations.get(slot, 0)
+
+    @contextlib.contextmanager
+    def holding(self, slot: str, generation: int, step: int) -> Iterator[None]:
+        """Keep ``slot``'s snapshot ``generation`` from being staged over while the block runs.
+
+        Raises:
+            ValueError: a later save of the slot already staged over it.
+        """
+        with self._lock:
+            now = self._generations.get(slot, 0)
+            if now != generation:
+                raise ValueError(
+                    f"the snapshot of slot {slot!r} step {step} was already overwritten by a "
+                    "later save of the slot; publish from a save's snapshot (StagedSave.hold) "
+                    "before the slot's next save"
+                )
+            self._holds[slot] = self._holds.get(slot, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds[slot] -= 1
+                if not self._holds[slot]:
+                    del self._holds[slot]
+                self._released.notify_all()
+
+    def _wait_holds(self, slot: str) -> None:
+        """Wait until no publisher holds ``slot``'s snapshot: watched, bounded by ``stall_timeout_s``."""
+
+        def released(timeout: float | None) -> bool:
+            with self._lock:
+                return self._released.wait_for(lambda: slot not in self._holds, timeout)
+
+        if slot in self._holds and not wait_watched(
+            released,
+            self.stall_timeout_s,
+            lambda: f"the publish holding the snapshot of slot {slot!r} (StagedSave.hold)",
+            warn_every=self.stall_warning_s,
+            log=self.logger,
+        ):
+            raise WaitTimeoutError(
+                f"the snapshot of slot {slot!r} was still held by a publish after "
+                f"{self.stall_timeout_s:.1f} s (stall_timeout_s); the slot's next save waits "
+                "for it. End the StagedSave.hold() block before the slot's next save"
+            )
 
     def wait_prepared(self, deadline: float | None) -> None:
         """Wait for every prepare() running, until ``deadline`` (``time.monotonic()``; None: no limit)."""
@@ -221,7 +316,7 @@ class SlotStaging:
     def release(self, *, keep: set[str]) -> None:
         """Release the staging of every slot not in ``keep`` nor being prepared."""
         with self._lock:
-            busy = keep | {n for n, f in self._preparing.items() if not f.done()}
+            busy = keep | {n for n, f in self._preparing.items() if not f.done()} | set(self._holds)
             names = [n for n in self._buffers if n not in busy]
             released = [(n, self._buffers.pop(n)) for n in names]
         for slot, staging in released:
@@ -300,7 +395,9 @@ class SlotStaging:
         return staging
 
     def _busy(self, slot: str) -> bool:
-        """Whether ``slot`` has a save or a prepare() running (caller holds the lock)."""
+        """Whether ``slot`` has a save, a prepare() or a publish holding it (caller holds the lock)."""
+        if slot in self._holds:
+            return True
         preparing = self._preparing.get(slot)
         if preparing is not None and not preparing.done():
             return True

@@ -45,6 +45,8 @@ EXPECTED = {
     "delta_payload_vs_full_synthetic": "<= 0.05",
     "delta_payload_vs_changed": "<= 2",
     "delta_sync_vs_full": "<= 0.5",
+    "shared_snapshot_stall_vs_single": "<= 1.05",
+    "shared_snapshot_peak_extra_host": "<= 1.05",
 }
 GPU_ONLY = (
     "gpu_stall_vs_d2h",

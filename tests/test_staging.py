@@ -532,6 +532,102 @@ class TestCoordinatorStaging:
         assert not _path(tmp_path, 1).exists()
 
 
+class TestSharedSnapshot:
+    """StagedSave.hold: the save's own snapshot, lent to a publish (one copy for both)."""
+
+    @pytest.mark.parametrize("overlap", [False, True])
+    def test_the_publish_reads_the_snapshot_the_save_writes(self, coordinator, tmp_path, overlap):
+        coord, _ = coordinator
+        sd = _state()
+        expected = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1, overlap=overlap)
+        with handle.hold(timeout=60) as snap:
+            sd["big"].mul_(0)  # the trainer moves on: the snapshot keeps the step's values
+            for name, want in expected.items():
+                assert torch.equal(snap[name], want)
+                assert snap[name].data_ptr() != sd[name].data_ptr()
+            staged = {snap[k].data_ptr() for k in expected}
+        coord.wait_all(timeout=60)
+        assert torch.equal(torch.load(_path(tmp_path, 1))["big"], expected["big"])
+        # The snapshot is the slot's staging arena itself: no second copy was made.
+        arena = coord._staging["model"]
+        lo = arena.arena.address
+        hi = lo + arena.arena.nbytes
+        assert all(lo <= p < hi for p in staged)
+
+    def test_the_next_save_waits_for_the_publish_holding_the_snapshot(self, coordinator, tmp_path):
+        coord, _ = coordinator
+        first = _state(1)
+        handle = coord.save_state_dict_async("model", first, _path(tmp_path, 1), 1)
+        coord.wait_all(timeout=60)
+        seen: dict = {}
+        release = threading.Event()
+        holding = threading.Event()
+
+        def publish() -> None:
+            with handle.hold(timeout=60) as snap:
+                holding.set()
+                release.wait(30)
+                seen["big"] = snap["big"].clone()  # read after the next save was called
+
+        t = threading.Thread(target=publish)
+        t.start()
+        assert holding.wait(30)
+        second = threading.Thread(
+            target=lambda: coord.save_state_dict_async("model", _state(2), _path(tmp_path, 2), 2)
+        )
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting to stage over the held snapshot
+        release.set()
+        t.join(30)
+        second.join(30)
+        assert not second.is_alive()
+        coord.wait_all(timeout=60)
+        assert torch.equal(seen["big"], first["big"])
+        assert torch.equal(torch.load(_path(tmp_path, 2))["big"], _state(2)["big"])
+        # A snapshot staged over is refused by name, never lent.
+        with pytest.raises(ValueError, match="slot 'model' step 1 was already overwritten"):
+            with handle.hold():
+                pass
+
+    def test_publish_staged_hands_the_snapshot_to_the_synchronizer(
+        self, coordinator, tmp_path, namespace
+    ):
+        from obsckpt import Synchronizer
+        from obsckpt.sync.publish import publish_staged, publish_staged_async
+
+        coord, _ = coordinator
+        sync = Synchronizer.get_actor(namespace=f"{namespace}-sync")
+        try:
+            sd = _state()
+            handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1)
+            sd["big"].add_(1)  # the trainer's next step: the publish still sends step 1
+            assert publish_staged(sync, handle, 1)
+            got, version = ray.get(sync.get_model_state_dict.remote())
+            assert version == 1
+            assert torch.equal(got["big"], _state()["big"]) and got["nested"]["step"] == 3
+            assert torch.equal(got["bf16"], _state()["bf16"])
+            handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 2), 2)
+            assert publish_staged_async(sync, handle, 2).result(timeout=60)
+            got, version = ray.get(sync.get_model_state_dict.remote())
+            assert version == 2 and torch.equal(got["big"], sd["big"])
+            coord.wait_all(timeout=60)
+            assert torch.equal(torch.load(_path(tmp_path, 2))["big"], sd["big"])
+        finally:
+            ray.kill(sync)
+
+    def test_a_held_slot_is_neither_released_nor_taken_over(self, coordinator, tmp_path):
+        coord, _ = coordinator
+        handle = coord.save_state_dict_async("model_1", _state(), _path(tmp_path, 1), 1)
+        coord.wait_all(timeout=60)
+        with handle.hold(timeout=60) as snap:
+            coord.save_state_dict_async("model_2", _state(3), _path(tmp_path, 2), 2)
+            coord.wait_all(timeout=60)
+            assert torch.equal(snap["big"], _state()["big"])  # not taken over by model_2
+            assert coord.staging_bytes("model_1")[0] > 0
+
+
 @pytest.mark.gpu
 @needs_cuda
 class TestCuda:

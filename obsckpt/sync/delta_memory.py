@@ -46,6 +46,11 @@ class _Delta:
     payload: torch.Tensor
 
 
+def _flat(state: Any) -> bool:
+    """Whether ``state`` is a dict of tensors only (what a delta is taken of)."""
+    return isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+
+
 class DeltaMemorySync:
     """The Synchronizer's delta memory sync (mixed into :class:`~obsckpt.sync.Synchronizer`)."""
 
@@ -67,8 +72,8 @@ class DeltaMemorySync:
         new, version = self._state_dict, self._version
         if (
             source != "memory"
-            or not isinstance(old, dict)
-            or not isinstance(new, dict)
+            or not _flat(old)
+            or not _flat(new)
             or old_version is None
             or version is None
             or self._since_full + 1 >= self.full_every
@@ -110,6 +115,8 @@ class DeltaMemorySync:
             }
         if current_version == version:
             return {"version": version, "encoding": "none"}
+        if not _flat(state):  # nested or not only tensors: sent as it is, unchecked
+            return {"version": version, "encoding": "full", "state": state, "digests": []}
         found = await self._encoded()
         meta = tensor_meta(state.items())
         if found is not None and found.version == version and found.base == current_version:

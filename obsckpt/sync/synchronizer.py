@@ -145,7 +145,7 @@ class Synchronizer(TrinityProtocol, DeltaMemorySync):
         self._version: int | None = 0 if settings is not None else None
         self._model_path: str | None = None
         self._roles = RoleStates()
-        self._modules = ModuleWatch(self._end)
+        self._modules = ModuleWatch(self.shutdown)
         self._pending_modules = [module_ref] if module_ref is not None else []
         self._source: str | None = None
         self._published_at: float | None = None
@@ -284,9 +284,6 @@ class Synchronizer(TrinityProtocol, DeltaMemorySync):
         self._modules.cancel()
         await self.set_trainer_status("stopped")
         asyncio.get_running_loop().call_later(0.2, detached.exit_this_actor)
-
-    async def _end(self) -> None:
-        await self.shutdown()
 
     # -- memory sync ---------------------------------------------------
 
@@ -500,8 +497,7 @@ class Synchronizer(TrinityProtocol, DeltaMemorySync):
                         held,
                     )
                     return False
-            old = self._state_dict
-            self._state_dict = state_dict
+            old, self._state_dict = self._state_dict, state_dict
             self._version = version
             self._published(old, held, source)
             self._model_path = self._path_of(version)
