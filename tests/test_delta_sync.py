@@ -454,3 +454,29 @@ def test_memory_sync_sends_deltas_checked_bit_for_bit(namespace):
     # (every 20th) for both, and every one of the late client's 8 (never one behind).
     assert sent["full"] == state_bytes * (2 + 2 + 2 + 8)
     assert 0 < sent["delta"] < 0.2 * state_bytes * 30
+
+
+def _big_move_ranks(rank: int, port: int) -> dict:
+    group = new_group(rank, port, world_size=2, timeout_s=60)
+    b = DeltaBroadcaster(group, bucket_bytes=4096)
+    out: dict = {}
+    try:
+        g = torch.Generator().manual_seed(0)
+        states = [{"w": torch.randn(300, 100, generator=g).to(torch.bfloat16)} for _ in range(3)]
+        states[2] = {"w": states[1]["w"].clone()}
+        states[2]["w"].view(-1)[:10] += 1  # a small move after a large one
+        for step, state in enumerate(states):
+            if rank == 0:
+                out[step] = b.send(state, step=step).encoding
+            else:
+                out[step] = _crcs(b.recv()) == _crcs(state)
+    finally:
+        b.close()
+        group.close()
+    return out
+
+
+def test_a_delta_larger_than_half_the_state_goes_whole():
+    out = run_ranks(_big_move_ranks, world_size=2, timeout=120)
+    assert out[0] == {0: "full", 1: "full", 2: "delta"}
+    assert out[1] == {0: True, 1: True, 2: True}

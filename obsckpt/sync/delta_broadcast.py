@@ -5,7 +5,8 @@ whose ``send``/``recv`` run a small protocol around the broadcast:
 
 1. **Offer.** The sender broadcasts the step, the version a delta would be
    based on, and whether it wants a full sync (its first, a new layout, every
-   ``full_every`` versions, after a failure, or after a resume).
+   ``full_every`` versions, after a failure, after a resume, or when the delta,
+   encoded before the offer, would exceed half the state's bytes).
 2. **Vote.** Every member takes part in an all-reduce (minimum): a receiver
    votes for the delta only if it holds that base version, whole. One receiver
    that is new, behind, or whose weights are not a known version makes the
@@ -67,6 +68,9 @@ _CHECKS = {DIGEST: "digest", CHECKSUM: "checksum"}
 # The offer's last field: a delta is fine, a full sync is wanted, a full sync after a resume.
 _DELTA_OK, _FULL, _RESUME = 0, 1, 2
 PHASES = ("snapshot", "encode", "wire", "apply", "verify")
+# A delta of more than this fraction of the state's bytes is sent whole instead
+# (a step that moved most values: a learning-rate spike, a fresh optimizer).
+MAX_DELTA_FRACTION = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,15 @@ class DeltaBroadcaster(WeightBroadcaster):
             or self._base_meta != meta
             or self._since_full + 1 >= self.full_every
         )
+        phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        encoded = None
+        if not want_full:
+            # Encoded before the offer: a delta that would not save much goes whole.
+            assert self._base is not None
+            encoded = delta.encode_delta(tensors, self._base, chunk_bytes=self.bucket_bytes)
+            phases["encode"] = time.perf_counter() - t0
+            want_full = encoded[0].nbytes > MAX_DELTA_FRACTION * state_bytes
         base_step = -1 if self.last_step is None or self._resumed else self.last_step
         offer = _RESUME if self._resumed else (_FULL if want_full else _DELTA_OK)
         attrs = {
@@ -196,8 +209,6 @@ class DeltaBroadcaster(WeightBroadcaster):
             span_attr.BYTES: state_bytes,
             span_attr.RANK: self.group.rank,
         }
-        phases: dict[str, float] = {}
-        t0 = time.perf_counter()
         with tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp:
             sp.set_attribute(span_attr.BACKEND, self.group.backend)
             sp.set_attribute(span_attr.METHOD, "broadcast")
@@ -219,12 +230,8 @@ class DeltaBroadcaster(WeightBroadcaster):
                 phases["snapshot"] = time.perf_counter() - t
             with self._failing("sending"):
                 if not full:
-                    assert self._base is not None
-                    t = time.perf_counter()
-                    plan, payload = delta.encode_delta(
-                        tensors, self._base, chunk_bytes=self.bucket_bytes
-                    )
-                    phases["encode"] = time.perf_counter() - t
+                    assert encoded is not None
+                    plan, payload = encoded
                     t = time.perf_counter()
                     self._send_delta(plan, payload, deadline)
                     phases["wire"] = time.perf_counter() - t

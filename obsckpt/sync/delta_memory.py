@@ -28,6 +28,7 @@ import torch
 from obsckpt.errors import WeightSyncCorruptError
 from obsckpt.sync import delta
 from obsckpt.sync.buckets import TensorMeta, tensor_meta
+from obsckpt.sync.delta_broadcast import MAX_DELTA_FRACTION
 
 __all__ = ["DeltaMemorySync", "MemorySyncClient"]
 
@@ -91,6 +92,8 @@ class DeltaMemorySync:
             except ValueError as exc:  # a dtype without an integer twin, say
                 logger.warning("obsckpt: no delta for step %d, sent whole: %s", version, exc)
                 return None
+            if plan.nbytes > MAX_DELTA_FRACTION * sum(t.numel() * t.element_size() for t in news):
+                return None  # most values moved: whole is as cheap
             return _Delta(old_version, version, plan, payload)
 
         self._encoding = asyncio.ensure_future(asyncio.to_thread(encode))
