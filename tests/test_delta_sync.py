@@ -480,3 +480,29 @@ def test_a_delta_larger_than_half_the_state_goes_whole():
     out = run_ranks(_big_move_ranks, world_size=2, timeout=120)
     assert out[0] == {0: "full", 1: "full", 2: "delta"}
     assert out[1] == {0: True, 1: True, 2: True}
+
+
+def test_memory_sync_after_a_resume_sends_the_whole_state(namespace):
+    """Versions restart at a resume: a client holding the old run's version 3 is not
+    current when the resumed run publishes its own version 3."""
+    import ray
+
+    from obsckpt import Synchronizer
+
+    sync = Synchronizer.get_actor(namespace=namespace)
+    g = torch.Generator().manual_seed(0)
+    run = {s: {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16)} for s in range(1, 4)}
+    client = MemorySyncClient(sync)
+    for step in (1, 2, 3):
+        assert ray.get(sync.set_model_state_dict.remote(run[step], step))
+        assert client.update() == step
+    # The trainer crashed and resumed from step 2; its step 3 differs from the lost one.
+    resumed = {"w": run[3]["w"].clone()}
+    resumed["w"].view(-1)[:5] += 1
+    assert ray.get(sync.set_model_state_dict.remote(None, 2))  # resume_from(2)
+    assert ray.get(sync.set_model_state_dict.remote(resumed, 3))
+    answer = ray.get(sync.get_model_state_dict_update.remote(3, epoch=client.epoch))
+    assert answer["encoding"] == "full" and answer["epoch"] == client.epoch + 1
+    assert client.update() == 3
+    assert _crcs(client.weights) == _crcs(resumed)
+    assert client.epoch == 1

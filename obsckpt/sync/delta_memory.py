@@ -66,10 +66,15 @@ class DeltaMemorySync:
         self._encoding: asyncio.Task[_Delta | None] | None = None
         self._since_full = 0
         self._digests: dict[int, dict[int, int]] = {}  # version -> tensor index -> CRC32
+        # Versions restart at a resume, so a number alone may name two states: each
+        # resume starts a new epoch, and a client of another epoch gets the whole state.
+        self.epoch = 0
 
     def _published(self, old: Any, old_version: int | None, source: str) -> None:
         """A new version is held: encode its delta from ``old`` when that is possible."""
         self._delta, self._digests = None, {}
+        if source == "resume":
+            self.epoch += 1
         new, version = self._state_dict, self._version
         if (
             source != "memory"
@@ -99,33 +104,39 @@ class DeltaMemorySync:
         self._encoding = asyncio.ensure_future(asyncio.to_thread(encode))
 
     async def get_model_state_dict_update(
-        self, current_version: int | None = None, *, digest_tensors: int = DEFAULT_DIGEST_TENSORS
+        self,
+        current_version: int | None = None,
+        *,
+        epoch: int | None = None,
+        digest_tensors: int = DEFAULT_DIGEST_TENSORS,
     ) -> dict[str, Any]:
-        """What a rollout holding ``current_version`` needs to hold the latest version.
+        """What a rollout holding ``current_version`` (of ``epoch``) needs to hold the latest.
 
-        Returns a dict: ``version`` (None: nothing published), ``encoding``
+        A client of another epoch (the trainer resumed since, so version numbers
+        restarted) is treated as holding nothing. Returns a dict: ``epoch``,
+        ``version`` (None: nothing published), ``encoding``
         (``none`` when ``current_version`` is the latest, ``delta``, or
         ``full``), for a delta ``plan`` (its wire form) and ``payload`` (a
         uint8 tensor), for a full one ``state`` (the state dict), and
         ``digests`` (``[(tensor index, CRC32)]``) to check after applying.
         """
         version, state = self._version, self._state_dict
+        if epoch is not None and epoch != self.epoch:
+            current_version = None
+        head = {"epoch": self.epoch, "version": version}
         if version is None or not isinstance(state, dict):
-            return {
-                "version": version,
-                "encoding": "none" if state is None else "full",
-                "state": state,
-            }
+            encoding = "none" if state is None else "full"
+            return {**head, "encoding": encoding, "state": state, "digests": []}
         if current_version == version:
-            return {"version": version, "encoding": "none"}
+            return {**head, "encoding": "none"}
         if not _flat(state):  # nested or not only tensors: sent as it is, unchecked
-            return {"version": version, "encoding": "full", "state": state, "digests": []}
+            return {**head, "encoding": "full", "state": state, "digests": []}
         found = await self._encoded()
         meta = tensor_meta(state.items())
         if found is not None and found.version == version and found.base == current_version:
             picked = delta.digest_indices(meta, version, sample=digest_tensors, full=False)
             return {
-                "version": version,
+                **head,
                 "encoding": "delta",
                 "base": found.base,
                 "plan": found.plan.to_wire(),
@@ -134,7 +145,7 @@ class DeltaMemorySync:
                 "state_bytes": sum(m.nbytes for m in meta),
             }
         return {
-            "version": version,
+            **head,
             "encoding": "full",
             "state": state,
             "digests": await self._digest(state, version, range(len(meta))),
@@ -200,6 +211,7 @@ class MemorySyncClient:
         self.weights: dict[str, torch.Tensor] | None = into
         self._meta: list[TensorMeta] | None = None
         self.version: int | None = None
+        self.epoch: int | None = None
         self.weights_valid = True
         self.digest_tensors = digest_tensors
         self.timeout = timeout
@@ -218,7 +230,7 @@ class MemorySyncClient:
         held = None if self._want_full or not self.weights_valid else self.version
         resp = ray.get(
             self.synchronizer.get_model_state_dict_update.remote(
-                held, digest_tensors=self.digest_tensors
+                held, epoch=self.epoch, digest_tensors=self.digest_tensors
             ),
             timeout=self.timeout,
         )
@@ -248,6 +260,7 @@ class MemorySyncClient:
             phases["verify"] = time.perf_counter() - t
         if corrupt is None:
             self.version, self.weights_valid, self._want_full = version, True, False
+            self.epoch = resp["epoch"]
         else:
             self._want_full = True
         report |= {
