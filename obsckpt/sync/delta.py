@@ -170,7 +170,7 @@ def _gaps(pos: np.ndarray) -> np.ndarray:
     return np.diff(pos, prepend=-1).astype(np.uint8)
 
 
-def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, ...] | None:
+def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
     """One block's ``(differences, their gaps, whole values, their gaps, changed)``; None
     when nothing changed (integer views of the same length)."""
     mask = getattr(_local, "mask", None)
@@ -340,14 +340,14 @@ def _apply_block(work: tuple[Any, ...]) -> None:
     whole_pos = _positions(whole_gaps, room, k)
     values = whole.view(_NP_BITS[flat.element_size()])
     if flat.device.type == "cpu":
-        block = flat[start : start + room].numpy()
-        block[small_pos] += diffs.view(np.int8)  # wraps as the sender's difference did
-        block[whole_pos] = values
+        host = flat[start : start + room].numpy()
+        host[small_pos] += diffs.view(np.int8)  # wraps as the sender's difference did
+        host[whole_pos] = values
         return
-    block = flat[start : start + room]
-    idx = torch.from_numpy(small_pos).to(block.device)
-    block[idx] += torch.from_numpy(diffs.view(np.int8).astype(values.dtype)).to(block.device)
-    block[torch.from_numpy(whole_pos).to(block.device)] = torch.from_numpy(values).to(block.device)
+    dev = flat[start : start + room]
+    idx = torch.from_numpy(small_pos).to(dev.device)
+    dev[idx] += torch.from_numpy(diffs.view(np.int8).astype(values.dtype)).to(dev.device)
+    dev[torch.from_numpy(whole_pos).to(dev.device)] = torch.from_numpy(values).to(dev.device)
 
 
 def digest(t: torch.Tensor) -> int:

@@ -316,7 +316,7 @@ class WeightSyncGroup:
         """
         self._check()
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment] # the stubs want a ReduceOp
         opts.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
             return self._pg.allreduce([tensor], opts)
