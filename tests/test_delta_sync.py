@@ -506,3 +506,32 @@ def test_memory_sync_after_a_resume_sends_the_whole_state(namespace):
     assert client.update() == 3
     assert _crcs(client.weights) == _crcs(resumed)
     assert client.epoch == 1
+
+
+def _complex_ranks(rank: int, port: int) -> dict:
+    group = new_group(rank, port, world_size=2, timeout_s=60)
+    b = DeltaBroadcaster(group, bucket_bytes=4096)
+    out: dict = {}
+    try:
+        g = torch.Generator().manual_seed(0)
+        base = {
+            "w": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+            "c": torch.randn(8, dtype=torch.complex128, generator=g),
+        }
+        for step in range(3):
+            state = {k: v + step for k, v in base.items()}
+            if rank == 0:
+                out[step] = b.send(state, step=step).encoding
+            else:
+                out[step] = _crcs(b.recv()) == _crcs(state)
+    finally:
+        b.close()
+        group.close()
+    return out
+
+
+def test_a_dtype_without_an_integer_twin_goes_whole():
+    """complex128 values (16 bytes) have no integer view to take differences of."""
+    out = run_ranks(_complex_ranks, world_size=2, timeout=120)
+    assert out[0] == {0: "full", 1: "full", 2: "full"}
+    assert out[1] == {0: True, 1: True, 2: True}

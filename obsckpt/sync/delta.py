@@ -63,7 +63,9 @@ BLOCK = 1 << 22  # values per block: encoded and applied as one unit, in paralle
 _ALIGN = 8
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_local = threading.local()
+_local = threading.local()  # each encoding thread's reusable mask
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -130,12 +132,14 @@ class DeltaPlan:
 
 
 def _pool() -> ThreadPoolExecutor:
-    pool = getattr(_local, "pool", None)
-    if pool is None:
-        pool = _local.pool = ThreadPoolExecutor(
-            max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="obsckpt-delta"
-        )
-    return pool
+    """The process's encoding threads (one per core, at most 8), made on first use."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="obsckpt-delta"
+            )
+        return _POOL
 
 
 def _parallel(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:

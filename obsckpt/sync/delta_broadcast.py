@@ -199,9 +199,13 @@ class DeltaBroadcaster(WeightBroadcaster):
         if not want_full:
             # Encoded before the offer: a delta that would not save much goes whole.
             assert self._base is not None
-            encoded = delta.encode_delta(tensors, self._base, chunk_bytes=self.bucket_bytes)
-            phases["encode"] = time.perf_counter() - t0
-            want_full = encoded[0].nbytes > MAX_DELTA_FRACTION * state_bytes
+            try:
+                encoded = delta.encode_delta(tensors, self._base, chunk_bytes=self.bucket_bytes)
+            except ValueError:  # a dtype without an integer twin (complex128): sent whole
+                want_full = True
+            else:
+                phases["encode"] = time.perf_counter() - t0
+                want_full = encoded[0].nbytes > MAX_DELTA_FRACTION * state_bytes
         base_step = -1 if self.last_step is None or self._resumed else self.last_step
         offer = _RESUME if self._resumed else (_FULL if want_full else _DELTA_OK)
         attrs = {
