@@ -56,6 +56,23 @@ class TestEncoding:
         plan, _ = _roundtrip([_changed(base, 0.03)], [base])
         assert 0.015 < plan.fraction < 0.045
 
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.int8])
+    def test_the_device_encoder_gives_the_same_payload(self, monkeypatch, dtype):
+        """On a GPU the delta is found with torch operations where the tensors live; run
+        here on the CPU, it must give the host encoder's payload byte for byte."""
+        monkeypatch.setattr(delta, "BLOCK", 5000)
+        base = (torch.randn(400, 77) * 4).to(dtype)
+        new = _changed(base, 0.03)
+        new.view(-1)[13_000:13_010] = new.view(-1)[13_000:13_010] + 1  # small moves too
+        new.view(-1)[-1] = 1
+        host_plan, host_payload = delta.encode_delta(
+            [new, base[:2]], [base, base[:2]], chunk_bytes=999
+        )
+        monkeypatch.setattr(delta, "_on_device", lambda t: True)
+        plan, payload = _roundtrip([new, base[:2]], [base, base[:2]], chunk_bytes=999)
+        assert plan.to_wire() == host_plan.to_wire()
+        assert torch.equal(payload, host_payload)
+
     def test_payload_is_under_twice_the_changed_values(self):
         base = torch.randn(1000, 100).to(torch.bfloat16)
         plan, payload = _roundtrip([_changed(base, 0.02)], [base])

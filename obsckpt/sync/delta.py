@@ -206,6 +206,61 @@ def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
     return diffs, _gaps(pos_small), whole, _gaps(pos_whole), pos.size
 
 
+_TORCH_WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64, 8: torch.int64}
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s delta is found where it lives (a GPU) rather than on the host."""
+    return t.device.type != "cpu"
+
+
+def _bridged_torch(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`bridged` with torch operations (on the tensors' device)."""
+    if pos.numel() == 0:
+        return pos, None
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
+    extra = torch.div(gaps - 1, GAP_MAX, rounding_mode="floor")
+    where = extra.nonzero().view(-1)
+    if where.numel() == 0:
+        return pos, None
+    counts = extra[where]
+    owner = torch.repeat_interleave(where, counts)
+    starts = torch.cumsum(counts, 0) - counts
+    k = torch.arange(1, owner.numel() + 1, device=pos.device)
+    k = k - torch.repeat_interleave(starts, counts)
+    bridges = pos[owner] - gaps[owner] + GAP_MAX * k
+    merged, order = torch.sort(torch.cat([pos, bridges]))
+    return merged, order
+
+
+def _encode_block_torch(new: torch.Tensor, base: torch.Tensor) -> tuple[Any, ...] | None:
+    """:func:`_encode_block` with torch operations where the tensors live; the (small)
+    results are copied to the host."""
+    pos = torch.ne(new, base).nonzero().view(-1)
+    count = pos.numel()
+    if count == 0:
+        return None
+    wide = _TORCH_WIDER[new.element_size()]
+    diff = new[pos].to(wide) - base[pos].to(wide)  # wraps for 8-byte values, as the add
+    small = diff.abs() <= 127
+    n_small = int(small.sum())
+    pos_small, order = _bridged_torch(pos[small])
+    diffs = diff[small].to(torch.int8)
+    if order is not None:  # a bridging entry adds 0 (it may fall on a value sent whole)
+        real = order < n_small
+        diffs = torch.zeros(pos_small.numel(), dtype=torch.int8, device=pos.device).masked_scatter(
+            real, diffs[order[real]]
+        )
+    pos_whole, _ = _bridged_torch(pos[~small])
+    start = pos.new_full((1,), -1)
+
+    def gaps(p: torch.Tensor) -> np.ndarray:
+        return torch.diff(p, prepend=start).to(torch.uint8).cpu().numpy()
+
+    whole = new[pos_whole].cpu().numpy()
+    return diffs.cpu().numpy(), gaps(pos_small), whole, gaps(pos_whole), count
+
+
 def _host_bits(t: torch.Tensor) -> np.ndarray:
     b = bits(t)
     if b.device.type != "cpu":
@@ -227,13 +282,21 @@ def encode_delta(
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     work = []
+    results = []
     numel = 0
     for i, (new, base) in enumerate(zip(tensors, bases, strict=True)):
+        numel += new.numel()
+        if _on_device(new):  # compared where it lives; only the changes reach the host
+            nb, bb = bits(new), bits(base.to(new.device))
+            for k, o in enumerate(range(0, nb.numel(), BLOCK)):
+                enc = _encode_block_torch(nb[o : o + BLOCK], bb[o : o + BLOCK])
+                results.append((i, k, new.element_size(), enc))
+            continue
         n, b = _host_bits(new), _host_bits(base)
-        numel += n.size
         for k, o in enumerate(range(0, n.size, BLOCK)):
             work.append((i, k, n[o : o + BLOCK], b[o : o + BLOCK]))
-    results = _parallel(lambda w: (w[0], w[1], w[2].itemsize, _encode_block(w[2], w[3])), work)
+    results += _parallel(lambda w: (w[0], w[1], w[2].itemsize, _encode_block(w[2], w[3])), work)
+    results.sort(key=lambda r: (r[0], r[1]))
     blocks: list[tuple[int, int, int, int]] = []
     sections: list[tuple[np.ndarray, ...]] = []
     changed = changed_bytes = 0

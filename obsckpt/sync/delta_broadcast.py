@@ -297,10 +297,14 @@ class DeltaBroadcaster(WeightBroadcaster):
         self._held = self._held_meta = None
 
     def _keep_base(self, tensors: list[torch.Tensor], meta: list[TensorMeta]) -> None:
-        """Copy the version just sent to the host: the base of the next delta."""
+        """Copy the version just sent, beside it: the base of the next delta."""
         base = self._base
         if base is None or self._base_meta != meta:
-            base = [torch.empty(m.shape, dtype=m.dtype) for m in meta]
+            # Where the weights live: a GPU's delta is found on the GPU.
+            base = [
+                torch.empty(m.shape, dtype=m.dtype, device=t.device)
+                for m, t in zip(meta, tensors, strict=True)
+            ]
         for dst, src in zip(base, tensors, strict=True):
             dst.copy_(src)
         self._base, self._base_meta = base, meta
