@@ -35,10 +35,11 @@ there (the group stays usable), the sender counts it
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,8 @@ from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
 
 __all__ = ["DeltaBroadcaster", "DeltaSyncResult"]
+
+logger = logging.getLogger(__name__)
 
 DELTA_MAGIC = 0x0B5C_DE17
 _NONE = 2**62  # a vote's "no version" (the minimum ignores it)
@@ -145,6 +148,7 @@ class DeltaBroadcaster(WeightBroadcaster):
         self._force_full = True
         self._resumed = False
         self._background = ThreadPoolExecutor(1, thread_name_prefix="obsckpt-delta-base")
+        self._moving: Future[None] | None = None
         # Receiver: the tensors that hold the weights, in the sender's order.
         self._held: dict[str, torch.Tensor] | None = None
         self._held_meta: list[TensorMeta] | None = None
@@ -187,13 +191,13 @@ class DeltaBroadcaster(WeightBroadcaster):
         validate_unique_names(meta)
         tensors = [t.detach() for _, t in items]
         state_bytes = sum(m.nbytes for m in meta)
+        phases: dict[str, float] = {"snapshot": self._settle_base()}
         want_full = (
             self._force_full
             or self._base is None
             or self._base_meta != meta
             or self._since_full + 1 >= self.full_every
         )
-        phases: dict[str, float] = {}
         t0 = time.perf_counter()
         encoded = None
         if not want_full:
@@ -231,7 +235,7 @@ class DeltaBroadcaster(WeightBroadcaster):
                 sent = result.nbytes
                 t = time.perf_counter()
                 self._keep_base(tensors, meta)
-                phases["snapshot"] = time.perf_counter() - t
+                phases["snapshot"] += time.perf_counter() - t
             with self._failing("sending"):
                 if not full:
                     assert encoded is not None
@@ -241,8 +245,6 @@ class DeltaBroadcaster(WeightBroadcaster):
                     phases["wire"] = time.perf_counter() - t
                     sent = plan.nbytes
                     fraction = plan.fraction
-                    # The base moves to this version while the receivers apply it.
-                    moving = self._background.submit(self._move_base, plan, payload)
                     self.last_step = step
                 t = time.perf_counter()
                 picked = delta.digest_indices(meta, step, sample=self.digest_tensors, full=full)
@@ -250,8 +252,10 @@ class DeltaBroadcaster(WeightBroadcaster):
                 phases["verify"] = time.perf_counter() - t
                 self._send_obj(digests, deadline)  # taken once every receiver has applied
                 res = self._min([OK, _NONE, 0, 0, 0], deadline)
-                if not full:
-                    phases["snapshot"] = moving.result()
+            if not full:
+                # The base moves to this version after the sync, while training goes on;
+                # the next sync waits for it (its snapshot phase).
+                self._moving = self._background.submit(self._move_base, plan, payload)
             status, oldest = int(res[0]), int(res[1])
             phases["apply"] = -int(res[2]) / 1e6
             phases["verify"] = max(phases["verify"], -int(res[3]) / 1e6)
@@ -284,14 +288,29 @@ class DeltaBroadcaster(WeightBroadcaster):
         self.telemetry.weight_sync(_report(out))
         return out
 
-    def _move_base(self, plan: delta.DeltaPlan, payload: torch.Tensor) -> float:
-        t = time.perf_counter()
+    def _move_base(self, plan: delta.DeltaPlan, payload: torch.Tensor) -> None:
         assert self._base is not None
         delta.apply_delta(self._base, plan, payload)
+
+    def _settle_base(self) -> float:
+        """Wait for the base's move to the last version; seconds waited. A move that
+        failed leaves no base: the next sync is full."""
+        moving, self._moving = self._moving, None
+        if moving is None:
+            return 0.0
+        t = time.perf_counter()
+        try:
+            moving.result()
+        except Exception as exc:  # noqa: BLE001 - the next sync is full instead
+            logger.warning(
+                "obsckpt: the delta base could not be moved (%s); next sync is full", exc
+            )
+            self._base = self._base_meta = None
         return time.perf_counter() - t
 
     def close(self) -> None:
         """Let go of the sender's base copy and helper thread (the group stays the caller's)."""
+        self._settle_base()
         self._background.shutdown(wait=True)
         self._base = self._base_meta = None
         self._held = self._held_meta = None
