@@ -21,14 +21,13 @@ With CUDA and at least two GPUs the same runs on NCCL.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import random
 import threading
 import time
 import traceback
 
-from benchmarks.common import Result, Sizes, median, rounded, skipped
+from benchmarks.common import Result, Sizes, median, rounded, run_pair, skipped
 
 
 def moe_layout(ntensors: int, nbytes: int, seed: int = 0) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -224,30 +223,7 @@ def _worker(rank: int, port: int, backend: str, layout, reps: int, q) -> None:
 
 
 def _run_pair(backend: str, layout, reps: int, timeout: float = 900.0) -> dict:
-    from obsckpt.sync.group import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, backend, layout, reps, q), daemon=True)
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < 2:
-            rank, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
-            if "error" in payload:
-                raise RuntimeError(f"broadcast rank {rank} failed:\n{payload['error']}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    out = run_pair(_worker, (backend, layout, reps), "broadcast", timeout)
     if abs(out[0]["checksum"] - out[1]["checksum"]) > 1e-3 * max(1.0, abs(out[0]["checksum"])):
         raise RuntimeError("the receiver's tensors differ from the sender's")
     return out

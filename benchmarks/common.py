@@ -261,3 +261,32 @@ def machine_info(bench_dir: str) -> dict[str, Any]:
         "bench_dir": bench_dir,
         "bench_fs": _fs_type(bench_dir),
     }
+
+
+def run_pair(worker: Callable[..., None], args: tuple, what: str, timeout: float) -> dict:
+    """Run ``worker(rank, port, *args, queue)`` as ranks 0 and 1, each a spawned process;
+    their ``(rank, payload)`` reports by rank. A payload with ``error`` raises, naming ``what``."""
+    import multiprocessing as mp
+
+    from obsckpt.sync.group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < 2:
+            rank, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            if "error" in payload:
+                raise RuntimeError(f"{what} rank {rank} failed:\n{payload['error']}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return out

@@ -20,12 +20,11 @@ each sample the slower side, interleaved repetition by repetition (target
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import traceback
 
-from benchmarks.common import Result, Sizes, median, rounded
+from benchmarks.common import Result, Sizes, median, rounded, run_pair
 
 # Square bf16 matrices of a 4096-wide model (32 MiB each) and its norms.
 _MATRIX_COLS = 4096
@@ -263,30 +262,9 @@ def _worker(rank: int, port: int, nbytes: int, reps: int, q) -> None:
 
 
 def _sync_row(sizes: Sizes, log) -> Result:
-    from obsckpt.sync.group import free_port
-
     nbytes = sizes.state_bytes
     reps = max(2, sizes.save_reps)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, nbytes, reps, q), daemon=True) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    try:
-        while len(out) < 2:
-            rank, payload = q.get(timeout=1800)
-            if "error" in payload:
-                raise RuntimeError(f"delta rank {rank} failed:\n{payload['error']}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    out = run_pair(_worker, (nbytes, reps), "delta", 1800.0)
     if out[0]["check"] != out[1]["check"]:
         raise RuntimeError("the receiver's weights differ from the sender's after the deltas")
     per = {

@@ -269,17 +269,13 @@ class SlotStaging:
             with self._lock:
                 return self._released.wait_for(lambda: slot not in self._holds, timeout)
 
-        if slot in self._holds and not wait_watched(
-            released,
-            self.stall_timeout_s,
-            lambda: f"the publish holding the snapshot of slot {slot!r} (StagedSave.hold)",
-            warn_every=self.stall_warning_s,
-            log=self.logger,
-        ):
-            raise WaitTimeoutError(
-                f"the snapshot of slot {slot!r} was still held by a publish after "
-                f"{self.stall_timeout_s:.1f} s (stall_timeout_s); the slot's next save waits "
-                "for it. End the StagedSave.hold() block before the slot's next save"
+        if slot in self._holds:
+            self._wait_bounded(
+                released,
+                f"the publish holding the snapshot of slot {slot!r} (StagedSave.hold)",
+                f"the snapshot of slot {slot!r} was still held by a publish after {{s}} "
+                "(stall_timeout_s); the slot's next save waits for it. End the "
+                "StagedSave.hold() block before the slot's next save",
             )
 
     def wait_prepared(self, deadline: float | None) -> None:
@@ -300,18 +296,28 @@ class SlotStaging:
         Raises:
             WaitTimeoutError: the prepare still runs after ``stall_timeout_s``.
         """
-        if not wait_watched(
+        self._wait_bounded(
             lambda t: not wait_futures([future], t).not_done,
+            f"the prepare() of slot {slot!r}",
+            f"the prepare() of slot {slot!r} was still running after {{s}} (stall_timeout_s); "
+            "a save or prepare of the slot waits for it. Check the stuck prepare (py-spy dump)",
+        )
+
+    def _wait_bounded(self, wait: Callable[[float | None], bool], what: str, late: str) -> None:
+        """``wait`` watched (a warning naming ``what`` every ``stall_warning_s``) and bounded
+        by ``stall_timeout_s``.
+
+        Raises:
+            WaitTimeoutError: ``late``, its ``{s}`` the bound in seconds.
+        """
+        if not wait_watched(
+            wait,
             self.stall_timeout_s,
-            lambda: f"the prepare() of slot {slot!r}",
+            lambda: what,
             warn_every=self.stall_warning_s,
             log=self.logger,
         ):
-            raise WaitTimeoutError(
-                f"the prepare() of slot {slot!r} was still running after "
-                f"{self.stall_timeout_s:.1f} s (stall_timeout_s); a save or prepare of the "
-                "slot waits for it. Check the stuck prepare (py-spy dump)"
-            )
+            raise WaitTimeoutError(late.format(s=f"{self.stall_timeout_s:.1f} s"))
 
     def release(self, *, keep: set[str]) -> None:
         """Release the staging of every slot not in ``keep`` nor being prepared."""

@@ -10,7 +10,9 @@ apply both caught.
 
 from __future__ import annotations
 
+import functools
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -473,16 +475,30 @@ def test_memory_sync_sends_deltas_checked_bit_for_bit(namespace):
     assert 0 < sent["delta"] < 0.2 * state_bytes * 30
 
 
-def _big_move_ranks(rank: int, port: int) -> dict:
+def _big_move_states() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(300, 100, generator=g).to(torch.bfloat16)} for _ in range(3)]
+    states[2] = {"w": states[1]["w"].clone()}
+    states[2]["w"].view(-1)[:10] += 1  # a small move after a large one
+    return states
+
+
+def _complex_states() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "w": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "c": torch.randn(8, dtype=torch.complex128, generator=g),
+    }
+    return [{k: v + step for k, v in base.items()} for step in range(3)]
+
+
+def _sequence_ranks(states: Any, rank: int, port: int) -> dict:
+    """Sync ``states()`` as steps 0, 1, ...: rank 0's encodings, rank 1's bit-exactness."""
     group = new_group(rank, port, world_size=2, timeout_s=60)
     b = DeltaBroadcaster(group, bucket_bytes=4096)
     out: dict = {}
     try:
-        g = torch.Generator().manual_seed(0)
-        states = [{"w": torch.randn(300, 100, generator=g).to(torch.bfloat16)} for _ in range(3)]
-        states[2] = {"w": states[1]["w"].clone()}
-        states[2]["w"].view(-1)[:10] += 1  # a small move after a large one
-        for step, state in enumerate(states):
+        for step, state in enumerate(states()):
             if rank == 0:
                 out[step] = b.send(state, step=step).encoding
             else:
@@ -494,7 +510,7 @@ def _big_move_ranks(rank: int, port: int) -> dict:
 
 
 def test_a_delta_larger_than_half_the_state_goes_whole():
-    out = run_ranks(_big_move_ranks, world_size=2, timeout=120)
+    out = run_ranks(functools.partial(_sequence_ranks, _big_move_states), timeout=120)
     assert out[0] == {0: "full", 1: "full", 2: "delta"}
     assert out[1] == {0: True, 1: True, 2: True}
 
@@ -525,30 +541,8 @@ def test_memory_sync_after_a_resume_sends_the_whole_state(namespace):
     assert client.epoch == 1
 
 
-def _complex_ranks(rank: int, port: int) -> dict:
-    group = new_group(rank, port, world_size=2, timeout_s=60)
-    b = DeltaBroadcaster(group, bucket_bytes=4096)
-    out: dict = {}
-    try:
-        g = torch.Generator().manual_seed(0)
-        base = {
-            "w": torch.randn(64, 64, generator=g).to(torch.bfloat16),
-            "c": torch.randn(8, dtype=torch.complex128, generator=g),
-        }
-        for step in range(3):
-            state = {k: v + step for k, v in base.items()}
-            if rank == 0:
-                out[step] = b.send(state, step=step).encoding
-            else:
-                out[step] = _crcs(b.recv()) == _crcs(state)
-    finally:
-        b.close()
-        group.close()
-    return out
-
-
 def test_a_dtype_without_an_integer_twin_goes_whole():
     """complex128 values (16 bytes) have no integer view to take differences of."""
-    out = run_ranks(_complex_ranks, world_size=2, timeout=120)
+    out = run_ranks(functools.partial(_sequence_ranks, _complex_states), timeout=120)
     assert out[0] == {0: "full", 1: "full", 2: "full"}
     assert out[1] == {0: True, 1: True, 2: True}
