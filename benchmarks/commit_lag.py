@@ -246,7 +246,7 @@ def _run_steps(
     """
     import ray
 
-    from obsckpt import reader
+    from obsckpt.store import reader
 
     out: dict[str, list[float]] = {
         "end_to_end": [],

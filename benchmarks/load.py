@@ -1,4 +1,4 @@
-"""What the verified read path costs: ``obsckpt.loading.load`` against a plain ``torch.load``.
+"""What the verified read path costs: ``obsckpt.store.loading.load`` against a plain ``torch.load``.
 
 ``verified_load_vs_plain``: one committed step's file (the save benchmark's
 state: ``state_bytes`` in ``state_tensors`` tensors, written by obsckpt's
@@ -28,8 +28,8 @@ TARGET = 1.15
 
 
 def _committed_file(sizes: Sizes, bench_dir: str) -> str:
-    from obsckpt import commit, layout
-    from obsckpt.torchfile import write_torch_file
+    from obsckpt.store import commit, layout
+    from obsckpt.store.torchfile import write_torch_file
 
     root = os.path.join(bench_dir, "load")
     shutil.rmtree(root, ignore_errors=True)
@@ -40,7 +40,7 @@ def _committed_file(sizes: Sizes, bench_dir: str) -> str:
 
 
 def _measure(path: str, reps: int, map_location: str) -> tuple[list[float], list[float]]:
-    from obsckpt import loading
+    from obsckpt.store import loading
 
     def plain() -> object:
         return torch.load(path, map_location=map_location, weights_only=True)

@@ -155,7 +155,7 @@ def run_peers(sizes: Sizes, bench_dir: str, monitor: Any, log) -> list[Result]:
     import torch.distributed as dist
 
     from obsckpt import CheckpointCoordinator
-    from obsckpt.torchfile import _WRITERS
+    from obsckpt.store.torchfile import _WRITERS
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = make_state(sizes.state_bytes, sizes.state_tensors, seed=1)

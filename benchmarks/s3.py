@@ -171,11 +171,11 @@ def _measure(sizes: Sizes, log) -> list[Result]:
     from seaweed import BUCKET
 
     from benchmarks.save import make_state
-    from obsckpt.layout import FileRecord
-    from obsckpt.loading import load
     from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter
+    from obsckpt.store.layout import FileRecord
+    from obsckpt.store.loading import load
     from obsckpt.store.s3root import open_s3_root
-    from obsckpt.torchfile import upload_torch_file
+    from obsckpt.store.torchfile import upload_torch_file
 
     url = f"s3://{BUCKET}/bench/{uuid.uuid4().hex[:8]}"
     store = open_s3_root(url, part_size=PART_SIZE, concurrency=CONCURRENCY)

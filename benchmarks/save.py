@@ -140,7 +140,7 @@ def optimizer_state(params: int, numel: int = 32) -> dict[str, Any]:
 
 def small_tensor_bytes(bench_dir: str, params: int = 1334) -> Result:
     """File bytes of obsckpt's writer ÷ ``torch.save``'s for ``3 × params`` small tensors."""
-    from obsckpt.torchfile import write_torch_file
+    from obsckpt.store.torchfile import write_torch_file
     from obsckpt.tree import PACK_MAX
 
     state = optimizer_state(params)

@@ -53,7 +53,7 @@ class AlertThresholds:
             target at all.
         commit_phase_stuck_seconds: how long one phase of a running commit (an fsync
             round, a rename) may take before it counts as hung; below the fsync
-            timeout (obsckpt.commit.FSYNC_TIMEOUT_S), so the alert fires while it hangs.
+            timeout (obsckpt.store.commit.FSYNC_TIMEOUT_S), so the alert fires while it hangs.
         commit_phase_stuck_for: how long that must persist.
         weight_sync_failure_window: window over which a failed weight sync fires
             ObsckptWeightSyncFailures.

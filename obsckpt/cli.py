@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from obsckpt import inspection, inspection_s3, layout, monitor_link, repair, rootlock, validators
+from obsckpt import inspection, inspection_s3, monitor_link, validators
 from obsckpt.assets import RUNBOOK_URL_ENV
 from obsckpt.demo import endpoints
 from obsckpt.demo.config import (
@@ -50,6 +50,7 @@ from obsckpt.demo.result import finish_line, validate_result_json, write_result_
 from obsckpt.errors import CliError
 from obsckpt.inspection_s3 import is_remote_dir
 from obsckpt.options import OBSCKPT_DEMO_DRIVER
+from obsckpt.store import layout, repair, rootlock
 from obsckpt.store.uri import parse_root
 
 # The demo's root marker: a directory holding it is a root before its first save.

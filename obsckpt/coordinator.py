@@ -29,14 +29,14 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
 
-from obsckpt import layout, validators
+from obsckpt import validators
 from obsckpt.errors import SaveError, SavePathError, SaveTimeoutError
-from obsckpt.file_records import check_targets, object_destination, path_list, run_and_record
-from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
 from obsckpt.save_job import SaveErrors, SaveJob, wait_jobs
 from obsckpt.save_threads import STALL_TIMEOUT_S, STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.slot_staging import SlotStaging, StagedSave
+from obsckpt.store import layout
+from obsckpt.store.file_records import check_targets, object_destination, path_list, run_and_record
 from obsckpt.telemetry import tracing
 from obsckpt.validators import validate_parts, validate_slot, validate_step
 
@@ -305,7 +305,7 @@ class CheckpointCoordinator:
                 before anything is copied or written (the step fails).
         """
         # torch is imported here, not at module load: the monitor actor never needs it.
-        from obsckpt.torchfile import upload_torch_file, write_torch_file
+        from obsckpt.store.torchfile import upload_torch_file, write_torch_file
 
         validate_slot(name)
         validate_step(global_step)
@@ -328,7 +328,7 @@ class CheckpointCoordinator:
 
         destination = object_destination(self._link.checkpoint_root(), path)
 
-        def write() -> list[FileRecord]:
+        def write() -> list[layout.FileRecord]:
             if copier is not None:
                 copier.finish()
             if destination is not None:
@@ -536,7 +536,7 @@ class CheckpointCoordinator:
         registered it fails now instead of waiting for it.
 
         Raises:
-            SavePathError: see :func:`obsckpt.file_records.check_targets`.
+            SavePathError: see :func:`obsckpt.store.file_records.check_targets`.
         """
         if not paths:
             return
@@ -580,7 +580,7 @@ class CheckpointCoordinator:
     def _submit(
         self,
         job: SaveJob,
-        fn: Callable[[], list[FileRecord]],
+        fn: Callable[[], list[layout.FileRecord]],
         trace_context: dict | None,
         *,
         join_wait: float | None = None,

@@ -13,13 +13,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from obsckpt import layout, reader, repair, rootlock
 from obsckpt.errors import (
     CliError,
     IterationContentError,
     IterationFileError,
     UnsupportedStoreError,
 )
+from obsckpt.store import layout, reader, repair, rootlock
 from obsckpt.store.uri import local_root
 
 
@@ -69,20 +69,6 @@ def open_root(
     return root, latest
 
 
-def _files_of(sdir: Path) -> list[tuple[str, int, float]]:
-    # Temp files included (reader.walk_files leaves them out): status counts them.
-    files = []
-    for dirpath, _dirs, names in os.walk(sdir):
-        for name in names:
-            full = os.path.join(dirpath, name)
-            try:
-                st = os.stat(full)
-            except OSError:
-                continue
-            files.append((os.path.relpath(full, sdir), st.st_size, st.st_mtime))
-    return files
-
-
 def _is_temp_path(rel: str) -> bool:
     """Whether a step's file ``rel`` is a temp file, or lies in a scratch directory."""
     return any(layout.is_temp_name(part) for part in rel.split(os.sep))
@@ -103,7 +89,7 @@ def describe_step(
     obsckpt cannot tell whether it is whole, so it is ``foreign``, not failed.
     """
     sdir = layout.step_dir(root, step)
-    files = _files_of(sdir)
+    files = reader.step_files(sdir)
     temps = [f for f, _s, _m in files if _is_temp_path(f)]
     data = [f for f in files if not _is_temp_path(f[0]) and f[0] != layout.MANIFEST_NAME]
     nbytes = sum(s for _f, s, _m in files)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
-from obsckpt import layout
 from obsckpt.errors import CliError, StoreError, UnsupportedStoreError
+from obsckpt.store import layout
 from obsckpt.store.s3root import S3Root, open_s3_root
 from obsckpt.store.uri import parse_root
 

@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt import layout, loading, validators
+from obsckpt import validators
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.errors import ResumeRecordError
+from obsckpt.store import layout, loading
 
 __all__ = [
     "RECORD_FORMAT",

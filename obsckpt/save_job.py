@@ -23,12 +23,12 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
-from obsckpt import commit, layout
 from obsckpt.errors import SaveError, SaveTimeoutError
-from obsckpt.file_records import relative_record
-from obsckpt.layout import FileRecord
 from obsckpt.monitor_link import MonitorLink, one_line
 from obsckpt.save_threads import STALL_WARNING_S, wait_watched
+from obsckpt.store import commit, layout
+from obsckpt.store.file_records import relative_record
+from obsckpt.store.layout import FileRecord
 from obsckpt.store.uri import is_remote
 from obsckpt.telemetry import attributes as span_attr
 from obsckpt.telemetry import tracing
@@ -55,7 +55,7 @@ class SaveJob:
     Args:
         slot: the save slot (e.g. ``"model"``).
         step: the training step.
-        kind: ``"checkpoint"`` or ``"state_dict"`` (see :func:`obsckpt.layout.kind_of`).
+        kind: ``"checkpoint"`` or ``"state_dict"`` (see :func:`obsckpt.store.layout.kind_of`).
         link: the monitor link that admits and hears of the save.
         logger: where failures are logged.
         save_timeout: seconds of I/O after which the watchdog fails the save; None: no watchdog.

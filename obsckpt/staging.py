@@ -5,7 +5,7 @@ of each tensor into a buffer kept from the previous save of the same slot.
 A slot's buffers are views of one anonymous mapping (an :class:`Arena`),
 registered as pinned memory with CUDA when CUDA is present so device→host
 copies run at full bandwidth, without the caching host allocator's rounding
-of each buffer to a power of two. :func:`obsckpt.torchfile.write_torch_file`
+of each buffer to a power of two. :func:`obsckpt.store.torchfile.write_torch_file`
 then runs in the background and writes the staged tensors to disk straight
 from those views, which are page-aligned for that purpose.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from obsckpt.errors import TensorMutatedError, WaitTimeoutError
-from obsckpt.torchfile import ALIGN, DIRECT_MIN
+from obsckpt.store.torchfile import ALIGN, DIRECT_MIN
 from obsckpt.tree import PLAIN_TENSORS, dtensor_type, sharded_tensor_type, tensor_leaves
 
 # Views of at least the direct-write size start on a page (they are written to

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from obsckpt.errors import NotificationError, PartsMismatchError
-from obsckpt.layout import KINDS, FileRecord
+from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.validators import validate_parts, validate_step
 
 PENDING = "pending"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from obsckpt import layout, reader
+from obsckpt.store import layout, reader
 
 TRIALS_ENV = "OBSCKPT_RELIABILITY_TRIALS"
 REPORT_ENV = "OBSCKPT_RELIABILITY_REPORT"
@@ -244,7 +244,7 @@ class RunsCode:
 
 def rewrite_manifest(sdir) -> None:
     """The manifest of ``sdir`` rewritten to match whatever its files hold now."""
-    from obsckpt import commit as disk
+    from obsckpt.store import commit as disk
 
     records = [
         reader.record_file(os.path.join(d, n), sdir)

@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from obsckpt import checked_read, commit, layout, loading
 from obsckpt.errors import UnverifiedCheckpointError
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store import checked_read, commit, layout, loading
+from obsckpt.store.torchfile import write_torch_file
 
 
 def _read(path):

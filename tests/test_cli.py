@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, commit, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.cli import main
+from obsckpt.store import commit, layout, reader
 
 
 def run(*argv: str) -> tuple[int, str, str]:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from obsckpt import commit, layout, reader, validators
+from obsckpt import validators
 from obsckpt.errors import CheckpointDirError, IterationFileError
+from obsckpt.store import commit, layout, reader
 
 
 class TestIterationFile:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from obsckpt import reader
+from obsckpt.store import reader
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"

@@ -13,15 +13,15 @@ import torch
 from docs_samples import block_with, missing_shapes
 from reliability_helpers import RunsCode, rewrite_manifest
 
-from obsckpt import commit, layout, reader
 from obsckpt.cli import main
-from obsckpt.commit import finalize_step
 from obsckpt.demo import DemoConfig, run_demo
 from obsckpt.demo.plan import resolve_plan
 from obsckpt.demo.result import finish_line
 from obsckpt.demo.root import MARKER, prepare_root
 from obsckpt.demo.summary import Histogram, Scrape
 from obsckpt.errors import DemoError
+from obsckpt.store import commit, layout, reader
+from obsckpt.store.commit import finalize_step
 
 
 @pytest.mark.slow

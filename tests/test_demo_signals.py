@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from obsckpt import commit, layout, reader
 from obsckpt.cli import main
+from obsckpt.store import commit, layout, reader
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads process sessions from /proc"

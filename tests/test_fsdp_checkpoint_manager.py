@@ -75,7 +75,7 @@ class Rank:
 
     def save_and_list(self, root: str, step: int) -> list[str]:
         """Save, then at once (no wait) this rank's files that are already in place."""
-        from obsckpt import layout
+        from obsckpt.store import layout
 
         path = os.path.join(root, f"global_step_{step}", "actor")
         self.manager.save_checkpoint(path, global_step=step, max_ckpt_to_keep=None)
@@ -250,7 +250,7 @@ class TestCommittedFilesStay:
     """
 
     def test_resave_behind_the_state_dict_iteration_file(self, namespace, tmp_path):
-        from obsckpt import layout, reader
+        from obsckpt.store import layout, reader
 
         root = tmp_path / "ckpt"
         monitor, both = start_job(namespace, root)
@@ -303,7 +303,7 @@ class TestCommittedFilesStay:
         """A job resumed from an older step (``resume_from_path``) retrains steps whose
         checkpoints are committed: their optimizer and extra state stay the committed ones,
         so such a step never holds one run's model with another run's optimizer."""
-        from obsckpt import layout, reader
+        from obsckpt.store import layout, reader
 
         root = tmp_path / "ckpt"
         monitor, both = start_job(namespace, root)
@@ -430,7 +430,7 @@ class ShardedRank:
 
     def stage_write_and_load(self, directory: str) -> dict:
         from obsckpt.staging import StagingBuffers
-        from obsckpt.torchfile import write_torch_file
+        from obsckpt.store.torchfile import write_torch_file
 
         state = self.state()
         expected = {
@@ -718,8 +718,8 @@ class TestHFExportKeepsCommittedFiles:
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
         from workers import TINY_LLAMA
 
-        from obsckpt import layout, reader
         from obsckpt.integrations import FSDPCheckpointManager
+        from obsckpt.store import layout, reader
 
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
@@ -799,7 +799,7 @@ def test_load_of_no_path_returns_at_once_as_verls_does(namespace, tmp_path):
 def test_resume_record_through_the_manager(namespace, tmp_path):
     """save_resume_record commits the record with the step; restore_resume_record, given
     the path load_checkpoint takes, brings back the RNGs, data position and weight version."""
-    from obsckpt import layout, reader
+    from obsckpt.store import layout, reader
 
     root = tmp_path / "ckpt"
     monitor, both = start_job(namespace, root)
@@ -868,7 +868,7 @@ class TestUsedAlone:
         status = ray.get(monitor.status.remote())
         assert status["latest"] == {"checkpoint": 1, "state_dict": 1}
         assert status["resaves"] == 0  # submitted once
-        from obsckpt import reader
+        from obsckpt.store import reader
 
         assert reader.verify_step(root / "global_step_1") == []
 

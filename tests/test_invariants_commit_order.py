@@ -10,7 +10,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor, layout, reader
+from obsckpt import CheckpointMonitor
+from obsckpt.store import layout, reader
 
 
 def _write(root, step: int, name: str) -> None:

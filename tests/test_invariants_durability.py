@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from strace_helpers import Call, run_traced, strace_path
 
-from obsckpt import layout, reader
+from obsckpt.store import layout, reader
 
 
 def _trace(tmp_path: Path, driver: str, *args: str) -> list[Call]:
@@ -39,7 +39,7 @@ def _index(calls, pred, what: str) -> int:
 
 COMMIT_DRIVER = """
     import os, sys
-    from obsckpt import commit, layout, reader
+    from obsckpt.store import commit, layout, reader
 
     root = sys.argv[1]
     sdir = layout.step_dir(root, 4)
@@ -51,7 +51,7 @@ COMMIT_DRIVER = """
 
 TORCH_DRIVER = """
     import sys, torch
-    from obsckpt.torchfile import write_torch_file
+    from obsckpt.store.torchfile import write_torch_file
 
     path = sys.argv[1]
     write_torch_file({"w": torch.arange(1 << 18, dtype=torch.float32)}, path)

@@ -8,8 +8,8 @@ import zlib
 
 import torch
 
-from obsckpt import commit, layout, reader
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store import commit, layout, reader
+from obsckpt.store.torchfile import write_torch_file
 
 # Larger than the chunk files are read in, so a checksum spans several reads.
 _BIG = (8 << 20) * 2 + 12345

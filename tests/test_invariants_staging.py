@@ -9,8 +9,9 @@ import time
 import ray
 import torch
 
-import obsckpt.torchfile
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout
+import obsckpt.store.torchfile
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.store import layout
 
 
 def test_a_save_does_not_overwrite_the_staging_its_slot_s_previous_save_is_writing(
@@ -24,7 +25,7 @@ def test_a_save_does_not_overwrite_the_staging_its_slot_s_previous_save_is_writi
     )
     ray.get(monitor.status.remote())
     coord = CheckpointCoordinator(monitor, rank=0)
-    real_write = obsckpt.torchfile.write_torch_file
+    real_write = obsckpt.store.torchfile.write_torch_file
     release = threading.Event()
     writing = threading.Event()
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from reliability_helpers import RunsCode
 
-from obsckpt import commit, layout, loading, reader
 from obsckpt.errors import UnsafeCheckpointError, UnverifiedCheckpointError
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store import commit, layout, loading, reader
+from obsckpt.store.torchfile import write_torch_file
 
 SHARD = "actor/model_world_size_1_rank_0.pt"
 

@@ -15,7 +15,7 @@ import torch
 from broadcast_helpers import ipc_pair, new_group
 from prometheus_client import CollectorRegistry
 
-from obsckpt import commit, layout
+from obsckpt.store import commit, layout
 from obsckpt.sync.synchronizer import Synchronizer
 
 KEEP = 64  # failed steps the Synchronizer keeps for status()

@@ -18,8 +18,9 @@ import ray
 from prometheus_client import CollectorRegistry
 from reliability_helpers import Scrape, scrape, wait_for
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.monitor.labels import SlotLabels
+from obsckpt.store import layout, reader
 from obsckpt.telemetry.metrics import DURATION_BUCKETS, OVERFLOW_SLOT, Metrics
 
 PER_RANK = (

@@ -26,9 +26,8 @@ from obsckpt import (
     SaveError,
     SaveStrategy,
     SaveTimeoutError,
-    layout,
-    reader,
 )
+from obsckpt.store import layout, reader
 from obsckpt.telemetry.metrics import METRICS
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor, NotificationError, SaveStrategy, commit, layout, reader
+from obsckpt import CheckpointMonitor, NotificationError, SaveStrategy
 from obsckpt.monitor import SystemClock
+from obsckpt.store import commit, layout, reader
 
 
 class CommitGate:

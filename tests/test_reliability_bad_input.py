@@ -22,10 +22,8 @@ from obsckpt import (
     IterationFileError,
     NotificationError,
     PartsMismatchError,
-    layout,
-    reader,
-    rootlock,
 )
+from obsckpt.store import layout, reader, rootlock
 
 COMMITTED = 3
 

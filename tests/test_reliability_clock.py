@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, commit, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
 from obsckpt.monitor import SystemClock
+from obsckpt.store import commit, layout, reader
 
 HOUR = 3600.0
 

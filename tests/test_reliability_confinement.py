@@ -33,11 +33,10 @@ from obsckpt import (
     SaveStrategy,
     SaveTimeoutError,
     WaitTimeoutError,
-    layout,
-    reader,
 )
 from obsckpt.monitor_link import monitor_error, ray_identity
 from obsckpt.save_threads import wait_watched
+from obsckpt.store import layout, reader
 
 
 def make_monitor(namespace, root, strategy=SaveStrategy.SINGLE_THREAD, **kw):

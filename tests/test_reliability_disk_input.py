@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from obsckpt import commit, layout, reader
 from obsckpt.cli import main
 from obsckpt.errors import IterationFileError, StateDictLoadError, UnsafeCheckpointError
-from obsckpt.integrations.retention import removable, step_of
+from obsckpt.integrations.retention import prune, step_of
+from obsckpt.store import commit, layout, reader
 from obsckpt.sync.shards import load_sharded_state_dict, shard_files
 
 SHARD = "actor/model_world_size_1_rank_0.pt"
@@ -112,11 +112,12 @@ class TestStepDirectoryNames:
         (tmp_path / "global_step_007" / "actor").mkdir(parents=True)
         assert step_of(str(tmp_path / "global_step_007" / "actor")) is None
         saved = [str(tmp_path / f"global_step_{s}" / "actor") for s in ("007", "8", "9")]
-        doomed, step_dirs = removable(saved, 1)
-        # global_step_8 is superseded; global_step_007 is no step, and global_step_7
-        # (a step this list never saved) is not touched through it.
-        assert step_dirs == [str(tmp_path / "global_step_8")]
-        assert doomed == [saved[1]]
+        assert prune(saved, 1) == [saved[1]]
+        # global_step_8 is superseded and removed whole; global_step_007 is no step, and
+        # global_step_7 (a step this list never saved) is not touched through it.
+        assert not (tmp_path / "global_step_8").exists()
+        assert (tmp_path / "global_step_007" / "actor").is_dir()
+        assert reader.steps_on_disk(tmp_path) == [7, 9]
 
 
 class TestManifestEntries:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from strace_helpers import Call, run_traced, strace_path
 
-from obsckpt import layout, reader
+from obsckpt.store import layout, reader
 
 DRIVER = textwrap.dedent(
     """
@@ -119,7 +119,7 @@ class TestCommitDurabilityOrder:
 SAVE_DRIVER = textwrap.dedent(
     """
     import os, sys
-    from obsckpt.file_records import run_and_record as _run_and_record
+    from obsckpt.store.file_records import run_and_record as _run_and_record
 
     hf = sys.argv[1]
 

@@ -22,14 +22,8 @@ import pytest
 import torch
 from reliability_helpers import assert_root_consistent, report, scrape, trials, wait_for
 
-from obsckpt import (
-    CheckpointCoordinator,
-    CheckpointMonitor,
-    SaveError,
-    SaveStrategy,
-    layout,
-    reader,
-)
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, SaveStrategy
+from obsckpt.store import layout, reader
 from obsckpt.telemetry import tracing
 
 SAVE_TIMEOUT = 0.5

@@ -20,19 +20,11 @@ import ray
 from prometheus_client import CollectorRegistry
 from reliability_helpers import scrape, wait_for
 
-from obsckpt import (
-    CheckpointMonitor,
-    FsyncTimeoutError,
-    RootInUseError,
-    RootLockLostError,
-    commit,
-    layout,
-    reader,
-    rootlock,
-)
+from obsckpt import CheckpointMonitor, FsyncTimeoutError, RootInUseError, RootLockLostError
 from obsckpt.monitor import actor as actor_module
 from obsckpt.monitor.lifecycle import DeadNodes
 from obsckpt.monitor.telemetry import MonitorTelemetry
+from obsckpt.store import commit, layout, reader, rootlock
 
 ITERATION = layout.ITERATION_FILES["checkpoint"]
 

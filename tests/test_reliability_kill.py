@@ -29,7 +29,8 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.store import layout, reader
 
 WORLD = 2
 NUMEL = 8 << 20  # 32 MiB per rank file: long enough to be killed mid-write

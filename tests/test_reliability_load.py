@@ -17,7 +17,8 @@ import time
 import ray
 from reliability_helpers import by_value, report, scrape, wait_for
 
-from obsckpt import CheckpointMonitor, reader
+from obsckpt import CheckpointMonitor
+from obsckpt.store import reader
 
 RANKS = int(os.environ.get("OBSCKPT_LOAD_RANKS", "256"))
 SLOTS = ("model", "optim", "extra", "hf")

@@ -26,7 +26,8 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.store import layout, reader
 
 
 def _status(ray, monitor, timeout: float = 60.0) -> dict:

@@ -24,8 +24,8 @@ from test_torchfile_packing import (
 )
 
 import obsckpt.tree
-from obsckpt.reader import file_crc32
-from obsckpt.torchfile import ALIGN, write_torch_file
+from obsckpt.store.reader import file_crc32
+from obsckpt.store.torchfile import ALIGN, write_torch_file
 
 
 def _optimizer_state(params: int) -> dict:

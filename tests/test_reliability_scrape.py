@@ -18,7 +18,8 @@ import ray
 from reliability_helpers import report, scrape, wait_for
 from workers import SaveWorker
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
+from obsckpt.store import reader
 from obsckpt.telemetry.server import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
 
 N_CONNECTIONS = 1000

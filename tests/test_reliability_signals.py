@@ -16,7 +16,8 @@ import threading
 import pytest
 from reliability_helpers import wait_for
 
-from obsckpt import CheckpointMonitor, layout, reader
+from obsckpt import CheckpointMonitor
+from obsckpt.store import layout, reader
 
 # A job's driver: it saves one step in the background and is interrupted before the
 # save has finished. obsckpt is imported before ray, as a training script may do.

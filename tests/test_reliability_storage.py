@@ -22,8 +22,9 @@ import pytest
 import torch
 from reliability_helpers import assert_root_consistent, scrape
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError, commit, layout
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveError
 from obsckpt.cli import main as cli_main
+from obsckpt.store import commit, layout
 
 PAGE = 4096
 RANK_FILE = "actor/model_world_size_1_rank_0.pt"
@@ -372,7 +373,7 @@ class TestDamagedCommittedSteps:
         """A commit cut between the manifest's rename and the iteration file's (the monitor
         died, or the iteration file's write failed) leaves a manifest: status does not call
         that step committed."""
-        from obsckpt.torchfile import write_torch_file
+        from obsckpt.store.torchfile import write_torch_file
 
         root = tmp_path / "root"
         for step in (1, 2):

@@ -19,8 +19,9 @@ from reliability_helpers import (
     wait_for,
 )
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, layout, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
 from obsckpt.monitor import ACTOR_NAME
+from obsckpt.store import layout, reader
 
 
 def _closed_port() -> int:

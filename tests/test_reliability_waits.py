@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import obsckpt.staging as staging_mod
-import obsckpt.torchfile as torchfile
+import obsckpt.store.torchfile as torchfile
 from obsckpt.errors import ObsckptError, SaveTimeoutError, WaitTimeoutError
 from obsckpt.staging import StagingBuffers, StagingCopy
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store.torchfile import write_torch_file
 
 
 def _fds_to(name: str) -> list[str]:
@@ -62,8 +62,8 @@ class TestWriterWaits:
     ):
         """An fsync on network storage that stops answering: the save fails naming the
         file (the fsync runs on a pool thread, which it keeps while the storage hangs)."""
-        from obsckpt import commit
         from obsckpt.errors import FsyncTimeoutError
+        from obsckpt.store import commit
 
         gate = threading.Event()
         real = commit.fsync_dir if hung == "directory" else commit.fsync_file
@@ -228,12 +228,12 @@ class TestCleanupKeepsTheError:
 
         monkeypatch.setattr(os, "unlink", failing_unlink)
         state = {"w": torch.randn(10), "not_picklable": lambda: None}
-        with caplog.at_level(logging.WARNING, logger="obsckpt.torchfile"):
+        with caplog.at_level(logging.WARNING, logger="obsckpt.store.torchfile"):
             with pytest.raises(Exception) as info:  # noqa: PT011 - the type is pickle's
                 write_torch_file(state, tmp_path / "model.pt")
         assert not isinstance(info.value, OSError), info.value
         assert "lambda" in str(info.value)
-        [record] = [r for r in caplog.records if r.name == "obsckpt.torchfile"]
+        [record] = [r for r in caplog.records if r.name == "obsckpt.store.torchfile"]
         assert refused[0] in record.getMessage() and os.strerror(code) in record.getMessage()
         assert len(refused) == 1
 
@@ -250,7 +250,7 @@ class TestCleanupKeepsTheError:
             return unlink(path, *args, **kwargs)
 
         monkeypatch.setattr(os, "unlink", failing_unlink)
-        with caplog.at_level(logging.WARNING, logger="obsckpt.torchfile"):
+        with caplog.at_level(logging.WARNING, logger="obsckpt.store.torchfile"):
             with pytest.raises(OSError) as info:
                 write_torch_file({"w": torch.randn(10)}, tmp_path / "model.pt")
         assert info.value.errno == errno.ENOSPC

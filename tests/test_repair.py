@@ -11,18 +11,11 @@ import pytest
 import ray
 import torch
 
-from obsckpt import (
-    CheckpointCoordinator,
-    CheckpointMonitor,
-    commit,
-    layout,
-    reader,
-    repair,
-    rootlock,
-)
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.cli import main
 from obsckpt.errors import IterationFileError
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store import commit, layout, reader, repair, rootlock
+from obsckpt.store.torchfile import write_torch_file
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -173,7 +166,7 @@ class TestRepair:
         assert reader.read_iteration(root, "checkpoint") == 4
         assert files(root) == before
         # Printed once: not logged as well.
-        assert not [r for r in caplog.records if r.name == "obsckpt.repair"]
+        assert not [r for r in caplog.records if r.name == "obsckpt.store.repair"]
         assert cli("status", str(root))[0] == 0
 
     def test_status_after_repair_calls_a_corrupted_committed_step_damaged(self, root):

@@ -18,10 +18,7 @@ from obsckpt import (
     ResumeRecordError,
     SaveError,
     UnverifiedCheckpointError,
-    layout,
-    reader,
 )
-from obsckpt.loading import safe_torch_load
 from obsckpt.resume import (
     ResumeRecord,
     capture_rng,
@@ -31,6 +28,8 @@ from obsckpt.resume import (
     restore_rng,
     save_resume_record,
 )
+from obsckpt.store import layout, reader
+from obsckpt.store.loading import safe_torch_load
 
 
 def draws() -> tuple:

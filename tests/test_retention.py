@@ -11,10 +11,11 @@ import uuid
 import pytest
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointMonitor, commit, layout, reader
+from obsckpt import CheckpointMonitor
 from obsckpt.options import MonitorOptions
+from obsckpt.store import commit, layout, reader
 from obsckpt.store.s3root import open_s3_root
-from obsckpt.torchfile import upload_torch_file
+from obsckpt.store.torchfile import upload_torch_file
 
 
 def _monitor(root: str, keep: int | None) -> CheckpointMonitor:

@@ -21,16 +21,9 @@ import pytest
 import ray
 from prometheus_client import CollectorRegistry
 
-from obsckpt import (
-    CheckpointMonitor,
-    IterationFileError,
-    RootInUseError,
-    commit,
-    layout,
-    reader,
-    rootlock,
-)
+from obsckpt import CheckpointMonitor, IterationFileError, RootInUseError
 from obsckpt.cli import main as cli_main
+from obsckpt.store import commit, layout, reader, rootlock
 
 # A monitor in a process of its own: prints "ready" once it holds the root, then
 # sits until killed or until stdin closes.

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from obsckpt.staging import StagingBuffers
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store.torchfile import write_torch_file
 
 
 class TestStaging:
@@ -109,7 +109,7 @@ class TestDirectWrite:
     def test_staged_state_is_written_without_copies_and_reads_back(self, tmp_path):
         import zlib
 
-        from obsckpt.torchfile import _PipelinedSink, _torch_save
+        from obsckpt.store.torchfile import _PipelinedSink, _torch_save
 
         # Sizes that are not multiples of the page: each record's tail goes through the chunks.
         sd = {
@@ -148,7 +148,7 @@ class TestDirectWrite:
     def test_memory_not_owned_by_the_saved_object_is_written_before_write_returns(self, tmp_path):
         import mmap
 
-        from obsckpt.torchfile import _PipelinedSink
+        from obsckpt.store.torchfile import _PipelinedSink
 
         # Like a temporary copy torch makes of a device tensor: freed once write() returns.
         buf = mmap.mmap(-1, 2 << 20)
@@ -163,7 +163,7 @@ class TestDirectWrite:
         assert (tmp_path / "raw.bin").read_bytes() == b"\x5a" * (2 << 20)
 
     def test_reserved_blocks_are_trimmed_to_the_written_size(self, tmp_path):
-        from obsckpt.torchfile import _PipelinedSink
+        from obsckpt.store.torchfile import _PipelinedSink
 
         sink = _PipelinedSink(str(tmp_path / "reserved.bin"))
         try:
@@ -180,7 +180,7 @@ _FAILING_DISK = textwrap.dedent(
     """
     import errno, gc, json, os, sys
     import torch
-    import obsckpt.torchfile as torchfile
+    import obsckpt.store.torchfile as torchfile
     from obsckpt.staging import StagingBuffers
 
     root = sys.argv[1]

@@ -18,7 +18,7 @@ from metrics_helpers import scrape, value
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.errors import SaveError, TensorMutatedError
 from obsckpt.staging import Arena, StagingBuffers, StagingCopy
-from obsckpt.torchfile import write_torch_file
+from obsckpt.store.torchfile import write_torch_file
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(

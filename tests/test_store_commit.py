@@ -22,11 +22,11 @@ from prometheus_client import CollectorRegistry
 from seaweed import BUCKET, SeaweedServer
 
 from obsckpt import CheckpointCoordinator, CheckpointMonitor
-from obsckpt.layout import FileRecord
 from obsckpt.store import S3Client
+from obsckpt.store.layout import FileRecord
 from obsckpt.store.s3root import S3Root, open_s3_root
 from obsckpt.store.stream import ObjectWriter
-from obsckpt.torchfile import upload_torch_file
+from obsckpt.store.torchfile import upload_torch_file
 
 MIB = 1 << 20
 
@@ -361,8 +361,8 @@ class TestResume:
 
     def test_load_verifies_and_refuses_uncommitted(self, root_url: str, store: S3Root) -> None:
         from obsckpt.errors import UnverifiedCheckpointError
-        from obsckpt.layout import manifest_bytes
-        from obsckpt.loading import load
+        from obsckpt.store.layout import manifest_bytes
+        from obsckpt.store.loading import load
 
         async def scenario() -> None:
             monitor = _monitor(root_url)
@@ -387,7 +387,7 @@ class TestResume:
             load(f"{root_url}/global_step_1/actor/model.pt")
 
     def test_next_monitor_abandons_an_unfinished_commit(self, root_url: str, store: S3Root) -> None:
-        from obsckpt.layout import manifest_bytes
+        from obsckpt.store.layout import manifest_bytes
 
         async def scenario() -> None:
             monitor = _monitor(root_url)

@@ -6,14 +6,16 @@ then called that local copy fine."""
 from __future__ import annotations
 
 import io
+import os
 import types
 
 import pytest
 
-from obsckpt import CheckpointMonitor, file_records
+from obsckpt import CheckpointMonitor
 from obsckpt.cli import main
 from obsckpt.errors import SavePathError, UnsupportedStoreError
 from obsckpt.options import MonitorOptions
+from obsckpt.store import file_records
 
 URLS = ["s3://ckpt/run", "gs://ckpt/run", "hdfs://namenode/ckpt", "s3a://ckpt/run", "s3:ckpt"]
 
@@ -82,8 +84,17 @@ def test_the_verl_trainers_root():
 def test_trinitys_monitor():
     from obsckpt.integrations.trinity_install import TrinityCheckpointMonitor
 
-    with pytest.raises(UnsupportedStoreError, match="s3://ckpt/run"):
+    with pytest.raises(UnsupportedStoreError, match="s3://ckpt/run") as info:
         TrinityCheckpointMonitor.get_actor(namespace="n", default_local_dir="s3://ckpt/run")
+    assert "local (shared) directory" in str(info.value)
+    # What a Trinity config with checkpoint_root_dir: s3://ckpt/run hands the switch: its
+    # config check makes the root absolute (<cwd>/s3:/ckpt/run/<project>/<group>/<name>).
+    # Taken as a path, that committed into a directory named "s3:".
+    mangled = os.path.join(os.getcwd(), "s3://ckpt/run", "proj", "group", "name")
+    with pytest.raises(UnsupportedStoreError, match="from checkpoint_root_dir") as info:
+        TrinityCheckpointMonitor.get_actor(namespace="n", default_local_dir=mangled)
+    assert "local (shared) directory" in str(info.value) and "\n" not in str(info.value)
+    assert not os.path.exists("s3:")
 
 
 @pytest.mark.parametrize("url", URLS)

@@ -19,8 +19,9 @@ import ray
 import torch
 from seaweed import BUCKET, SeaweedServer
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, layout
+from obsckpt import CheckpointCoordinator, CheckpointMonitor
 from obsckpt.errors import UnverifiedCheckpointError
+from obsckpt.store import layout
 from obsckpt.store.s3root import open_s3_root
 from obsckpt.sync.group import free_port
 

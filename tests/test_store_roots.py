@@ -15,11 +15,12 @@ import torch
 from prometheus_client import CollectorRegistry
 from seaweed import BUCKET
 
-from obsckpt import CheckpointMonitor, layout
-from obsckpt.file_records import relative_record
+from obsckpt import CheckpointMonitor
+from obsckpt.store import layout
+from obsckpt.store.file_records import relative_record
 from obsckpt.store.roots import PosixRoot, StepStore, open_step_store
 from obsckpt.store.s3root import S3Root
-from obsckpt.torchfile import upload_torch_file, write_torch_file
+from obsckpt.store.torchfile import upload_torch_file, write_torch_file
 
 
 @pytest.fixture(params=["posix", "s3"])

@@ -60,6 +60,9 @@ class TestParseRoot:
             ("file:///ckpt/my%20run", "/ckpt/my run"),
             ("file://localhost/ckpt", "/ckpt"),
             ("file:/ckpt", "/ckpt"),
+            # A colon inside a directory's name, or a name that is no scheme, is a path.
+            ("/data/run:1/ckpt", "/data/run:1/ckpt"),
+            ("/data/stage2:/ckpt", "/data/stage2:/ckpt"),
         ],
     )
     def test_local(self, value: str, path: str) -> None:
@@ -111,6 +114,10 @@ class TestParseRoot:
             ("s3://xn--bucket/x", "reserves"),
             ("s3://bucket/a/../b", "'..'"),
             (" s3://bucket/x", "whitespace"),
+            # A URL a host made absolute (os.path.join(os.getcwd(), url)), as Trinity-RFT's
+            # config check does with checkpoint_root_dir: never a directory named "s3:".
+            ("/work/s3:/bucket/run/project/group/name", "URL (s3://...) joined to a local"),
+            ("ckpt/gs:/bucket/x", "URL (gs://...) joined to a local"),
         ],
     )
     def test_refused_in_one_line(self, value: str, says: str) -> None:

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from obsckpt import CheckpointMonitor
 from obsckpt.options import MonitorOptions
 from obsckpt.store.s3root import S3Root, open_s3_root
+from obsckpt.store.torchfile import upload_torch_file
 from obsckpt.sync.synchronizer import Synchronizer
-from obsckpt.torchfile import upload_torch_file
 
 
 def _model(step: int) -> dict[str, torch.Tensor]:

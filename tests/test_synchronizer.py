@@ -12,17 +12,11 @@ from metrics_helpers import samples, scrape
 from reliability_helpers import RunsCode
 from workers import kill_named
 
-from obsckpt import (
-    CheckpointCoordinator,
-    CheckpointMonitor,
-    SaveStrategy,
-    Synchronizer,
-    commit,
-    layout,
-)
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
 from obsckpt.errors import StateDictLoadError
+from obsckpt.store import commit, layout
+from obsckpt.store.torchfile import write_torch_file
 from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
-from obsckpt.torchfile import write_torch_file
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:

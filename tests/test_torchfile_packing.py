@@ -16,9 +16,9 @@ import zipfile
 import pytest
 import torch
 
-from obsckpt.reader import file_crc32
 from obsckpt.staging import StagingBuffers, StagingCopy
-from obsckpt.torchfile import ALIGN, write_torch_file
+from obsckpt.store.reader import file_crc32
+from obsckpt.store.torchfile import ALIGN, write_torch_file
 
 MiB = 1 << 20
 

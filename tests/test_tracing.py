@@ -14,7 +14,8 @@ import ray
 from opentelemetry.sdk.trace.export import SpanExportResult
 from workers import SaveWorker
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, reader
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
+from obsckpt.store import reader
 from obsckpt.telemetry import tracing
 from obsckpt.telemetry.tracing import SafeExporter
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from obsckpt.errors import NotificationError, PartsMismatchError
-from obsckpt.layout import FileRecord
+from obsckpt.store.layout import FileRecord
 from obsckpt.tracker import (
     ABANDONED,
     COMMITTED,

@@ -23,8 +23,9 @@ import ray
 import torch
 from workers import kill_named
 
-from obsckpt import Synchronizer, commit, layout
+from obsckpt import Synchronizer
 from obsckpt.errors import AdapterOnlyError, StateDictLoadError, UnverifiedCheckpointError
+from obsckpt.store import commit, layout
 from obsckpt.sync.step_model import load_step_model
 from obsckpt.sync.trinity_api import RoleStates, TrinitySettings
 

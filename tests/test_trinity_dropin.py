@@ -23,14 +23,8 @@ import pytest
 import ray
 import torch
 
-from obsckpt import (
-    CheckpointCoordinator,
-    CheckpointMonitor,
-    SaveStrategy,
-    Synchronizer,
-    layout,
-    reader,
-)
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
+from obsckpt.store import layout, reader
 from obsckpt.sync.group import free_port
 
 

@@ -382,7 +382,7 @@ def test_trinity_runs_obsckpt_through_its_plugin(
         "save_strategy": "SINGLE_NODE",
         "metrics_port": port,
     }, out.stderr[-4000:]
-    from obsckpt import reader
+    from obsckpt.store import reader
 
     for step in (1, 2):
         problems = reader.verify_step(job_dir / f"global_step_{step}")
@@ -399,7 +399,7 @@ RESUME_JOB = (
     + r"""
 import copy
 from trinity.common.constants import SaveStrategy
-from obsckpt import reader
+from obsckpt.store import reader
 
 init_dir = sys.argv[3]
 results = {}

@@ -15,15 +15,8 @@ import ray
 import torch
 from metrics_helpers import scrape
 
-from obsckpt import (
-    CheckpointCoordinator,
-    CheckpointMonitor,
-    SaveStrategy,
-    Synchronizer,
-    commit,
-    layout,
-    reader,
-)
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Synchronizer
+from obsckpt.store import commit, layout, reader
 from obsckpt.sync.group import free_port
 
 

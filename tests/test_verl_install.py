@@ -91,7 +91,7 @@ class VerlWorker:
         """Hold every file write of this process until ``flag`` exists."""
         import time
 
-        import obsckpt.torchfile as torchfile
+        import obsckpt.store.torchfile as torchfile
 
         original = torchfile.write_torch_file
 
@@ -326,7 +326,7 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
         assert verl_install.wait_for_commit(trainer, timeout=120) == 2  # what fit() waits for
         assert iteration(root) == "2"
         step_dir = root / "global_step_2"
-        from obsckpt.reader import read_manifest
+        from obsckpt.store.reader import read_manifest
 
         listed = {r.path for r in read_manifest(step_dir)}
         for name in ("actor/model_world_size_2_rank_1.pt", "critic/optim_world_size_1_rank_0.pt"):
@@ -463,7 +463,7 @@ class TestTrainerSubclasses:
         import asyncio
         import threading
 
-        from obsckpt.reader import read_manifest
+        from obsckpt.store.reader import read_manifest
 
         verl_install.patch()
         root = tmp_path / "ckpt"
@@ -543,7 +543,7 @@ class TestDataFile:
 
     @pytest.mark.parametrize("kind", ["v1", "legacy"])
     def test_retrained_committed_step(self, kind, ray_cluster, tmp_path, monkeypatch):
-        from obsckpt import layout, reader
+        from obsckpt.store import layout, reader
 
         verl_install.patch()
         Trainer, _ = trainer_class(kind, monkeypatch)

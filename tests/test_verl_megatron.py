@@ -19,13 +19,14 @@ import ray
 import torch
 from prometheus_client import CollectorRegistry
 
-from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer, layout
+from obsckpt import CheckpointCoordinator, CheckpointMonitor, Synchronizer
 from obsckpt.errors import SavePathError, UnverifiedCheckpointError
 from obsckpt.integrations import (
     megatron_save_state_dict,
     megatron_sync_weight_nccl,
     megatron_upload_state_dict,
 )
+from obsckpt.store import layout
 from obsckpt.sync.broadcast import WeightBroadcaster
 from obsckpt.sync.group import WeightSyncGroup, free_port
 from obsckpt.telemetry.metrics import Metrics
@@ -476,7 +477,7 @@ class TestMegatronCheckpointManager:
         """A job resumed from an older step retrains steps whose checkpoints are committed:
         Megatron writes its files in place, so a re-save would change (and a crash during it
         tear) a checkpoint the iteration file vouches for. verl's save is not run at all."""
-        from obsckpt import reader
+        from obsckpt.store import reader
 
         engine, manager = self.make(monitor)
         root = tmp_path / "ckpt"

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "upstream"))
 import verl_checkpoint_tests as runner  # noqa: E402
 
 from obsckpt.errors import SavePathError  # noqa: E402
-from obsckpt.file_records import check_targets  # noqa: E402
+from obsckpt.store.file_records import check_targets  # noqa: E402
 
 DIFFERENCE = next(iter(runner.DIFFERENCES))
 

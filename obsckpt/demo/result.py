@@ -7,9 +7,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from obsckpt import commit
 from obsckpt.demo.config import DemoResult
 from obsckpt.errors import CliError
+from obsckpt.store import commit
 
 
 def finish_line(result: DemoResult) -> str:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from obsckpt import layout
 from obsckpt.options import MONITOR_ACTOR_NAME, lookup_actor
+from obsckpt.store import layout
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from obsckpt import layout
 from obsckpt.env import OBSCKPT_MANAGER_COMMITS, OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
+from obsckpt.store import layout
 
 logger = logging.getLogger(__name__)
 

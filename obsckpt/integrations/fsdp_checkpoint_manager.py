@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed
 
-from obsckpt import layout, loading
 from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
@@ -57,6 +56,7 @@ from obsckpt.integrations.verl_fsdp import (
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, SYNCHRONIZER_ACTOR_NAME, lookup_actor
 from obsckpt.resume import ResumeRecord, restore_resume_record, save_resume_record
+from obsckpt.store import layout, loading
 from obsckpt.sync.shards import is_adapter_key
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from obsckpt import commit, layout
 from obsckpt.integrations import object_steps
 from obsckpt.integrations.fsdp_files import committed_files, hf_model_class
 from obsckpt.integrations.verl_fsdp import (
@@ -22,6 +21,7 @@ from obsckpt.integrations.verl_fsdp import (
     pretrained_generation_config,
     unwrap,
 )
+from obsckpt.store import commit, layout
 from obsckpt.store.scratch import scratch_path
 
 

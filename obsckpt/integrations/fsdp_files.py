@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from obsckpt import layout, reader
+from obsckpt.store import layout, reader
 
 
 def check_world_size(

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from obsckpt import layout
+from obsckpt.store import layout
 from obsckpt.store.scratch import prune, scratch_path
 
 
@@ -96,12 +96,12 @@ class VerifiedCopy:
     local directory for a loader that reads files itself (Megatron's distributed
     checkpoint): each object is checked against the step's manifest (size, ETag,
     CRC32) as it is read, and a file the manifest does not list is never there.
-    Inside :func:`obsckpt.loading.verified_torch_load` (``step=`` this copy), the
+    Inside :func:`obsckpt.store.loading.verified_torch_load` (``step=`` this copy), the
     loader's ``torch.load`` calls must name files of the copy and load weights only.
     """
 
     def __init__(self, url: str, directory: str) -> None:
-        from obsckpt.loading import CommittedObjects
+        from obsckpt.store.loading import CommittedObjects
 
         self.url = url.rstrip("/")
         self.dir = directory
@@ -127,7 +127,7 @@ class VerifiedCopy:
 
     def torch_load(self, path: str, map_location: Any = None) -> Any:
         from obsckpt.errors import UnverifiedCheckpointError
-        from obsckpt.loading import safe_torch_load
+        from obsckpt.store.loading import safe_torch_load
 
         if not os.path.abspath(path).startswith(os.path.abspath(self.dir) + os.sep):
             raise UnverifiedCheckpointError(

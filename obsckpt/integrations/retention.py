@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from obsckpt import layout, reader
+from obsckpt.store import layout
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +48,6 @@ def select_for_removal(
             continue
         removable.append(path)
     return removable
-
-
-def removable(saved: list[str], max_ckpt_to_keep: int | None) -> tuple[list[str], list[str]]:
-    """``(paths, step_dirs)``: which of ``saved`` retention deletes now, and their step dirs.
-
-    The whole ``global_step_<N>`` directory goes (manifest, ``huggingface/`` and
-    all), not only a manager's own sub-directory: a step directory left with a
-    manifest and no files would look like a damaged step. When an iteration
-    file cannot be read nothing is deleted (logged): which step is committed
-    is then unknown, and the save that just succeeded must not fail for it.
-    """
-    located = step_of(saved[-1]) if saved else None
-    if located is None:
-        return [], []
-    try:
-        latest = {kind: reader.read_iteration(located[0], kind) for kind in layout.KINDS}
-    except ValueError as exc:
-        logger.error("obsckpt: retention skipped, cannot read iteration files: %s", exc)
-        return [], []
-    doomed = select_for_removal(saved, max_ckpt_to_keep, latest)
-    step_dirs = sorted({str(layout.step_dir(*step_of(path))) for path in doomed})
-    return doomed, step_dirs
 
 
 def locate(path: str) -> tuple[str, int] | None:

@@ -39,15 +39,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from obsckpt import layout
 from obsckpt.errors import UnsupportedStoreError, UnverifiedCheckpointError
 from obsckpt.integrations._rebind import Rebinder, with_setup_hook, wrap_ray_init
 from obsckpt.integrations._rebind import original as _original
-from obsckpt.loading import CommittedStep
 from obsckpt.monitor import CheckpointMonitor
 from obsckpt.monitor.lifecycle import start_actor
 from obsckpt.options import MonitorOptions
-from obsckpt.store.uri import is_remote, local_root
+from obsckpt.store import layout
+from obsckpt.store.loading import CommittedStep
+from obsckpt.store.uri import is_remote, joined_url_scheme, local_root
 
 __all__ = [
     "HOOK",
@@ -135,13 +135,17 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
             trinity_given["save_strategy"] = save_strategy
         if default_hdfs_dir is not None:
             trinity_given["default_hdfs_dir"] = default_hdfs_dir
-        if is_remote(default_local_dir):
+        given = os.fspath(default_local_dir)
+        if joined_url_scheme(given) is not None or is_remote(given):
+            # Trinity's config check makes a relative checkpoint_root_dir absolute, so
+            # s3://b/run reaches here as <cwd>/s3:/b/run.
             raise UnsupportedStoreError(
-                f"checkpoint_job_dir={os.fspath(default_local_dir)!r}: Trinity-RFT writes its "
-                "own job state (the trainer's and explorer's state files) and lists steps "
-                "under checkpoint_job_dir with local file calls, so obsckpt's Trinity switch "
-                "takes a local (shared) directory there; s3:// roots are taken by verl's "
-                "trainer and managers, the monitor and obsckpt demo (docs/storage.md)"
+                f"checkpoint_job_dir={given!r} (from checkpoint_root_dir): Trinity-RFT keeps "
+                "its job directory on a local filesystem (its state files, logs, experience "
+                "buffer, and the checkpoints its explorer and trainer read back by path), so "
+                "obsckpt's Trinity switch takes a local (shared) directory; s3:// roots are "
+                "taken by verl's trainer and managers, the monitor and obsckpt demo "
+                "(docs/storage.md)"
             )
         # Checked here: from_settings names a refused value among the job's settings.
         root = local_root(default_local_dir)

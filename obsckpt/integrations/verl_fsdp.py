@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from obsckpt import commit, layout
 from obsckpt.integrations._common import (
     already_committed,
     broadcast_named_tensors,
@@ -48,6 +47,7 @@ from obsckpt.integrations._common import broadcaster_for as broadcaster_for
 from obsckpt.integrations._common import gather_full_state_dict as gather_full_state_dict
 from obsckpt.integrations._common import per_tensor_params as per_tensor_params
 from obsckpt.integrations._common import upload_state_dict as upload_state_dict
+from obsckpt.store import commit, layout
 from obsckpt.sync.buckets import TensorMeta
 from obsckpt.sync.wire import BroadcastResult
 

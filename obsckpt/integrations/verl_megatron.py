@@ -20,7 +20,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from obsckpt import loading
 from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import (
     already_committed,
@@ -31,6 +30,7 @@ from obsckpt.integrations._common import (
     upload_engine_state_dict,
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, lookup_actor
+from obsckpt.store import loading
 from obsckpt.sync.buckets import TensorMeta, as_tensor_meta
 from obsckpt.sync.wire import BroadcastResult
 

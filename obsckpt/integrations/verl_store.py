@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from obsckpt import layout
+from obsckpt.store import layout
 from obsckpt.store.uri import parse_root
 
 logger = logging.getLogger("obsckpt.integrations.verl_install")
@@ -116,7 +116,7 @@ def upload_data_file(trainer: Any, link: Any, root: str, step: int, obj: Any, sa
 
 def load_checkpoint(trainer: Any, root: str) -> int:
     """verl's ``_load_checkpoint`` on the store: returns the step resumed (0: none)."""
-    from obsckpt import loading
+    from obsckpt.store import loading
     from obsckpt.store.s3root import shared_s3_root
 
     cfg = trainer.config.trainer

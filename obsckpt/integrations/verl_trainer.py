@@ -23,11 +23,11 @@ import threading
 import time
 from typing import Any
 
-from obsckpt import commit, layout, reader
 from obsckpt.env import OBSCKPT_VERL_COMMIT_TIMEOUT_S, from_env_if_absent
 from obsckpt.integrations import verl_store
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink
 from obsckpt.options import MonitorOptions
+from obsckpt.store import commit, layout, reader
 from obsckpt.store.uri import local_root
 
 logger = logging.getLogger("obsckpt.integrations.verl_install")
@@ -336,7 +336,7 @@ def load_wrapper(orig: Any) -> Any:
     :mod:`obsckpt.loading`: the file's step must be committed, the file listed in
     its manifest and matching it, and it is loaded with ``weights_only=True``.
     """
-    from obsckpt import loading
+    from obsckpt.store import loading
 
     @functools.wraps(orig)
     def _load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from obsckpt import commit, layout, reader, rootlock
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.errors import RootLockLostError
 from obsckpt.monitor.commit_io import CommitRunner, StepWriter
@@ -44,6 +43,7 @@ from obsckpt.options import (
     MonitorOptions,
     lookup_actor,
 )
+from obsckpt.store import commit, layout, reader, rootlock
 from obsckpt.store.s3root import S3Root, open_s3_root
 from obsckpt.store.uri import is_remote
 from obsckpt.telemetry import tracing

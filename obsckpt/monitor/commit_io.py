@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from obsckpt import commit, layout, reader
 from obsckpt.errors import RootLockLostError
-from obsckpt.layout import FileRecord
 from obsckpt.monitor.core import CommitJob, MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
+from obsckpt.store import commit, layout, reader
+from obsckpt.store.layout import FileRecord
 from obsckpt.telemetry import attributes, tracing
 
 logger = logging.getLogger("obsckpt.monitor")
@@ -120,12 +120,12 @@ class StepWriter:
     Args:
         root: the checkpoint root.
         fence: makes a context whose entry raises when this monitor may no longer
-            commit into ``root`` (:meth:`obsckpt.rootlock.RootLock.fenced`); entered
+            commit into ``root`` (:meth:`obsckpt.store.rootlock.RootLock.fenced`); entered
             before a commit writes anything and held around each of its renames.
         fsync_timeout_s: the longest wait for each round of a commit's fsyncs
-            (default :data:`obsckpt.commit.FSYNC_TIMEOUT_S`).
+            (default :data:`obsckpt.store.commit.FSYNC_TIMEOUT_S`).
         keep_steps: after each commit, remove committed steps beyond the newest
-            ``keep_steps`` (:func:`obsckpt.commit.remove_old_steps`); None: none.
+            ``keep_steps`` (:func:`obsckpt.store.commit.remove_old_steps`); None: none.
     """
 
     def __init__(

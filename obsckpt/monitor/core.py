@@ -20,8 +20,8 @@ from typing import Any
 from obsckpt import validators
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.errors import NotificationError, PartsMismatchError
-from obsckpt.layout import KINDS, FileRecord
 from obsckpt.monitor.events import Clock, CommitRecord, MonitorObserver, SystemClock
+from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.telemetry.metrics import validate_bytes, validate_seconds
 from obsckpt.tickets import Ticket, Tickets
 from obsckpt.tracker import COMMITTING, CommitTracker, StepRecord

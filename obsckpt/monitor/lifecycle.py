@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from obsckpt import commit, layout, reader, repair, rootlock
 from obsckpt.errors import IterationFileError, MonitorCallError
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor_link import strip_colour
 from obsckpt.options import MONITOR_ACTOR_NAME, MonitorOptions
+from obsckpt.store import commit, layout, reader, repair, rootlock
 from obsckpt.store.uri import is_remote
 
 logger = logging.getLogger("obsckpt.monitor")
@@ -113,9 +113,8 @@ def recover_last_commits(
     for kind, step in latest.items():
         if step is None:
             continue
-        try:
-            when = os.stat(Path(root) / layout.ITERATION_FILES[kind]).st_mtime
-        except OSError:
+        when = reader.iteration_mtime(root, kind)
+        if when is None:
             continue
         # How long ago, by the wall clock (a file from the future: just now).
         core.set_last_commit_age(kind, core.clock.time() - when)
@@ -142,7 +141,7 @@ def check_iterations_at_start(root: str | os.PathLike[str], on_bad: str) -> list
     """Check that ``root``'s iteration files name whole steps; what was rewound, if anything.
 
     With ``on_bad="rewind"`` a file naming a step that is not whole is pointed at
-    the latest whole one (:func:`obsckpt.repair.rewind`, which deletes nothing).
+    the latest whole one (:func:`obsckpt.store.repair.rewind`, which deletes nothing).
 
     Raises:
         IterationFileError: one names a step that is not whole and ``on_bad`` is

@@ -18,8 +18,8 @@ import socket
 from collections.abc import Callable, Iterator
 
 from obsckpt.errors import FencedError, StoreCheckError
-from obsckpt.layout import KINDS, FileRecord, manifest_bytes
 from obsckpt.monitor.commit_io import retain
+from obsckpt.store.layout import KINDS, FileRecord, manifest_bytes
 from obsckpt.store.pointer import PHASE_HEAD_CHECK, Lease
 from obsckpt.store.probe import probe_conditional_writes
 from obsckpt.store.s3root import S3Root
@@ -30,7 +30,7 @@ __all__ = ["S3Ownership", "S3StepWriter", "read_s3_root"]
 class S3Ownership:
     """This monitor's hold on an S3 root: the pointer's epoch it moved to at start.
 
-    The part of :class:`obsckpt.rootlock.RootLock` a monitor uses, for an S3 root.
+    The part of :class:`obsckpt.store.rootlock.RootLock` a monitor uses, for an S3 root.
 
     Args:
         store: the root.

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from obsckpt.errors import StoreError
-from obsckpt.layout import KINDS
 from obsckpt.monitor.events import CommitRecord, MonitorObserver
 from obsckpt.monitor.labels import RankSeries, SlotLabels
+from obsckpt.store.layout import KINDS
 from obsckpt.telemetry.metrics import Metrics
 from obsckpt.telemetry.server import (
     MetricsServer,

@@ -1,4 +1,10 @@
-"""Checkpoint roots on object stores: parsing roots, an S3 client, and the commit protocol.
+"""The storage layer: where checkpoints live, on a filesystem or an object store.
+
+The on-disk contract (:mod:`~obsckpt.store.layout`), a root's committed steps
+behind one interface (:mod:`~obsckpt.store.roots`: ``PosixRoot``, ``S3Root``),
+the POSIX backend (``commit``, ``rootlock``, ``torchfile``, ``file_records``,
+``repair``), the read path that verifies before it deserialises (``reader``,
+``checked_read``, ``loading``), and the S3 backend:
 
 - :mod:`~obsckpt.store.uri`: what a root names (``parse_root``: a local path or
   ``s3://bucket/prefix``; other schemes refused).

@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from obsckpt.layout import ITERATION_FILES, KINDS, MANIFEST_NAME, parse_manifest, step_dir_name
 from obsckpt.store.client import ObjectClient
 from obsckpt.store.errors import (
     ConditionalConflict,
@@ -48,6 +47,13 @@ from obsckpt.store.errors import (
     PreconditionFailed,
     StoreError,
     StoreUnavailableError,
+)
+from obsckpt.store.layout import (
+    ITERATION_FILES,
+    KINDS,
+    MANIFEST_NAME,
+    parse_manifest,
+    step_dir_name,
 )
 from obsckpt.store.uri import join_key
 from obsckpt.validators import MAX_STEP, validate_step

@@ -4,7 +4,9 @@ and on an ``s3://`` prefix.
 :class:`StepStore` is what code that reads, checks or prunes committed steps
 needs of a root, whichever the backend: which steps are committed, which steps
 hold anything, a step's manifest, a verified read of one of its files, a check
-of the whole step, and the removal of whole steps (manifest first). Writing and
+of the whole step, the removal of whole steps (manifest first), and what a tool
+that owns a root (the demo) needs besides: the names under it, a small file of
+its own, and clearing what names committed steps. Writing and
 committing stay with each backend's own writer (``commit.finalize_step`` for a
 directory, :class:`~obsckpt.monitor.s3_commit.S3StepWriter` for a bucket).
 
@@ -18,13 +20,15 @@ directory, :class:`~obsckpt.monitor.s3_commit.S3StepWriter` for a bucket).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from obsckpt import layout, reader
-from obsckpt.layout import FileRecord
+from obsckpt.store import commit, layout, reader
+from obsckpt.store.layout import FileRecord
+from obsckpt.store.rootlock import LOCK_NAME
 from obsckpt.store.uri import is_remote
 
 
@@ -65,6 +69,20 @@ class StepStore(Protocol):
         """Remove whole steps, the manifest first; what was removed."""
         ...
 
+    def names(self) -> list[str]:
+        """The names directly under the root (a step's, a file's), obsckpt's lock aside."""
+        ...
+
+    def put_small(self, name: str, data: bytes) -> None:
+        """Write a small file at the root, durably and whole (a reader sees the old
+        content or the new)."""
+        ...
+
+    def clear_commit_state(self) -> None:
+        """Remove what names committed steps (iteration files, an S3 root's pointer), so
+        that no step is taken as committed; the steps themselves stay."""
+        ...
+
 
 class PosixRoot:
     """A checkpoint root in a directory (:class:`StepStore`)."""
@@ -103,7 +121,7 @@ class PosixRoot:
         return records
 
     def read_verified(self, step: int, path: str) -> bytes:
-        from obsckpt.loading import CommittedStep
+        from obsckpt.store.loading import CommittedStep
 
         self.committed_records(step)
         return CommittedStep.of(layout.step_dir(self.root, step) / path).read_bytes(
@@ -141,6 +159,20 @@ class PosixRoot:
                 shutil.rmtree(sdir, ignore_errors=True)
                 removed.append(str(sdir))
         return removed
+
+    def names(self) -> list[str]:
+        return sorted(e for e in os.listdir(self.root) if e != LOCK_NAME)
+
+    def put_small(self, name: str, data: bytes) -> None:
+        commit.atomic_write(self.root / name, data)
+
+    def clear_commit_state(self) -> None:
+        # Made durable before a step goes: a crash partway never leaves an iteration
+        # file naming a step directory that is already gone.
+        for name in layout.ITERATION_FILES.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / name)
+        commit.fsync_dir(self.root)
 
 
 def open_step_store(root: str | os.PathLike) -> StepStore:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from obsckpt.layout import (
+from obsckpt.store.errors import PreconditionFailed, StoreError
+from obsckpt.store.layout import (
     ITERATION_FILES,
     KINDS,
     MANIFEST_NAME,
@@ -33,10 +34,9 @@ from obsckpt.layout import (
     step_dir_name,
     step_of_dir_name,
 )
-from obsckpt.reader import crc32
-from obsckpt.store.errors import PreconditionFailed, StoreError
 from obsckpt.store.pointer import POINTER_NAME, Pointer, RootPointer
 from obsckpt.store.probe import PROBE_DIR
+from obsckpt.store.reader import crc32
 from obsckpt.store.stream import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectWriter
 from obsckpt.store.transfer import run_parallel
 from obsckpt.store.uri import Root, parse_root
@@ -358,7 +358,7 @@ class S3Root:
     def retain(self, keep: int, protected: set[int]) -> list[str]:
         """Remove the committed steps beyond the newest ``keep`` (never a ``protected`` one,
         nor one above the newest of them); the objects removed."""
-        from obsckpt.commit import steps_beyond
+        from obsckpt.store.commit import steps_beyond
 
         newest = max(protected, default=None)
         committed = []
@@ -385,6 +385,16 @@ class S3Root:
             self.client.delete(keys)
             removed += map(self.url_of, keys)
         return removed
+
+    def names(self) -> list[str]:
+        base = self.key() + "/" if self.key() else ""
+        return sorted({o.key[len(base) :].split("/", 1)[0] for o in self.client.list(base)})
+
+    def put_small(self, name: str, data: bytes) -> None:
+        self.client.put(self.key(name), data)
+
+    def clear_commit_state(self) -> None:
+        self.client.delete([self.key(n) for n in (POINTER_NAME, *ITERATION_FILES.values())])
 
     def _ours(self, key: str, base: str) -> bool:
         rest = key[len(base) :]

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from obsckpt import reader
-from obsckpt.layout import FileRecord
+from obsckpt.store import reader
+from obsckpt.store.layout import FileRecord
 from obsckpt.store.uri import parse_root
 
 SCRATCH_ENV = "OBSCKPT_SCRATCH_DIR"

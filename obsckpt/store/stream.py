@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from zlib_ng.zlib_ng import crc32_combine  # a dependency: zlib-ng's C version
 
-from obsckpt.reader import crc32
 from obsckpt.store.errors import StoreError, StoreUnavailableError
+from obsckpt.store.reader import crc32
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "ObjectWriter", "Uploaded"]
 

@@ -22,6 +22,7 @@ __all__ = [
     "Root",
     "is_remote",
     "join_key",
+    "joined_url_scheme",
     "local_root",
     "parse_root",
     "refuse_unsupported",
@@ -92,6 +93,29 @@ class Root:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
+def joined_url_scheme(value: str) -> str | None:
+    """The scheme of a URL that a host joined to a local directory, or made absolute
+    (``os.path.join(os.getcwd(), "s3://bucket/run")`` is ``/work/s3:/bucket/run``):
+    a directory of ``value`` named ``<scheme>:``. None for an ordinary path."""
+    for part in value.split("/")[1:]:  # a first part "s3:" is a mistyped URL (above)
+        if part.endswith(":") and part[:-1].lower() in _KNOWN_SCHEMES:
+            return part[:-1].lower()
+    return None
+
+
+def _refuse_joined_url(value: str, what: str) -> None:
+    """Refuse a path holding a joined URL (:func:`joined_url_scheme`): taken as a path,
+    it would commit into a directory named ``s3:``."""
+    scheme = joined_url_scheme(value)
+    if scheme is not None:
+        _refuse(
+            value,
+            what,
+            f"its directory '{scheme}:' is what is left of a URL ({scheme}://...) joined to "
+            "a local directory, not a directory to create",
+        )
+
+
 def join_key(*parts: str) -> str:
     """``parts`` joined by single slashes, empty parts left out: ``join_key("", "a/", "b")`` is ``a/b``."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
@@ -126,6 +150,7 @@ def parse_root(value: str | os.PathLike[str], *, what: str = "checkpoint root") 
         if mistyped is not None and mistyped.group(1).lower() in _KNOWN_SCHEMES:
             scheme = mistyped.group(1).lower()
             _refuse(value, what, f"it looks like a mistyped {scheme}:// URL")
+        _refuse_joined_url(value, what)
         return Root(scheme=LOCAL, path=value)
     if stripped != value:
         _refuse(value, what, "a URL with whitespace around it")

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from obsckpt.reader import crc32
+from obsckpt.store.reader import crc32
 from obsckpt.sync.buckets import TensorMeta
 
 __all__ = [

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from obsckpt import layout
 from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
-from obsckpt.loading import CommittedStep
+from obsckpt.store import layout
+from obsckpt.store.loading import CommittedStep
 
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
 _NAMED_RANKS = 8

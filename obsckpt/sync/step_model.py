@@ -3,7 +3,7 @@
 Trinity-RFT 0.6.0's ``save_state_dict`` writes one ``actor/model.safetensors``
 (rank 0 streams the full tensors); verl's managers and obsckpt's helpers write
 ``actor/model_world_size_<W>_rank_<R>.pt`` per rank. Either is read only
-through :class:`~obsckpt.loading.CommittedStep`: the step must be committed and
+through :class:`~obsckpt.store.loading.CommittedStep`: the step must be committed and
 the file must match its manifest. Where both are present the safetensors file
 is used, as Trinity's own loader does.
 """
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from obsckpt import layout, reader
 from obsckpt.errors import (
     AdapterOnlyError,
     IterationFileError,
     MegatronLayoutError,
     StateDictLoadError,
 )
-from obsckpt.loading import CommittedStep
+from obsckpt.store import layout, reader
+from obsckpt.store.loading import CommittedStep
 from obsckpt.sync.shards import is_adapter_only, load_sharded_state_dict, shard_files
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from obsckpt import layout, reader
 from obsckpt.errors import AdapterOnlyError, StateDictLoadError, UnverifiedCheckpointError
+from obsckpt.store import layout, reader
 from obsckpt.store.uri import is_remote
 from obsckpt.sync import step_model
 from obsckpt.sync.shards import is_adapter_only, merge_shards
@@ -76,7 +76,7 @@ class S3Steps:
         return self.store.committed("state_dict")
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
-        from obsckpt.loading import CommittedObjects
+        from obsckpt.store.loading import CommittedObjects
 
         try:  # the pointer and the manifest are read once, for every shard
             objects = CommittedObjects(self.store, step, self.store.committed_records(step))

@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
-from obsckpt import layout, validators
+from obsckpt import validators
 from obsckpt.errors import IterationFileError, StoreError
 from obsckpt.options import SYNCHRONIZER_ACTOR_NAME
+from obsckpt.store import layout
 from obsckpt.store.uri import is_remote, root_or_url
 from obsckpt.sync import detached, naming
 from obsckpt.sync.delta_memory import DeltaMemorySync

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from obsckpt import layout, validators
+from obsckpt import validators
+from obsckpt.store import layout
 from obsckpt.telemetry.metrics import TRAINER
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from obsckpt.admission import STRATEGIES
-from obsckpt.commit import COMMIT_PHASES
-from obsckpt.layout import KINDS
+from obsckpt.store.commit import COMMIT_PHASES
+from obsckpt.store.layout import KINDS
 from obsckpt.telemetry.attributes import SPAN_ATTRIBUTES
 from obsckpt.telemetry.metrics import DURATION_BUCKETS, METRICS, SPANS
 from obsckpt.telemetry.vocabulary import (

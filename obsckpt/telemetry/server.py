@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import MetricsHandler
 
-from obsckpt.commit import atomic_write
+from obsckpt.store.commit import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from obsckpt.admission import STRATEGIES
-from obsckpt.commit import COMMIT_PHASES
-from obsckpt.layout import KINDS
+from obsckpt.store.commit import COMMIT_PHASES
+from obsckpt.store.layout import KINDS
 from obsckpt.store.pointer import STORE_COMMIT_PHASES
 from obsckpt.validators import non_negative_int
 

@@ -24,7 +24,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from obsckpt import reader
+from obsckpt.store import reader
 
 # Chunk of the read: large enough that a syscall and a CRC32 call per chunk cost
 # nothing, small enough that the CRC32 of the last chunk (the part not overlapped

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from obsckpt.errors import IterationContentError, IterationFileError
-from obsckpt.layout import (
+from obsckpt.store.layout import (
     ITERATION_FILES,
     MANIFEST_NAME,
     MAX_ITERATION_BYTES,
@@ -138,6 +138,29 @@ def read_iteration(root: str | os.PathLike, kind: str) -> int | None:
     return parse_iteration(raw.decode("utf-8", errors="replace"), path)
 
 
+def iteration_mtime(root: str | os.PathLike, kind: str) -> float | None:
+    """When ``kind``'s iteration file was last written (None: no such file)."""
+    try:
+        return os.stat(Path(root) / ITERATION_FILES[kind]).st_mtime
+    except OSError:
+        return None
+
+
+def step_files(sdir: str | os.PathLike) -> list[tuple[str, int, float]]:
+    """``(path in the step, size, mtime)`` of every file under ``sdir``, temp files
+    included (:func:`walk_files` leaves them out)."""
+    files = []
+    for dirpath, _dirs, names in os.walk(sdir):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            files.append((os.path.relpath(full, sdir), st.st_size, st.st_mtime))
+    return files
+
+
 def walk_files(top: str) -> Iterator[tuple[str, list[str]]]:
     """``(directory, file names)`` under ``top``, in sorted order, temp files left out.
 
@@ -185,7 +208,7 @@ def read_manifest(sdir: str | os.PathLike) -> list[FileRecord]:
         FileNotFoundError: the step has no manifest.
         OSError: it cannot be read, or is not a regular file.
         ValueError: it is not JSON, or not a manifest obsckpt writes (see
-            :func:`obsckpt.layout.parse_manifest`).
+            :func:`obsckpt.store.layout.parse_manifest`).
     """
     with open(open_regular(Path(sdir) / MANIFEST_NAME), encoding="utf-8") as f:
         try:

@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from obsckpt import commit, layout, reader
 from obsckpt.errors import SavePathError, UnsupportedStoreError
-from obsckpt.layout import FileRecord
+from obsckpt.store import commit, layout, reader
+from obsckpt.store.layout import FileRecord
 from obsckpt.store.s3root import S3Root, locate_in_root, shared_s3_root
 from obsckpt.store.scratch import run_and_upload
 from obsckpt.store.uri import is_remote, local_root, parse_root

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from obsckpt import commit, layout, reader
 from obsckpt.errors import IterationContentError
+from obsckpt.store import commit, layout, reader
 
 logger = logging.getLogger(__name__)
 
