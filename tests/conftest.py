@@ -23,10 +23,18 @@ def _s3_env() -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from seaweed import S3_PORT_VARIABLE, reserve_s3_port, session_aws_env
+    from seaweed import S3_PORT_OWNER_VARIABLE, S3_PORT_VARIABLE, reserve_s3_port, session_aws_env
 
-    port = int(os.environ.get(S3_PORT_VARIABLE) or reserve_s3_port())
+    # With pytest-xdist each worker is a session of its own, with its own server: a port
+    # is reused only by the process that chose it and its children (which inherit both
+    # variables), never by another worker (which inherits the controller's).
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    inherited = os.environ.get(S3_PORT_VARIABLE)
+    if os.environ.get(S3_PORT_OWNER_VARIABLE, "") != worker:
+        inherited = None
+    port = int(inherited or reserve_s3_port())
     os.environ[S3_PORT_VARIABLE] = str(port)
+    os.environ[S3_PORT_OWNER_VARIABLE] = worker
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
         os.environ.pop(name, None)
     os.environ.update(session_aws_env(port))

@@ -55,6 +55,8 @@ def weed_binary() -> Path | None:
 # above Ray's worker ports (10002-19999), where nothing else of the session binds.
 _S3_PORTS = range(20000, 32000)
 S3_PORT_VARIABLE = "OBSCKPT_TEST_S3_PORT"
+# Which pytest-xdist worker chose that port ("" without xdist).
+S3_PORT_OWNER_VARIABLE = "OBSCKPT_TEST_S3_PORT_OWNER"
 
 
 def reserve_s3_port() -> int:

@@ -1,4 +1,4 @@
-"""obsckpt.checked_read: a file read once into private memory, its CRC32 computed on the way,
+"""obsckpt.store.checked_read: a file read once into private memory, its CRC32 computed on the way,
 deserialised from that memory without a second copy. Plain files, no Ray."""
 
 from __future__ import annotations

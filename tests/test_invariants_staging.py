@@ -35,7 +35,7 @@ def test_a_save_does_not_overwrite_the_staging_its_slot_s_previous_save_is_writi
             assert release.wait(60)
         return real_write(obj, path)
 
-    monkeypatch.setattr(obsckpt.torchfile, "write_torch_file", slow_first_write)
+    monkeypatch.setattr(obsckpt.store.torchfile, "write_torch_file", slow_first_write)
     paths = {s: layout.step_dir(root, s) / "actor" / "model.pt" for s in (1, 2)}
     try:
         coord.save_state_dict_async("model", {"w": torch.full((1 << 16,), 1.0)}, paths[1], 1)
