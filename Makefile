@@ -14,6 +14,11 @@ FINDLINKS := $(foreach d,$(LINKDIRS),--find-links $(d))
 # compile torch's and Ray's sources again at import (4-5 s of CPU each).
 UVINSTALL := $(UV) pip install --quiet --compile-bytecode $(FINDLINKS) -c constraints.txt
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): each runs whole test files, with its own Ray cluster
+# and S3 server. Much of a test's time is spent waiting on other processes (ranks,
+# actors, a job's start), so two keep two cores busy; TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+PYTEST    := -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup test test-verl-min test-trinity test-verl-upstream demo lint metrics-doc dashboards bench bench-quick bench-check gpu-check clean
 
@@ -29,7 +34,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 	@touch $@
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) $(PYTEST) $(PYTEST_ARGS)
 
 # The verl integrations against the lowest verl the verl extra allows (what
 # Trinity-RFT pins). verl 0.7.1 requires numpy<2, and pyarrow 21+ requires NumPy 2.
@@ -44,7 +49,7 @@ $(VERL_MIN_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 
 test-verl-min: $(VERL_MIN_VENV)/.installed
 	$(VERL_MIN_VENV)/bin/python -c 'import verl; assert verl.__version__ == "0.7.1", verl.__version__'
-	$(VERL_MIN_VENV)/bin/python -m pytest $(VERL_MIN_TESTS) $(PYTEST_ARGS)
+	$(VERL_MIN_VENV)/bin/python $(PYTEST) $(VERL_MIN_TESTS) $(PYTEST_ARGS)
 
 # The demo's environment: the demo extra only (no test or lint tools); `make test`
 # later adds the rest to the same environment.
@@ -66,7 +71,7 @@ $(TRINITY_VENV)/.installed: pyproject.toml constraints.txt Makefile | $(UV_DEP)
 
 test-trinity: $(TRINITY_VENV)/.installed
 	$(TRINITY_VENV)/bin/python -c 'import importlib.metadata as m; v = m.version("trinity-rft"); assert v == "0.6.0", v'
-	$(TRINITY_VENV)/bin/python -m pytest $(TRINITY_TESTS) $(PYTEST_ARGS)
+	$(TRINITY_VENV)/bin/python $(PYTEST) $(TRINITY_TESTS) $(PYTEST_ARGS)
 
 # verl 0.9.1's own checkpoint tests, from its sdist (downloaded from the package index
 # into build/verl-upstream/ and checked against its SHA-256), those that run on a CPU:
