@@ -180,6 +180,24 @@ def summarize(scrape: Scrape, committed: dict[str, int | None] | None = None) ->
         # The backend names the method: cuda_ipc and shm are colocated handovers.
         what = "ipc sync" if backend in IPC_BACKENDS else "broadcast"
         rows.append(_hist_row(f"{what} ({backend})", h, note))
+    for method, h in sorted(
+        scrape.histograms("obsckpt_rollout_pause_seconds", by="method").items()
+    ):
+        if h.count <= 0:
+            continue
+        sent = scrape.value("obsckpt_weight_sync_sent_bytes_total", method=method)
+        full = scrape.value("obsckpt_weight_sync_state_bytes_total", method=method)
+        delta_full = scrape.value(
+            "obsckpt_weight_sync_state_bytes_total", method=method, encoding="delta"
+        )
+        delta_sent = scrape.value(
+            "obsckpt_weight_sync_sent_bytes_total", method=method, encoding="delta"
+        )
+        share = f" ({sent / full:.0%})" if full > 0 else ""
+        note = f"{_bytes(sent)} sent of {_bytes(full)} whole{share}"
+        if delta_full > 0:
+            note += f"; deltas {delta_sent / delta_full:.0%} of the state they replaced"
+        rows.append(_hist_row(f"rollout pause ({method})", h, note))
     failures = scrape.value("obsckpt_broadcast_failures_total")
     if failures:
         rows.append(

@@ -270,39 +270,39 @@ class TrainerRank:
 
     def fingerprint(self) -> str | None:
         """CRC32 of the full weights, on rank 0 (every rank must call it: it gathers)."""
-        from torch.distributed.tensor import DTensor
-
         from obsckpt.demo.model import fingerprint
 
-        full = [
-            (name, value.full_tensor() if isinstance(value, DTensor) else value)
-            for name, value in self.model.state_dict().items()
-        ]
+        full = self._full_weights()
         return fingerprint(full) if self.rank == 0 else None
 
     def join_weight_sync(self, host: str, port: int, backend: str) -> None:
-        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.delta_broadcast import DeltaBroadcaster
         from obsckpt.sync.group import WeightSyncGroup
 
         self.sync_group = WeightSyncGroup(
             host=host, port=port, rank=0, world_size=2, backend=backend, timeout_s=120.0
         )
-        self.broadcaster = WeightBroadcaster(
+        # Deltas against the version the rollout holds (a full state first, after a
+        # failed check, and every full_every versions), checked after the apply.
+        self.broadcaster = DeltaBroadcaster(
             self.sync_group, bucket_bytes=BUCKET_BYTES, monitor=self.monitor
         )
 
+    def _full_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights (every rank must call it: each DTensor is gathered)."""
+        from torch.distributed.tensor import DTensor
+
+        return [
+            (name, value.full_tensor() if isinstance(value, DTensor) else value.detach())
+            for name, value in self.model.state_dict().items()
+        ]
+
     def broadcast_weights(self, step: int, trace_context: dict | None) -> None:
-        """Send the full weights to the rollout from rank 0; every rank must call it."""
-        from types import SimpleNamespace
-
-        from obsckpt.integrations.verl_fsdp import fsdp_sync_weight_nccl
-
-        fsdp_sync_weight_nccl(
-            SimpleNamespace(module=self.model),
-            self.broadcaster,
-            step=step,
-            trace_context=trace_context,
-        )
+        """Sync the weights to the rollout from rank 0 (a delta when it holds the last
+        version); every rank must call it."""
+        full = self._full_weights()
+        if self.rank == 0:
+            self.broadcaster.send(dict(full), step=step, trace_context=trace_context)
 
     def make_ipc_sender(self) -> None:
         """Colocated sync: rank 0 hands the rollout CUDA IPC handles (or shared-memory buckets)."""
@@ -314,12 +314,7 @@ class TrainerRank:
 
     def ipc_weights(self, step: int, rollout, trace_context: dict | None) -> None:
         """Gather the full weights (every rank must call it); rank 0 hands them to the rollout."""
-        from torch.distributed.tensor import DTensor
-
-        full = [
-            (name, value.full_tensor() if isinstance(value, DTensor) else value)
-            for name, value in self.model.state_dict().items()
-        ]
+        full = self._full_weights()
         if self.rank == 0:
             self.ipc_sender.send(
                 full,
@@ -361,6 +356,7 @@ class Rollout:
         self.sync_group = None
         self.broadcaster = None
         self.ipc_receiver = None
+        self.memory_client = None
         self._accepted: tuple[int, str] | None = None
         self._monitor = None
         _setup_worker_tracing("obsckpt-demo-rollout")
@@ -384,19 +380,20 @@ class Rollout:
         return got, fingerprint(self.weights.items())
 
     def join_weight_sync(self, host: str, port: int, backend: str) -> None:
-        from obsckpt.sync.broadcast import WeightBroadcaster
+        from obsckpt.sync.delta_broadcast import DeltaBroadcaster
         from obsckpt.sync.group import WeightSyncGroup
 
         self.sync_group = WeightSyncGroup(
             host=host, port=port, rank=1, world_size=2, backend=backend, timeout_s=120.0
         )
-        self.broadcaster = WeightBroadcaster(self.sync_group, bucket_bytes=BUCKET_BYTES)
+        self.broadcaster = DeltaBroadcaster(self.sync_group, bucket_bytes=BUCKET_BYTES)
 
     def receive_broadcast(self, expected: int) -> tuple[int, str]:
-        """Receive one broadcast into the held weights; returns (version, fingerprint)."""
-        got = self.broadcaster.recv(into=self.weights or None, clone=not self.weights)
-        if not self.weights:
-            self.weights = {k: v.to(self.device) for k, v in got.items()}
+        """Receive one sync (whole, or a delta applied in place, each checked) into the
+        held weights; returns (version, fingerprint)."""
+        # The broadcaster holds the weights (on the group's device) and applies each
+        # delta to them in place.
+        self.weights = self.broadcaster.recv()
         return self._accept(self.broadcaster.last_step, expected)
 
     def receive_ipc(self, payload, expected: int) -> dict:
@@ -430,9 +427,14 @@ class Rollout:
             held = ray.get(synchronizer.wait_new_model_state_dict.remote(current, 1.0))
             if held is not None and held >= expected:
                 break
-        state_dict, version = ray.get(synchronizer.get_model_state_dict.remote())
-        if state_dict is not None:
-            self.weights = {k: v.to(self.device) for k, v in state_dict.items()}
+        if self.memory_client is None:
+            from obsckpt.sync.delta_memory import MemorySyncClient
+
+            self.memory_client = MemorySyncClient(synchronizer, timeout=timeout)
+        # The whole state first, then what changed since the version held (checked).
+        version = self.memory_client.update()
+        if self.memory_client.weights is not None:
+            self.weights = {k: v.to(self.device) for k, v in self.memory_client.weights.items()}
         if version is None or version < expected:
             raise RuntimeError(
                 f"the synchronizer holds version {version} after {timeout:.0f} s; the trainer "
