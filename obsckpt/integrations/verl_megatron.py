@@ -31,6 +31,7 @@ from obsckpt.integrations._common import (
 )
 from obsckpt.options import MONITOR_ACTOR_NAME, lookup_actor
 from obsckpt.store import loading
+from obsckpt.store.verified_copy import VerifiedCopy
 from obsckpt.sync.buckets import TensorMeta, as_tensor_meta
 from obsckpt.sync.wire import BroadcastResult
 
@@ -399,7 +400,7 @@ class MegatronCheckpointManager:
         self.coordinator.wait_all()
         alone.wait_for_saved_step(self.coordinator, local_path)  # saved here: its commit
         if object_steps.is_url(local_path):  # downloaded, verified, then loaded from there
-            copy = object_steps.VerifiedCopy(
+            copy = VerifiedCopy(
                 local_path, object_steps.scratch_path(local_path, self.coordinator.rank)
             )
             try:
