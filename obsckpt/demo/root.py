@@ -17,7 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from obsckpt.demo.config import MARKER, DemoConfig, ModelSpec
-from obsckpt.errors import CheckpointDirError, DemoError, ObsckptError, RootInUseError
+from obsckpt.errors import (
+    CheckpointDirError,
+    DemoError,
+    ObsckptError,
+    RootInUseError,
+    StoreError,
+)
 from obsckpt.store import commit, layout, rootlock
 from obsckpt.store.pointer import POINTER_NAME
 from obsckpt.store.roots import StepStore, open_step_store
@@ -47,7 +53,10 @@ def prepare_root(
         state-dict step (None: none).
     """
     store = _open(cfg.ckpt_dir)
-    names = store.names()
+    try:
+        names = store.names()
+    except StoreError as exc:  # the endpoint, the bucket or the credentials
+        raise DemoError(f"--ckpt-dir {store.url} cannot be used: {exc}") from None
     if MARKER not in names and names:
         raise DemoError(_foreign_root_message(store, names))
     try:
@@ -89,17 +98,15 @@ def prepare_root(
 
 
 def _open(ckpt_dir: str) -> StepStore:
-    """The root's store, checked for the demo's use; errors worded for --ckpt-dir."""
+    """The root's store (a directory: made, and checked free of a running monitor); errors
+    worded for --ckpt-dir."""
     if is_remote(ckpt_dir):
-        from obsckpt.store import StoreError
         from obsckpt.store.s3root import open_s3_root
 
         try:
-            store = open_s3_root(ckpt_dir, "--ckpt-dir")
-            store.names()
+            return open_s3_root(ckpt_dir, "--ckpt-dir")
         except (StoreError, ValueError, ImportError) as exc:
             raise DemoError(f"--ckpt-dir {ckpt_dir} cannot be used: {exc}") from None
-        return store
     root = Path(ckpt_dir).expanduser().resolve()
     _ensure_root(root)
     # Before anything is removed: a running job's steps are not this demo's to clear
@@ -152,8 +159,6 @@ def _check_step(store: StepStore, step: int, world_size: int | None) -> None:
     """Refuse to resume from ``step`` when it was saved by another number of ranks, or
     does not match its manifest (loading it would fail deep in a trainer rank or, worse,
     load damaged state)."""
-    from obsckpt.store import StoreError
-
     assert world_size is not None, "the plan is resolved before the root is prepared"
     where = shlex.quote(store.url)
     try:

@@ -356,7 +356,7 @@ class Rollout:
         self.sync_group = None
         self.broadcaster = None
         self.ipc_receiver = None
-        self.memory_client = None
+        self.memory_client: Any = None  # a MemorySyncClient, made at the first pull
         self._accepted: tuple[int, str] | None = None
         self._monitor = None
         _setup_worker_tracing("obsckpt-demo-rollout")

@@ -31,6 +31,7 @@ from obsckpt.store.layout import (
     temp_name,
 )
 from obsckpt.store.reader import (
+    iteration_mtime,
     read_iteration,
     read_manifest,
     record_file,
@@ -435,10 +436,7 @@ def sweep_leftovers(root: str | os.PathLike) -> list[str]:
     else is touched; a leftover that cannot be removed is skipped.
     """
     root = Path(root)
-    commits = []
-    for name in ITERATION_FILES.values():
-        with contextlib.suppress(OSError):
-            commits.append(os.stat(root / name).st_mtime)
+    commits = [t for kind in ITERATION_FILES if (t := iteration_mtime(root, kind)) is not None]
     if not commits:
         return []
     before = max(commits)
