@@ -58,8 +58,8 @@ def submit(monitor, step, *, is_state_dict=False, sd=0, ck=0):
 def wait_for(predicate, timeout=20.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        if got := predicate():
+            return got
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
@@ -95,8 +95,12 @@ class TestCommitGating:
             f"actor/{slot}_rank_{rank}.pt" for slot in ("model", "optim") for rank in range(2)
         )
         assert reader.verify_step(layout.step_dir(root, 1)) == []
-        status = ray.get(monitor.status.remote())
-        assert status["pending"] == [] and status["in_flight"] == []
+        # The pointer is swapped before the monitor closes the step's record.
+        status = wait_for(
+            lambda: (s := ray.get(monitor.status.remote()))["pending"] == [] and s,
+            what="step 1's record closed",
+        )
+        assert status["in_flight"] == []
 
     def test_state_dict_only_step_leaves_checkpoint_file_alone(self, namespace, root):
         monitor = make_monitor(namespace, root)
@@ -466,10 +470,13 @@ class TestLeases:
         submit(monitor, 2, ck=1)
         assert ray.get(survivor.wait.remote(timeout=60)) is None
         wait_for(lambda: reader.read_iteration(root, "checkpoint") == 2, what="commit of step 2")
-        status = ray.get(monitor.status.remote())
+        status = wait_for(
+            lambda: (s := ray.get(monitor.status.remote()))["pending"] == [] and s,
+            what="step 2's record closed",
+        )
         [failed] = status["failed"]
         assert failed["step"] == 1 and "sent no heartbeat" in failed["error"]
-        assert status["in_flight"] == [] and status["pending"] == []
+        assert status["in_flight"] == []
         s = scrape(monitor)
         assert value(s, "obsckpt_saves_total", slot="model", kind="checkpoint", result="error") == 1
         assert value(s, "obsckpt_step_failures_total", kind="checkpoint") == 1

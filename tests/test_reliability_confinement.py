@@ -83,6 +83,8 @@ def commit_step(coord, root, step, value=1.0):
     coord.wait_all(timeout=60)
     submit(coord, step, ck=1)
     wait_for(lambda: reader.read_iteration(root, "checkpoint") == step, what=f"step {step}")
+    # The pointer is swapped before the monitor closes the step's record.
+    wait_for(lambda: coord.link.status()["pending"] == [], what=f"step {step}'s record closed")
     return step_bytes(root, step)
 
 

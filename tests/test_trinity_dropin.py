@@ -379,7 +379,10 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
     }
     gate.touch()
     assert ray.get(refs[1]) == 0
+    # The pointer is swapped before the monitor closes the step's record, so
+    # wait on both: the pointer, then the record leaving "committing".
     wait_until(lambda: reader.read_iteration(root, "state_dict") == 1)
+    wait_until(lambda: ray.get(trainer.monitor.status.remote())["pending"] == [])
     assert late_shard.is_file()
     status = ray.get(trainer.monitor.status.remote())
     assert status["failed"] == [] and status["pending"] == []
