@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from obsckpt.sync.group import free_port
+
 ACCESS_KEY = "obsckpt-test-key"
 SECRET_KEY = "obsckpt-test-secret"
 BUCKET = "obsckpt-test"
@@ -88,17 +90,13 @@ def session_aws_env(port: int) -> dict[str, str]:
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 now (all held until all are chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """``count`` distinct ports free on 127.0.0.1 now (outside the ephemeral range, where
+    no outgoing connection takes them before the server binds them)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 class ServerStartError(RuntimeError):

@@ -346,6 +346,29 @@ class TestFormation:
         assert out[0]["elapsed"] < 2.0 + MARGIN_S
 
 
+class TestFreePort:
+    """A store's port is picked below the kernel's ephemeral range (where an outgoing
+    connection's local end could take it before the store binds it), and is bindable."""
+
+    def test_picked_below_the_ephemeral_range_and_bindable(self):
+        import socket
+
+        from obsckpt.sync import group
+
+        low = group._ephemeral_low()
+        ports = {free_port() for _ in range(20)}
+        assert all(group._PICK_LOW <= p < low for p in ports), (ports, low)
+        assert len(ports) > 1  # random, not one port for every caller
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", ports.pop()))
+
+    def test_a_narrow_range_falls_back_to_the_kernels_choice(self, monkeypatch):
+        from obsckpt.sync import group
+
+        monkeypatch.setattr(group, "_ephemeral_low", lambda: group._PICK_LOW + 10)
+        assert not group._PICK_LOW <= free_port() < group._PICK_LOW + 10
+
+
 NCCL = pytest.param(
     "nccl",
     marks=[

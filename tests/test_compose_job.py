@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from obsckpt.store import reader
+from obsckpt.sync.group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -83,12 +83,6 @@ def image_env() -> dict[str, str]:
 
 def job_service() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"][SERVICE]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:

@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ import yaml
 
 from dashboards import AlertThresholds, expand, panel_queries
 from dashboards.build import rules_yaml
+from obsckpt.sync.group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -44,12 +44,6 @@ CORE_PANELS = (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float, interval: float = 0.25):

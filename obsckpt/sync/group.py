@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -36,12 +37,43 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 
 
+# Ports picked for a store lie above Ray's worker ports (10002-19999 unless set
+# otherwise) and below the kernel's ephemeral range.
+_PICK_LOW = 20000
+_RANDOM = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago, for the group's store."""
+    """A TCP port that was free on ``host`` a moment ago, for a group's store.
+
+    Picked at random below the kernel's ephemeral range: a port the kernel hands
+    out (binding port 0) is the kind it gives the next outgoing connection's local
+    end, which then takes it before the store binds it (``EADDRINUSE``). Falls back
+    to the kernel's choice where that range leaves too little room.
+    """
+    high = _ephemeral_low() - 1
+    if high - _PICK_LOW >= 1000:
+        for _ in range(64):
+            port = _RANDOM.randint(_PICK_LOW, high)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def default_backend() -> str:
