@@ -26,8 +26,6 @@ from typing import Any
 
 import pytest
 
-from obsckpt.sync.group import free_port
-
 ACCESS_KEY = "obsckpt-test-key"
 SECRET_KEY = "obsckpt-test-secret"
 BUCKET = "obsckpt-test"
@@ -92,6 +90,8 @@ def session_aws_env(port: int) -> dict[str, str]:
 def _free_ports(count: int) -> list[int]:
     """``count`` distinct ports free on 127.0.0.1 now (outside the ephemeral range, where
     no outgoing connection takes them before the server binds them)."""
+    from obsckpt.sync.group import free_port
+
     ports: list[int] = []
     while len(ports) < count:
         if (port := free_port()) not in ports:
