@@ -136,8 +136,10 @@ def _run(
 
         ranks = "1 rank" if cfg.world_size == 1 else f"{cfg.world_size} ranks"
         with timed(progress.note, f"building the model on {ranks}", "ranks ready"):
+            # Workers of a local cluster started here have the environment already.
+            actor_env = {} if owns_ray and not cfg.address else env
             trainers, rollout, synchronizer, info = start_actors(
-                cfg, namespace, cfg.device, env, root, actors
+                cfg, namespace, cfg.device, actor_env, root, actors
             )
         result.device = info["device"]
         result.sync_method = cfg.sync_method
