@@ -14,6 +14,7 @@ import functools
 import zlib
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from broadcast_helpers import new_group, new_metrics, run_ranks
@@ -113,6 +114,25 @@ class TestEncoding:
         plan, _ = _roundtrip([new], [base])
         assert plan.changed == 3
         assert sum(a + b for _, _, a, b in plan.blocks) == 3 + (99_999 - 5000) // 255 + 5000 // 255
+
+    def test_gap_stream_matches_a_plain_walk(self):
+        """Gaps of 1 to 255, a bridging entry 255 ahead for every longer stretch, and
+        numpy.insert's indices of those entries, as a position-by-position walk gives."""
+        rng = np.random.default_rng(3)
+        for trial in range(40):
+            size = int(rng.integers(1, 400))
+            pos = np.unique(rng.integers(0, 10 ** int(rng.integers(2, 6)), size))
+            want_gaps, want_added, prev = [], [], -1
+            for i, p in enumerate(pos.tolist()):
+                while p - prev > delta.GAP_MAX:
+                    want_gaps.append(delta.GAP_MAX)
+                    want_added.append(i)
+                    prev += delta.GAP_MAX
+                want_gaps.append(p - prev)
+                prev = p
+            gaps, added = delta._gap_stream(pos)
+            assert gaps.dtype == np.uint8 and gaps.tolist() == want_gaps, trial
+            assert (added is None and not want_added) or added.tolist() == want_added, trial
 
     def test_blocks_split_a_tensor(self, monkeypatch):
         monkeypatch.setattr(delta, "BLOCK", 1000)

@@ -149,29 +149,23 @@ def _parallel(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
     return list(_pool().map(fn, items))
 
 
-def bridged(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Ascending ``positions`` (from -1) with bridging entries added, so that no gap
-    exceeds :data:`GAP_MAX`, and where the original ones went (None: nothing added)."""
-    if positions.size == 0:
-        return positions, None
-    gaps = np.diff(positions, prepend=-1)
-    extra = (gaps - 1) // GAP_MAX  # bridging entries before each position
-    where = np.flatnonzero(extra)
-    if where.size == 0:
-        return positions, None
-    counts = extra[where]
-    owner = np.repeat(where, counts)
-    k = np.arange(1, owner.size + 1) - np.repeat(np.cumsum(counts) - counts, counts)
-    start = positions[owner] - gaps[owner]  # the position before the long gap
-    out = np.insert(positions, owner, start + GAP_MAX * k)
-    return out, np.arange(positions.size) + np.cumsum(extra)
-
-
 _WIDER = {1: np.int16, 2: np.int32, 4: np.int64, 8: np.int64}
 
 
-def _gaps(pos: np.ndarray) -> np.ndarray:
-    return np.diff(pos, prepend=-1).astype(np.uint8)
+def _gap_stream(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The one-byte gaps of ascending ``positions`` (from -1), a bridging entry of
+    :data:`GAP_MAX` added ahead of any longer gap; and where :func:`numpy.insert` put
+    those entries (None: none were needed)."""
+    gaps = np.diff(positions, prepend=-1)
+    far = np.flatnonzero(gaps > GAP_MAX)  # few: the work below is on those alone
+    if far.size == 0:
+        return gaps.astype(np.uint8), None
+    counts = (gaps[far] - 1) // GAP_MAX
+    owner = np.repeat(far, counts)
+    out = np.insert(gaps, owner, GAP_MAX)
+    # Each far entry, now after its bridges, keeps the rest of its gap (1 to GAP_MAX).
+    out[far + np.cumsum(counts)] -= GAP_MAX * counts
+    return out.astype(np.uint8), owner
 
 
 def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
@@ -195,15 +189,14 @@ def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
         pos_small, small_diff = pos[small], diff[small]
         large = ~small
         pos_whole, whole = pos[large], values[large]
-    pos_small, real = bridged(pos_small)
+    small_gaps, added = _gap_stream(pos_small)
     diffs = small_diff.astype(np.int8)
-    if real is not None:  # a bridging entry adds 0
-        diffs = np.zeros(pos_small.size, dtype=np.int8)
-        diffs[real] = small_diff
-    pos_whole, real = bridged(pos_whole)
-    if real is not None:  # a bridging entry writes the value already there
-        whole = new[pos_whole]
-    return diffs, _gaps(pos_small), whole, _gaps(pos_whole), pos.size
+    if added is not None:  # a bridging entry adds 0
+        diffs = np.insert(diffs, added, 0)
+    whole_gaps, added = _gap_stream(pos_whole)
+    if added is not None:  # a bridging entry writes the value already there
+        whole = new[np.cumsum(whole_gaps, dtype=np.int64) - 1]
+    return diffs, small_gaps, whole, whole_gaps, pos.size
 
 
 _TORCH_WIDER = {1: torch.int16, 2: torch.int32, 4: torch.int64, 8: torch.int64}
@@ -215,7 +208,8 @@ def _on_device(t: torch.Tensor) -> bool:
 
 
 def _bridged_torch(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`bridged` with torch operations (on the tensors' device)."""
+    """Positions with the bridging entries :func:`_gap_stream` adds, by torch operations
+    (on the tensors' device), and where the given ones went (None: nothing added)."""
     if pos.numel() == 0:
         return pos, None
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
