@@ -148,6 +148,7 @@ class TestParts:
             ray.get(w.save_state_dict.remote(shard(4, rank), 4, 1.0, part=rank, parts=2))
         submit(monitor, 4, is_state_dict=True, sd=1)
         wait_for(lambda: reader.read_iteration(root, "state_dict") == 4, what="commit of step 4")
+        wait_for(lambda: ray.get(monitor.status.remote())["pending"] == [], what="step 4 closed")
         committed = open(shard(4, 1), "rb").read()
         resaves = ray.get(monitor.status.remote())["resaves"]
 

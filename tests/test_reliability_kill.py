@@ -120,7 +120,12 @@ def run_trial(ray, job: Job, rng: random.Random) -> dict:
     time.sleep(0.5)  # let a notification sent just before the kill land
     # Whether the victim's save was reported decides whether the step may commit.
     finished_in_step = job.ok_saves() - ok_before - WORLD * n_ok
-    status = ray.get(job.monitor.status.remote())
+    # Read while no commit runs: a commit swaps the pointer before status() shows it.
+    status = wait_for(
+        lambda: (s := ray.get(job.monitor.status.remote()))["committing"] is None and s,
+        30,
+        "no commit running",
+    )
     latest = status["latest"]["checkpoint"]
     on_disk = assert_root_consistent(root)
     assert on_disk["checkpoint"] == latest
