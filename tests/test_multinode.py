@@ -14,6 +14,7 @@ first and started again at the end (``conftest.start_session_ray``).
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 import uuid
@@ -69,6 +70,10 @@ def multinode():
     session_was_running = ray.is_initialized()
     if session_was_running:
         ray.shutdown()
+    # The workers' variables through the environment every node (started now and when a
+    # test adds one back) inherits, not a runtime_env (see start_session_ray).
+    saved = {k: os.environ.get(k) for k in worker_env()}
+    os.environ.update(worker_env())
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -80,12 +85,17 @@ def multinode():
     try:
         nodes = {name: cluster.add_node(num_cpus=1, resources=res) for name, res in _NODES.items()}
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, runtime_env={"env_vars": worker_env()})
+        ray.init(address=cluster.address)
         wait_for(lambda: set(_NODES) <= set(ray.available_resources()), 30, "worker nodes")
         yield MultiNode(cluster, nodes)
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if session_was_running:
             start_session_ray()
 
