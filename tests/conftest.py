@@ -61,16 +61,10 @@ def start_session_ray() -> None:
         # The workers' environment is the raylet's, which inherits this process's while
         # ray.init starts it: set there, not as a runtime_env, which would start every
         # worker through Ray's setup_worker (0.2 s of CPU per actor, hundreds of actors).
-        saved = {k: os.environ.get(k) for k in worker_env()}
-        os.environ.update(worker_env())
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in worker_env().items():
+                mp.setenv(name, value)
             ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

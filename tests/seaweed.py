@@ -16,7 +16,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -51,26 +50,18 @@ def weed_binary() -> Path | None:
 
 # The S3 gateway's port is chosen when the test session starts (tests/conftest.py), so
 # that Ray workers, which inherit the environment the cluster started with, find
-# AWS_ENDPOINT_URL naming it. It is taken from below the kernel's ephemeral range and
-# above Ray's worker ports (10002-19999), where nothing else of the session binds.
-_S3_PORTS = range(20000, 32000)
+# AWS_ENDPOINT_URL naming it.
 S3_PORT_VARIABLE = "OBSCKPT_TEST_S3_PORT"
 # Which pytest-xdist worker chose that port ("" without xdist).
 S3_PORT_OWNER_VARIABLE = "OBSCKPT_TEST_S3_PORT_OWNER"
 
 
 def reserve_s3_port() -> int:
-    """A port free on 127.0.0.1 now, for the S3 gateway (see ``_S3_PORTS``)."""
-    import random
+    """A port free on 127.0.0.1 now, for the S3 gateway (:func:`obsckpt.sync.free_port`:
+    below the kernel's ephemeral range, where no outgoing connection takes it first)."""
+    from obsckpt.sync.group import free_port
 
-    for port in random.sample(_S3_PORTS, 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port for the S3 test server in 20000-32000")
+    return free_port()
 
 
 def session_aws_env(port: int) -> dict[str, str]:

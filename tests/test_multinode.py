@@ -14,7 +14,6 @@ first and started again at the end (``conftest.start_session_ray``).
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 import uuid
@@ -72,8 +71,9 @@ def multinode():
         ray.shutdown()
     # The workers' variables through the environment every node (started now and when a
     # test adds one back) inherits, not a runtime_env (see start_session_ray).
-    saved = {k: os.environ.get(k) for k in worker_env()}
-    os.environ.update(worker_env())
+    env = pytest.MonkeyPatch()
+    for name, value in worker_env().items():
+        env.setenv(name, value)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -91,11 +91,7 @@ def multinode():
     finally:
         ray.shutdown()
         cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.undo()
         if session_was_running:
             start_session_ray()
 

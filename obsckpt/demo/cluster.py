@@ -70,9 +70,7 @@ def start_ray(cfg: DemoConfig, namespace: str, env: dict[str, str]) -> None:
         logging_level="INFO" if cfg.verbose else "WARNING",
         include_dashboard=False,
     )
-    if env and cfg.address:
-        # A local cluster's workers inherit this environment (the raylet starts with
-        # it); a runtime_env would start each of them through Ray's setup step.
+    if env:
         kwargs["runtime_env"] = {"env_vars": env}
     if cfg.address:
         kwargs["address"] = cfg.address

@@ -108,6 +108,10 @@ def _run(
 
     namespace = cfg.namespace or f"obsckpt-demo-{uuid.uuid4().hex[:8]}"
     owns_ray = not ray.is_initialized()
+    # The workers of a local cluster started here inherit this environment (the raylet
+    # starts with it); a runtime_env, which starts each of them through Ray's setup
+    # step, only for a cluster that is already running.
+    worker_env = {} if owns_ray and not cfg.address else env
     actors: list[Any] = []
     monitor = None
     loop = asyncio.new_event_loop()
@@ -115,7 +119,7 @@ def _run(
         if owns_ray:
             try:
                 with timed(progress.note, *ray_start_lines(cfg)):
-                    start_ray(cfg, namespace, env)
+                    start_ray(cfg, namespace, worker_env)
             except StartupStopped as exc:
                 stop.record(exc.signum)
                 raise
@@ -136,10 +140,8 @@ def _run(
 
         ranks = "1 rank" if cfg.world_size == 1 else f"{cfg.world_size} ranks"
         with timed(progress.note, f"building the model on {ranks}", "ranks ready"):
-            # Workers of a local cluster started here have the environment already.
-            actor_env = {} if owns_ray and not cfg.address else env
             trainers, rollout, synchronizer, info = start_actors(
-                cfg, namespace, cfg.device, actor_env, root, actors
+                cfg, namespace, cfg.device, worker_env, root, actors
             )
         result.device = info["device"]
         result.sync_method = cfg.sync_method
