@@ -387,6 +387,16 @@ class TestSaveOutcomes:
         coord.save_async("model", lambda: release.wait(60), 3)
         wait_for(lambda: ray.get(monitor.status.remote())["in_flight"], what="the save admitted")
         ray.kill(monitor, no_restart=True)
+
+        def dead() -> bool:
+            # ray.kill returns before the actor is gone: a report sent until then lands.
+            try:
+                ray.get(monitor.status.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                return True
+            return False
+
+        wait_for(dead, what="the monitor gone")
         release.set()
         with pytest.raises(SaveError, match=r"finished, but reporting it to the monitor failed"):
             coord.wait_all(timeout=30)
