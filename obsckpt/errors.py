@@ -30,6 +30,7 @@ __all__ = [
     "IterationFileError",
     "ManifestConflictError",
     "MegatronLayoutError",
+    "MirrorError",
     "MonitorCallError",
     "MonitorTimeoutError",
     "MonitorUnavailableError",
@@ -269,6 +270,10 @@ class StoreError(ObsckptError, OSError):
     def __reduce__(self) -> tuple[Any, ...]:
         rebuild = partial(type(self), operation=self.operation, key=self.key, status=self.status)
         return (rebuild, self.args, dict(vars(self)))
+
+
+class MirrorError(ObsckptError, RuntimeError):
+    """A step could not be copied to the monitor's mirror, or restored from it (named)."""
 
 
 class StoreCheckError(StoreError):

@@ -25,17 +25,19 @@ from obsckpt.env import (
     OBSCKPT_DIRECT_IO,
     OBSCKPT_EXIT_WAIT_S,
     OBSCKPT_FILE_SD_PATH,
+    OBSCKPT_KEEP_STEPS,
     OBSCKPT_LEASE_TIMEOUT_S,
     OBSCKPT_MAX_SLOT_LABELS,
     OBSCKPT_METRICS_HOST,
     OBSCKPT_METRICS_PORT,
+    OBSCKPT_MIRROR,
     OBSCKPT_ON_BAD_ITERATION,
     OBSCKPT_SAVE_STRATEGY,
     OBSCKPT_TRACE_EXPORTER,
     OBSCKPT_VERL_COMMIT_TIMEOUT_S,
     from_env_if_absent,
 )
-from obsckpt.store.uri import root_or_url
+from obsckpt.store.uri import is_remote, parse_root, root_or_url
 from obsckpt.telemetry.metrics import DEFAULT_MAX_SLOT_LABELS, validate_max_slot_labels
 from obsckpt.telemetry.server import validate_port
 
@@ -101,6 +103,10 @@ def _seconds(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
+def _count(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 # The options a host's config may set, each with the variable that overrides it.
 SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "metrics_port": (OBSCKPT_METRICS_PORT, _port),
@@ -111,6 +117,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "on_bad_iteration": (OBSCKPT_ON_BAD_ITERATION, str),
     "trace_exporter": (OBSCKPT_TRACE_EXPORTER, str),
     "file_sd_path": (OBSCKPT_FILE_SD_PATH, str),
+    "mirror": (OBSCKPT_MIRROR, str),
+    "keep_steps": (OBSCKPT_KEEP_STEPS, _count),
 }
 
 
@@ -121,6 +129,27 @@ def _refuse_hdfs(default_hdfs_dir: object) -> None:
             "committed steps to remote storage. Pass default_hdfs_dir=None and copy a "
             "global_step_<N> directory once latest_checkpointed_iteration.txt names it"
         )
+
+
+def _mirror_url(value: object, root: str) -> str | None:
+    """``value`` as a mirror: a normalised ``s3://`` URL (or None for an empty one)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"mirror must be an s3://bucket/prefix URL, got {value!r}")
+    text = os.fspath(value).strip()
+    if not text:
+        return None
+    parsed = parse_root(text, what="mirror")
+    if not parsed.is_remote:
+        raise ValueError(
+            f"mirror={text!r} is a local path; the mirror is an s3://bucket/prefix URL (for "
+            "a second local copy, copy committed steps with your own tools)"
+        )
+    if is_remote(root):
+        raise ValueError(
+            f"mirror={text!r} with default_local_dir={root!r}: a root on S3 is committed "
+            "there already; a mirror keeps a copy of a local root's steps"
+        )
+    return str(parsed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,7 +188,13 @@ class MonitorOptions:
         keep_steps: after each commit, remove the committed steps older than the
             newest ``keep_steps`` committed ones (their manifest first, then their
             files or objects); a step an iteration file or the pointer names is never
-            removed, nor one newer than the last commit. None: remove nothing.
+            removed, nor one newer than the last commit. None: remove nothing. The
+            same rule holds on the mirror.
+        mirror: an ``s3://bucket/prefix`` that keeps a committed copy of every step
+            committed under a local ``default_local_dir`` (:mod:`obsckpt.monitor.mirror`):
+            each is copied there after its local commit and committed there as on an
+            S3 root, and a monitor starting on a root with no committed step restores
+            the mirror's committed steps first. None: no mirror.
     """
 
     default_local_dir: str
@@ -175,6 +210,7 @@ class MonitorOptions:
     on_bad_iteration: str = "refuse"
     trainer_submits: bool = False
     keep_steps: int | None = None
+    mirror: str | None = None
 
     def __post_init__(self) -> None:
         if self.on_bad_iteration not in ON_BAD_ITERATION:
@@ -200,6 +236,8 @@ class MonitorOptions:
             raise ValueError(f"lease_timeout_s must be positive seconds or None, got {lease!r}")
         _refuse_hdfs(self.default_hdfs_dir)
         validate_port(self.metrics_port)
+        if self.mirror is not None:
+            object.__setattr__(self, "mirror", _mirror_url(self.mirror, self.default_local_dir))
 
     @classmethod
     def from_arguments(

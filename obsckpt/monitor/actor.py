@@ -34,6 +34,7 @@ from obsckpt.monitor.lifecycle import (
     was_restarted,
 )
 from obsckpt.monitor.measurements import MeasurementRPCs
+from obsckpt.monitor.mirror import StepMirror, open_mirror, restore
 from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, read_s3_root
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
@@ -61,6 +62,8 @@ _FINAL_SCRAPE_WAIT_S = 15.0
 _COMMIT_DRAIN_S = 30.0
 # The longest status() waits to check the root's lock file (a hung filesystem).
 _FENCE_CHECK_S = 5.0
+# The longest a shutdown waits for the mirror's copies of the steps committed last.
+_MIRROR_DRAIN_S = 60.0
 
 
 class CheckpointMonitor(MeasurementRPCs):
@@ -119,6 +122,7 @@ class CheckpointMonitor(MeasurementRPCs):
         self.clock: Clock = clock if clock is not None else SystemClock()
         restarted = was_restarted()
         self.store: S3Root | None = None
+        self.mirror: StepMirror | None = None
         self.root: Path | str
         if is_remote(options.default_local_dir):
             # An s3:// root: owned by moving its pointer to a new epoch (which fences
@@ -159,13 +163,27 @@ class CheckpointMonitor(MeasurementRPCs):
     def _start(
         self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
     ) -> None:
+        mirror, restored = None, {}
+        if options.mirror is not None:
+            # Taken (and restored from, into a root with no committed step) before the
+            # root is read: the restored steps are then this root's committed ones.
+            mirror = open_mirror(options.mirror, options.namespace)
+            restored = {} if restarted else restore(self.root, mirror[0])
         latest = self._read_root(options, restarted)
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
         self.telemetry.leftovers_swept(self.root, self.leftovers_removed + self.uploads_aborted)
-        if self.store is not None:
-            self.store.client.on_error = self.telemetry.store_request_failed
-            self.store.pointer.on_conflict = self.telemetry.store_cas_conflict
-            self.telemetry.store_root = True
+        # A save's time and bytes are its upload's on an s3:// root (not to a mirror).
+        self.telemetry.store_root = self.store is not None
+        for store in (self.store, mirror[0] if mirror else None):
+            if store is not None:
+                store.client.on_error = self.telemetry.store_request_failed
+                store.pointer.on_conflict = self.telemetry.store_cas_conflict
+        if mirror is not None:
+            self.mirror = StepMirror(
+                self.root, *mirror, keep_steps=options.keep_steps, observer=self.telemetry
+            )
+            self.mirror.restored = restored
+            self.mirror.catch_up(latest)
         self.core = MonitorCore(
             self.strategy,
             latest=latest,
@@ -179,7 +197,12 @@ class CheckpointMonitor(MeasurementRPCs):
         # Commits what is ready, one at a time, each proving first that this monitor
         # still owns the root (the lock's fence).
         writer: Any = (
-            StepWriter(self.root, self._root_lock.fenced, keep_steps=options.keep_steps)
+            StepWriter(
+                self.root,
+                self._root_lock.fenced,
+                keep_steps=options.keep_steps,
+                on_committed=None if self.mirror is None else self.mirror.committed_locally,
+            )
             if self.store is None
             else S3StepWriter(
                 self.store, self._root_lock, self.telemetry.store_commit_fenced, options.keep_steps
@@ -520,7 +543,7 @@ class CheckpointMonitor(MeasurementRPCs):
             await asyncio.wait_for(asyncio.to_thread(self._root_lock.check), _FENCE_CHECK_S)
         except (RootLockLostError, TimeoutError):
             pass  # shown below as "fenced" (a check that hung shows nothing new)
-        return status_view(
+        view = status_view(
             self.core,
             self.root,
             self.server,
@@ -532,6 +555,9 @@ class CheckpointMonitor(MeasurementRPCs):
             iteration_repairs=self.iteration_repairs,
             trainer_submits=self.options.trainer_submits,
         )
+        # The s3:// root that keeps a copy of this root's committed steps (None: none).
+        view["mirror"] = None if self.mirror is None else self.mirror.status()
+        return view
 
     async def debug_spans(self) -> list[dict[str, Any]]:
         """Spans this process recorded with the ``memory`` exporter (for tests)."""
@@ -560,6 +586,8 @@ class CheckpointMonitor(MeasurementRPCs):
                 _COMMIT_DRAIN_S,
                 self._committer.progress.current(),
             )
+        if self.mirror is not None:
+            await asyncio.to_thread(self.mirror.close, _MIRROR_DRAIN_S)
         self._root_lock.release()
         wait_s = _FINAL_SCRAPE_WAIT_S if final_scrape_wait_s is None else final_scrape_wait_s
         await asyncio.to_thread(self.telemetry.close, self.clock.time(), wait_s)

@@ -126,6 +126,7 @@ class StepWriter:
             (default :data:`obsckpt.store.commit.FSYNC_TIMEOUT_S`).
         keep_steps: after each commit, remove committed steps beyond the newest
             ``keep_steps`` (:func:`obsckpt.store.commit.remove_old_steps`); None: none.
+        on_committed: told ``(step, kind)`` after each commit (the mirror's hook).
     """
 
     def __init__(
@@ -135,8 +136,10 @@ class StepWriter:
         *,
         fsync_timeout_s: float | None = None,
         keep_steps: int | None = None,
+        on_committed: Callable[[int, str], None] | None = None,
     ) -> None:
         self.root = Path(root)
+        self.on_committed = on_committed
         self.keep_steps = keep_steps
         self.fence = fence if fence is not None else contextlib.nullcontext
         self.fsync_timeout_s = fsync_timeout_s
@@ -191,6 +194,8 @@ class StepWriter:
             fence=self.fence,
             fsync_timeout_s=self.fsync_timeout_s,
         )
+        if self.on_committed is not None:
+            self.on_committed(step, kind)
         if self.keep_steps is not None:
             keep = self.keep_steps
             named = {reader.read_iteration(self.root, k) for k in layout.KINDS}

@@ -413,6 +413,17 @@ class MonitorTelemetry(MonitorObserver):
         """A commit was refused: another monitor took the root."""
         self.metrics.store_fenced_commits.inc()
 
+    def mirror_committed(self, kind: str, step: int) -> None:
+        """The mirror committed ``step`` of ``kind`` (from the mirror's thread)."""
+        self.metrics.mirror_latest_step.labels(kind).set(step)
+
+    def mirror_step_copied(self, seconds: float, uploaded_bytes: int) -> None:
+        self.metrics.observe("mirror_copy_seconds", seconds)
+        self.metrics.mirror_upload_bytes.inc(uploaded_bytes)
+
+    def mirror_failed(self) -> None:
+        self.metrics.mirror_failures.inc()
+
     def record_upload(self, seconds: float) -> None:
         validate_seconds("seconds", seconds)
         self.metrics.observe("upload_duration", seconds)

@@ -219,6 +219,8 @@ class Metrics:
                 for check in SYNC_CHECKS:
                     metric.labels(method, check)
             return
+        if spec.attr == "mirror_latest_step":
+            return  # a monitor without a mirror has no such step, not step 0
         if not all(label in KNOWN_LABELS for label in spec.labels):
             return  # slot and rank values are only known once a worker reports them
         (label,) = spec.labels
@@ -277,6 +279,11 @@ class Metrics:
     store_upload_bytes: Counter
     store_upload_seconds: Histogram
     store_last_upload_seconds: Gauge
+    mirror_latest_step: Gauge
+    mirror_upload_bytes: Counter
+    mirror_copy_seconds: Histogram
+    last_mirror_copy_seconds: UnlabelledLastValue
+    mirror_failures: Counter
     node_query_failures: Counter
     leftovers_removed: Counter
     metrics_connections_rejected: Counter

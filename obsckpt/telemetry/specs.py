@@ -485,6 +485,48 @@ METRICS: tuple[MetricSpec, ...] = (
         last_of="store_upload_seconds",
     ),
     MetricSpec(
+        "obsckpt_mirror_latest_step",
+        "gauge",
+        ("kind",),
+        "Step the monitor's mirror (an s3:// root keeping a copy of a local root's committed "
+        "steps; OBSCKPT_MIRROR) has committed, by kind; behind obsckpt_latest_step while a "
+        "copy runs or fails. Absent without a mirror.",
+        "mirror_latest_step",
+    ),
+    MetricSpec(
+        "obsckpt_mirror_upload_bytes_total",
+        "counter",
+        (),
+        "Bytes the monitor uploaded to its mirror (files an earlier commit of the same step "
+        "sent are not sent again).",
+        "mirror_upload_bytes",
+    ),
+    MetricSpec(
+        "obsckpt_mirror_copy_seconds",
+        "histogram",
+        (),
+        "Time to copy one committed step to the mirror and commit it there: reading and "
+        "checking its files, uploading them, HEAD checks, manifest and pointer.",
+        "mirror_copy_seconds",
+    ),
+    MetricSpec(
+        "obsckpt_last_mirror_copy_seconds",
+        "gauge",
+        (),
+        "obsckpt_mirror_copy_seconds's last observation.",
+        "last_mirror_copy_seconds",
+        last_of="mirror_copy_seconds",
+    ),
+    MetricSpec(
+        "obsckpt_mirror_failures_total",
+        "counter",
+        (),
+        "Steps the monitor failed to copy to its mirror: the store failed (tried again, "
+        "backing off), a local file no longer matched its manifest, or another monitor took "
+        "the mirror (it copies nothing more). status()['mirror']['error'] says which.",
+        "mirror_failures",
+    ),
+    MetricSpec(
         "obsckpt_node_queries_failed_total",
         "counter",
         (),
