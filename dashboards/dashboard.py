@@ -714,6 +714,53 @@ ROWS: list[tuple[str, list[PanelSpec]]] = [
                 width=8,
                 thresholds=FAILURES_RED,
             ),
+            PanelSpec(
+                "Mirror: steps committed locally and on S3",
+                "For a local root with a mirror (OBSCKPT_MIRROR): the step each kind's "
+                "iteration file names, and the step the mirror has committed. The mirror "
+                "trails while it copies; a gap that stays means its copies fail (next panel).",
+                "none",
+                [
+                    (
+                        f"max by (instance, kind) ({m('obsckpt_mirror_latest_step')})",
+                        "mirror {{kind}} {{instance}}",
+                    ),
+                    (
+                        f"max by (instance, kind) ({m('obsckpt_latest_step')} "
+                        f"and on (instance, kind) {m('obsckpt_mirror_latest_step')})",
+                        "local {{kind}} {{instance}}",
+                    ),
+                ],
+                width=8,
+            ),
+            PanelSpec(
+                "Mirror copies",
+                "Time to copy one committed step to the mirror and commit it there: the "
+                "last one's (kept until the next) and the mean and percentiles over $window.",
+                "s",
+                latency("obsckpt_mirror_copy_seconds", (), "copy"),
+                width=8,
+            ),
+            PanelSpec(
+                "Mirror throughput and failures",
+                "Bytes uploaded to the mirror per second over $window, and steps whose copy "
+                "failed over $window (status()['mirror']['error'] says why).",
+                "none",
+                [
+                    (
+                        f"sum by (instance) (rate({m('obsckpt_mirror_upload_bytes_total')}"
+                        f"[{WINDOW}]))",
+                        "bytes/s {{instance}}",
+                    ),
+                    (
+                        f"sum by (instance) (increase({m('obsckpt_mirror_failures_total')}"
+                        f"[{WINDOW}]))",
+                        "failed copies {{instance}}",
+                    ),
+                ],
+                width=8,
+                thresholds=FAILURES_RED,
+            ),
         ],
     ),
 ]

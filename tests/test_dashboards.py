@@ -289,6 +289,7 @@ LATENCY_PANELS: dict[str, tuple[str, ...]] = {
     "Broadcast duration": ("backend",),
     "State dict upload duration": (),
     "Uploads per slot": ("slot",),
+    "Mirror copies": (),
     "Rollout pause": ("method",),
     "Sync phases": ("sync_phase",),
 }
@@ -338,6 +339,7 @@ def _sparse_series(save_every_s: int, scrape_s: int, length_s: int) -> dict[str,
         "obsckpt_broadcast_duration_seconds",
         "obsckpt_state_dict_upload_duration_seconds",
         "obsckpt_store_upload_seconds",
+        "obsckpt_mirror_copy_seconds",
         "obsckpt_rollout_pause_seconds",
         "obsckpt_weight_sync_phase_seconds",
     }:

@@ -289,6 +289,7 @@ def test_weight_sync_telemetry_sets_the_local_gauges():
 
 
 STORE_UPLOAD = "obsckpt_last_store_upload_seconds"
+MIRROR_COPY = "obsckpt_last_mirror_copy_seconds"
 
 
 def _check_against_histograms(before: Scrape, after: Scrape) -> set[tuple[str, tuple]]:
@@ -377,8 +378,9 @@ def test_a_real_monitor_serves_each_last_observation(ray_cluster, namespace, tmp
                 f"step {step}'s commit",
             )
             new = {name for name, _ in _check_against_histograms(previous, current)}
-            # An upload to an s3:// root is observed only there (tests/test_store_commit.py).
-            assert new == set(LAST.values()) - {STORE_UPLOAD}, set(LAST.values()) - new
+            # An upload to an s3:// root is observed only there (tests/test_store_commit.py),
+            # a copy to a mirror only with one (tests/test_store_mirror.py).
+            assert new == set(LAST.values()) - {STORE_UPLOAD, MIRROR_COPY}, set(LAST.values()) - new
             assert current.value("obsckpt_last_thread_join_wait_seconds", slot="model") == join_wait
             assert (
                 current.value(

@@ -343,6 +343,7 @@ def test_dashboards_and_commit_stall_alert_against_real_prometheus(
     # The upload panel of the s3:// row has data only on an s3:// root (its series are
     # scraped in tests/test_store_commit.py); this job's root is local.
     del last_values["Uploads per slot"]
+    del last_values["Mirror copies"]  # with a mirror only: test_mirror_panels_... below
     assert {
         "Commit lag",
         "Broadcast duration",
@@ -499,4 +500,77 @@ def test_store_row_against_real_prometheus(ray_cluster, namespace, tmp_path, sea
         server.stop()
         coord.close()
         ray_cluster.get(monitor.shutdown.remote(final_scrape_wait_s=0), timeout=30)
+        ray_cluster.kill(monitor)
+
+
+def test_mirror_panels_against_real_prometheus(ray_cluster, namespace, tmp_path, seaweed_server):
+    """The dashboard's mirror panels, against the real Prometheus scraping a monitor whose
+    local root is mirrored to the S3 server."""
+    import uuid
+
+    import torch
+    from seaweed import BUCKET
+
+    from obsckpt import CheckpointCoordinator, CheckpointMonitor
+
+    root = tmp_path / "root"
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace,
+        default_local_dir=str(root),
+        metrics_port=0,
+        metrics_host="127.0.0.1",
+        file_sd_path=str(tmp_path / "sd.json"),
+        mirror=f"s3://{BUCKET}/mirrors/{uuid.uuid4().hex[:12]}",
+    )
+    coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
+    server = prometheus_for(monitor, ray_cluster, tmp_path)
+    try:
+        for step in (1, 2):
+            ray_cluster.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
+            state = {"w": torch.full((1 << 20,), float(step))}
+            coord.save_state_dict_async(
+                "actor", state, str(root / f"global_step_{step}/m.pt"), step
+            )
+            coord.wait_all(60)
+            ray_cluster.get(monitor.monitor_step.remote(step))
+        wait_for(
+            "the mirror's copy of step 2",
+            lambda: (
+                ray_cluster.get(monitor.status.remote())["mirror"]["committed"]["checkpoint"] == 2
+            ),
+            timeout=30,
+        )
+        rows = ("Mirror: steps committed locally and on S3", "Mirror copies")
+        rows += ("Mirror throughput and failures",)
+        queries = {
+            (q.panel, q.legend): expand(q.expr, job=JOB) for q in panel_queries() if q.panel in rows
+        }
+
+        def values(key: tuple[str, str]) -> dict[str, float]:
+            return {
+                ",".join(sample["metric"].values()): float(sample["value"][1])
+                for sample in server.query(queries[key])
+            }
+
+        steps = ("Mirror: steps committed locally and on S3", "mirror {{kind}} {{instance}}")
+        wait_for(
+            "the mirror panels",
+            lambda: (
+                2 in values(steps).values()
+                and values(("Mirror copies", "last copy"))
+                and values(("Mirror throughput and failures", "bytes/s {{instance}}"))
+            ),
+            timeout=20,
+        )
+        local = values(("Mirror: steps committed locally and on S3", "local {{kind}} {{instance}}"))
+        assert sorted(local.values()) == [2.0, 2.0], local  # checkpoint and state dict
+        assert all(v > 0 for v in values(("Mirror copies", "last copy")).values())
+        failed = values(("Mirror throughput and failures", "failed copies {{instance}}"))
+        assert failed and all(v == 0 for v in failed.values()), failed
+        for key in queries:  # every query of the row is one Prometheus takes
+            values(key)
+    finally:
+        server.stop()
+        coord.close()
+        ray_cluster.get(monitor.shutdown.remote(final_scrape_wait_s=0), timeout=90)
         ray_cluster.kill(monitor)

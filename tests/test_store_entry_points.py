@@ -94,6 +94,7 @@ def test_trinitys_monitor():
     with pytest.raises(UnsupportedStoreError, match="from checkpoint_root_dir") as info:
         TrinityCheckpointMonitor.get_actor(namespace="n", default_local_dir=mangled)
     assert "local (shared) directory" in str(info.value) and "\n" not in str(info.value)
+    assert "OBSCKPT_MIRROR=s3://" in str(info.value)  # how to keep the steps on S3
     assert not os.path.exists("s3:")
 
 

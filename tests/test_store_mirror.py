@@ -101,7 +101,9 @@ class TestCopies:
             big = _blob(1, 21 * MIB)
             await _commit(monitor, root, 1, {"actor/model.safetensors": b"w" * 1000}, "state_dict")
             await _mirrored(monitor, "state_dict", 1)
-            await _commit(monitor, root, 1, {"actor/model_world_size_1_rank_0.pt": big}, "checkpoint")
+            await _commit(
+                monitor, root, 1, {"actor/model_world_size_1_rank_0.pt": big}, "checkpoint"
+            )
             status = await _mirrored(monitor, "checkpoint", 1)
             assert status["error"] is None and status["failures"] == 0, status
             assert status["committed"] == {"checkpoint": 1, "state_dict": 1}
@@ -113,10 +115,14 @@ class TestCopies:
         assert store.verify_step(1) == []
         local = {r.path: r for r in reader.read_manifest(layout.step_dir(root, 1))}
         there = {r.path: r for r in store.manifest(1)}
-        assert set(there) == set(local) == {
-            "actor/model.safetensors",
-            "actor/model_world_size_1_rank_0.pt",
-        }
+        assert (
+            set(there)
+            == set(local)
+            == {
+                "actor/model.safetensors",
+                "actor/model_world_size_1_rank_0.pt",
+            }
+        )
         assert all((there[p].size, there[p].crc32) == (r.size, r.crc32) for p, r in local.items())
         # The iteration objects verl's and Trinity's readers expect are there too.
         for name in layout.ITERATION_FILES.values():
@@ -125,6 +131,7 @@ class TestCopies:
         assert uploaded == 1000 + 21 * MIB  # the state dict's file was not sent twice
         assert registry.get_sample_value("obsckpt_mirror_latest_step", {"kind": "checkpoint"}) == 1
         assert registry.get_sample_value("obsckpt_mirror_copy_seconds_count") == 2
+        assert registry.get_sample_value("obsckpt_last_mirror_copy_seconds") > 0
         assert registry.get_sample_value("obsckpt_mirror_failures_total") == 0
 
     def test_retention_and_a_changed_file(

@@ -147,6 +147,15 @@ class TestPluginDirectories:
         with pytest.raises(ValueError, match="worker_process_setup_hook"):
             trinity_install.runtime_env({"worker_process_setup_hook": "theirs.hook"})
 
+    def test_runtime_env_forwards_aws_variables_only_with_a_mirror(self, monkeypatch):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
+        monkeypatch.delenv("OBSCKPT_MIRROR", raising=False)
+        assert "AWS_ENDPOINT_URL" not in trinity_install.runtime_env()["env_vars"]
+        monkeypatch.setenv("OBSCKPT_MIRROR", "s3://ckpt/run")
+        forwarded = trinity_install.runtime_env()["env_vars"]
+        assert forwarded["AWS_ENDPOINT_URL"] == "http://127.0.0.1:8333"
+        assert forwarded["OBSCKPT_MIRROR"] == "s3://ckpt/run"
+
 
 # ----------------------------------------------------------------------
 # Trinity-RFT 0.6.0's own code (make test-trinity installs it)
@@ -313,6 +322,11 @@ address = status["metrics"]["address"]
 report["metrics_port"] = (
     int(address[1]) if isinstance(address, (list, tuple)) else int(str(address).rsplit(":", 1)[1])
 )
+if os.environ.get("OBSCKPT_MIRROR"):  # the mirror's copy of the last step, then the end
+    deadline = time.monotonic() + 60
+    while (m := ray.get(monitor.status.remote())["mirror"])["committed"]["checkpoint"] != 2:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
 ray.kill(monitor)
 print(json.dumps(report))
 """
@@ -483,3 +497,91 @@ def test_trinity_resumed_and_continued_leaves_only_listed_files(
         assert result["committed"] == [True, True], (strategy, out.stderr[-4000:])
         assert result["steps"] == [1, 2, 3, 4], strategy
         assert result["problems"] == {str(s): [] for s in (1, 2, 3, 4)}, (strategy, result)
+
+
+# Trinity's trainer on a fresh machine: an empty job directory and the mirror of the
+# first job's; Trinity's own _load_checkpoint then finds the mirror's step locally.
+RESTORE_JOB = (
+    JOB_PRELUDE
+    + r"""
+monitor = verl_trainer.CheckpointMonitor.get_actor(
+    namespace=namespace,
+    save_strategy=config.trainer.save_strategy,
+    default_local_dir=config.checkpoint_job_dir,
+    default_hdfs_dir=None,
+)
+loaded = []
+config.continue_from_checkpoint = True
+trainer = types.SimpleNamespace(
+    global_config=config,
+    logger=logging.getLogger("trainer"),
+    use_critic=False,
+    actor_rollout_wg=types.SimpleNamespace(
+        load_checkpoint=lambda path, del_local_after_load: loaded.append(path)
+    ),
+)
+verl_trainer.VERLTrainer._load_checkpoint(trainer)
+status = ray.get(monitor.status.remote())
+report["global_steps"] = trainer.global_steps
+report["loaded"] = [os.path.relpath(p, root) for p in loaded]
+report["restored"] = status["mirror"]["restored"]
+ray.kill(monitor)
+print(json.dumps(report))
+"""
+)
+
+
+def test_trinity_keeps_its_checkpoints_on_s3_through_a_mirror(
+    ray_cluster, namespace, tmp_path, trinity_plugin_copy, seaweed_server
+):
+    """OBSCKPT_MIRROR beside a local checkpoint_root_dir: every step Trinity's trainer
+    commits is committed on S3 too, and a job started on an empty directory resumes
+    from it through Trinity's own _load_checkpoint."""
+    from obsckpt.store.s3root import open_s3_root
+
+    mirror = f"s3://obsckpt-test/trinity/{namespace}"
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
+        "OBSCKPT_MIRROR": mirror,
+    }
+    first = tmp_path / "first.yaml"
+    first.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
+    out = subprocess.run(
+        [sys.executable, "-c", JOB, str(first), namespace, str(free_port())],
+        env={**env, "OBSCKPT_METRICS_PORT": str(free_port())},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint_committed"] is True
+    store = open_s3_root(mirror)
+    pointer = store.read_pointer()
+    assert (pointer.checkpoint_step, pointer.state_dict_step) == (2, 2)
+    assert store.verify_step(1) == [] and store.verify_step(2) == []
+    listed = {r.path for r in store.manifest(2)}
+    assert {"actor/model.safetensors", "actor/model_world_size_1_rank_0.pt"} <= listed
+
+    second = tmp_path / "second.yaml"
+    second.write_text(TRINITY_CONFIG.format(root=tmp_path / "fresh"))
+    out = subprocess.run(
+        [sys.executable, "-c", RESTORE_JOB, str(second), f"{namespace}-fresh"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["restored"] == {"checkpoint": 2, "state_dict": 2}, out.stderr[-4000:]
+    assert report["global_steps"] == 2
+    assert report["loaded"] == [os.path.join("global_step_2", "actor")]
+    from obsckpt.store import reader
+
+    job_dir = tmp_path / "fresh" / "switch" / "run"
+    assert reader.verify_step(job_dir / "global_step_2") == []
+    shard = job_dir / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt"
+    original_shard = tmp_path / "ckpt" / "switch" / "run" / "global_step_2" / "actor" / shard.name
+    assert shard.read_bytes() == original_shard.read_bytes()

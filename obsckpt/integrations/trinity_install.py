@@ -44,7 +44,7 @@ from obsckpt.integrations._rebind import Rebinder, with_setup_hook, wrap_ray_ini
 from obsckpt.integrations._rebind import original as _original
 from obsckpt.monitor import CheckpointMonitor
 from obsckpt.monitor.lifecycle import start_actor
-from obsckpt.options import MonitorOptions
+from obsckpt.options import OBSCKPT_MIRROR, MonitorOptions
 from obsckpt.store import layout
 from obsckpt.store.loading import CommittedStep
 from obsckpt.store.uri import is_remote, joined_url_scheme, local_root
@@ -143,9 +143,10 @@ class TrinityCheckpointMonitor(CheckpointMonitor):
                 f"checkpoint_job_dir={given!r} (from checkpoint_root_dir): Trinity-RFT keeps "
                 "its job directory on a local filesystem (its state files, logs, experience "
                 "buffer, and the checkpoints its explorer and trainer read back by path), so "
-                "obsckpt's Trinity switch takes a local (shared) directory; s3:// roots are "
-                "taken by verl's trainer and managers, the monitor and obsckpt demo "
-                "(docs/storage.md)"
+                "obsckpt's Trinity switch takes a local (shared) directory; to keep its "
+                "checkpoints on S3 as well, set OBSCKPT_MIRROR=s3://bucket/prefix: each "
+                "committed step is copied and committed there, and a job started on an "
+                "empty directory resumes from it (docs/storage.md)"
             )
         # Checked here: from_settings names a refused value among the job's settings.
         root = local_root(default_local_dir)
@@ -243,10 +244,13 @@ def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
         ValueError: ``base`` already names another ``worker_process_setup_hook``.
     """
     env = with_setup_hook(base, HOOK)
+    # With a mirror, the monitor reaches S3 through the standard AWS variables of the
+    # launcher's environment (nodes with their own credentials need none of them).
+    prefixes = ("OBSCKPT_", "AWS_") if os.environ.get(OBSCKPT_MIRROR) else ("OBSCKPT_",)
     forwarded = {
         name: os.environ[name]
         for name in sorted(os.environ)
-        if name.startswith("OBSCKPT_") and os.environ[name]
+        if name.startswith(prefixes) and os.environ[name]
     }
     env["env_vars"] = {**forwarded, **dict(env.get("env_vars") or {})}
     return env

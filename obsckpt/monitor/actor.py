@@ -21,21 +21,22 @@ from prometheus_client import CollectorRegistry
 
 from obsckpt.admission import Admission, SaveStrategy
 from obsckpt.errors import RootLockLostError
-from obsckpt.monitor.commit_io import CommitRunner, StepWriter
+from obsckpt.monitor.commit_io import CommitRunner
 from obsckpt.monitor.core import MonitorCore
 from obsckpt.monitor.events import Clock, SystemClock
 from obsckpt.monitor.lease_watch import LeaseWatch
 from obsckpt.monitor.lifecycle import (
     DeadNodes,
+    commit_writer,
     in_actor,
-    read_local_root,
+    read_root,
     recover_last_commits,
     start_actor,
     was_restarted,
 )
 from obsckpt.monitor.measurements import MeasurementRPCs
-from obsckpt.monitor.mirror import StepMirror, open_mirror, restore
-from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, read_s3_root
+from obsckpt.monitor.mirror import StepMirror, start_mirror, take_mirror
+from obsckpt.monitor.s3_commit import S3Ownership
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
 from obsckpt.options import (
@@ -146,44 +147,23 @@ class CheckpointMonitor(MeasurementRPCs):
             self._root_lock.release()
             raise
 
-    def _read_root(self, options: MonitorOptions, restarted: bool) -> dict[str, int | None]:
-        """The committed steps, after the start's checks and sweep of the root."""
-        if self.store is not None:
-            self.iteration_repairs: list[str] = []
-            latest, self.leftovers_removed, self.uploads_aborted = read_s3_root(
-                self.store, self._root_lock, restarted
-            )
-        else:
-            latest, self.iteration_repairs, self.leftovers_removed = read_local_root(
-                self.root, options.on_bad_iteration, restarted
-            )
-            self.uploads_aborted = []
-        return latest
-
     def _start(
         self, options: MonitorOptions, registry: CollectorRegistry | None, restarted: bool
     ) -> None:
-        mirror, restored = None, {}
-        if options.mirror is not None:
-            # Taken (and restored from, into a root with no committed step) before the
-            # root is read: the restored steps are then this root's committed ones.
-            mirror = open_mirror(options.mirror, options.namespace)
-            restored = {} if restarted else restore(self.root, mirror[0])
-        latest = self._read_root(options, restarted)
+        # Taken (and restored from, into a root with no committed step) before the root
+        # is read: the restored steps are then this root's committed ones.
+        mirror = take_mirror(options.mirror, self.root, options.namespace, restarted=restarted)
+        # The committed steps, after the start's checks and sweep of the root.
+        latest, self.iteration_repairs, self.leftovers_removed, self.uploads_aborted = read_root(
+            self.root, self.store, self._root_lock, options.on_bad_iteration, restarted
+        )
         self.telemetry = MonitorTelemetry(self.strategy.value, registry, options.max_slot_labels)
         self.telemetry.leftovers_swept(self.root, self.leftovers_removed + self.uploads_aborted)
         # A save's time and bytes are its upload's on an s3:// root (not to a mirror).
         self.telemetry.store_root = self.store is not None
-        for store in (self.store, mirror[0] if mirror else None):
-            if store is not None:
-                store.client.on_error = self.telemetry.store_request_failed
-                store.pointer.on_conflict = self.telemetry.store_cas_conflict
-        if mirror is not None:
-            self.mirror = StepMirror(
-                self.root, *mirror, keep_steps=options.keep_steps, observer=self.telemetry
-            )
-            self.mirror.restored = restored
-            self.mirror.catch_up(latest)
+        if self.store is not None:
+            self.telemetry.watch_store(self.store)
+        self.mirror = start_mirror(mirror, self.root, self.telemetry, options.keep_steps, latest)
         self.core = MonitorCore(
             self.strategy,
             latest=latest,
@@ -196,17 +176,8 @@ class CheckpointMonitor(MeasurementRPCs):
         )
         # Commits what is ready, one at a time, each proving first that this monitor
         # still owns the root (the lock's fence).
-        writer: Any = (
-            StepWriter(
-                self.root,
-                self._root_lock.fenced,
-                keep_steps=options.keep_steps,
-                on_committed=None if self.mirror is None else self.mirror.committed_locally,
-            )
-            if self.store is None
-            else S3StepWriter(
-                self.store, self._root_lock, self.telemetry.store_commit_fenced, options.keep_steps
-            )
+        writer = commit_writer(
+            self.root, self._root_lock, self.store, self.telemetry, options.keep_steps, self.mirror
         )
         self._committer = CommitRunner(self.core, writer, phases=self.telemetry, clock=self.clock)
         self.telemetry.attach_fence(lambda: self._root_lock.lost)
@@ -282,6 +253,7 @@ class CheckpointMonitor(MeasurementRPCs):
         on_bad_iteration: str = "refuse",
         trainer_submits: bool = False,
         keep_steps: int | None = None,
+        mirror: str | None = None,
     ) -> Any:
         """The job's monitor actor, named ``checkpoint_monitor`` (created if absent).
 
@@ -328,6 +300,7 @@ class CheckpointMonitor(MeasurementRPCs):
             on_bad_iteration=on_bad_iteration,
             trainer_submits=trainer_submits,
             keep_steps=keep_steps,
+            mirror=mirror,
         )
         return start_actor(cls, options, max_restarts=max_restarts)
 

@@ -137,6 +137,22 @@ def read_local_root(
     return latest, repairs, removed
 
 
+def read_root(
+    root: Path | str, store: Any, lock: Any, on_bad_iteration: str, restarted: bool
+) -> tuple[dict[str, int | None], list[str], list[str], list[str]]:
+    """A monitor's start on its root (under its lock or epoch): the committed steps, the
+    iteration files rewound, the leftovers removed and the dangling uploads aborted
+    (:func:`read_local_root`, or on an ``s3://`` ``store``
+    :func:`~obsckpt.monitor.s3_commit.read_s3_root`)."""
+    if store is None:
+        latest, repairs, removed = read_local_root(root, on_bad_iteration, restarted)
+        return latest, repairs, removed, []
+    from obsckpt.monitor.s3_commit import read_s3_root
+
+    latest, removed, aborted = read_s3_root(store, lock, restarted)
+    return latest, [], removed, aborted
+
+
 def check_iterations_at_start(root: str | os.PathLike[str], on_bad: str) -> list[str]:
     """Check that ``root``'s iteration files name whole steps; what was rewound, if anything.
 
@@ -230,4 +246,28 @@ def _start_error(exc: BaseException, root: str) -> MonitorCallError:
     last = lines[-1].strip() if lines else type(exc).__name__
     return MonitorCallError(
         f"the {MONITOR_ACTOR_NAME} actor for checkpoint root {root!r} failed to start: {last}"
+    )
+
+
+def commit_writer(
+    root: Path | str,
+    root_lock: Any,
+    store: Any,
+    telemetry: Any,
+    keep_steps: int | None,
+    mirror: Any = None,
+) -> Any:
+    """The monitor's commit I/O: on a local root a :class:`StepWriter` (fenced by the root's
+    lock, telling ``mirror`` of each commit), on an ``s3://`` ``store`` an
+    :class:`~obsckpt.monitor.s3_commit.S3StepWriter` (fenced by the pointer's epoch)."""
+    from obsckpt.monitor.commit_io import StepWriter
+    from obsckpt.monitor.s3_commit import S3StepWriter
+
+    if store is not None:
+        return S3StepWriter(store, root_lock, telemetry.store_commit_fenced, keep_steps)
+    return StepWriter(
+        root,
+        root_lock.fenced,
+        keep_steps=keep_steps,
+        on_committed=None if mirror is None else mirror.committed_locally,
     )

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +38,7 @@ from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.store.s3root import S3Root, open_s3_root
 from obsckpt.store.transfer import run_parallel
 
-__all__ = ["StepMirror", "open_mirror", "restore"]
+__all__ = ["StepMirror", "TakenMirror", "restore", "start_mirror", "take_mirror"]
 
 logger = logging.getLogger("obsckpt.monitor")
 
@@ -64,16 +65,32 @@ class MirrorObserver(Protocol):
     def store_commit_fenced(self) -> None: ...
 
 
-def open_mirror(url: str, namespace: str | None) -> tuple[S3Root, S3Ownership]:
-    """The mirror's root and this monitor's epoch on it (the endpoint's conditional
-    writes probed first).
+@dataclass(frozen=True, slots=True)
+class TakenMirror:
+    """A mirror a starting monitor took: the root, its epoch there, what it restored."""
+
+    store: S3Root
+    ownership: S3Ownership
+    restored: dict[str, int]
+
+
+def take_mirror(
+    url: str | None, root: str | os.PathLike[str], namespace: str | None, *, restarted: bool
+) -> TakenMirror | None:
+    """None without a mirror (``url`` None); else the mirror at ``url`` taken by a monitor starting on ``root`` (the endpoint's
+    conditional writes probed, the pointer moved to a new epoch), and, unless Ray
+    restarted the monitor, the mirror's steps restored into a root with none (:func:`restore`).
 
     Raises:
         ConditionalWritesUnsupportedError: the endpoint ignores them (one line).
         StoreError: the endpoint could not be reached (one line naming it).
+        MirrorError: as :func:`restore`.
     """
+    if url is None:
+        return None
     store = open_s3_root(url, "mirror", part_size=PART_SIZE, concurrency=PARTS_AT_ONCE)
-    return store, S3Ownership(store, namespace)
+    ownership = S3Ownership(store, namespace)
+    return TakenMirror(store, ownership, {} if restarted else restore(root, store))
 
 
 def restore(root: str | os.PathLike[str], store: S3Root) -> dict[str, int]:
@@ -148,13 +165,30 @@ def _restore_step(root: Path, store: S3Root, step: int) -> None:
     commit.finalize_step(sdir, reported)
 
 
+def start_mirror(
+    taken: TakenMirror | None,
+    root: str | os.PathLike[str],
+    observer: Any,
+    keep_steps: int | None,
+    latest: dict[str, int | None],
+) -> StepMirror | None:
+    """The monitor's mirror thread (None without a mirror), started on the steps of
+    ``latest`` (the local root's committed ones) that the mirror lacks. ``observer``:
+    the monitor's telemetry, which also counts the mirror's failed requests."""
+    if taken is None:
+        return None
+    observer.watch_store(taken.store)
+    mirror = StepMirror(root, taken, keep_steps=keep_steps, observer=observer)
+    mirror.catch_up(latest)
+    return mirror
+
+
 class StepMirror:
     """Copies each step committed under ``root`` to ``store``, and commits it there.
 
     Args:
         root: the monitor's local root.
-        store: the mirror.
-        ownership: this monitor's epoch on the mirror (:func:`open_mirror`).
+        taken: the mirror and this monitor's epoch on it (:func:`take_mirror`).
         keep_steps: the mirror's retention (as :class:`~obsckpt.options.MonitorOptions`').
         observer: told of each commit, copy and failure.
     """
@@ -162,15 +196,14 @@ class StepMirror:
     def __init__(
         self,
         root: str | os.PathLike[str],
-        store: S3Root,
-        ownership: S3Ownership,
+        taken: TakenMirror,
         *,
         keep_steps: int | None = None,
         observer: MirrorObserver | None = None,
     ) -> None:
         self.root = Path(root)
-        self.store = store
-        self.ownership = ownership
+        self.store = store = taken.store
+        self.ownership = ownership = taken.ownership
         self._observer = observer
         self._writer = S3StepWriter(store, ownership, self._fenced, keep_steps)
         self._cond = threading.Condition()
@@ -181,7 +214,7 @@ class StepMirror:
         self.committed: dict[str, int | None] = {k: ownership.lease.pointer.step(k) for k in KINDS}
         self.error: str | None = None
         self.failures = 0
-        self.restored: dict[str, int] = {}
+        self.restored = dict(taken.restored)
         if observer is not None:
             for kind, step in self.committed.items():
                 if step is not None:
@@ -308,9 +341,7 @@ class StepMirror:
         if self._observer is not None:
             for k in (kind, "state_dict") if kind == "checkpoint" else (kind,):
                 self._observer.mirror_committed(k, self.committed[k])  # type: ignore[arg-type]
-            self._observer.mirror_step_copied(
-                time.perf_counter() - t0, sum(n for _, n in copied)
-            )
+            self._observer.mirror_step_copied(time.perf_counter() - t0, sum(n for _, n in copied))
         logger.info(
             "obsckpt monitor: %s step %d on the mirror %s (%d files, %.1f s)",
             kind,
@@ -355,7 +386,9 @@ class StepMirror:
         logger.error(
             "obsckpt monitor: %s%s",
             message,
-            "; it copies nothing more" if stop else (f"; trying again in {retry_in:.0f} s" if retry_in else ""),
+            "; it copies nothing more"
+            if stop
+            else (f"; trying again in {retry_in:.0f} s" if retry_in else ""),
         )
 
     def _fenced(self) -> None:

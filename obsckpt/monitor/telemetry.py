@@ -401,6 +401,12 @@ class MonitorTelemetry(MonitorObserver):
 
     # -- an s3:// root ----------------------------------------------------------
 
+    def watch_store(self, store: Any) -> None:
+        """Count ``store``'s failed requests and settled compare-and-swap races (an
+        :class:`~obsckpt.store.s3root.S3Root`: the monitor's root or its mirror)."""
+        store.client.on_error = self.store_request_failed
+        store.pointer.on_conflict = self.store_cas_conflict
+
     def store_request_failed(self, err: StoreError) -> None:
         """A request to the root's endpoint failed (from the request's thread)."""
         self.metrics.store_request_errors.labels(*store_error_labels(err.operation, err.code)).inc()
