@@ -187,7 +187,66 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             _expected("ObsckptRolloutVersionLag", rules, labels, vlag),
         )
 
+    # ObsckptMirrorBehind: the local root commits step 4 at minute 10; the mirror stays
+    # on step 3. Beside it, a mirror that follows each step 5 minutes late stays quiet.
+    mirror_for = math.ceil(duration_seconds(t.mirror_behind_for) / 60)
+    mirror_due = 10 + mirror_for
+    mirror_len = mirror_due + 10
+    keeping_up = " ".join(str(max(1, m // 10 + (m % 10 >= 5))) for m in range(mirror_len))
+
+    def mirror_behind(minute: int) -> dict:
+        alert = "ObsckptMirrorBehind"
+        return _check(minute, alert, _expected(alert, rules, ckpt, 4))
+
     tests = [
+        {
+            "name": "mirror behind: a mirror stuck behind the local root fires after the for "
+            "time; one that keeps up a few minutes late, or a kind never committed, does not",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_latest_step", ckpt_labels, f"3x10 4x{mirror_len - 10}"),
+                _series("obsckpt_mirror_latest_step", ckpt_labels, f"3x{mirror_len}"),
+                _series("obsckpt_last_commit_timestamp_seconds", ckpt_labels, f"60x{mirror_len}"),
+                # Another monitor: steps every 10 minutes, each on the mirror 5 minutes later.
+                _series(
+                    "obsckpt_latest_step",
+                    f'{_OTHER},kind="checkpoint"',
+                    " ".join(str(m // 10 + 1) for m in range(mirror_len)),
+                ),
+                _series("obsckpt_mirror_latest_step", f'{_OTHER},kind="checkpoint"', keeping_up),
+                _series(
+                    "obsckpt_last_commit_timestamp_seconds",
+                    f'{_OTHER},kind="checkpoint"',
+                    f"60x{mirror_len}",
+                ),
+                # A kind the job never commits: its step 0, the mirror's -1.
+                _series("obsckpt_latest_step", sd_labels, f"0x{mirror_len}"),
+                _series("obsckpt_mirror_latest_step", sd_labels, f"-1x{mirror_len}"),
+                _series("obsckpt_last_commit_timestamp_seconds", sd_labels, f"0x{mirror_len}"),
+            ],
+            "alert_rule_test": [
+                _check(mirror_due - 1, "ObsckptMirrorBehind"),
+                mirror_behind(mirror_due + 1),
+                mirror_behind(mirror_len - 1),
+            ],
+        },
+        {
+            "name": "mirror behind: a mirror that catches up before the for time stays quiet",
+            "interval": "1m",
+            "input_series": [
+                _series("obsckpt_latest_step", ckpt_labels, f"3x10 4x{mirror_len - 10}"),
+                _series(
+                    "obsckpt_mirror_latest_step",
+                    ckpt_labels,
+                    f"3x{mirror_due - 2} 4x{mirror_len - mirror_due + 2}",
+                ),
+                _series("obsckpt_last_commit_timestamp_seconds", ckpt_labels, f"60x{mirror_len}"),
+            ],
+            "alert_rule_test": [
+                _check(minute, "ObsckptMirrorBehind")
+                for minute in (mirror_due - 3, mirror_due + 1, mirror_len - 1)
+            ],
+        },
         {
             "name": "store errors: a first failed request (its series starts at 1) fires, "
             "then ends",

@@ -65,6 +65,8 @@ class AlertThresholds:
         rollout_version_lag_for: how long that must persist.
         weight_sync_corrupt_window: window over which a failed integrity check fires
             ObsckptWeightSyncCorrupt.
+        mirror_behind_for: how long a monitor's mirror may stay behind its local root
+            (copies failing, or slower than the steps come) before ObsckptMirrorBehind.
         runbook_base: absolute URL of docs/runbook.md; anchors are appended.
     """
 
@@ -87,6 +89,7 @@ class AlertThresholds:
     rollout_version_max_lag: float = 2.0
     rollout_version_lag_for: str = "10m"
     weight_sync_corrupt_window: str = "1h"
+    mirror_behind_for: str = "30m"
     runbook_base: str = DEFAULT_RUNBOOK_URL
 
     def __post_init__(self) -> None:
@@ -116,6 +119,7 @@ class AlertThresholds:
             "commit_phase_stuck_for",
             "rollout_stale_for",
             "rollout_version_lag_for",
+            "mirror_behind_for",
         ):
             _check_duration(name, getattr(self, name))
         # A range of 0 is a PromQL error: the whole rule file would fail to load.
@@ -512,6 +516,33 @@ def alert_rules(thresholds: AlertThresholds | None = None) -> list[dict]:
                     "not committed; the pointer still names the last whole step."
                 ),
                 "runbook_url": runbook("ObsckptStoreErrors"),
+            },
+        },
+        {
+            "alert": "ObsckptMirrorBehind",
+            # The mirror's step is -1 until it holds one of the kind; a kind the job
+            # never committed (its timestamp 0) is not behind.
+            "expr": (
+                f"{last('obsckpt_latest_step')}\n"
+                f"  > on ({by}) {last('obsckpt_mirror_latest_step')}\n"
+                f"and on ({by}) {last('obsckpt_last_commit_timestamp_seconds')} > 0\n"
+            ),
+            "for": t.mirror_behind_for,
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": (
+                    "Checkpoint mirror behind ({{ $labels.kind }}, job {{ $labels.job }}, "
+                    "monitor {{ $labels.instance }})"
+                ),
+                "description": (
+                    "The local root of the monitor {{ $labels.instance }} has committed "
+                    '{{ $labels.kind }} step {{ $value | printf "%.0f" }}, and its s3:// '
+                    "mirror has not "
+                    f"caught up for {t.mirror_behind_for}: its copies fail, or take longer "
+                    "than the steps come. A job restored from the mirror now would resume "
+                    "from an older step (status()['mirror'] says which and why)."
+                ),
+                "runbook_url": runbook("ObsckptMirrorBehind"),
             },
         },
     ]

@@ -24,6 +24,7 @@ PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
 CONTRACT_ALERTS = (
     "ObsckptStoreErrors",
+    "ObsckptMirrorBehind",
     "ObsckptCommitStalled",
     "ObsckptNoRecentCommit",
     "ObsckptSaveFailures",

@@ -130,6 +130,7 @@ class TestCopies:
         uploaded = registry.get_sample_value("obsckpt_mirror_upload_bytes_total")
         assert uploaded == 1000 + 21 * MIB  # the state dict's file was not sent twice
         assert registry.get_sample_value("obsckpt_mirror_latest_step", {"kind": "checkpoint"}) == 1
+        assert registry.get_sample_value("obsckpt_mirror_latest_step", {"kind": "state_dict"}) == 1
         assert registry.get_sample_value("obsckpt_mirror_copy_seconds_count") == 2
         assert registry.get_sample_value("obsckpt_last_mirror_copy_seconds") > 0
         assert registry.get_sample_value("obsckpt_mirror_failures_total") == 0
@@ -192,7 +193,11 @@ class TestCopies:
             await _commit(plain, root, 1, {"model.pt": _blob(1, MIB)}, "checkpoint")
             await plain.shutdown(final_scrape_wait_s=0)
             first = _monitor(root, mirror_url, registry)
-            await _mirrored(first, "checkpoint", 1)  # caught up at its start
+            # An empty mirror holds no step yet (-1), then catches up at the monitor's start.
+            sample = registry.get_sample_value
+            assert sample("obsckpt_mirror_latest_step", {"kind": "checkpoint"}) in (-1, 1)
+            await _mirrored(first, "checkpoint", 1)
+            assert sample("obsckpt_mirror_latest_step", {"kind": "checkpoint"}) == 1
             other = _monitor(tmp_path / "elsewhere", mirror_url)
             await _commit(first, root, 2, {"model.pt": _blob(2, MIB)}, "checkpoint")
             deadline = time.monotonic() + 30

@@ -217,8 +217,7 @@ class StepMirror:
         self.restored = dict(taken.restored)
         if observer is not None:
             for kind, step in self.committed.items():
-                if step is not None:
-                    observer.mirror_committed(kind, step)
+                observer.mirror_committed(kind, -1 if step is None else step)
         self._thread = threading.Thread(target=self._run, name="obsckpt-mirror", daemon=True)
         self._thread.start()
 

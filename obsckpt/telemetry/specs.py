@@ -490,7 +490,8 @@ METRICS: tuple[MetricSpec, ...] = (
         ("kind",),
         "Step the monitor's mirror (an s3:// root keeping a copy of a local root's committed "
         "steps; OBSCKPT_MIRROR) has committed, by kind; behind obsckpt_latest_step while a "
-        "copy runs or fails. Absent without a mirror.",
+        "copy runs or fails; -1 until the mirror holds a step of the kind. Absent without "
+        "a mirror.",
         "mirror_latest_step",
     ),
     MetricSpec(
