@@ -22,6 +22,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,18 @@ SHARD_RE = re.compile(
 MODEL_SHARD_RE = re.compile(
     r"^model_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt$", re.ASCII
 )
+
+
+def model_shard_sets(names: Iterable[str]) -> dict[int, dict[int, str]]:
+    """The model shard files among ``names`` (file names), by world size, then rank."""
+    found: dict[int, dict[int, str]] = {}
+    for name in names:
+        m = MODEL_SHARD_RE.match(name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = name
+    return found
+
+
 # The files a full checkpoint adds beside a state dict's model shards.
 FULL_CHECKPOINT_PREFIXES = ("optim_", "extra_state_")
 

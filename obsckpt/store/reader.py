@@ -171,6 +171,20 @@ def walk_files(top: str) -> Iterator[tuple[str, list[str]]]:
         yield dirpath, [name for name in sorted(filenames) if not is_temp_name(name)]
 
 
+def names_in(directory: str | os.PathLike) -> list[str]:
+    """The names of the entries of ``directory`` (a step's model directory, say).
+
+    Raises:
+        FileNotFoundError, NotADirectoryError, OSError: as listing it does.
+    """
+    return os.listdir(directory)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether anything is at ``path``."""
+    return os.path.exists(path)
+
+
 def steps_on_disk(root: str | os.PathLike) -> list[int]:
     """Step numbers of the ``global_step_<N>`` directories under ``root``, ascending."""
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
-from obsckpt.store import layout
+from obsckpt.store import layout, reader
 from obsckpt.store.loading import CommittedStep
 
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
@@ -55,7 +55,7 @@ def is_adapter_only(names: Iterable[object]) -> bool:
 def _megatron_marker(model_dir: Path, names: list[str]) -> str | None:
     """What in ``model_dir`` shows that Megatron wrote it, else None."""
     for marker in _MEGATRON_MARKERS:
-        if os.path.exists(model_dir / marker):
+        if reader.exists(model_dir / marker):
             return marker
     return next((n for n in sorted(names) if n.endswith(_MEGATRON_FILE_SUFFIX)), None)
 
@@ -67,9 +67,8 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
         StateDictLoadError: no shards, several world sizes, or a missing rank.
     """
     model_dir = Path(model_dir)
-    found: dict[int, dict[int, Path]] = {}
     try:
-        names = os.listdir(model_dir)
+        names = reader.names_in(model_dir)
     except FileNotFoundError:
         raise StateDictLoadError(f"{model_dir} does not exist") from None
     except NotADirectoryError:
@@ -78,10 +77,10 @@ def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
         ) from None
     except OSError as exc:
         raise StateDictLoadError(f"cannot list {model_dir}: {exc.strerror or exc}") from exc
-    for name in names:
-        m = layout.MODEL_SHARD_RE.match(name)
-        if m:
-            found.setdefault(int(m.group(1)), {})[int(m.group(2))] = model_dir / name
+    found = {
+        world: {rank: model_dir / name for rank, name in ranks.items()}
+        for world, ranks in layout.model_shard_sets(names).items()
+    }
     if not found:
         marker = _megatron_marker(model_dir, names)
         if marker is not None:

@@ -9,7 +9,6 @@ to load was removed by retention meanwhile.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,8 +22,6 @@ from obsckpt.sync import step_model
 from obsckpt.sync.shards import is_adapter_only, merge_shards
 
 logger = logging.getLogger(__name__)
-
-_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
 
 class StepSource(Protocol):
@@ -82,12 +79,13 @@ class S3Steps:
             objects = CommittedObjects(self.store, step, self.store.committed_records(step))
         except ValueError as exc:
             raise UnverifiedCheckpointError(str(exc)) from None
-        found: dict[int, dict[int, str]] = {}
-        for rec in objects.records:
-            head, _, name = rec.path.rpartition("/")
-            match = _SHARD.match(name)
-            if head == layout.MODEL_SUBDIR and match is not None:
-                found.setdefault(int(match.group(1)), {})[int(match.group(2))] = rec.path
+        under = [r.path.rpartition("/") for r in objects.records]
+        found = {
+            world: {rank: f"{layout.MODEL_SUBDIR}/{name}" for rank, name in ranks.items()}
+            for world, ranks in layout.model_shard_sets(
+                name for head, _, name in under if head == layout.MODEL_SUBDIR
+            ).items()
+        }
         if len(found) != 1:
             raise StateDictLoadError(
                 f"{self.where(step)}: {'no' if not found else 'more than one world size of'} "
