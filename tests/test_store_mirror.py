@@ -214,6 +214,49 @@ class TestCopies:
         assert store.manifest(2) is None
         assert registry.get_sample_value("obsckpt_store_fenced_commits_total") == 1
 
+    def test_a_copy_cut_short_is_swept_at_the_next_start(
+        self, tmp_path: Path, mirror_url: str, store: S3Root
+    ) -> None:
+        """A monitor killed mid-copy leaves an upload and the objects of a step the mirror
+        never committed; the next monitor aborts and removes them, then copies the step."""
+        root = tmp_path / "root"
+
+        async def first() -> None:
+            monitor = _monitor(root, mirror_url)
+            await _commit(monitor, root, 1, {"model.pt": _blob(1, MIB)}, "checkpoint")
+            await _mirrored(monitor, "checkpoint", 1)
+            await monitor.shutdown(final_scrape_wait_s=0)
+
+        asyncio.run(first())
+        store.client.put(store.step_key(2, "model.pt"), b"half a copy")
+        upload = store.client.begin_multipart(store.step_key(2, "optim.pt"))
+        plain = CheckpointMonitor(
+            default_local_dir=str(root), metrics_port=None, registry=CollectorRegistry()
+        )
+
+        async def meanwhile() -> None:  # step 2 commits locally while no mirror runs
+            await _commit(plain, root, 2, {"model.pt": _blob(2, MIB)}, "checkpoint")
+            await plain.shutdown(final_scrape_wait_s=0)
+
+        asyncio.run(meanwhile())
+
+        async def second() -> None:
+            monitor = _monitor(root, mirror_url)
+            assert (await monitor.status())["mirror"]["swept"] == 2
+            await _mirrored(monitor, "checkpoint", 2)
+            await monitor.shutdown(final_scrape_wait_s=0)
+
+        asyncio.run(second())
+        assert not [
+            u for u in store.client.list_multipart_uploads(store.key()) if u.upload_id == upload
+        ]
+        assert {r.path for r in store.manifest(2)} == {"model.pt"}
+        assert store.verify_step(2) == []
+        assert [o.key for o in store.client.list(store.step_key(2) + "/")] == [
+            store.step_key(2, "manifest.json"),
+            store.step_key(2, "model.pt"),
+        ]
+
 
 class TestRestore:
     def test_an_empty_root_starts_from_the_mirrors_steps(

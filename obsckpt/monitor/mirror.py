@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from obsckpt.errors import FencedError, ManifestConflictError, MirrorError
-from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter
+from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, read_s3_root
 from obsckpt.store import commit, layout, reader
 from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.store.s3root import S3Root, open_s3_root
@@ -64,6 +64,10 @@ class MirrorObserver(Protocol):
 
     def store_commit_fenced(self) -> None: ...
 
+    def watch_store(self, store: S3Root) -> None: ...
+
+    def leftovers_swept(self, root: str, removed: list[str]) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class TakenMirror:
@@ -72,14 +76,18 @@ class TakenMirror:
     store: S3Root
     ownership: S3Ownership
     restored: dict[str, int]
+    swept: list[str]
 
 
 def take_mirror(
     url: str | None, root: str | os.PathLike[str], namespace: str | None, *, restarted: bool
 ) -> TakenMirror | None:
-    """None without a mirror (``url`` None); else the mirror at ``url`` taken by a monitor starting on ``root`` (the endpoint's
-    conditional writes probed, the pointer moved to a new epoch), and, unless Ray
-    restarted the monitor, the mirror's steps restored into a root with none (:func:`restore`).
+    """None without a mirror (``url`` None); else the mirror at ``url`` taken by a monitor
+    starting on ``root``: the endpoint's conditional writes probed, the pointer moved to
+    a new epoch, the mirror swept (the dangling uploads and the objects of uncommitted
+    steps that a monitor stopped mid-copy left: only this monitor writes there now), and,
+    unless Ray restarted the monitor, the mirror's steps restored into a root with none
+    (:func:`restore`).
 
     Raises:
         ConditionalWritesUnsupportedError: the endpoint ignores them (one line).
@@ -90,7 +98,9 @@ def take_mirror(
         return None
     store = open_s3_root(url, "mirror", part_size=PART_SIZE, concurrency=PARTS_AT_ONCE)
     ownership = S3Ownership(store, namespace)
-    return TakenMirror(store, ownership, {} if restarted else restore(root, store))
+    _, removed, aborted = read_s3_root(store, ownership, restarted=False)
+    restored = {} if restarted else restore(root, store)
+    return TakenMirror(store, ownership, restored, removed + aborted)
 
 
 def restore(root: str | os.PathLike[str], store: S3Root) -> dict[str, int]:
@@ -178,6 +188,7 @@ def start_mirror(
     if taken is None:
         return None
     observer.watch_store(taken.store)
+    observer.leftovers_swept(taken.store.url, taken.swept)
     mirror = StepMirror(root, taken, keep_steps=keep_steps, observer=observer)
     mirror.catch_up(latest)
     return mirror
@@ -215,6 +226,7 @@ class StepMirror:
         self.error: str | None = None
         self.failures = 0
         self.restored = dict(taken.restored)
+        self.swept = len(taken.swept)
         if observer is not None:
             for kind, step in self.committed.items():
                 observer.mirror_committed(kind, -1 if step is None else step)
@@ -271,6 +283,7 @@ class StepMirror:
                 "failures": self.failures,
                 "fenced": self.ownership.lost,
                 "restored": dict(self.restored),
+                "swept": self.swept,
             }
 
     # --- the thread ---------------------------------------------------------------
