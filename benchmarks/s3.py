@@ -23,6 +23,12 @@ training node would not, so the ratios are what they measure, not a network's.
 - ``s3_commit_512_files_p99``: the whole commit (HEAD of every reported object,
   manifest, pointer) at 512 files per step; the details hold the table at 8, 64
   and 512 files (p50 and p99). Target <= 1 s.
+- ``s3_mirror_copy_vs_raw_put``: the raw time over the mirror's. A step committed
+  under a local root (the state in four rank files) copied to the monitor's mirror
+  (:mod:`obsckpt.monitor.mirror`: each file read and checked against the manifest's
+  CRC32, uploaded, then HEAD checks, manifest and pointer) against the same files
+  uploaded by the same client from disk with the mirror's part size and files and
+  parts at once (``S3Client.upload_file_multipart``). Target >= 0.8.
 
 Each pair is measured interleaved, repetition by repetition; medians (commits: p99).
 """
@@ -41,6 +47,7 @@ LOAD_TARGET = 1.15
 COMMIT_P99_TARGET_S = 0.05
 COMMIT_512_TARGET_S = 1.0
 STALL_TARGET = 1.05
+MIRROR_TARGET = 0.8
 PART_SIZE = 16 * MiB
 CONCURRENCY = 8
 FILES = (8, 64, 512)
@@ -103,11 +110,100 @@ def run_s3(
         ("s3_commit_p99", "<=", COMMIT_P99_TARGET_S),
         ("s3_commit_512_files_p99", "<=", COMMIT_512_TARGET_S),
         ("s3_stall_vs_local", "<=", STALL_TARGET),
+        ("s3_mirror_copy_vs_raw_put", ">=", MIRROR_TARGET),
     )
     if server is None or not server.started:
         why = server.why if server is not None else "no S3 server"
         return [Result(n, None, op, bound, skipped=why) for n, op, bound in names]
-    return _measure(sizes, log) + [_stall(sizes, bench_dir, log, ray, namespace)]
+    return _measure(sizes, log) + [
+        _stall(sizes, bench_dir, log, ray, namespace),
+        _mirror(sizes, bench_dir, log),
+    ]
+
+
+def _mirror(sizes: Sizes, bench_dir: str, log) -> Result:
+    """A locally committed step copied to a mirror against a raw upload of its files."""
+    from functools import partial
+    from pathlib import Path
+
+    import torch
+    from seaweed import BUCKET
+
+    from benchmarks.save import make_state
+    from obsckpt.monitor import mirror
+    from obsckpt.store import commit, layout
+    from obsckpt.store.transfer import run_parallel
+
+    root = Path(bench_dir) / f"mirror-{uuid.uuid4().hex[:8]}"
+    url = f"s3://{BUCKET}/bench/mirror-{uuid.uuid4().hex[:8]}"
+    items = list(make_state(sizes.state_bytes, sizes.state_tensors).items())
+    names = [f"model_world_size_4_rank_{r}.pt" for r in range(4)]
+    first = layout.step_dir(root, 1)
+    first.mkdir(parents=True)
+    for rank, name in enumerate(names):
+        torch.save(dict(items[rank::4]), first / name)
+    taken = mirror.take_mirror(url, root, "bench", restarted=False)
+    assert taken is not None
+    copier = mirror.StepMirror(root, taken, keep_steps=1)
+    client = taken.store.client
+    reps = max(3, sizes.save_reps)
+    ours_s: list[float] = []
+    raw_s: list[float] = []
+    try:
+        for step in range(1, reps + 2):
+            sdir = layout.step_dir(root, step)
+            if step > 1:  # the same bytes as a new step (hard links: no second copy on disk)
+                sdir.mkdir()
+                for name in names:
+                    os.link(first / name, sdir / name)
+            commit.finalize_step(sdir, None, iterations={"checkpoint": step})
+            order = ["ours", "raw"] if step % 2 else ["raw", "ours"]
+            for which in order:
+                t0 = time.perf_counter()
+                if which == "ours":
+                    copier.committed_locally(step, "checkpoint")
+                    while copier.status()["committed"]["checkpoint"] != step:
+                        if copier.error is not None:
+                            raise RuntimeError(copier.error)
+                        time.sleep(0.001)
+                else:
+                    run_parallel(
+                        [
+                            partial(
+                                client.upload_file_multipart,
+                                f"bench/raw-{uuid.uuid4().hex[:8]}/{name}",
+                                str(sdir / name),
+                                mirror.PART_SIZE,
+                                mirror.PARTS_AT_ONCE,
+                            )
+                            for name in names
+                        ],
+                        mirror.FILES_AT_ONCE,
+                        name="bench-raw",
+                    )
+                if step > 1:  # the first pair warms the page cache and the connections
+                    (ours_s if which == "ours" else raw_s).append(time.perf_counter() - t0)
+    finally:
+        copier.close(0)
+    ratio = median(raw_s) / median(ours_s)
+    nbytes = sum((first / n).stat().st_size for n in names)
+    log(f"  mirror: copy {median(ours_s):.2f} s, raw PUT {median(raw_s):.2f} s ({nbytes} bytes)")
+    return Result(
+        "s3_mirror_copy_vs_raw_put",
+        round(ratio, 3),
+        ">=",
+        MIRROR_TARGET,
+        limit="the same files PUT multipart from disk by the same client",
+        details={
+            "bytes": nbytes,
+            "files": len(names),
+            "part_size": mirror.PART_SIZE,
+            "parts_at_once": mirror.PARTS_AT_ONCE,
+            "files_at_once": mirror.FILES_AT_ONCE,
+            "copy_s": rounded(ours_s),
+            "raw_s": rounded(raw_s),
+        },
+    )
 
 
 def _stall(sizes: Sizes, bench_dir: str, log, ray, namespace: str) -> Result:

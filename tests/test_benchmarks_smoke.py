@@ -41,6 +41,7 @@ EXPECTED = {
     "s3_commit_p99": "<= 0.05",
     "s3_commit_512_files_p99": "<= 1",
     "s3_stall_vs_local": "<= 1.05",
+    "s3_mirror_copy_vs_raw_put": ">= 0.8",
     "delta_payload_vs_full": "<= 0.05",
     "delta_payload_vs_full_synthetic": "<= 0.05",
     "delta_payload_vs_changed": "<= 2",
