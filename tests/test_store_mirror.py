@@ -329,3 +329,56 @@ class TestOptions:
             MonitorOptions(default_local_dir="s3://bkt/a", mirror="s3://bkt/b")
         with pytest.raises(ValueError, match="is a local path"):
             MonitorOptions(default_local_dir=str(tmp_path), mirror=str(tmp_path / "b"))
+
+
+class TestServerStops:
+    """The mirror's endpoint goes away and comes back: the copy fails in one line naming the
+    endpoint, the local commits go on, and the mirror catches up once it is back.
+
+    Last in the module: it stops and restarts the session's server.
+    """
+
+    def test_copies_fail_then_catch_up(
+        self, tmp_path: Path, mirror_url: str, store: S3Root, seaweed_server, monkeypatch
+    ) -> None:
+        from obsckpt.store import stream
+
+        monkeypatch.setattr(stream, "UNAVAILABLE_RETRY_S", 1.0)
+        monkeypatch.setattr(mirror_module, "RETRY_FIRST_S", 0.5)
+        registry = CollectorRegistry()
+        root = tmp_path / "root"
+
+        async def scenario() -> None:
+            monitor = _monitor(root, mirror_url, registry)
+            await _commit(monitor, root, 1, {"model.pt": _blob(1, 6 * MIB)}, "checkpoint")
+            await _mirrored(monitor, "checkpoint", 1)
+            try:
+                seaweed_server.stop()
+                await _commit(monitor, root, 2, {"model.pt": _blob(2, 6 * MIB)}, "checkpoint")
+                assert (await monitor.status())["latest"]["checkpoint"] == 2  # locally, at once
+                deadline = time.monotonic() + 120
+                while (mirror := (await monitor.status())["mirror"])["failures"] == 0:
+                    assert time.monotonic() < deadline, mirror
+                    await asyncio.sleep(0.1)
+                assert seaweed_server.endpoint in mirror["error"], mirror["error"]
+                assert "\n" not in mirror["error"] and "checkpoint step 2" in mirror["error"]
+                assert mirror["committed"]["checkpoint"] == 1
+            finally:
+                if seaweed_server.process is None:
+                    seaweed_server.start()
+            status = await _mirrored(monitor, "checkpoint", 2, timeout=120)
+            assert status["error"] is None, status
+            await monitor.shutdown(final_scrape_wait_s=0)
+
+        asyncio.run(scenario())
+        assert store.read_pointer().checkpoint_step == 2
+        assert store.verify_step(1) == [] and store.verify_step(2) == []
+        assert registry.get_sample_value("obsckpt_mirror_failures_total") >= 1
+        errors = [
+            s
+            for m in registry.collect()
+            if m.name == "obsckpt_store_request_errors"
+            for s in m.samples
+            if s.name.endswith("_total")
+        ]
+        assert errors and all(s.value > 0 for s in errors), errors
