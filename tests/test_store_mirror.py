@@ -316,6 +316,43 @@ class TestRestore:
         assert reader.read_iteration(tmp_path / "fresh", "checkpoint") is None
 
 
+class TestTrainerStop:
+    def test_the_trainers_stop_returns_once_the_last_step_is_on_the_mirror(
+        self, ray_cluster, namespace, tmp_path: Path, mirror_url: str, store: S3Root
+    ) -> None:
+        """Trinity's trainer sets its status STOPPED after its final save, and its job may
+        end right after: the Synchronizer's answer waits for the commit and the copy."""
+        import torch
+
+        from obsckpt import CheckpointCoordinator, Synchronizer
+
+        ray = ray_cluster
+        root = tmp_path / "root"
+        monitor = CheckpointMonitor.get_actor(
+            namespace=namespace, default_local_dir=str(root), metrics_port=None, mirror=mirror_url
+        )
+        sync = Synchronizer.get_actor(namespace=namespace)
+        coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
+        try:
+            ray.get(monitor.register_thread_count.remote(1, checkpoint_thread_count=1))
+            state = {"w": torch.randn(8 << 20, generator=torch.Generator().manual_seed(1))}
+            coord.save_state_dict_async("model", state, str(root / "global_step_1/m.pt"), 1)
+            coord.wait_all(60)
+            ray.get(monitor.monitor_step.remote(1))
+            ray.get(sync.set_trainer_status.remote("stopped"), timeout=120)
+            # No waiting here: the stop returned once the step was committed and copied.
+            pointer = store.read_pointer()
+            assert pointer is not None and pointer.checkpoint_step == 1
+            assert store.verify_step(1) == []
+            status = ray.get(monitor.status.remote())
+            assert status["mirror"]["committed"]["checkpoint"] == 1 and status["pending"] == []
+        finally:
+            coord.close()
+            ray.kill(sync)
+            ray.get(monitor.shutdown.remote(final_scrape_wait_s=0), timeout=90)
+            ray.kill(monitor)
+
+
 class TestOptions:
     def test_the_mirror_setting(self, monkeypatch, tmp_path) -> None:
         monkeypatch.setenv("OBSCKPT_MIRROR", "s3://bkt//run/")

@@ -35,7 +35,7 @@ from obsckpt.monitor.lifecycle import (
     was_restarted,
 )
 from obsckpt.monitor.measurements import MeasurementRPCs
-from obsckpt.monitor.mirror import StepMirror, start_mirror, take_mirror
+from obsckpt.monitor.mirror import SettleRPC, StepMirror, start_mirror, take_mirror
 from obsckpt.monitor.s3_commit import S3Ownership
 from obsckpt.monitor.status import status_view
 from obsckpt.monitor.telemetry import MonitorTelemetry
@@ -67,7 +67,7 @@ _FENCE_CHECK_S = 5.0
 _MIRROR_DRAIN_S = 60.0
 
 
-class CheckpointMonitor(MeasurementRPCs):
+class CheckpointMonitor(MeasurementRPCs, SettleRPC):
     """Commits steps once every registered save has finished; one per job.
 
     Create it with :meth:`get_actor`; the constructor runs inside the actor.

@@ -22,6 +22,7 @@ copies nothing more (``status()["mirror"]["fenced"]``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -38,7 +39,14 @@ from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.store.s3root import S3Root, open_s3_root
 from obsckpt.store.transfer import run_parallel
 
-__all__ = ["StepMirror", "TakenMirror", "restore", "start_mirror", "take_mirror"]
+__all__ = [
+    "SettleRPC",
+    "StepMirror",
+    "TakenMirror",
+    "restore",
+    "start_mirror",
+    "take_mirror",
+]
 
 logger = logging.getLogger("obsckpt.monitor")
 
@@ -249,16 +257,23 @@ class StepMirror:
             if step is not None:
                 self.committed_locally(step, kind)
 
-    def close(self, wait_s: float) -> bool:
-        """Wait up to ``wait_s`` for the copies asked for, then stop; whether they all ended."""
-        deadline = time.monotonic() + wait_s
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no copy runs or waits, the mirror stopped (fenced),
+        or a copy failed and waits to be tried again; whether every copy asked for ended."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             while (self._wanted or self._copying) and not self._stopped:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (self._retry_at is not None and self._copying is None):
                     break
                 self._cond.wait(left)
-            drained = not self._wanted and self._copying is None
+            return not self._wanted and self._copying is None
+
+    def close(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the copies asked for (:meth:`wait_idle`), then stop;
+        whether they all ended."""
+        drained = self.wait_idle(wait_s)
+        with self._cond:
             self._stopped = True
             self._cond.notify_all()
         if not drained:
@@ -406,3 +421,36 @@ class StepMirror:
     def _fenced(self) -> None:
         if self._observer is not None:
             self._observer.store_commit_fenced()
+
+
+# The longest the end of a job waits for its last commit and the mirror's copy of it.
+SETTLE_WAIT_S = 600.0
+
+
+class SettleRPC:
+    """The monitor's ``settle`` RPC (part of :class:`~obsckpt.monitor.CheckpointMonitor`)."""
+
+    mirror: StepMirror | None
+    _committer: Any
+
+    async def settle(self, timeout_s: float = SETTLE_WAIT_S) -> dict[str, Any]:
+        """Wait up to ``timeout_s`` for the commit under way, then for the mirror's copies of
+        the steps committed so far (each on the mirror, or failed and waiting to be tried
+        again). Trinity's trainer calls it, through the Synchronizer, as it stops, so that
+        a job does not end before its last step is committed and on the mirror.
+
+        Returns:
+            ``committed`` and ``mirrored`` (whether each ended in time) and the mirror's
+            ``status`` (None without a mirror).
+        """
+        deadline = time.monotonic() + timeout_s
+        committed = await self._committer.wait_idle(timeout_s)
+        mirror = self.mirror
+        mirrored = mirror is None or await asyncio.to_thread(
+            mirror.wait_idle, max(0.0, deadline - time.monotonic())
+        )
+        return {
+            "committed": committed,
+            "mirrored": mirrored,
+            "mirror": None if mirror is None else mirror.status(),
+        }

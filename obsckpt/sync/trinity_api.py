@@ -42,6 +42,33 @@ DEFAULT_SYNC_TIMEOUT_S = 3600.0
 DEFAULT_GROUP_NAME = "rollout_weight_sync"
 
 
+async def settle_checkpoints(namespace: str | None) -> None:
+    """Wait for the monitor of ``namespace`` (if one runs) to commit what was saved and
+    copy it to its mirror (:meth:`~obsckpt.monitor.CheckpointMonitor.settle`); logged."""
+    import ray
+
+    from obsckpt.monitor.mirror import SETTLE_WAIT_S
+    from obsckpt.options import MONITOR_ACTOR_NAME
+
+    try:
+        monitor = ray.get_actor(MONITOR_ACTOR_NAME, namespace=namespace or None)
+    except ValueError:
+        return  # no monitor: nothing of the job's checkpoints to wait for
+    try:
+        out = await monitor.settle.remote(SETTLE_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - a monitor without settle, or gone: go on
+        logger.warning("obsckpt: the trainer stopped; its monitor could not be waited for: %s", exc)
+        return
+    if not (out["committed"] and out["mirrored"]):
+        logger.warning(
+            "obsckpt: the trainer stopped before its last steps were committed and mirrored "
+            "(committed: %s, mirrored: %s; mirror: %s)",
+            out["committed"],
+            out["mirrored"],
+            out["mirror"],
+        )
+
+
 def is_trinity_config(config: Any) -> bool:
     """Whether ``config`` is a Trinity-RFT 0.6.0 config (it has a ``synchronizer`` section)."""
     return config is not None and getattr(config, "synchronizer", None) is not None
@@ -196,11 +223,19 @@ class TrinityProtocol:
     # -- status handshakes -------------------------------------------------
 
     async def set_trainer_status(self, status: Any) -> None:
-        """The trainer's status (Trinity's ``RunningStatus``); ``STOPPED`` wakes every waiter."""
+        """The trainer's status (Trinity's ``RunningStatus``); ``STOPPED`` wakes every waiter.
+
+        Trinity's trainer sets ``STOPPED`` after its final save, and its job may end right
+        after: so, waiters woken, this returns only once the job's monitor has committed
+        what was saved and its mirror holds it (or ``SETTLE_WAIT_S`` passed; logged).
+        """
         cond = self._condition()
         async with cond:
-            if self._roles.set_trainer(status) == STOPPED:
+            stopped = self._roles.set_trainer(status) == STOPPED
+            if stopped:
                 cond.notify_all()
+        if stopped:
+            await settle_checkpoints(getattr(self, "namespace", None))
 
     def trainer_requires_weight_sync(self) -> bool | None:
         """True: the trainer waits to sync; False: it runs; None: it stopped (end the watch)."""
