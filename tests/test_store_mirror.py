@@ -291,6 +291,29 @@ class TestRestore:
             + list(layout.ITERATION_FILES.values())
         )
 
+    def test_a_file_is_downloaded_in_parts_and_checked(
+        self, tmp_path: Path, mirror_url: str, store: S3Root
+    ) -> None:
+        """The restore's read: parts written at their offsets (a few in memory), the whole
+        checked against the manifest; an object replaced since its commit is refused."""
+        root = tmp_path / "root"
+        data = _blob(7, 7 * MIB + 12345)
+
+        async def commit_one() -> None:
+            monitor = _monitor(root, mirror_url)
+            await _commit(monitor, root, 1, {"a/model.pt": data}, "checkpoint")
+            await _mirrored(monitor, "checkpoint", 1)
+            await monitor.shutdown(final_scrape_wait_s=0)
+
+        asyncio.run(commit_one())
+        dest = tmp_path / "copy.pt"
+        store.download_verified(1, "a/model.pt", dest, part_size=MIB, concurrency=3)
+        assert dest.read_bytes() == data
+        records = store.committed_records(1)
+        store.client.put(store.step_key(1, "a/model.pt"), data[:-1] + b"X")  # same size
+        with pytest.raises(ValueError, match="replaced since its commit"):
+            store.download_verified(1, "a/model.pt", tmp_path / "again.pt", records=records)
+
     def test_a_corrupted_object_or_an_uncommitted_directory_is_refused(
         self, tmp_path: Path, mirror_url: str, store: S3Root
     ) -> None:

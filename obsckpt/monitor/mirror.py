@@ -115,9 +115,10 @@ def restore(root: str | os.PathLike[str], store: S3Root) -> dict[str, int]:
     """The mirror's committed steps brought into ``root`` when no iteration file there
     names a step: what was restored (kind -> step); empty when nothing was to restore.
 
-    Each file is read with ranged GETs and checked against the mirror's manifest
-    (size, ETag, CRC32) before it is written into a temp directory, fsynced and
-    renamed into place; the step's manifest is written, and the iteration files last.
+    Each file is read with ranged GETs into a temp directory (a few 16 MiB parts in
+    memory at a time) and checked against the mirror's manifest (size, ETag, CRC32),
+    fsynced, and the directory renamed into place; the step's manifest is written,
+    and the iteration files last.
 
     Raises:
         MirrorError: a step directory of that number is already under ``root`` (not
@@ -162,16 +163,12 @@ def _restore_step(root: Path, store: S3Root, step: int) -> None:
     tmp = Path(layout.temp_name(sdir))
     try:
         for rec in records:
-            try:
-                data = store.read_verified(step, rec.path, records=records)
-            except ValueError as err:
-                raise MirrorError(f"the mirror's step {step} cannot be restored: {err}") from None
             local = tmp.joinpath(*rec.path.split("/"))
             local.parent.mkdir(parents=True, exist_ok=True)
-            with open(local, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            try:  # a few parts in memory at a time, whatever the file's size
+                store.download_verified(step, rec.path, local, records=records, concurrency=4)
+            except ValueError as err:
+                raise MirrorError(f"the mirror's step {step} cannot be restored: {err}") from None
         os.rename(tmp, sdir)
     except BaseException:
         import shutil

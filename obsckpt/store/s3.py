@@ -382,7 +382,7 @@ class S3Client:
         view = memoryview(out)
         run_parallel(
             [
-                partial(self._read_range, key, view[lo : min(lo + part_size, size)], lo, etag)
+                partial(self.read_range_into, key, view[lo : min(lo + part_size, size)], lo, etag)
                 for lo in range(0, size, part_size)
             ],
             concurrency,
@@ -390,7 +390,9 @@ class S3Client:
         )
         return out
 
-    def _read_range(self, key: str, into: memoryview, start: int, etag: str | None) -> None:
+    def read_range_into(self, key: str, into: memoryview, start: int, etag: str | None) -> None:
+        """Fill ``into`` with ``key``'s bytes from ``start`` on (If-Match ``etag`` when given);
+        a body cut off mid-stream is asked for again. StoreError: short, or failed."""
         args: dict[str, Any] = {
             "Bucket": self._bucket,
             "Key": key,
