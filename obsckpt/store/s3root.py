@@ -309,26 +309,32 @@ class S3Root:
                 (named, with both values).
             StoreError: the object could not be read.
         """
-        records = records if records is not None else self.committed_records(step)
-        where = self.url_of(self.step_key(step, path))
-        rec = next((r for r in records if r.path == path), None)
-        if rec is None:
-            raise ValueError(f"{where}: not listed in the manifest of step {step}")
+        rec, where = self._listed(step, path, records)
         try:
             data = self.client.get_ranged_parallel(
                 self.step_key(step, path), rec.size, part_size, concurrency, etag=rec.etag
             )
         except PreconditionFailed:
-            raise ValueError(
-                f"{where}: replaced since its commit (its ETag is not the manifest's "
-                f"{rec.etag}); the step is damaged, resume from another step"
-            ) from None
+            raise _replaced(where, rec) from None
         got = crc32(data)
         if got != rec.crc32:
-            raise ValueError(
-                f"{where}: corrupted (crc32 {got:08x}, the manifest says {rec.crc32:08x})"
-            )
+            raise _corrupted(where, got, rec)
         return data
+
+    def _listed(
+        self, step: int, path: str, records: list[FileRecord] | None
+    ) -> tuple[FileRecord, str]:
+        """``path``'s record in committed step ``step``'s manifest, and the object's URL.
+
+        Raises:
+            ValueError: the step is not committed, or its manifest does not list ``path``.
+        """
+        records = records if records is not None else self.committed_records(step)
+        where = self.url_of(self.step_key(step, path))
+        rec = next((r for r in records if r.path == path), None)
+        if rec is None:
+            raise ValueError(f"{where}: not listed in the manifest of step {step}")
+        return rec, where
 
     def download_verified(
         self,
@@ -350,11 +356,7 @@ class S3Root:
                 the caller discards it).
             StoreError: the object could not be read.
         """
-        records = records if records is not None else self.committed_records(step)
-        where = self.url_of(self.step_key(step, path))
-        rec = next((r for r in records if r.path == path), None)
-        if rec is None:
-            raise ValueError(f"{where}: not listed in the manifest of step {step}")
+        rec, where = self._listed(step, path, records)
         key = self.step_key(step, path)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
@@ -375,19 +377,14 @@ class S3Root:
             )
             os.fsync(fd)
         except PreconditionFailed:
-            raise ValueError(
-                f"{where}: replaced since its commit (its ETag is not the manifest's "
-                f"{rec.etag}); the step is damaged, resume from another step"
-            ) from None
+            raise _replaced(where, rec) from None
         finally:
             os.close(fd)
         got = 0
         for part_crc, length in parts:
             got = crc32_combine(got, part_crc, length)
         if got != rec.crc32:
-            raise ValueError(
-                f"{where}: corrupted (crc32 {got:08x}, the manifest says {rec.crc32:08x})"
-            )
+            raise _corrupted(where, got, rec)
 
     # --- tidying -------------------------------------------------------------------
 
@@ -462,6 +459,17 @@ class S3Root:
         rest = key[len(base) :]
         head = rest.split("/", 1)[0]
         return step_of_dir_name(head) is not None or head == PROBE_DIR or rest == POINTER_NAME
+
+
+def _replaced(where: str, rec: FileRecord) -> ValueError:
+    return ValueError(
+        f"{where}: replaced since its commit (its ETag is not the manifest's "
+        f"{rec.etag}); the step is damaged, resume from another step"
+    )
+
+
+def _corrupted(where: str, got: int, rec: FileRecord) -> ValueError:
+    return ValueError(f"{where}: corrupted (crc32 {got:08x}, the manifest says {rec.crc32:08x})")
 
 
 def locate_in_root(root: Root, url: str) -> tuple[int, str] | None:
