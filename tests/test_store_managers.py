@@ -363,6 +363,34 @@ class TestMegatronOnS3:
         }
 
 
+def test_the_verl_switch_takes_a_mirror(
+    ray_cluster, namespace, seaweed_server: SeaweedServer, tmp_path, monkeypatch
+):
+    """``+obsckpt.mirror=`` / ``OBSCKPT_MIRROR`` (and ``keep_steps``) reach the monitor the
+    verl switch creates for a local root; one naming a local path is refused by name."""
+    from omegaconf import OmegaConf
+    from test_verl_install import make_trainer
+
+    from obsckpt.integrations import verl_install
+
+    mirror = f"s3://{BUCKET}/verl-mirror/{uuid.uuid4().hex[:12]}"
+    trainer = make_trainer(tmp_path / "ckpt", None, None)
+    trainer.config = OmegaConf.merge(trainer.config, {"obsckpt": {"keep_steps": 2}})
+    monkeypatch.setenv("OBSCKPT_MIRROR", mirror)
+    monitor = verl_install.monitor_for(trainer)
+    try:
+        status = ray.get(monitor.status.remote())
+        assert status["mirror"]["url"] == mirror and status["mirror"]["fenced"] is None
+        assert open_s3_root(mirror).read_pointer() is not None  # the monitor took it
+    finally:
+        ray.get(monitor.shutdown.remote(final_scrape_wait_s=0), timeout=90)
+        ray.kill(monitor)
+    monkeypatch.setenv("OBSCKPT_MIRROR", str(tmp_path / "elsewhere"))
+    bad = make_trainer(tmp_path / "other", None, None)
+    with pytest.raises(ValueError, match="OBSCKPT_MIRROR|is a local path"):
+        verl_install.monitor_for(bad)
+
+
 def test_world_size_of_a_step_of_objects_is_checked_from_its_manifest():
     """The manager's world-size check on S3 reads the names the step's manifest lists
     under its prefix (no listing of the bucket), and refuses another world size by name."""

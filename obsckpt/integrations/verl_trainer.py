@@ -249,6 +249,10 @@ def monitor_for(trainer: Any) -> Any:
             max_slot_labels=options.max_slot_labels,
             on_bad_iteration=options.on_bad_iteration,
             trainer_submits=True,  # this trainer submits each step (save_and_submit)
+            keep_steps=options.keep_steps,
+            # Created in init_workers, before fit's _load_checkpoint: a mirror restores
+            # into an empty root first, and verl's own resume then finds its step.
+            mirror=options.mirror,
         )
         trainer._obsckpt_monitor = monitor
     return monitor
