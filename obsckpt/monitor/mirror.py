@@ -37,6 +37,7 @@ from obsckpt.monitor.s3_commit import S3Ownership, S3StepWriter, read_s3_root
 from obsckpt.store import commit, layout, reader
 from obsckpt.store.layout import KINDS, FileRecord
 from obsckpt.store.s3root import S3Root, open_s3_root
+from obsckpt.store.scratch import upload_file
 from obsckpt.store.transfer import run_parallel
 
 __all__ = [
@@ -55,7 +56,6 @@ logger = logging.getLogger("obsckpt.monitor")
 FILES_AT_ONCE = 2
 PART_SIZE = 16 << 20
 PARTS_AT_ONCE = 4
-_READ_CHUNK = 8 << 20
 # A step whose copy failed on the store is tried again after this long, doubling.
 RETRY_FIRST_S = 2.0
 RETRY_MAX_S = 60.0
@@ -377,15 +377,7 @@ class StepMirror:
 
     def _upload(self, sdir: Path, step: int, rec: FileRecord) -> FileRecord:
         path = sdir.joinpath(*rec.path.split("/"))
-        writer = self.store.writer(step, rec.path)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while chunk := f.read(_READ_CHUNK):
-                    writer.write(chunk)
-            up = writer.finish()
-        except BaseException as exc:
-            writer.abort(exc)
-            raise
+        up = upload_file(self.store, str(path), step, rec.path)
         if (up.size, up.crc32) != (rec.size, rec.crc32):
             raise MirrorError(
                 f"{path} holds {up.size} bytes with crc32 {up.crc32:08x}, but its step's "
@@ -393,7 +385,7 @@ class StepMirror:
                 f"after its commit, so step {step} is not copied to the mirror (check it with "
                 f"obsckpt verify {self.root})"
             )
-        return FileRecord(path=rec.path, size=rec.size, crc32=rec.crc32, etag=up.etag)
+        return up
 
     def _failed(
         self, step: int, kind: str, error: str, *, stop: bool = False, retry_in: float | None = None
