@@ -225,6 +225,7 @@ def monitor_for(trainer: Any) -> Any:
     monitor = getattr(trainer, "_obsckpt_monitor", None)
     if monitor is None:
         from obsckpt.monitor import CheckpointMonitor
+        from obsckpt.monitor.lifecycle import start_actor
 
         hdfs = trainer.config.trainer.get("default_hdfs_dir", None)
         if hdfs and verl_store.store_root(trainer.config.trainer) != str(hdfs).rstrip("/"):
@@ -234,26 +235,15 @@ def monitor_for(trainer: Any) -> Any:
                 "cannot resume from there either); set it to null or to an s3:// URL"
             )
         # The options from the job's own config (`+obsckpt.metrics_port=9400` on verl's
-        # command line), each overridden by its OBSCKPT_* variable.
+        # command line), each overridden by its OBSCKPT_* variable; all of them reach the
+        # monitor. Created in init_workers, before fit's _load_checkpoint: a mirror
+        # restores into an empty root first, and verl's own resume then finds its step.
         options = MonitorOptions.from_settings(
-            checkpoint_root(trainer), trainer.config.get("obsckpt", None)
-        )
-        monitor = CheckpointMonitor.get_actor(
-            default_local_dir=options.default_local_dir,
-            save_strategy=options.save_strategy,
-            metrics_port=options.metrics_port,
-            metrics_host=options.metrics_host,
-            file_sd_path=options.file_sd_path,
-            trace_exporter=options.trace_exporter,
-            lease_timeout_s=options.lease_timeout_s,
-            max_slot_labels=options.max_slot_labels,
-            on_bad_iteration=options.on_bad_iteration,
+            checkpoint_root(trainer),
+            trainer.config.get("obsckpt", None),
             trainer_submits=True,  # this trainer submits each step (save_and_submit)
-            keep_steps=options.keep_steps,
-            # Created in init_workers, before fit's _load_checkpoint: a mirror restores
-            # into an empty root first, and verl's own resume then finds its step.
-            mirror=options.mirror,
         )
+        monitor = start_actor(CheckpointMonitor, options)
         trainer._obsckpt_monitor = monitor
     return monitor
 
