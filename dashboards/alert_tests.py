@@ -194,6 +194,16 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
     mirror_len = mirror_due + 10
     keeping_up = " ".join(str(max(1, m // 10 + (m % 10 >= 5))) for m in range(mirror_len))
 
+    def mirror_series(labels: str, local: str, mirrored: str, committed_at: int) -> list[dict]:
+        """A monitor's local step, its mirror's step, and its last commit time (0: never)."""
+        return [
+            _series("obsckpt_latest_step", labels, local),
+            _series("obsckpt_mirror_latest_step", labels, mirrored),
+            _series(
+                "obsckpt_last_commit_timestamp_seconds", labels, f"{committed_at}x{mirror_len}"
+            ),
+        ]
+
     def mirror_behind(minute: int) -> dict:
         alert = "ObsckptMirrorBehind"
         return _check(minute, alert, _expected(alert, rules, ckpt, 4))
@@ -204,25 +214,16 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
             "time; one that keeps up a few minutes late, or a kind never committed, does not",
             "interval": "1m",
             "input_series": [
-                _series("obsckpt_latest_step", ckpt_labels, f"3x10 4x{mirror_len - 10}"),
-                _series("obsckpt_mirror_latest_step", ckpt_labels, f"3x{mirror_len}"),
-                _series("obsckpt_last_commit_timestamp_seconds", ckpt_labels, f"60x{mirror_len}"),
+                *mirror_series(ckpt_labels, f"3x10 4x{mirror_len - 10}", f"3x{mirror_len}", 60),
                 # Another monitor: steps every 10 minutes, each on the mirror 5 minutes later.
-                _series(
-                    "obsckpt_latest_step",
+                *mirror_series(
                     f'{_OTHER},kind="checkpoint"',
                     " ".join(str(m // 10 + 1) for m in range(mirror_len)),
-                ),
-                _series("obsckpt_mirror_latest_step", f'{_OTHER},kind="checkpoint"', keeping_up),
-                _series(
-                    "obsckpt_last_commit_timestamp_seconds",
-                    f'{_OTHER},kind="checkpoint"',
-                    f"60x{mirror_len}",
+                    keeping_up,
+                    60,
                 ),
                 # A kind the job never commits: its step 0, the mirror's -1.
-                _series("obsckpt_latest_step", sd_labels, f"0x{mirror_len}"),
-                _series("obsckpt_mirror_latest_step", sd_labels, f"-1x{mirror_len}"),
-                _series("obsckpt_last_commit_timestamp_seconds", sd_labels, f"0x{mirror_len}"),
+                *mirror_series(sd_labels, f"0x{mirror_len}", f"-1x{mirror_len}", 0),
             ],
             "alert_rule_test": [
                 _check(mirror_due - 1, "ObsckptMirrorBehind"),
@@ -233,15 +234,12 @@ def alert_unit_tests(thresholds: AlertThresholds | None = None, rules_file: str 
         {
             "name": "mirror behind: a mirror that catches up before the for time stays quiet",
             "interval": "1m",
-            "input_series": [
-                _series("obsckpt_latest_step", ckpt_labels, f"3x10 4x{mirror_len - 10}"),
-                _series(
-                    "obsckpt_mirror_latest_step",
-                    ckpt_labels,
-                    f"3x{mirror_due - 2} 4x{mirror_len - mirror_due + 2}",
-                ),
-                _series("obsckpt_last_commit_timestamp_seconds", ckpt_labels, f"60x{mirror_len}"),
-            ],
+            "input_series": mirror_series(
+                ckpt_labels,
+                f"3x10 4x{mirror_len - 10}",
+                f"3x{mirror_due - 2} 4x{mirror_len - mirror_due + 2}",
+                60,
+            ),
             "alert_rule_test": [
                 _check(minute, "ObsckptMirrorBehind")
                 for minute in (mirror_due - 3, mirror_due + 1, mirror_len - 1)

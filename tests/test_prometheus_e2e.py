@@ -190,6 +190,35 @@ def prometheus_for(monitor, ray_cluster, tmp_path: Path) -> PrometheusServer:
     return start_prometheus(config_file, tmp_path)
 
 
+def scraped_monitor(ray_cluster, namespace: str, tmp_path: Path, root: str, **options):
+    """A monitor actor on ``root`` (``options``: more of get_actor's), a coordinator for it,
+    and the real Prometheus scraping it."""
+    from obsckpt import CheckpointCoordinator, CheckpointMonitor
+
+    monitor = CheckpointMonitor.get_actor(
+        namespace=namespace,
+        default_local_dir=root,
+        metrics_port=0,
+        metrics_host="127.0.0.1",
+        file_sd_path=str(tmp_path / "sd.json"),
+        **options,
+    )
+    coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
+    return monitor, coord, prometheus_for(monitor, ray_cluster, tmp_path)
+
+
+def save_two_steps(ray_cluster, monitor, coord, root: str) -> None:
+    """Steps 1 and 2 of a 4 MiB state saved under ``root`` and submitted."""
+    import torch
+
+    for step in (1, 2):
+        ray_cluster.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
+        state = {"w": torch.full((1 << 20,), float(step))}
+        coord.save_state_dict_async("actor", state, f"{root}/global_step_{step}/m.pt", step)
+        coord.wait_all(60)
+        ray_cluster.get(monitor.monitor_step.remote(step))
+
+
 @pytest.fixture
 def prometheus(tmp_path, monitor, ray_cluster) -> Iterator[PrometheusServer]:
     server = prometheus_for(monitor, ray_cluster, tmp_path)
@@ -433,28 +462,12 @@ def test_store_row_against_real_prometheus(ray_cluster, namespace, tmp_path, sea
     Prometheus scraping a monitor whose root is on the S3 server."""
     import uuid
 
-    import torch
     from seaweed import BUCKET
 
-    from obsckpt import CheckpointCoordinator, CheckpointMonitor
-
     root = f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:12]}"
-    monitor = CheckpointMonitor.get_actor(
-        namespace=namespace,
-        default_local_dir=root,
-        metrics_port=0,
-        metrics_host="127.0.0.1",
-        file_sd_path=str(tmp_path / "sd.json"),
-    )
-    coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
-    server = prometheus_for(monitor, ray_cluster, tmp_path)
+    monitor, coord, server = scraped_monitor(ray_cluster, namespace, tmp_path, root)
     try:
-        for step in (1, 2):
-            ray_cluster.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
-            state = {"w": torch.full((1 << 20,), float(step))}
-            coord.save_state_dict_async("actor", state, f"{root}/global_step_{step}/m.pt", step)
-            coord.wait_all(60)
-            ray_cluster.get(monitor.monitor_step.remote(step))
+        save_two_steps(ray_cluster, monitor, coord, root)
         queries = {
             (q.panel, q.legend): expand(q.expr, job=JOB)
             for q in panel_queries()
@@ -508,31 +521,13 @@ def test_mirror_panels_against_real_prometheus(ray_cluster, namespace, tmp_path,
     local root is mirrored to the S3 server."""
     import uuid
 
-    import torch
     from seaweed import BUCKET
 
-    from obsckpt import CheckpointCoordinator, CheckpointMonitor
-
-    root = tmp_path / "root"
-    monitor = CheckpointMonitor.get_actor(
-        namespace=namespace,
-        default_local_dir=str(root),
-        metrics_port=0,
-        metrics_host="127.0.0.1",
-        file_sd_path=str(tmp_path / "sd.json"),
-        mirror=f"s3://{BUCKET}/mirrors/{uuid.uuid4().hex[:12]}",
-    )
-    coord = CheckpointCoordinator(monitor, rpc_timeout=30, save_timeout=60)
-    server = prometheus_for(monitor, ray_cluster, tmp_path)
+    root = str(tmp_path / "root")
+    mirror = f"s3://{BUCKET}/mirrors/{uuid.uuid4().hex[:12]}"
+    monitor, coord, server = scraped_monitor(ray_cluster, namespace, tmp_path, root, mirror=mirror)
     try:
-        for step in (1, 2):
-            ray_cluster.get(monitor.register_thread_count.remote(step, checkpoint_thread_count=1))
-            state = {"w": torch.full((1 << 20,), float(step))}
-            coord.save_state_dict_async(
-                "actor", state, str(root / f"global_step_{step}/m.pt"), step
-            )
-            coord.wait_all(60)
-            ray_cluster.get(monitor.monitor_step.remote(step))
+        save_two_steps(ray_cluster, monitor, coord, root)
         wait_for(
             "the mirror's copy of step 2",
             lambda: (

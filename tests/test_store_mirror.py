@@ -83,6 +83,19 @@ async def _mirrored(monitor, kind: str, step: int, timeout: float = 60.0) -> dic
         await asyncio.sleep(0.05)
 
 
+def _commit_one_mirrored(root: Path, mirror_url: str, files: dict[str, bytes]) -> None:
+    """A monitor with the mirror commits step 1 of ``files`` under ``root``, sees it on the
+    mirror, and shuts down."""
+
+    async def scenario() -> None:
+        monitor = _monitor(root, mirror_url)
+        await _commit(monitor, root, 1, files, "checkpoint")
+        await _mirrored(monitor, "checkpoint", 1)
+        await monitor.shutdown(final_scrape_wait_s=0)
+
+    asyncio.run(scenario())
+
+
 def _blob(step: int, size: int) -> bytes:
     return bytes([step % 251]) * (size - 8) + step.to_bytes(8, "little")
 
@@ -221,13 +234,7 @@ class TestCopies:
         never committed; the next monitor aborts and removes them, then copies the step."""
         root = tmp_path / "root"
 
-        async def first() -> None:
-            monitor = _monitor(root, mirror_url)
-            await _commit(monitor, root, 1, {"model.pt": _blob(1, MIB)}, "checkpoint")
-            await _mirrored(monitor, "checkpoint", 1)
-            await monitor.shutdown(final_scrape_wait_s=0)
-
-        asyncio.run(first())
+        _commit_one_mirrored(root, mirror_url, {"model.pt": _blob(1, MIB)})
         store.client.put(store.step_key(2, "model.pt"), b"half a copy")
         upload = store.client.begin_multipart(store.step_key(2, "optim.pt"))
         plain = CheckpointMonitor(
@@ -299,13 +306,7 @@ class TestRestore:
         root = tmp_path / "root"
         data = _blob(7, 7 * MIB + 12345)
 
-        async def commit_one() -> None:
-            monitor = _monitor(root, mirror_url)
-            await _commit(monitor, root, 1, {"a/model.pt": data}, "checkpoint")
-            await _mirrored(monitor, "checkpoint", 1)
-            await monitor.shutdown(final_scrape_wait_s=0)
-
-        asyncio.run(commit_one())
+        _commit_one_mirrored(root, mirror_url, {"a/model.pt": data})
         dest = tmp_path / "copy.pt"
         store.download_verified(1, "a/model.pt", dest, part_size=MIB, concurrency=3)
         assert dest.read_bytes() == data
@@ -319,13 +320,7 @@ class TestRestore:
     ) -> None:
         root = tmp_path / "root"
 
-        async def commit_one() -> None:
-            monitor = _monitor(root, mirror_url)
-            await _commit(monitor, root, 1, {"model.pt": _blob(1, MIB)}, "checkpoint")
-            await _mirrored(monitor, "checkpoint", 1)
-            await monitor.shutdown(final_scrape_wait_s=0)
-
-        asyncio.run(commit_one())
+        _commit_one_mirrored(root, mirror_url, {"model.pt": _blob(1, MIB)})
         # A directory of that step, never committed, in a root with no iteration file.
         stale = tmp_path / "stale"
         (stale / "global_step_1").mkdir(parents=True)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,6 +348,28 @@ def trinity_plugin_copy():
         copy.unlink(missing_ok=True)
 
 
+def run_trinity_job(
+    ray_cluster, script: str, *args: object, env: dict[str, str] | None = None, timeout: int = 300
+) -> tuple[Any, str]:
+    """``script`` (one of the jobs above) run as a process of Trinity's launcher on the
+    session's cluster with obsckpt's plugin (``env``: more variables); the JSON of its
+    last line of output, and the tail of its log for assertion messages."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        env={
+            **os.environ,
+            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+            "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr[-4000:]
+
+
 TRINITY_CONFIG = """\
 project: switch
 name: run
@@ -367,21 +390,9 @@ def test_trinity_runs_obsckpt_through_its_plugin(
     config.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
     job_dir = tmp_path / "ckpt" / "switch" / "run"  # Trinity's <root>/<project>/<name>
     port = free_port()
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
-        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
-        "OBSCKPT_METRICS_PORT": str(port),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", JOB, str(config), namespace, str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, log = run_trinity_job(
+        ray_cluster, JOB, config, namespace, free_port(), env={"OBSCKPT_METRICS_PORT": str(port)}
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {
         "driver_synchronizer": True,
         "monitor_class": True,
@@ -395,7 +406,7 @@ def test_trinity_runs_obsckpt_through_its_plugin(
         "committed_state_dict": 2,
         "save_strategy": "SINGLE_NODE",
         "metrics_port": port,
-    }, out.stderr[-4000:]
+    }, log
     from obsckpt.store import reader
 
     for step in (1, 2):
@@ -478,23 +489,12 @@ def test_trinity_resumed_and_continued_leaves_only_listed_files(
     config.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
     init_dir = tmp_path / "init"
     init_dir.mkdir()
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
-        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", RESUME_JOB, str(config), namespace, str(init_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
+    results, log = run_trinity_job(
+        ray_cluster, RESUME_JOB, config, namespace, init_dir, timeout=500
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(results) == {"single_thread", "single_process", "single_node", "unrestricted"}
     for strategy, result in results.items():
-        assert result["committed"] == [True, True], (strategy, out.stderr[-4000:])
+        assert result["committed"] == [True, True], (strategy, log)
         assert result["steps"] == [1, 2, 3, 4], strategy
         assert result["problems"] == {str(s): [] for s in (1, 2, 3, 4)}, (strategy, result)
 
@@ -537,26 +537,22 @@ def test_trinity_keeps_its_checkpoints_on_s3_through_a_mirror(
     """OBSCKPT_MIRROR beside a local checkpoint_root_dir: every step Trinity's trainer
     commits is committed on S3 too, and a job started on an empty directory resumes
     from it through Trinity's own _load_checkpoint."""
+    from seaweed import BUCKET
+
     from obsckpt.store.s3root import open_s3_root
 
-    mirror = f"s3://obsckpt-test/trinity/{namespace}"
-    env = {
-        **os.environ,
-        "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
-        "TRINITY_PLUGIN_DIRS": trinity_cli.with_obsckpt_plugin(None),
-        "OBSCKPT_MIRROR": mirror,
-    }
+    mirror = f"s3://{BUCKET}/trinity/{namespace}"
     first = tmp_path / "first.yaml"
     first.write_text(TRINITY_CONFIG.format(root=tmp_path / "ckpt"))
-    out = subprocess.run(
-        [sys.executable, "-c", JOB, str(first), namespace, str(free_port())],
-        env={**env, "OBSCKPT_METRICS_PORT": str(free_port())},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, _ = run_trinity_job(
+        ray_cluster,
+        JOB,
+        first,
+        namespace,
+        free_port(),
+        env={"OBSCKPT_MIRROR": mirror, "OBSCKPT_METRICS_PORT": str(free_port())},
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint_committed"] is True
+    assert report["checkpoint_committed"] is True
     store = open_s3_root(mirror)
     pointer = store.read_pointer()
     assert (pointer.checkpoint_step, pointer.state_dict_step) == (2, 2)
@@ -566,16 +562,10 @@ def test_trinity_keeps_its_checkpoints_on_s3_through_a_mirror(
 
     second = tmp_path / "second.yaml"
     second.write_text(TRINITY_CONFIG.format(root=tmp_path / "fresh"))
-    out = subprocess.run(
-        [sys.executable, "-c", RESTORE_JOB, str(second), f"{namespace}-fresh"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, log = run_trinity_job(
+        ray_cluster, RESTORE_JOB, second, f"{namespace}-fresh", env={"OBSCKPT_MIRROR": mirror}
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["restored"] == {"checkpoint": 2, "state_dict": 2}, out.stderr[-4000:]
+    assert report["restored"] == {"checkpoint": 2, "state_dict": 2}, log
     assert report["global_steps"] == 2
     assert report["loaded"] == [os.path.join("global_step_2", "actor")]
     from obsckpt.store import reader
