@@ -30,20 +30,21 @@ from types import TracebackType
 from typing import Any
 
 from obsckpt import validators
-from obsckpt.errors import SaveError, SavePathError, SaveTimeoutError
+from obsckpt.coordinator_targets import TargetChecks
+from obsckpt.errors import SaveError, SaveTimeoutError
 from obsckpt.monitor_link import DEFAULT_RPC_TIMEOUT_S, MonitorLink, default_rank
 from obsckpt.save_job import SaveErrors, SaveJob, wait_jobs
 from obsckpt.save_threads import STALL_TIMEOUT_S, STALL_WARNING_S, THREADS, wait_watched
 from obsckpt.slot_staging import SlotStaging, StagedSave
 from obsckpt.store import layout
-from obsckpt.store.file_records import check_targets, object_destination, path_list, run_and_record
+from obsckpt.store.file_records import object_destination, path_list, run_and_record
 from obsckpt.telemetry import tracing
 from obsckpt.validators import validate_parts, validate_slot, validate_step
 
 logger = logging.getLogger(__name__)
 
 
-class CheckpointCoordinator:
+class CheckpointCoordinator(TargetChecks):
     """Runs saves in background threads and coordinates them with the monitor.
 
     Args:
@@ -279,6 +280,7 @@ class CheckpointCoordinator:
         part: int | None = None,
         parts: int | None = None,
         unless_committed: bool = False,
+        staged: StagedSave | None = None,
     ) -> StagedSave:
         """Snapshot ``state_dict`` into staging buffers, then write it in the background.
 
@@ -298,7 +300,9 @@ class CheckpointCoordinator:
         (no :meth:`prepare` for these shapes) is logged and counted in
         ``obsckpt_staging_cold_saves_total``. ``part``/``parts`` mark one part
         of a save made of several, e.g. each rank's shard; a step already
-        committed is not written (see :meth:`save_async`).
+        committed is not written (see :meth:`save_async`). ``staged``, what
+        :meth:`stage` returned for this slot and step and not staged over since,
+        is written as it is: no second copy.
 
         Raises:
             SavePathError: ``path`` lies outside this step's directory, checked
@@ -316,10 +320,16 @@ class CheckpointCoordinator:
             [path], name, global_step, is_state_dict, part, parts, through_temp=True
         )
         try:
-            join_wait = self._join(name, trace_context, global_step)
-            snapshot, copier = self._staging.snapshot(
-                name, state_dict, global_step, overlap=overlap
+            snapshot, copier, join_wait = (
+                self._staging.reusable(staged, name, global_step),
+                None,
+                0.0,
             )
+            if snapshot is None:
+                join_wait = self._join(name, trace_context, global_step)
+                snapshot, copier = self._staging.snapshot(
+                    name, state_dict, global_step, overlap=overlap
+                )
         except BaseException as exc:
             # Ctrl-C during the snapshot too: a step that registered this save would
             # otherwise wait for it (no lease was taken) until a later step commits.
@@ -350,6 +360,18 @@ class CheckpointCoordinator:
         return StagedSave(
             name, global_step, copier, snapshot, self._staging, self._staging.generation(name)
         )
+
+    def stage(self, name: str, state_dict: Any, global_step: int) -> StagedSave:
+        """Snapshot ``state_dict`` into slot ``name``'s staging, written by nothing yet.
+
+        Publish it (:meth:`StagedSave.hold`), then pass it to the slot's save
+        of the step (``save_state_dict_async(..., staged=)``): the state leaves
+        the device once for both. Not saved, it is staged over by the slot's next save.
+        """
+        validate_slot(name)
+        validate_step(global_step)
+        self._join(name, None, global_step)
+        return self._staging.stage_ahead(name, state_dict, global_step)
 
     def prepare(self, name: str, state_dict: Any, *, background: bool = False) -> Future:
         """Allocate, pin and pre-fault slot ``name``'s staging for ``state_dict``'s shapes.
@@ -492,60 +514,6 @@ class CheckpointCoordinator:
         return prev.join(
             trace_context, timeout, warn_every=self.stall_warning_s, next_step=step, bound=bound
         )
-
-    def check_targets(
-        self,
-        paths: Iterable[str | os.PathLike],
-        global_step: int,
-        is_state_dict: bool = False,
-        *,
-        name: str = "sync",
-        part: int | None = None,
-        parts: int | None = None,
-    ) -> None:
-        """Refuse, before anything is written, a target outside ``global_step``'s directory.
-
-        For what a save writes before it reaches :meth:`save_sync` or
-        :meth:`save_state_dict_async`, or into a directory other ranks' saves
-        share (not ``paths=``); ``name``, ``is_state_dict`` and ``part``/``parts``
-        as the save will have them. A refused target fails that save and its step.
-
-        Raises:
-            SavePathError: a path lies (or resolves) outside this step's directory.
-        """
-        validate_slot(name)
-        validate_step(global_step)
-        validate_parts(part, parts)
-        self._require_monitor()
-        self._check_targets(path_list(paths), name, global_step, is_state_dict, part, parts)
-
-    def _check_targets(
-        self,
-        paths: list[str] | None,
-        name: str,
-        step: int,
-        is_state_dict: bool,
-        part: int | None,
-        parts: int | None,
-        *,
-        through_temp: bool = False,
-    ) -> None:
-        """Refuse a target outside ``step``'s directory before anything is written.
-
-        The refused save is reported failed before admission, so a step that
-        registered it fails now instead of waiting for it.
-
-        Raises:
-            SavePathError: see :func:`obsckpt.store.file_records.check_targets`.
-        """
-        if not paths:
-            return
-        try:
-            root = self._link.checkpoint_root()
-            check_targets(paths, root=root, step=step, slot=name, through_temp=through_temp)
-        except SavePathError as exc:
-            self._job(name, step, is_state_dict, part, parts).fail_unstarted(exc)
-            raise
 
     def _job(
         self,

@@ -232,6 +232,24 @@ class SlotStaging:
             copier.start(lambda run: THREADS.submit(run, f"obsckpt-stage-{slot}-step{step}"))
         return snapshot, copier
 
+    def stage_ahead(self, slot: str, state_dict: Any, step: int) -> StagedSave:
+        """:meth:`snapshot` of ``state_dict`` that no save writes yet (see
+        :meth:`~obsckpt.coordinator.CheckpointCoordinator.stage`)."""
+        snapshot, _ = self.snapshot(slot, state_dict, step, overlap=False)
+        return StagedSave(slot, step, None, snapshot, self, self.generation(slot))
+
+    def reusable(self, staged: StagedSave | None, slot: str, step: int) -> Any:
+        """``staged``'s snapshot if a save of ``slot`` at ``step`` may write it as it is
+        (taken for that slot and step here, not staged over since), else None."""
+        if staged is None or staged._staging is not self or staged._snapshot is None:
+            return None
+        if (staged.slot, staged.step) != (slot, step) or staged._copy is not None:
+            return None
+        with self._lock:
+            return (
+                staged._snapshot if self._generations.get(slot, 0) == staged._generation else None
+            )
+
     def generation(self, slot: str) -> int:
         """How many snapshots ``slot`` has taken (a lent snapshot is valid while it is the last)."""
         with self._lock:

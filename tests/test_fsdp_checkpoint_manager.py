@@ -88,6 +88,22 @@ class Rank:
         self.manager.wait_on_save_thread(timeout=120)
         return n
 
+    def upload_then_save(self, root: str, step: int, save_step: int) -> dict:
+        """Trinity's order at a step that syncs and saves: the memory sync, then the checkpoint
+        (of ``save_step``; training in between when they differ). How many snapshots the
+        model's slot took for both."""
+        from obsckpt.integrations.verl_fsdp import MODEL_SLOT
+
+        staging = self.manager.coordinator._staging
+        before = staging.generation(MODEL_SLOT)
+        self.manager.upload_state_dict(step)
+        if save_step != step:
+            self.train(save_step)
+        path = os.path.join(root, f"global_step_{save_step}", "actor")
+        self.manager.save_checkpoint(path, global_step=save_step, max_ckpt_to_keep=None)
+        self.manager.wait_on_save_thread(timeout=120)
+        return {"snapshots": staging.generation(MODEL_SLOT) - before}
+
     def save_with_record(self, root: str, step: int) -> list[float]:
         """A checkpoint and this rank's resume record; what torch draws next."""
         from obsckpt.resume import ResumeRecord
@@ -297,6 +313,40 @@ class TestCommittedFilesStay:
         assert ray.get(monitor.status.remote())["pending"] == []
         both("train", 1)
         assert both("save_state_dict", str(root), 5) == [1, 1]  # later syncs save
+        ray.kill(sync)
+
+    def test_memory_sync_and_save_of_a_step_share_one_snapshot(self, namespace, tmp_path):
+        """FSDP2: each rank publishes its own shard (the Synchronizer merges them) from a host
+        snapshot that the step's save then writes as it is: one snapshot for both, and the
+        rollout's weights, the committed files and the trainer's all equal. A save of a later
+        step stages its own (the published snapshot is not written as that step)."""
+        from obsckpt import Synchronizer
+        from obsckpt.store import reader
+        from obsckpt.sync.shards import load_sharded_state_dict
+
+        root = tmp_path / "ckpt"
+        sync = Synchronizer.get_actor(namespace=namespace)
+        monitor, both = start_job(namespace, root)
+        both("train", 1)
+        shared = both("upload_then_save", str(root), 1, 1)
+        assert [r["snapshots"] for r in shared] == [1, 1], shared
+        commit(monitor, 1)
+        trained = both("snapshot")[0]["params"]
+        published, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 1
+        assert same(trained, published) == [] and set(published) >= set(trained)
+        step_dir = root / "global_step_1"
+        assert reader.verify_step(step_dir) == []
+        saved = load_sharded_state_dict(step_dir / "actor")
+        assert same(trained, saved) == []
+
+        later = both("upload_then_save", str(root), 2, 3)  # synced at 2, trained, saved at 3
+        assert [r["snapshots"] for r in later] == [2, 2], later
+        commit(monitor, 3)
+        trained = both("snapshot")[0]["params"]
+        assert same(trained, load_sharded_state_dict(root / "global_step_3" / "actor")) == []
+        published, version = ray.get(sync.get_model_state_dict.remote())
+        assert version == 2 and same(trained, published) != []  # step 2's weights, not 3's
         ray.kill(sync)
 
     def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path):

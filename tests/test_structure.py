@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("telemetry", "admission", "tickets", "tracker", "options"),
     ),
     ("monitor", ("monitor", "monitor_link")),
-    ("save side", ("save_job", "slot_staging", "coordinator", "resume")),
+    ("save side", ("save_job", "slot_staging", "coordinator_targets", "coordinator", "resume")),
     ("weight sync", ("sync",)),
     ("integrations", ("integrations",)),
     (

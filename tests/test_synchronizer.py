@@ -441,3 +441,102 @@ class TestRetentionRace:
         asyncio.run(sync._load_step(sync._steps, 1))
         status = asyncio.run(sync.status())
         assert status["load_failures"] == 1 and "step 1:" in status["last_error"], status
+
+
+class TestShardPublish:
+    """Memory sync from each trainer rank's shard: the Synchronizer merges, every rank hears."""
+
+    @staticmethod
+    def actor():
+        from prometheus_client import CollectorRegistry
+
+        from obsckpt.sync.synchronizer import Synchronizer as Actor
+
+        return Actor(None, namespace="no-monitor-here", registry=CollectorRegistry())
+
+    @staticmethod
+    def shards(full: dict[str, torch.Tensor], world: int) -> list[dict]:
+        """Each rank's shard as publish_staged_shards sends it: row-sharded pieces over a
+        1-D mesh, the plain tensor from rank 0 only."""
+        from torch.distributed.tensor import Shard
+
+        from obsckpt.sync.shards import ShardPiece
+
+        mesh = torch.arange(world)
+        out = []
+        for rank in range(world):
+            piece = full["w"].chunk(world)[rank]
+            out.append(
+                {
+                    "w": ShardPiece(piece, (Shard(0),), mesh, tuple(full["w"].shape)),
+                    "count": full["count"] if rank == 0 else None,
+                }
+            )
+        return out
+
+    def test_the_last_rank_merges_and_every_rank_gets_the_result(self):
+        sync = self.actor()
+        full = {"w": torch.randn(6, 3), "count": torch.tensor([7])}
+
+        async def run():
+            calls = [sync.set_model_shard(s, 4, r, 3) for r, s in enumerate(self.shards(full, 3))]
+            return await asyncio.gather(*calls), await sync.get_model_state_dict()
+
+        results, (published, version) = asyncio.run(run())
+        assert results == [True, True, True] and version == 4
+        assert equal(published, full)
+
+    def test_a_newer_step_ends_one_missing_ranks_and_names_them(self):
+        sync = self.actor()
+        old, new = ({"w": torch.randn(4, 2), "count": torch.tensor([i])} for i in (1, 2))
+
+        async def run():
+            waiting = asyncio.ensure_future(sync.set_model_shard(self.shards(old, 2)[0], 1, 0, 2))
+            await asyncio.sleep(0)
+            done = await asyncio.gather(
+                *(sync.set_model_shard(s, 2, r, 2) for r, s in enumerate(self.shards(new, 2)))
+            )
+            with pytest.raises(StateDictLoadError, match=r"step 1's shards .*ranks \[1\] of 2"):
+                await waiting
+            return done, await sync.get_model_state_dict()
+
+        done, (published, version) = asyncio.run(run())
+        assert done == [True, True] and version == 2 and equal(published, new)
+
+    def test_bad_calls_are_refused_by_name(self):
+        sync = self.actor()
+        full = {"w": torch.randn(4, 2), "count": torch.tensor([0])}
+        first, second = self.shards(full, 2)
+
+        async def run():
+            waiting = asyncio.ensure_future(sync.set_model_shard(first, 5, 0, 2))
+            await asyncio.sleep(0)
+            for call, match in (
+                (sync.set_model_shard(second, 5, 2, 2), r"rank must be in \[0, 2\), got 2"),
+                (sync.set_model_shard(second, 5, 1, 3), "world_size 3, but an earlier .* 2"),
+                (sync.set_model_shard(first, 5, 0, 2), "rank 0 sent its shard of step 5 twice"),
+                (sync.set_model_shard(second, 4, 1, 2), "step 5 is being gathered"),
+            ):
+                with pytest.raises(ValueError, match=match):
+                    await call
+            assert await sync.set_model_shard(second, 5, 1, 2)
+            return await waiting, await sync.get_model_state_dict()
+
+        first_result, (published, version) = asyncio.run(run())
+        assert first_result and version == 5 and equal(published, full)
+
+    def test_a_piece_pickles_its_bytes_out_of_band(self):
+        import pickle
+
+        from torch.distributed.tensor import Shard
+
+        from obsckpt.sync.shards import ShardPiece
+
+        local = torch.arange(1 << 16, dtype=torch.float32)
+        piece = ShardPiece(local, (Shard(0),), torch.arange(2), (1 << 17,))
+        buffers: list = []
+        data = pickle.dumps(piece, protocol=5, buffer_callback=buffers.append)
+        assert len(data) < 4096 and sum(b.raw().nbytes for b in buffers) == local.nbytes
+        back = pickle.loads(data, buffers=buffers)
+        assert torch.equal(back.local, local) and back.shape == (1 << 17,)
+        assert back.placements == (Shard(0),)

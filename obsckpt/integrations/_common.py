@@ -133,31 +133,78 @@ def upload_state_dict(
     traces the upload (``obsckpt.upload``) and reports its duration through
     the Synchronizer. Returns the seconds it took on rank 0, else None.
     """
-
-    log = logger or _log
-    attrs = {span_attr.STEP: global_step, span_attr.RANK: rank}
-    t0 = time.perf_counter()
     if rank != 0:
         gather_full_state_dict(named_tensors, keep=False)
         return None
-    with tracing.span("obsckpt.upload", carrier=trace_context, attributes=attrs) as sp:
+
+    def publish() -> tuple[int, int]:
         state_dict = gather_full_state_dict(named_tensors, keep=True)
-        nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        sp.set_attribute(span_attr.BYTES, nbytes)
         hand_to_synchronizer(
             synchronizer.set_model_state_dict.remote(state_dict, global_step),
             f"take the weights of step {global_step}",
-            log,
+            logger or _log,
         )
+        return len(state_dict), sum(t.numel() * t.element_size() for t in state_dict.values())
+
+    return _timed_upload(publish, synchronizer, global_step, rank, logger, trace_context)
+
+
+def upload_staged_shards(
+    staged: Any,
+    synchronizer: Any,
+    global_step: int,
+    *,
+    rank: int,
+    world_size: int,
+    logger: logging.Logger | None = None,
+) -> float | None:
+    """Publish this rank's shard from ``staged``'s snapshot (a
+    :class:`~obsckpt.slot_staging.StagedSave`; the Synchronizer merges every
+    rank's, see :mod:`obsckpt.sync.shard_publish`), traced as
+    :func:`upload_state_dict`. Every rank must call it. Returns the seconds it
+    took on rank 0, else None.
+    """
+    from obsckpt.sync.shard_publish import publish_staged_shards, snapshot_size
+
+    def publish() -> tuple[int, int]:
+        with staged.hold() as snapshot:
+            sizes = snapshot_size(snapshot)
+        publish_staged_shards(synchronizer, staged, global_step, rank=rank, world_size=world_size)
+        return sizes
+
+    return _timed_upload(publish, synchronizer, global_step, rank, logger, None, shards=world_size)
+
+
+def _timed_upload(
+    publish: Any,
+    synchronizer: Any,
+    global_step: int,
+    rank: int,
+    logger: logging.Logger | None,
+    trace_context: dict[str, str] | None,
+    *,
+    shards: int = 0,
+) -> float | None:
+    """Run ``publish`` (returning the tensors and bytes it sent) in an ``obsckpt.upload``
+    span; rank 0 reports and logs the seconds it took and returns them."""
+    log = logger or _log
+    attrs = {span_attr.STEP: global_step, span_attr.RANK: rank}
+    t0 = time.perf_counter()
+    with tracing.span("obsckpt.upload", carrier=trace_context, attributes=attrs) as sp:
+        count, nbytes = publish()
+        sp.set_attribute(span_attr.BYTES, nbytes)
     seconds = time.perf_counter() - t0
+    if rank != 0:
+        return None
     try:
         synchronizer.record_upload.remote(seconds)
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks training
         log.warning("obsckpt: could not report the upload duration: %s", exc)
     log.info(
-        "obsckpt: uploaded %d tensors (%.1f MiB) of step %d to the synchronizer in %.2f s",
-        len(state_dict),
+        "obsckpt: uploaded %d tensors (%.1f MiB%s) of step %d to the synchronizer in %.2f s",
+        count,
         nbytes / 2**20,
+        f" on rank 0, one of {shards} shards" if shards else "",
         global_step,
         seconds,
     )

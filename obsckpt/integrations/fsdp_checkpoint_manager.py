@@ -44,7 +44,7 @@ from obsckpt.coordinator import CheckpointCoordinator, StagedSave
 from obsckpt.env import OBSCKPT_SYNC_SAVE, from_env_if_absent
 from obsckpt.errors import UnverifiedCheckpointError
 from obsckpt.integrations import alone, object_steps, verl_install
-from obsckpt.integrations._common import hand_to_synchronizer
+from obsckpt.integrations._common import hand_to_synchronizer, upload_staged_shards
 from obsckpt.integrations.fsdp_files import check_world_size
 from obsckpt.integrations.retention import prune
 from obsckpt.integrations.verl_fsdp import (
@@ -130,6 +130,8 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         self._commit_steps = commit_steps
         self._synchronizer = synchronizer
         self.previous_state_dict_step: int | None = None
+        # The model's snapshot upload_state_dict published: the step's model save writes it.
+        self._staged_model: StagedSave | None = None
 
     @property
     def commit_steps(self) -> bool:
@@ -157,7 +159,16 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
     # -- weight sync (Trinity's API) -----------------------------------
 
     def upload_state_dict(self, global_step: int) -> float | None:
-        """Gather the full model state dict and publish it on the Synchronizer (every rank calls)."""
+        """Publish the model on the Synchronizer as version ``global_step`` (every rank calls).
+
+        FSDP2: each rank publishes its own shard from a host snapshot taken in
+        the model's save slot, and this step's model save (``save_checkpoint``
+        or ``save_state_dict`` right after, as Trinity's trainer does) writes
+        that snapshot as it is: the weights leave the devices once for both,
+        and nothing is gathered (the Synchronizer merges the shards). FSDP1
+        (or a model whose state dict is not all DTensors): the full state dict
+        is gathered to rank 0 and published from there.
+        """
         from torch.distributed.tensor import DTensor
 
         from obsckpt.integrations.verl_fsdp import fsdp_version
@@ -169,11 +180,19 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
             with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT, cfg):
                 named = iter(self.model.state_dict().items())
-        else:
-            named = (
-                (n, t.full_tensor() if isinstance(t, DTensor) else t)
-                for n, t in self.model.state_dict().items()
+            return upload_state_dict(named, self.synchronizer, global_step, rank=self.rank)
+        state = self._model_state_dict(lora_only=False)
+        if any(isinstance(t, DTensor) for t in state.values()):
+            self._staged_model = self.coordinator.stage(MODEL_SLOT, state, global_step)
+            return upload_staged_shards(
+                self._staged_model,
+                self.synchronizer,
+                global_step,
+                rank=self.rank,
+                world_size=self.world_size,
+                logger=logger,
             )
+        named = ((n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in state.items())
         return upload_state_dict(named, self.synchronizer, global_step, rank=self.rank)
 
     def save_state_dict(self, local_path: str | None, global_step: int = 0) -> int:
@@ -302,7 +321,9 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if save_model:
-                self._save_model(local_path, global_step, model_state)
+                self._save_model(
+                    local_path, global_step, model_state, whole=not self.saves_lora_only
+                )
             if save_optimizer:
                 self._save_optimizer(local_path, global_step)
             if save_extra:
@@ -504,9 +525,14 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         )
         return adapters
 
-    def _save_model(self, local_path: str, global_step: int, state_dict: dict[str, Any]) -> None:
+    def _save_model(
+        self, local_path: str, global_step: int, state_dict: dict[str, Any], *, whole: bool = True
+    ) -> None:
         # unless_committed: the monitor decides again when it admits the write, so a
         # commit that lands after the check above still leaves the committed files alone.
+        # The step's published snapshot (upload_state_dict) is written as it is: the
+        # coordinator checks that nothing staged over it since.
+        staged, self._staged_model = self._staged_model, None
         self.coordinator.save_state_dict_async(
             MODEL_SLOT,
             state_dict,
@@ -514,6 +540,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             global_step,
             is_state_dict=True,
             unless_committed=True,
+            staged=staged if whole else None,
         )
         self.previous_state_dict_step = global_step
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,12 +164,14 @@ def load_sharded_state_dict(
 
 
 def merge_shards(shards: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Merge per-rank state dicts (DTensor shards or plain tensors) into full tensors.
+    """Merge per-rank state dicts (DTensor shards, their :class:`ShardPiece`, or plain
+    tensors) into full tensors.
 
-    A DTensor's pieces are placed by their rank's coordinate in the saved
+    A sharded tensor's pieces are placed by their rank's coordinate in the saved
     device mesh: ``Shard(d)`` pieces are concatenated along ``d`` (innermost
     mesh dimension first), ``Replicate`` ones are taken once. A plain tensor
-    is the same on every rank; rank 0's (the lowest rank's) is used.
+    is the same on every rank; rank 0's (the lowest rank's) is used, and the
+    other ranks may send None for it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -185,8 +188,9 @@ def merge_shards(shards: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Ten
     out: dict[str, torch.Tensor] = {}
     for name in names:
         first = shards[ranks[0]][name]
-        if isinstance(first, DTensor):
-            out[name] = _merge_dtensor(name, [(r, shards[r][name]) for r in ranks])
+        if isinstance(first, DTensor | ShardPiece):
+            pieces = [(r, ShardPiece.of(shards[r][name])) for r in ranks]
+            out[name] = _merge_pieces(name, pieces)
         elif isinstance(first, torch.Tensor):
             out[name] = first
         elif type(first).__name__ == "ShardedTensor":
@@ -200,10 +204,48 @@ def merge_shards(shards: Mapping[int, Mapping[str, Any]]) -> dict[str, torch.Ten
     return out
 
 
-def _merge_dtensor(name: str, pieces: list[tuple[int, Any]]) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class ShardPiece:
+    """One rank's piece of a sharded tensor, as :func:`merge_shards` places it: the local
+    tensor, the placements, the device mesh's ranks and the global shape.
+
+    It pickles without a copy of the local tensor's bytes (out of band under
+    pickle protocol 5: Ray writes them into its object store once), and is
+    rebuilt without a process group or a device mesh.
+    """
+
+    local: torch.Tensor
+    placements: tuple[Any, ...]
+    mesh: torch.Tensor
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, value: Any) -> ShardPiece:
+        """``value`` (a DTensor, or a piece already) as a piece; a DTensor's local tensor is not copied.
+
+        Raises:
+            StateDictLoadError: ``value`` is neither (another rank's entry of the name is).
+        """
+        if isinstance(value, ShardPiece):
+            return value
+        if not hasattr(value, "device_mesh"):
+            raise StateDictLoadError(
+                f"a {type(value).__name__} where another rank holds a sharded tensor"
+            )
+        return cls(
+            value.to_local(), tuple(value.placements), value.device_mesh.mesh, tuple(value.shape)
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from obsckpt.sync.publish import ZeroCopyTensor
+
+        return ShardPiece, (ZeroCopyTensor(self.local), self.placements, self.mesh, self.shape)
+
+
+def _merge_pieces(name: str, pieces: list[tuple[int, ShardPiece]]) -> torch.Tensor:
     first = pieces[0][1]
-    placements = tuple(first.placements)
-    mesh = first.device_mesh.mesh
+    placements = first.placements
+    mesh = first.mesh
     for p in placements:
         if type(p).__name__ == "_StridedShard" or not (p.is_shard() or p.is_replicate()):
             raise StateDictLoadError(
@@ -212,7 +254,7 @@ def _merge_dtensor(name: str, pieces: list[tuple[int, Any]]) -> torch.Tensor:
             )
     sharded = [(d, p.dim) for d, p in enumerate(placements) if p.is_shard()]
     chunks: dict[tuple[int, ...], torch.Tensor] = {}
-    for rank, dt in pieces:
+    for rank, piece in pieces:
         where = (mesh == rank).nonzero()
         if where.numel() == 0:
             raise StateDictLoadError(
@@ -221,7 +263,7 @@ def _merge_dtensor(name: str, pieces: list[tuple[int, Any]]) -> torch.Tensor:
         coord = tuple(int(c) for c in where[0])
         if any(coord[d] != 0 for d, p in enumerate(placements) if p.is_replicate()):
             continue  # a replica of a piece another rank already holds
-        chunks[tuple(coord[d] for d, _ in sharded)] = dt.to_local()
+        chunks[tuple(coord[d] for d, _ in sharded)] = piece.local
 
     def assemble(prefix: tuple[int, ...], level: int) -> torch.Tensor:
         if level == len(sharded):

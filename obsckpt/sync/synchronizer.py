@@ -3,7 +3,8 @@
 Two ways in, one version counter (the training step):
 
 * memory sync: trainer rank 0 calls :meth:`Synchronizer.set_model_state_dict`
-  with the full state dict;
+  with the full state dict, or every rank :meth:`Synchronizer.set_model_shard`
+  with its shard (:mod:`obsckpt.sync.shard_publish`: merged here);
 * checkpoint sync: the actor watches ``latest_state_dict_iteration.txt`` under
   ``default_local_dir`` and, when it names a newer step, loads that step's
   model (``global_step_<N>/actor/model.safetensors``, Trinity-RFT 0.6.0's, or
@@ -52,6 +53,7 @@ from obsckpt.store.uri import is_remote, root_or_url
 from obsckpt.sync import detached, naming
 from obsckpt.sync.delta_memory import DeltaMemorySync
 from obsckpt.sync.detached import ModuleWatch
+from obsckpt.sync.shard_publish import ShardMemorySync
 from obsckpt.sync.shards import state_dict_meta
 from obsckpt.sync.step_source import StepSource, step_source
 from obsckpt.sync.telemetry import WeightSyncTelemetry
@@ -81,7 +83,7 @@ _KEEP_FAILED = 64
 # ----------------------------------------------------------------------
 
 
-class Synchronizer(TrinityProtocol, DeltaMemorySync):
+class Synchronizer(TrinityProtocol, DeltaMemorySync, ShardMemorySync):
     """Holds the latest model state dict and its version for the rollout side; one per job.
 
     Create it with :meth:`get_actor`; the constructor runs inside the actor.
