@@ -617,6 +617,39 @@ class TestSharedSnapshot:
         finally:
             ray.kill(sync)
 
+    def test_the_colocated_sync_sends_the_held_snapshot(self, coordinator, tmp_path):
+        """ipc on the CPU (shared-memory buckets): the sync reads the lent snapshot, so the
+        rollout gets the step's values while the trainer's tensors have moved on."""
+        import pickle
+
+        from obsckpt.sync.ipc import IpcWeightReceiver, IpcWeightSender
+
+        coord, _ = coordinator
+        sd = {"w": torch.randn(64, 32), "b": torch.randn(1000).to(torch.bfloat16)}
+        want = {k: v.clone() for k, v in sd.items()}
+        handle = coord.save_state_dict_async("model", sd, _path(tmp_path, 1), 1)
+        for t in sd.values():
+            t.zero_()  # the trainer's next step
+        (tmp_path / "shm").mkdir()
+        sender = IpcWeightSender(device="cpu", bucket_bytes=4 << 10, shm_dir=str(tmp_path / "shm"))
+        receiver = IpcWeightReceiver(device="cpu")
+        got = {}
+
+        def deliver(payload):
+            ack, tensors = receiver.recv(pickle.loads(pickle.dumps(payload)), clone=True)
+            got.update(tensors)
+            return ack
+
+        try:
+            with handle.hold(timeout=60) as snapshot:
+                sender.send(snapshot, deliver, step=1)
+        finally:
+            sender.close()
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+        coord.wait_all(timeout=60)
+        assert torch.equal(torch.load(_path(tmp_path, 1))["w"], want["w"])
+
     def test_a_held_slot_is_neither_released_nor_taken_over(self, coordinator, tmp_path):
         coord, _ = coordinator
         handle = coord.save_state_dict_async("model_1", _state(), _path(tmp_path, 1), 1)
