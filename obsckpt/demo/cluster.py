@@ -186,8 +186,10 @@ def shutdown(
 ) -> None:
     """Close the actors, then stop the cluster this run started.
 
-    Not ``patient`` (a signal stopped the run): a few seconds for the actors to
-    close, so that the whole stop stays within what a job runner waits. The
+    Not ``patient`` (a signal stopped the run, or it failed: a rank may then be
+    stuck in a collective its peer left, and its close would never run): a few
+    seconds for the actors to close, so that the whole stop stays within what a
+    job runner waits. The
     monitor withdraws its ``file_sd`` target (at ``address``) as it shuts down;
     where it could not (a signal to the process group ended its process first),
     the driver withdraws it once the monitor is gone, so Prometheus does not go

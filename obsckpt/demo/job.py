@@ -114,6 +114,7 @@ def _run(
     worker_env = {} if owns_ray and not cfg.address else env
     actors: list[Any] = []
     monitor = None
+    failed = False  # the run raised: its ranks may be stuck in a collective, so no patience
     loop = asyncio.new_event_loop()
     try:
         if owns_ray:
@@ -184,6 +185,9 @@ def _run(
         progress.note("stopped at once: saves still in flight are left uncommitted")
         result.stop_reason = "aborted"
         result.exit_code = EXIT_INTERRUPTED
+    except BaseException:
+        failed = True
+        raise
     finally:
         stop.phase = "finishing"
         loop.close()
@@ -198,7 +202,7 @@ def _run(
             actors,
             monitor,
             owns_ray,
-            patient=stop.signum is None,
+            patient=stop.signum is None and not failed,
             file_sd=cfg.file_sd,
             address=result.metrics_address,
         )
