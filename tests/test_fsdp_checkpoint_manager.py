@@ -104,6 +104,9 @@ class Rank:
         self.manager.wait_on_save_thread(timeout=120)
         return {"snapshots": staging.generation(MODEL_SLOT) - before}
 
+    def upload(self, step: int) -> float | None:
+        return self.manager.upload_state_dict(step)
+
     def save_with_record(self, root: str, step: int) -> list[float]:
         """A checkpoint and this rank's resume record; what torch draws next."""
         from obsckpt.resume import ResumeRecord
@@ -143,6 +146,24 @@ class Rank:
 
     def load(self, root: str, step: int) -> None:
         self.manager.load_checkpoint(os.path.join(root, f"global_step_{step}", "actor"))
+
+
+@ray.remote
+class WholeStateSynchronizer:
+    """A Synchronizer of whole state dicts only (no ``set_model_shard``)."""
+
+    def __init__(self) -> None:
+        self.state = self.version = None
+
+    def set_model_state_dict(self, state: dict, step: int) -> bool:
+        self.state, self.version = state, step
+        return True
+
+    def record_upload(self, seconds: float) -> None:
+        pass
+
+    def held(self) -> tuple:
+        return self.state, self.version
 
 
 def commit(monitor, step: int) -> None:
@@ -348,6 +369,14 @@ class TestCommittedFilesStay:
         published, version = ray.get(sync.get_model_state_dict.remote())
         assert version == 2 and same(trained, published) != []  # step 2's weights, not 3's
         ray.kill(sync)
+
+        # A Synchronizer that takes whole state dicts only: the ranks gather, as before.
+        whole = WholeStateSynchronizer.options(name="synchronizer", namespace=namespace).remote()
+        both("restart_manager")  # looks the new one up
+        assert both("upload", 4)[0] is not None  # rank 0 reports its seconds
+        got, version = ray.get(whole.held.remote())
+        assert version == 4 and same(trained, got) == [] and set(got) >= set(trained)
+        ray.kill(whole)
 
     def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path):
         """A job resumed from an older step (``resume_from_path``) retrains steps whose

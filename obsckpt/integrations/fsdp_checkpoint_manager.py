@@ -165,9 +165,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
         the model's save slot, and this step's model save (``save_checkpoint``
         or ``save_state_dict`` right after, as Trinity's trainer does) writes
         that snapshot as it is: the weights leave the devices once for both,
-        and nothing is gathered (the Synchronizer merges the shards). FSDP1
-        (or a model whose state dict is not all DTensors): the full state dict
-        is gathered to rank 0 and published from there.
+        and nothing is gathered (the Synchronizer merges the shards). FSDP1, a
+        model without DTensors, or a Synchronizer that takes whole state dicts
+        only (no ``set_model_shard``): the full state dict is gathered to rank 0
+        and published from there.
         """
         from torch.distributed.tensor import DTensor
 
@@ -182,7 +183,10 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
                 named = iter(self.model.state_dict().items())
             return upload_state_dict(named, self.synchronizer, global_step, rank=self.rank)
         state = self._model_state_dict(lora_only=False)
-        if any(isinstance(t, DTensor) for t in state.values()):
+        # A Synchronizer without set_model_shard (another project's) takes whole state
+        # dicts only; every rank sees the same handle, so all gather together.
+        shards = hasattr(self.synchronizer, "set_model_shard")
+        if shards and any(isinstance(t, DTensor) for t in state.values()):
             self._staged_model = self.coordinator.stage(MODEL_SLOT, state, global_step)
             return upload_staged_shards(
                 self._staged_model,
