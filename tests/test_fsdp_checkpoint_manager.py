@@ -107,6 +107,26 @@ class Rank:
     def upload(self, step: int) -> float | None:
         return self.manager.upload_state_dict(step)
 
+    def prepared_slots(self) -> dict:
+        """Each save slot's staging bytes once its background prepare has ended, and the slots
+        whose save has had to allocate (a cold save) since the manager was built."""
+        coordinator = self.manager.coordinator
+        coordinator._staging.wait_prepared(time.monotonic() + 60)
+        slots = ("model_state_dict", "optim", "extra_state")
+        return {s: coordinator.staging_bytes(s)[0] for s in slots} | {"cold": list(self.cold)}
+
+    def restart_manager_counting_cold_saves(self) -> None:
+        self.restart_manager()
+        staging = self.manager.coordinator._staging
+        self.cold: list[str] = []
+        allocated = staging._cold_save
+
+        def counted(slot, step, buffers):
+            self.cold.append(slot)
+            allocated(slot, step, buffers)
+
+        staging._cold_save = counted
+
     def save_with_record(self, root: str, step: int) -> list[float]:
         """A checkpoint and this rank's resume record; what torch draws next."""
         from obsckpt.resume import ResumeRecord
@@ -192,16 +212,26 @@ def start_job(namespace, root):
 def test_save_resume_and_retention(namespace, tmp_path):
     root = tmp_path / "ckpt"
     monitor, both = start_job(namespace, root)
+    # With no prepare() call in the trainer (verl's and Trinity's make none), the manager
+    # prepares its model and extra-state slots when built and its optimizer's after the
+    # first step, so no first save allocates its staging on the training path.
+    both("restart_manager_counting_cold_saves")
+    built = both("prepared_slots")
+    assert all(s["model_state_dict"] > 0 and s["extra_state"] > 0 for s in built), built
+    assert all(s["optim"] == 0 for s in built), built  # no optimizer state yet
 
     def step_files(step):
         return sorted(os.listdir(root / f"global_step_{step}" / "actor"))
 
     for step in (1, 2, 3):
         both("train", step)
+        if step == 1:
+            assert all(s["optim"] > 0 for s in both("prepared_slots"))
         counts = both("save", str(root), step, 1)
         assert counts == [{"state_dict": 1, "checkpoint": 2}] * 2
         commit(monitor, step)
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    assert [s["cold"] for s in both("prepared_slots")] == [[], []]  # three saves, none cold
     saved = both("snapshot")[0]
 
     files = step_files(3)

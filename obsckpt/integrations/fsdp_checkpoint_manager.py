@@ -47,6 +47,7 @@ from obsckpt.integrations import alone, object_steps, verl_install
 from obsckpt.integrations._common import hand_to_synchronizer, upload_staged_shards
 from obsckpt.integrations.fsdp_files import check_world_size
 from obsckpt.integrations.retention import prune
+from obsckpt.integrations.slot_prepare import prepare_slots
 from obsckpt.integrations.verl_fsdp import (
     MODEL_SLOT,
     already_committed,
@@ -129,6 +130,7 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             self.checkpoint_monitor = self.coordinator.monitor
         self._commit_steps = commit_steps
         self._synchronizer = synchronizer
+        prepare_slots(self, MODEL_SLOT)
         self.previous_state_dict_step: int | None = None
         # The model's snapshot upload_state_dict published: the step's model save writes it.
         self._staged_model: StagedSave | None = None
@@ -554,13 +556,16 @@ class FSDPCheckpointManager(VerlFSDPCheckpointManager):
             "optim", state, self._path(local_path, "optim"), global_step, unless_committed=True
         )
 
-    def _save_extra_state(self, local_path: str, global_step: int) -> None:
-        extra = {
+    def _extra_state(self) -> dict[str, Any]:
+        return {
             "lr_scheduler": self.lr_scheduler.state_dict()
             if self.lr_scheduler is not None
             else None,
             "rng": self.get_rng_state(),
         }
+
+    def _save_extra_state(self, local_path: str, global_step: int) -> None:
+        extra = self._extra_state()
         self.coordinator.save_state_dict_async(
             "extra_state",
             extra,
