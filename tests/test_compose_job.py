@@ -106,9 +106,14 @@ def find_links() -> list[str]:
 
 def build_job_env(tmp: Path) -> Path:
     """A virtual environment made as the Dockerfile makes the image; returns its bin folder."""
-    uv = shutil.which("uv")
+    # uv from PATH, else the one the Makefile installs into .uv-tools where PATH has none.
+    local_uv = ROOT / ".uv-tools" / "bin" / "uv"
+    uv = shutil.which("uv") or (str(local_uv) if local_uv.exists() else None)
     if uv is None:
-        pytest.fail("uv is not installed: `python3 -m pip install uv` (the Makefile does this)")
+        pytest.fail(
+            "uv is not installed: neither on PATH nor in .uv-tools/ (`make test` installs it "
+            "there; or `python3 -m pip install uv`)"
+        )
     context = tmp / "context"
     context.mkdir()
     for rel in copied_paths():
