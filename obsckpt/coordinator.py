@@ -320,11 +320,8 @@ class CheckpointCoordinator(TargetChecks):
             [path], name, global_step, is_state_dict, part, parts, through_temp=True
         )
         try:
-            snapshot, copier, join_wait = (
-                self._staging.reusable(staged, name, global_step),
-                None,
-                0.0,
-            )
+            snapshot = self._staging.reusable(staged, name, global_step)
+            copier, join_wait = None, 0.0
             if snapshot is None:
                 join_wait = self._join(name, trace_context, global_step)
                 snapshot, copier = self._staging.snapshot(

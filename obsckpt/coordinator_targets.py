@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from obsckpt.errors import SavePathError
 from obsckpt.monitor_link import MonitorLink
@@ -25,14 +25,7 @@ class TargetChecks:
 
         def _require_monitor(self) -> None: ...
 
-        def _job(
-            self,
-            name: str,
-            step: int,
-            is_state_dict: bool,
-            part: int | None = None,
-            parts: int | None = None,
-        ) -> SaveJob: ...
+        def _job(self, *args: Any, **kwargs: Any) -> SaveJob: ...  # the coordinator's
 
     def check_targets(
         self,

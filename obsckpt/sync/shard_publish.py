@@ -34,6 +34,7 @@ import torch
 
 from obsckpt import validators
 from obsckpt.errors import StateDictLoadError
+from obsckpt.sync.publish import ZeroCopyTensor
 from obsckpt.sync.shards import ShardPiece, merge_shards
 
 __all__ = ["ShardMemorySync", "publish_staged_shards", "shard_of", "snapshot_size"]
@@ -49,7 +50,7 @@ def shard_of(snapshot: Mapping[str, Any], rank: int) -> dict[str, Any]:
         if hasattr(value, "device_mesh"):
             out[name] = ShardPiece.of(value)
         elif isinstance(value, torch.Tensor):
-            out[name] = _zero_copy(value) if rank == 0 else None
+            out[name] = ZeroCopyTensor(value) if rank == 0 else None
         else:
             out[name] = value
     return out
@@ -64,12 +65,6 @@ def snapshot_size(snapshot: Mapping[str, Any]) -> tuple[int, int]:
             count += 1
             nbytes += local.numel() * local.element_size()
     return count, nbytes
-
-
-def _zero_copy(t: torch.Tensor) -> Any:
-    from obsckpt.sync.publish import ZeroCopyTensor
-
-    return ZeroCopyTensor(t)
 
 
 def publish_staged_shards(

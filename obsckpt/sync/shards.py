@@ -22,6 +22,7 @@ import torch
 from obsckpt.errors import AdapterOnlyError, MegatronLayoutError, StateDictLoadError
 from obsckpt.store import layout, reader
 from obsckpt.store.loading import CommittedStep
+from obsckpt.sync.publish import ZeroCopyTensor
 
 # Ranks named in an error about missing ones: an absurd world size must not make it huge.
 _NAMED_RANKS = 8
@@ -237,8 +238,6 @@ class ShardPiece:
         )
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        from obsckpt.sync.publish import ZeroCopyTensor
-
         return ShardPiece, (ZeroCopyTensor(self.local), self.placements, self.mesh, self.shape)
 
 
