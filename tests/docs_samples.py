@@ -1,8 +1,9 @@
 """The sample outputs the docs show, as shapes a real run's output must have.
 
-A sample's numbers (timings, sizes, addresses, steps) differ from run to run; its
-shape (the rows, the words, the columns) must not drift from what the program
-prints. :func:`shape` keeps the shape of a line; the tests compare the docs'
+A sample's numbers (timings, sizes, addresses, steps) differ from run to run, and
+so do the units the program picks for them (a pause of 1.2 s prints in seconds,
+one of 96 ms in milliseconds); its shape (the rows, the words, the columns) must
+not drift from what the program prints. :func:`shape` keeps the shape of a line; the tests compare the docs'
 samples with a real run's lines through it.
 """
 
@@ -17,12 +18,18 @@ _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _BAR = re.compile(r"\[[#.]+\]")
 _PATH = re.compile(r"(?:/[\w.@+-]+)+/?")
 _RULE = re.compile(r"-{5,}")  # a table's rule, as wide as its columns
+# A figure's unit, which the program scales with the figure (see obsckpt.demo.summary).
+_DURATION = re.compile(r"\b\d+(?:[.,]\d+)* (?:µs|ms|s)\b")
+_SIZE = re.compile(r"\b\d+(?:[.,]\d+)* (?:B|KiB|MiB|GiB|TiB)(/s)?\b")
 
 
 def shape(line: str) -> str:
-    """``line`` with its numbers, progress bar, rules, paths and spacing made uniform."""
+    """``line`` with its numbers (and their units), progress bar, rules, paths and
+    spacing made uniform."""
     line = _BAR.sub("[bar]", line)
     line = _RULE.sub("-----", line)
+    line = _DURATION.sub("N <time>", line)
+    line = _SIZE.sub(lambda m: "N <size>" + (m.group(1) or ""), line)
     line = _PATH.sub("PATH", line)
     line = _NUMBER.sub("N", line)
     return " ".join(line.split())

@@ -47,3 +47,17 @@ def test_shape_keeps_words_and_drops_figures():
     assert shape("[####....] step 1/6  loss 6.279") == shape("[#.......] step 3/4  loss 5.1")
     assert shape("checkpoints: /tmp/a/ckpt  (x)") == shape("checkpoints: /tmp/b  (x)")
     assert missing_shapes(["save optim  4  1 ms"], "save model  4  1 ms") == ["save optim  4  1 ms"]
+
+
+def test_shape_takes_a_unit_as_part_of_its_figure():
+    """The summary scales a figure's unit with it (96.2 ms, 1.05 s; 9.8 MiB, 1.0 GiB), so a
+    run slower or bigger than the docs' sample has the sample's shape; a different word
+    or a figure without its unit does not."""
+    sample = "rollout pause (broadcast)  6  62.5 ms  96.2 ms  <= 100.0 ms  55.5 ms  9.8 MiB sent"
+    slow = "rollout pause (broadcast)  6  0.95 s  1.20 s  <= 2.50 s  812.4 ms  1.0 GiB sent"
+    assert shape(sample) == shape(slow)
+    assert shape("broadcast  35.4 MiB/s") == shape("broadcast  812.0 KiB/s")
+    assert shape("ranks ready in 6.2 s") == shape("ranks ready in 950.0 ms")
+    assert shape("rollout pause  62.5 ms") != shape("rollout pause  62.5")
+    assert shape("9.8 MiB sent") != shape("9.8 MiB written")
+    assert shape("(12/30s)") == shape("(3/30s)") != shape("(3/30 s)")
