@@ -150,10 +150,22 @@ def start_drill(ray_cluster, namespace) -> Iterator[Callable[..., Drill]]:
     for drill in started:
         drill.prom.stop()
         try:
+            pid = drill.monitor_pid()
             ray_cluster.kill(drill.monitor)
         except Exception:  # noqa: BLE001 - already gone in the monitor drills
-            pass
+            continue
+        # ray.kill returns before the process is gone: a monitor still finishing a commit
+        # would write into the directory being removed.
+        wait_for("the monitor's process to exit", lambda p=pid: not process_alive(p), timeout=30)
     scratch.cleanup()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class TestCommitStalled:
