@@ -372,3 +372,38 @@ def test_sigterm_withdraws_the_file_sd_target(tmp_path, scraped):
     assert code == 128 + signal.SIGTERM, demo.err
     assert took < STOP_WITHIN_S
     assert read_file_sd_targets(sd) == [], f"{sd} still names the stopped demo"
+
+
+def test_the_stop_withdraws_a_restarted_monitors_target(tmp_path):
+    """The group's SIGTERM can end the monitor's process; Ray restarts it, and the new
+    monitor publishes a new address under the same root. When it cannot shut down in
+    the stop's seconds, the driver (which knows only the first address) withdraws the
+    root's targets once nothing listens there; other roots' targets stay."""
+    import socket
+
+    from obsckpt.demo.cluster import shutdown
+    from obsckpt.telemetry.server import publish_file_sd, read_file_sd_targets
+
+    def closed_port_address() -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"127.0.0.1:{s.getsockname()[1]}"
+
+    sd = tmp_path / "targets.json"
+    first, restarted = closed_port_address(), closed_port_address()
+    other = "192.0.2.1:9400"  # another job's monitor on another machine
+    publish_file_sd(sd, other, {}, root="/elsewhere")
+    publish_file_sd(sd, first, {}, root=str(tmp_path / "ckpt"))
+    publish_file_sd(sd, restarted, {}, root=str(tmp_path / "ckpt"))  # the restart's
+    shutdown([], None, False, patient=False, file_sd=str(sd), address=first)
+    assert restarted in read_file_sd_targets(sd)  # by address alone: the restart's stays
+    shutdown(
+        [],
+        None,
+        False,
+        patient=False,
+        file_sd=str(sd),
+        address=first,
+        sd_root=str(tmp_path / "ckpt"),
+    )
+    assert read_file_sd_targets(sd) == [other]

@@ -23,10 +23,12 @@ import obsckpt.telemetry.server as telemetry_server
 from obsckpt.telemetry.server import (
     MetricsServer,
     _is_local,
+    file_sd_root,
     publish_file_sd,
     read_file_sd_targets,
     serve_metrics,
     withdraw_file_sd,
+    withdraw_gone_file_sd,
 )
 
 
@@ -222,6 +224,35 @@ class TestSharedFileSd:
         )
         publish_file_sd(sd, None, {}, root="/a")
         assert json.loads(sd.read_text()) == other
+
+    def test_a_roots_ended_monitors_are_withdrawn_and_its_live_one_stays(self, tmp_path):
+        """A job's stop withdraws what its monitors left (the one Ray restarted at a new
+        address included) by root; a monitor still serving there and other roots stay."""
+        sd = tmp_path / "obsckpt.json"
+        first, restarted = (f"127.0.0.1:{self.closed_port()}" for _ in range(2))
+        with socket.socket() as live:
+            live.bind(("127.0.0.1", 0))
+            live.listen()
+            serving = f"127.0.0.1:{live.getsockname()[1]}"
+            publish_file_sd(sd, first, {}, root="/ckpt/a")
+            assert file_sd_root(sd, first) == "/ckpt/a"
+            publish_file_sd(sd, restarted, {}, root="/ckpt/a")  # replaces first's entry
+            assert file_sd_root(sd, first) is None
+            sd.write_text(
+                json.dumps(
+                    json.loads(sd.read_text())
+                    + [
+                        {"targets": [f"127.0.0.1:{self.closed_port()}"], "labels": {}},
+                        {"targets": [serving], "labels": {"__meta_obsckpt_root": "/ckpt/b"}},
+                    ]
+                )
+            )
+            before = read_file_sd_targets(sd)
+            assert withdraw_gone_file_sd(sd, "/ckpt/a") == ([restarted], 0)
+            assert read_file_sd_targets(sd) == [t for t in before if t != restarted]
+            assert withdraw_gone_file_sd(sd, "/ckpt/b") == ([], 1)
+            assert serving in read_file_sd_targets(sd)
+        assert file_sd_root(tmp_path / "none.json", serving) is None
 
     def test_concurrent_publishers_all_land(self, tmp_path):
         sd = tmp_path / "obsckpt.json"

@@ -10,6 +10,7 @@ import inspect
 import os
 import signal
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ def shutdown(
     patient: bool = True,
     file_sd: str | None = None,
     address: str | None = None,
+    sd_root: str | None = None,
 ) -> None:
     """Close the actors, then stop the cluster this run started.
 
@@ -191,9 +193,11 @@ def shutdown(
     seconds for the actors to close, so that the whole stop stays within what a
     job runner waits. The
     monitor withdraws its ``file_sd`` target (at ``address``) as it shuts down;
-    where it could not (a signal to the process group ended its process first),
-    the driver withdraws it once the monitor is gone, so Prometheus does not go
-    on scraping a dead address.
+    where it could not (a signal to the process group ended its process first,
+    and the monitor Ray restarted published a new address but was not ready to
+    shut down in time), the driver withdraws the targets of ``sd_root`` (the
+    root the monitor's entry named when it started) once the monitor is gone, so
+    Prometheus does not go on scraping a dead address.
     """
     import ray
 
@@ -234,3 +238,22 @@ def shutdown(
             ray.shutdown(wait_for_processes=True)
         else:
             ray.shutdown()
+    if file_sd and sd_root is not None:
+        withdraw_root_targets(file_sd, sd_root, wait_s)
+
+
+def withdraw_root_targets(file_sd: str, root: str, wait_s: float) -> None:
+    """Withdraw ``root``'s file_sd targets where nothing listens any more, waiting up to
+    ``wait_s`` for a killed monitor's port to close (ray.kill returns before its process
+    ends); a target still served after that is another monitor's and stays."""
+    from obsckpt.telemetry.server import withdraw_gone_file_sd
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            _, left = withdraw_gone_file_sd(file_sd, root)
+        except (OSError, ValueError):
+            return
+        if not left or time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)

@@ -46,6 +46,7 @@ from obsckpt.demo.root import committed_on_disk, demo_root, prepare_root
 from obsckpt.demo.signals import StartupStopped, StopSignals, stop_reason
 from obsckpt.errors import DemoError, StateDictLoadError
 from obsckpt.monitor_link import one_line
+from obsckpt.telemetry.server import file_sd_root
 
 __all__ = ["DemoConfig", "DemoResult", "StartupStopped", "run_demo"]
 
@@ -114,6 +115,7 @@ def _run(
     worker_env = {} if owns_ray and not cfg.address else env
     actors: list[Any] = []
     monitor = None
+    sd_root = None
     failed = False  # the run raised: its ranks may be stuck in a collective, so no patience
     loop = asyncio.new_event_loop()
     try:
@@ -136,6 +138,9 @@ def _run(
         # Step numbers go on from the resumed step: the bar spans this run's steps.
         progress.set_range(resumed, resumed + cfg.steps if cfg.steps else None)
         monitor = _start_monitor(cfg, namespace, root, progress, result)
+        if cfg.file_sd and result.metrics_address:
+            # The root its entry names: a monitor Ray restarts publishes under it too.
+            sd_root = file_sd_root(cfg.file_sd, result.metrics_address)
         if traced:
             progress.note(f"traces: {traces_to}")
 
@@ -205,6 +210,7 @@ def _run(
             patient=stop.signum is None and not failed,
             file_sd=cfg.file_sd,
             address=result.metrics_address,
+            sd_root=sd_root,
         )
         if stop.signum is not None and result.stop_reason != "aborted":
             result.stop_reason = stop_reason(stop.signum)

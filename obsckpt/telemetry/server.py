@@ -551,3 +551,44 @@ def withdraw_file_sd(path: str | os.PathLike, address: str) -> bool:
             return False
         _write_groups(path, kept)
     return True
+
+
+def file_sd_root(path: str | os.PathLike, address: str) -> str | None:
+    """The checkpoint root of ``address``'s entry in the file_sd file (None: no such entry,
+    or no readable file)."""
+    try:
+        groups = _read_groups(Path(path))
+    except (OSError, ValueError):
+        return None
+    for group in groups:
+        tags = group.get("labels")
+        if address in (group.get("targets") or []) and isinstance(tags, dict):
+            root = tags.get(ROOT_LABEL)
+            return root if isinstance(root, str) else None
+    return None
+
+
+def withdraw_gone_file_sd(path: str | os.PathLike, root: str) -> tuple[list[str], int]:
+    """Remove ``root``'s entries at addresses of this machine where nothing listens (its
+    monitors that have ended: one that Ray restarted at a new address included).
+
+    Returns:
+        The addresses removed, and how many of ``root``'s entries are left (a monitor
+        still serving there).
+    """
+    path = Path(path)
+    with _locked(path):
+        groups = _read_groups(path)
+        kept, gone, left = [], [], 0
+        for group in groups:
+            tags = group.get("labels")
+            targets = group.get("targets")
+            if isinstance(tags, dict) and tags.get(ROOT_LABEL) == root:
+                if isinstance(targets, list) and targets and all(_refused(t) for t in targets):
+                    gone.extend(targets)
+                    continue
+                left += 1
+            kept.append(group)
+        if gone:
+            _write_groups(path, kept)
+    return gone, left
