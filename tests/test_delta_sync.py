@@ -59,6 +59,32 @@ class TestEncoding:
         plan, _ = _roundtrip([_changed(base, 0.03)], [base])
         assert 0.015 < plan.fraction < 0.045
 
+    @pytest.mark.parametrize(
+        "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
+    )
+    @pytest.mark.parametrize("length", [1, 7, 4096 + 3])
+    def test_word_compare_finds_every_changed_value(self, monkeypatch, dtype, length):
+        """Values are compared eight bytes at a time, then one by one in the words that
+        changed: the positions found are a plain compare's, for a length that is no
+        multiple of a word (changes in its tail included), a view starting off a word's
+        boundary, and blocks cut anywhere."""
+        monkeypatch.setattr(delta, "BLOCK", 1000 + 1)
+        g = torch.Generator().manual_seed(length)
+        store = (torch.randn(length + 1, generator=g) * 4).to(dtype)
+        base = store[1:]  # one element past the storage's start: no word alignment
+        new = _changed(base, 0.05, seed=length)
+        new[-1] = new[-1] + 1 if dtype != torch.int8 else new[-1] ^ 1
+        for o in range(0, length, delta.BLOCK):
+            n, b = (
+                delta._host_bits(new)[o : o + delta.BLOCK],
+                delta._host_bits(base)[o : o + delta.BLOCK],
+            )
+            pos, values, bases = delta._changed(n, b)
+            want = np.flatnonzero(n != b)
+            assert pos.tolist() == want.tolist()
+            assert values.tolist() == n[want].tolist() and bases.tolist() == b[want].tolist()
+        _roundtrip([new], [base.clone()])
+
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.int8])
     def test_the_device_encoder_gives_the_same_payload(self, monkeypatch, dtype):
         """On a GPU the delta is found with torch operations where the tensors live; run

@@ -168,20 +168,45 @@ def _gap_stream(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return out.astype(np.uint8), owner
 
 
-def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
-    """One block's ``(differences, their gaps, whole values, their gaps, changed)``; None
-    when nothing changed (integer views of the same length)."""
+def _changed(new: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positions whose bits differ (ascending), their new values and their base values.
+
+    Compared as 8-byte words first (four bf16 values at once: a fraction of the
+    elements to compare and of the mask to scan), then value by value within the
+    words that changed alone.
+    """
     mask = getattr(_local, "mask", None)
     if mask is None or mask.size < new.size:
         mask = _local.mask = np.empty(max(new.size, BLOCK), dtype=bool)
-    m = mask[: new.size]
-    np.not_equal(new, base, out=m)
-    pos = np.flatnonzero(m)
+    per = 8 // new.itemsize
+    whole = new.size - new.size % per
+    if per == 1 or whole == 0:
+        pos = np.flatnonzero(np.not_equal(new, base, out=mask[: new.size]))
+        return pos, np.take(new, pos), np.take(base, pos)
+    words_new, words_base = new[:whole].view(np.int64), base[:whole].view(np.int64)
+    words = np.flatnonzero(np.not_equal(words_new, words_base, out=mask[: words_new.size]))
+    got_new = np.take(words_new, words).view(new.dtype)
+    got_base = np.take(words_base, words).view(new.dtype)
+    k = np.flatnonzero(np.not_equal(got_new, got_base))
+    shift = per.bit_length() - 1
+    pos = (np.take(words, k >> shift) << shift) | (k & (per - 1))
+    values, bases = np.take(got_new, k), np.take(got_base, k)
+    if whole < new.size:  # the values after the last whole word
+        tail = np.flatnonzero(np.not_equal(new[whole:], base[whole:])) + whole
+        pos = np.concatenate([pos, tail])
+        values = np.concatenate([values, np.take(new, tail)])
+        bases = np.concatenate([bases, np.take(base, tail)])
+    return pos, values, bases
+
+
+def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
+    """One block's ``(differences, their gaps, whole values, their gaps, changed)``; None
+    when nothing changed (integer views of the same length)."""
+    pos, values, bases = _changed(new, base)
     if pos.size == 0:
         return None
-    values = new[pos]
     # Wraps for 8-byte values, and so does the receiver's add.
-    diff = np.subtract(values, base[pos], dtype=_WIDER[new.itemsize])
+    diff = np.subtract(values, bases, dtype=_WIDER[new.itemsize])
     small = np.abs(diff) <= 127
     if small.all():
         pos_small, small_diff, pos_whole, whole = pos, diff, pos[:0], values[:0]
@@ -195,7 +220,7 @@ def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
         diffs = np.insert(diffs, added, 0)
     whole_gaps, added = _gap_stream(pos_whole)
     if added is not None:  # a bridging entry writes the value already there
-        whole = new[np.cumsum(whole_gaps, dtype=np.int64) - 1]
+        whole = np.take(new, np.cumsum(whole_gaps, dtype=np.int64) - 1)
     return diffs, small_gaps, whole, whole_gaps, pos.size
 
 
