@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """obsckpt benchmarks: each measures the obsckpt path against its baseline or physical limit.
 
-    python benchmarks/run.py                 # full run (~10-15 min on 2 cores)
+    python benchmarks/run.py                 # full run (~18 min on 2 cores)
     python benchmarks/run.py --quick         # smaller sizes, fewer repetitions
     python benchmarks/run.py --json out.json # also write the results as JSON
     python benchmarks/run.py --ray-address HOST:PORT  # on a running Ray cluster
