@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy, Sync
 from obsckpt.errors import StateDictLoadError
 from obsckpt.store import commit, layout
 from obsckpt.store.torchfile import write_torch_file
-from obsckpt.sync.shards import load_sharded_state_dict, merge_shards
+from obsckpt.sync.shards import load_sharded_state_dict, merge_shards, quiet_mesh_unpickling
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -244,6 +245,30 @@ class TestShardFiles:
         path.write_bytes(path.read_bytes()[:100])
         with pytest.raises(StateDictLoadError, match="is truncated: 100 bytes"):
             load_sharded_state_dict(path.parent)
+
+    def test_dtensor_shards_load_without_torchs_device_mesh_warning(self, tmp_path, caplog):
+        """A Synchronizer has no process group: unpickling a DTensor shard's mesh makes
+        torch log that process-group lookups will fail (with torch.compile), once per
+        file and sync. The load uses the local tensors alone and keeps that record out
+        of the logs."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        full = torch.arange(12.0).view(3, 4)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            shard = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
+            write_step(tmp_path, 1, {0: {"w": shard}})
+        finally:
+            dist.destroy_process_group()
+        with caplog.at_level(logging.WARNING):
+            merged = load_sharded_state_dict(layout.model_dir(tmp_path, 1))
+        assert torch.equal(merged["w"], full)
+        assert "DeviceMesh" not in caplog.text, caplog.text
+        with caplog.at_level(logging.WARNING), quiet_mesh_unpickling():
+            logging.getLogger("torch.distributed.device_mesh").warning("another note")
+        assert "another note" in caplog.text  # only that record is kept out
 
     def test_an_uncommitted_step_is_never_loaded(self, tmp_path):
         write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)

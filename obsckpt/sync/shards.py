@@ -11,8 +11,10 @@ does not read.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,29 @@ def _megatron_marker(model_dir: Path, names: list[str]) -> str | None:
         if reader.exists(model_dir / marker):
             return marker
     return next((n for n in sorted(names) if n.endswith(_MEGATRON_FILE_SUFFIX)), None)
+
+
+class _MeshUnpicklingNote(logging.Filter):
+    """Drops torch's note that a DTensor's mesh was unpickled before its process groups
+    exist: a Synchronizer has none, and uses the shards' local tensors alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "unpickling of the DeviceMesh" not in record.getMessage()
+
+
+_MESH_NOTE = _MeshUnpicklingNote()
+
+
+@contextmanager
+def quiet_mesh_unpickling() -> Iterator[None]:
+    """Load DTensor shards without torch logging, per file, that process-group lookups
+    will fail (they are never made here); its other records pass."""
+    mesh_logger = logging.getLogger("torch.distributed.device_mesh")
+    mesh_logger.addFilter(_MESH_NOTE)
+    try:
+        yield
+    finally:
+        mesh_logger.removeFilter(_MESH_NOTE)
 
 
 def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
@@ -146,7 +171,8 @@ def load_sharded_state_dict(
     shards: dict[int, Mapping[str, Any]] = {}
     for rank in range(world):
         path = paths[rank]
-        obj = step.torch_load(path, map_location="cpu")
+        with quiet_mesh_unpickling():
+            obj = step.torch_load(path, map_location="cpu")
         if not isinstance(obj, Mapping):
             raise StateDictLoadError(f"{path} holds a {type(obj).__name__}, not a state dict")
         if rank == 0 and is_adapter_only(obj):

@@ -19,7 +19,7 @@ from obsckpt.errors import AdapterOnlyError, StateDictLoadError, UnverifiedCheck
 from obsckpt.store import layout, reader
 from obsckpt.store.uri import is_remote
 from obsckpt.sync import step_model
-from obsckpt.sync.shards import is_adapter_only, merge_shards
+from obsckpt.sync.shards import is_adapter_only, merge_shards, quiet_mesh_unpickling
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ class S3Steps:
         shards: dict[int, Mapping[str, Any]] = {}
         for rank in range(world):
             url = f"{objects.url}/{paths[rank]}"
-            obj = objects.torch_load(url, map_location="cpu")
+            with quiet_mesh_unpickling():
+                obj = objects.torch_load(url, map_location="cpu")
             if not isinstance(obj, Mapping):
                 raise StateDictLoadError(f"{url} holds a {type(obj).__name__}, not a state dict")
             if rank == 0 and is_adapter_only(obj):
