@@ -269,6 +269,13 @@ class TestShardFiles:
         with caplog.at_level(logging.WARNING), quiet_mesh_unpickling():
             logging.getLogger("torch.distributed.device_mesh").warning("another note")
         assert "another note" in caplog.text  # only that record is kept out
+        # Loads in two threads at once: the filter stays until the last one ends.
+        mesh_logger = logging.getLogger("torch.distributed.device_mesh")
+        with quiet_mesh_unpickling():
+            with quiet_mesh_unpickling():
+                pass
+            assert mesh_logger.filters, "the first load's filter went with the second's"
+        assert not mesh_logger.filters
 
     def test_an_uncommitted_step_is_never_loaded(self, tmp_path):
         write_step(tmp_path, 1, {0: state_dict(1)}, committed=False)

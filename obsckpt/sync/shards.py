@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,18 +74,27 @@ class _MeshUnpicklingNote(logging.Filter):
 
 
 _MESH_NOTE = _MeshUnpicklingNote()
+_mesh_quiet_lock = threading.Lock()
+_mesh_quiet_users = 0  # loads running under the filter (in several threads at once)
 
 
 @contextmanager
 def quiet_mesh_unpickling() -> Iterator[None]:
     """Load DTensor shards without torch logging, per file, that process-group lookups
-    will fail (they are never made here); its other records pass."""
+    will fail (they are never made here); its other records pass. The filter stays
+    while any load in the process runs, and only then."""
+    global _mesh_quiet_users
     mesh_logger = logging.getLogger("torch.distributed.device_mesh")
-    mesh_logger.addFilter(_MESH_NOTE)
+    with _mesh_quiet_lock:
+        _mesh_quiet_users += 1
+        mesh_logger.addFilter(_MESH_NOTE)
     try:
         yield
     finally:
-        mesh_logger.removeFilter(_MESH_NOTE)
+        with _mesh_quiet_lock:
+            _mesh_quiet_users -= 1
+            if not _mesh_quiet_users:
+                mesh_logger.removeFilter(_MESH_NOTE)
 
 
 def shard_files(model_dir: str | os.PathLike) -> tuple[int, dict[int, Path]]:
