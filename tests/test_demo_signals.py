@@ -379,18 +379,13 @@ def test_the_stop_withdraws_a_restarted_monitors_target(tmp_path):
     monitor publishes a new address under the same root. When it cannot shut down in
     the stop's seconds, the driver (which knows only the first address) withdraws the
     root's targets once nothing listens there; other roots' targets stay."""
-    import socket
-
     from obsckpt.demo.cluster import shutdown
+    from obsckpt.sync.group import free_port
     from obsckpt.telemetry.server import publish_file_sd, read_file_sd_targets
 
-    def closed_port_address() -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return f"127.0.0.1:{s.getsockname()[1]}"
-
     sd = tmp_path / "targets.json"
-    first, restarted = closed_port_address(), closed_port_address()
+    # Ports nothing listens on: the first monitor's and the restarted one's, both ended.
+    first, restarted = (f"127.0.0.1:{free_port()}" for _ in range(2))
     other = "192.0.2.1:9400"  # another job's monitor on another machine
     publish_file_sd(sd, other, {}, root="/elsewhere")
     publish_file_sd(sd, first, {}, root=str(tmp_path / "ckpt"))

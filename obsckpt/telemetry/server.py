@@ -462,6 +462,12 @@ def _is_local(host: str) -> bool:
     return True
 
 
+def _ended(targets: object) -> bool:
+    """True when ``targets`` (a file_sd group's) are all on this machine and nothing
+    listens at any of them: the monitor that served them has ended."""
+    return isinstance(targets, list) and bool(targets) and all(_refused(t) for t in targets)
+
+
 def _refused(address: object) -> bool:
     """True when ``address`` is on this machine and nothing listens on its port.
 
@@ -531,7 +537,7 @@ def publish_file_sd(
                 continue
             if isinstance(targets, list) and address in targets:
                 continue  # the port was another monitor's, which has ended
-            if isinstance(targets, list) and targets and all(_refused(t) for t in targets):
+            if _ended(targets):
                 gone.extend(targets)
                 continue
             kept.append(group)
@@ -584,7 +590,7 @@ def withdraw_gone_file_sd(path: str | os.PathLike, root: str) -> tuple[list[str]
             tags = group.get("labels")
             targets = group.get("targets")
             if isinstance(tags, dict) and tags.get(ROOT_LABEL) == root:
-                if isinstance(targets, list) and targets and all(_refused(t) for t in targets):
+                if _ended(targets):
                     gone.extend(targets)
                     continue
                 left += 1
