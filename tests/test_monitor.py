@@ -27,6 +27,7 @@ from obsckpt import (
     SaveStrategy,
     SaveTimeoutError,
 )
+from obsckpt.monitor.telemetry import file_sd_root_label
 from obsckpt.store import layout, reader
 from obsckpt.telemetry.metrics import METRICS
 
@@ -613,12 +614,16 @@ class TestMetrics:
         assert value(s, "obsckpt_step_failures_total", kind="checkpoint") == 1
 
     def test_file_sd_names_the_endpoint(self, namespace, root, tmp_path):
+        # The root as a user may write it (a trailing slash); its entry names the root as
+        # file_sd_root_label predicts, which a starter knows before the monitor answers.
         sd_path = tmp_path / "sd" / "obsckpt.json"
-        monitor = make_monitor(namespace, root, file_sd_path=str(sd_path))
+        monitor = make_monitor(namespace, f"{root}/", file_sd_path=str(sd_path))
         address = ray.get(monitor.metrics_address.remote())
         targets = json.loads(sd_path.read_text())
         labels = {"obsckpt_namespace": namespace, "__meta_obsckpt_root": str(root)}
         assert targets == [{"targets": [address], "labels": labels}]
+        assert file_sd_root_label(f"{root}/") == str(root)
+        assert file_sd_root_label("s3://bucket//run/") == "s3://bucket/run"
 
     def test_two_jobs_sharing_a_file_sd_file_are_both_targets(self, namespace, root, tmp_path):
         # OBSCKPT_FILE_SD_PATH set for a whole cluster: each job's monitor keeps its entry.

@@ -45,6 +45,7 @@ from obsckpt.demo.resume_check import check_resume, final_digest, kill_targets, 
 from obsckpt.demo.root import committed_on_disk, demo_root, prepare_root
 from obsckpt.demo.signals import StartupStopped, StopSignals, stop_reason
 from obsckpt.errors import DemoError, StateDictLoadError
+from obsckpt.monitor.telemetry import file_sd_root_label
 from obsckpt.monitor_link import one_line
 from obsckpt.telemetry.server import file_sd_root
 
@@ -137,10 +138,14 @@ def _run(
         result.resumed_from = resumed or None
         # Step numbers go on from the resumed step: the bar spans this run's steps.
         progress.set_range(resumed, resumed + cfg.steps if cfg.steps else None)
+        if cfg.file_sd:
+            # The root the monitor's entry names (a monitor Ray restarts publishes under
+            # it too), known before the monitor answers: it publishes first, and a stop
+            # signal can cut the start-up short in between.
+            sd_root = file_sd_root_label(root)
         monitor = _start_monitor(cfg, namespace, root, progress, result)
         if cfg.file_sd and result.metrics_address:
-            # The root its entry names: a monitor Ray restarts publishes under it too.
-            sd_root = file_sd_root(cfg.file_sd, result.metrics_address)
+            sd_root = file_sd_root(cfg.file_sd, result.metrics_address) or sd_root
         if traced:
             progress.note(f"traces: {traces_to}")
 

@@ -38,7 +38,7 @@ from obsckpt.monitor.measurements import MeasurementRPCs
 from obsckpt.monitor.mirror import SettleRPC, StepMirror, start_mirror, take_mirror
 from obsckpt.monitor.s3_commit import S3Ownership
 from obsckpt.monitor.status import status_view
-from obsckpt.monitor.telemetry import MonitorTelemetry
+from obsckpt.monitor.telemetry import MonitorTelemetry, file_sd_root_label
 from obsckpt.options import (
     DEFAULT_LEASE_TIMEOUT_S,
     MONITOR_ACTOR_NAME,
@@ -202,7 +202,7 @@ class CheckpointMonitor(MeasurementRPCs, SettleRPC):
             options.metrics_port,
             file_sd_path=self.file_sd_path,
             namespace=options.namespace,
-            root=str(self.root),
+            root=file_sd_root_label(options.default_local_dir),  # as its starter names it
         )
         logger.info(
             "obsckpt monitor: root=%s strategy=%s latest=%s metrics=%s",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,7 @@ from obsckpt.errors import StoreError
 from obsckpt.monitor.events import CommitRecord, MonitorObserver
 from obsckpt.monitor.labels import RankSeries, SlotLabels
 from obsckpt.store.layout import KINDS
+from obsckpt.store.uri import parse_root
 from obsckpt.telemetry.metrics import Metrics
 from obsckpt.telemetry.server import (
     MetricsServer,
@@ -42,6 +44,17 @@ if TYPE_CHECKING:
     from obsckpt.monitor.core import MonitorCore
 
 logger = logging.getLogger("obsckpt.monitor")
+
+
+def file_sd_root_label(default_local_dir: str | os.PathLike) -> str:
+    """The root a monitor of ``default_local_dir`` names in its file_sd entry: the
+    ``s3://`` URL, or the local directory as :class:`~pathlib.Path` writes it.
+
+    Whoever starts a monitor knows it before the monitor answers (the monitor publishes
+    its entry first): a stop in between leaves the entry for the starter to withdraw.
+    """
+    root = parse_root(default_local_dir, what="default_local_dir")
+    return str(root) if root.is_remote else str(Path(os.fspath(default_local_dir)))
 
 
 def _label(value: object, default: str = "unknown") -> str:
