@@ -25,6 +25,7 @@ import time
 import traceback
 
 from benchmarks.common import Result, Sizes, median, rounded, run_pair
+from obsckpt.sync.delta_kernels import kernel_name
 
 # Square bf16 matrices of a 4096-wide model (32 MiB each) and its norms.
 _MATRIX_COLS = 4096
@@ -297,6 +298,7 @@ def _sync_row(sizes: Sizes, log) -> Result:
             "sent_bytes": phases[-1]["sent"] if phases else None,
             "changed_fraction": phases[-1]["fraction"] if phases else None,
             "cores": os.cpu_count(),
+            "kernel": kernel_name(),
         },
     )
 

@@ -21,6 +21,7 @@ from broadcast_helpers import new_group, new_metrics, run_ranks
 
 from obsckpt.errors import WeightSyncCorruptError
 from obsckpt.sync import delta
+from obsckpt.sync import delta_kernels as kernels
 from obsckpt.sync.buckets import tensor_meta
 from obsckpt.sync.delta_broadcast import DeltaBroadcaster
 from obsckpt.sync.delta_memory import MemorySyncClient
@@ -51,6 +52,14 @@ def _roundtrip(news, bases, chunk_bytes=1 << 12):
 
 
 class TestEncoding:
+    """Every encoding test runs with both host kernels: numba's and numpy's."""
+
+    @pytest.fixture(autouse=True, params=["numba", "numpy"])
+    def kernel(self, request, monkeypatch):
+        monkeypatch.setenv(kernels.KERNEL_ENV, request.param)
+        assert kernels.kernel_name() == request.param
+        return request.param
+
     @pytest.mark.parametrize(
         "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
     )

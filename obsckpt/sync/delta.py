@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from obsckpt.store.reader import crc32
+from obsckpt.sync import delta_kernels as kernels
 from obsckpt.sync.buckets import TensorMeta
 
 __all__ = [
@@ -207,7 +208,7 @@ def _encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
         return None
     # Wraps for 8-byte values, and so does the receiver's add.
     diff = np.subtract(values, bases, dtype=_WIDER[new.itemsize])
-    small = np.abs(diff) <= 127
+    small = (diff >= -127) & (diff <= 127)  # not abs: abs(INT64_MIN) is negative
     if small.all():
         pos_small, small_diff, pos_whole, whole = pos, diff, pos[:0], values[:0]
     else:
@@ -314,7 +315,8 @@ def encode_delta(
         n, b = _host_bits(new), _host_bits(base)
         for k, o in enumerate(range(0, n.size, BLOCK)):
             work.append((i, k, n[o : o + BLOCK], b[o : o + BLOCK]))
-    results += _parallel(lambda w: (w[0], w[1], w[2].itemsize, _encode_block(w[2], w[3])), work)
+    encode = kernels.encode_block if work and kernels.kernel_name() == "numba" else _encode_block
+    results += _parallel(lambda w: (w[0], w[1], w[2].itemsize, encode(w[2], w[3])), work)
     results.sort(key=lambda r: (r[0], r[1]))
     blocks: list[tuple[int, int, int, int]] = []
     sections: list[tuple[np.ndarray, ...]] = []
@@ -406,7 +408,8 @@ def apply_delta(targets: Sequence[torch.Tensor], plan: DeltaPlan, payload: torch
             parts.append(raw[off : off + n])
             off += _aligned(n)
         work.append((target, k, *parts))
-    _parallel(_apply_block, work)
+    compiled = kernels.kernel_name() == "numba"
+    _parallel(lambda w: _apply_block(w, compiled), work)
 
 
 def _positions(gaps: np.ndarray, room: int, k: int) -> np.ndarray:
@@ -417,11 +420,15 @@ def _positions(gaps: np.ndarray, room: int, k: int) -> np.ndarray:
     return pos
 
 
-def _apply_block(work: tuple[Any, ...]) -> None:
+def _apply_block(work: tuple[Any, ...], compiled: bool = False) -> None:
     target, k, diffs, small_gaps, whole, whole_gaps = work
     flat = bits(target)
     start = k * BLOCK
     room = min(BLOCK, flat.numel() - start)
+    if compiled and flat.device.type == "cpu":
+        host = flat[start : start + room].numpy()
+        kernels.apply_block(host, diffs, small_gaps, whole, whole_gaps, k)
+        return
     small_pos = _positions(small_gaps, room, k)
     whole_pos = _positions(whole_gaps, room, k)
     values = whole.view(_NP_BITS[flat.element_size()])
