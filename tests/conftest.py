@@ -81,3 +81,13 @@ def ray_cluster():
 def namespace(ray_cluster) -> str:
     """A fresh Ray namespace per test, so named actors never collide."""
     return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Record on the test whether its call failed (``item.obsckpt_failed``), for fixtures
+    that share processes between tests and start them over after a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.obsckpt_failed = report.failed

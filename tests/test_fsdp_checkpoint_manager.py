@@ -25,11 +25,25 @@ from obsckpt.sync.group import free_port
 
 @ray.remote
 class Rank:
-    def __init__(self, namespace: str, rank: int, port: int) -> None:
-        from workers import cpu_fsdp_group, tiny_fsdp_llama
+    """One of two FSDP2 ranks on gloo, shared by this module's jobs (``start_job``): each
+    job starts it over (:meth:`reset`), as a new job's worker starts."""
+
+    def __init__(self, rank: int, port: int) -> None:
+        from workers import cpu_fsdp_group
 
         torch.set_num_threads(1)
-        model = tiny_fsdp_llama(cpu_fsdp_group(rank, 2, port))
+        self.mesh = cpu_fsdp_group(rank, 2, port)
+        self.manager = None
+
+    def reset(self, namespace: str) -> None:
+        """A new job on this process: the seeded model, a new optimizer and scheduler, and a
+        manager of ``namespace``'s monitor; the previous job's manager is closed first."""
+        from workers import tiny_fsdp_llama
+
+        if self.manager is not None:
+            self.manager.coordinator.close(timeout=60)
+        self.manager = None
+        model = tiny_fsdp_llama(self.mesh)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.9)
@@ -194,24 +208,63 @@ def same(a: dict, b: dict) -> list:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def start_job(namespace, root):
-    """The monitor at ``root`` and two ranks; returns it and ``both(method, *args)``."""
+# A rank call that has not returned in this long is stuck (a peer left a collective).
+RANK_CALL_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(ray_cluster):
+    """The two ranks this module's jobs share (starting two processes that import verl and
+    join a gloo group costs more than most of these tests): see :func:`ranks_for`."""
+    held: list = []
+    yield held
+    for r in held:
+        ray.kill(r)
+
+
+@pytest.fixture
+def ranks(fsdp_ranks, request):
+    """The shared ranks, made anew after a test that failed (one may be stuck in a
+    collective its peer left)."""
+    if not fsdp_ranks:
+        port = free_port()
+        fsdp_ranks.extend(Rank.remote(r, port) for r in range(2))
+    yield fsdp_ranks
+    if getattr(request.node, "obsckpt_failed", True):
+        for r in fsdp_ranks:
+            ray.kill(r)
+        fsdp_ranks.clear()
+
+
+@pytest.fixture
+def own_ranks(ray_cluster):
+    """Two ranks of the test's own, for a test whose loads fail on some ranks only (their
+    gloo group is then out of step, and no later job could use it)."""
+    port = free_port()
+    made = [Rank.remote(r, port) for r in range(2)]
+    yield made
+    for r in made:
+        ray.kill(r)
+
+
+def start_job(namespace, root, ranks):
+    """The monitor at ``root`` and the two ranks started over for it; returns the monitor
+    and ``both(method, *args)``."""
     monitor = CheckpointMonitor.get_actor(
         namespace=namespace, default_local_dir=str(root), metrics_port=None
     )
     ray.get(monitor.status.remote())
-    port = free_port()
-    ranks = [Rank.remote(namespace, r, port) for r in range(2)]
 
     def both(method, *args):
-        return ray.get([getattr(r, method).remote(*args) for r in ranks])
+        return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=RANK_CALL_S)
 
+    both("reset", namespace)
     return monitor, both
 
 
-def test_save_resume_and_retention(namespace, tmp_path):
+def test_save_resume_and_retention(namespace, tmp_path, own_ranks):
     root = tmp_path / "ckpt"
-    monitor, both = start_job(namespace, root)
+    monitor, both = start_job(namespace, root, own_ranks)
     # With no prepare() call in the trainer (verl's and Trinity's make none), the manager
     # prepares its model and extra-state slots when built and its optimizer's after the
     # first step, so no first save allocates its staging on the training path.
@@ -316,11 +369,11 @@ class TestCommittedFilesStay:
     file and the manifest vouch for must stay as they were committed.
     """
 
-    def test_resave_behind_the_state_dict_iteration_file(self, namespace, tmp_path):
+    def test_resave_behind_the_state_dict_iteration_file(self, namespace, tmp_path, ranks):
         from obsckpt.store import layout, reader
 
         root = tmp_path / "ckpt"
-        monitor, both = start_job(namespace, root)
+        monitor, both = start_job(namespace, root, ranks)
         assert both("save_state_dict", str(root), 0) == [0, 0]  # the trainer's first sync
         both("train", 1)
         assert both("save_state_dict", str(root), 1) == [1, 1]
@@ -348,7 +401,7 @@ class TestCommittedFilesStay:
         assert reader.verify_step(step_dir) == []
         assert (step_dir / "actor" / "optim_world_size_2_rank_1.pt").is_file()
 
-    def test_first_sync_saves_nothing_and_announces_the_step(self, namespace, tmp_path):
+    def test_first_sync_saves_nothing_and_announces_the_step(self, namespace, tmp_path, ranks):
         """As Trinity's: a manager's first save_state_dict (the trainer's prepare) writes
         and registers nothing; rank 0 tells the Synchronizer the step is current, so a
         resumed job's rollout versions restart at the resumed step."""
@@ -357,7 +410,7 @@ class TestCommittedFilesStay:
         root = tmp_path / "ckpt"
         sync = Synchronizer.get_actor(namespace=namespace)
         assert ray.get(sync.set_model_state_dict.remote(None, 6))  # the run before the resume
-        monitor, both = start_job(namespace, root)
+        monitor, both = start_job(namespace, root, ranks)
         assert both("save_state_dict", str(root), 4) == [0, 0]
         assert not (root / "global_step_4").exists()
         assert ray.get(sync.get_version.remote()) == 4
@@ -366,7 +419,7 @@ class TestCommittedFilesStay:
         assert both("save_state_dict", str(root), 5) == [1, 1]  # later syncs save
         ray.kill(sync)
 
-    def test_memory_sync_and_save_of_a_step_share_one_snapshot(self, namespace, tmp_path):
+    def test_memory_sync_and_save_of_a_step_share_one_snapshot(self, namespace, tmp_path, ranks):
         """FSDP2: each rank publishes its own shard (the Synchronizer merges them) from a host
         snapshot that the step's save then writes as it is: one snapshot for both, and the
         rollout's weights, the committed files and the trainer's all equal. A save of a later
@@ -377,7 +430,7 @@ class TestCommittedFilesStay:
 
         root = tmp_path / "ckpt"
         sync = Synchronizer.get_actor(namespace=namespace)
-        monitor, both = start_job(namespace, root)
+        monitor, both = start_job(namespace, root, ranks)
         both("train", 1)
         shared = both("upload_then_save", str(root), 1, 1)
         assert [r["snapshots"] for r in shared] == [1, 1], shared
@@ -408,14 +461,14 @@ class TestCommittedFilesStay:
         assert version == 4 and same(trained, got) == [] and set(got) >= set(trained)
         ray.kill(whole)
 
-    def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path):
+    def test_resave_of_a_committed_checkpoint(self, namespace, tmp_path, ranks):
         """A job resumed from an older step (``resume_from_path``) retrains steps whose
         checkpoints are committed: their optimizer and extra state stay the committed ones,
         so such a step never holds one run's model with another run's optimizer."""
         from obsckpt.store import layout, reader
 
         root = tmp_path / "ckpt"
-        monitor, both = start_job(namespace, root)
+        monitor, both = start_job(namespace, root, ranks)
         both("train", 1)
         both("save", str(root), 1, None)
         commit(monitor, 1)
@@ -905,13 +958,13 @@ def test_load_of_no_path_returns_at_once_as_verls_does(namespace, tmp_path):
         coordinator.wait_all(timeout=60)
 
 
-def test_resume_record_through_the_manager(namespace, tmp_path):
+def test_resume_record_through_the_manager(namespace, tmp_path, ranks):
     """save_resume_record commits the record with the step; restore_resume_record, given
     the path load_checkpoint takes, brings back the RNGs, data position and weight version."""
     from obsckpt.store import layout, reader
 
     root = tmp_path / "ckpt"
-    monitor, both = start_job(namespace, root)
+    monitor, both = start_job(namespace, root, ranks)
     both("train", 1)
     next_draws = both("save_with_record", str(root), 1)
     commit(monitor, 1)
