@@ -36,8 +36,20 @@ def pair(n: int, dtype, fraction: float, seed: int) -> tuple[np.ndarray, np.ndar
 
 def test_this_environment_has_the_compiled_kernels():
     """`make test` installs the `fast` extra: the kernels must run here, not be skipped."""
-    assert kernels.numba is not None, "numba is missing: pip install 'obsckpt[fast]'"
+    assert kernels.numba_installed(), "numba is missing: pip install 'obsckpt[fast]'"
     assert kernels.kernel_name() == "numba"
+
+
+def test_importing_the_sync_modules_leaves_numba_unimported():
+    """numba costs 0.6 s of CPU to import: only a process that encodes on the host pays."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, obsckpt.sync.delta, obsckpt.sync.synchronizer; print('numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @pytest.mark.parametrize("dtype", WIDTHS)

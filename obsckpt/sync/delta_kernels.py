@@ -18,23 +18,45 @@ read-only), so a process pays for the compile once per machine, not per sync.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import threading
 from typing import Any
 
 import numpy as np
 
-__all__ = ["KERNEL_ENV", "apply_block", "encode_block", "kernel_name"]
+__all__ = ["KERNEL_ENV", "apply_block", "encode_block", "kernel_name", "numba_installed"]
 
 KERNEL_ENV = "OBSCKPT_DELTA_KERNEL"
 _GAP_MAX = 255  # delta.GAP_MAX: one byte per gap
 _BLOCK = 1 << 22  # delta.BLOCK: the values of a block
 _local = threading.local()  # each encoding thread's work arrays
 
-try:  # numba is optional: without it delta.py's numpy path runs
-    import numba
-except ImportError:  # pragma: no cover - the fast extra is in the test environment
-    numba = None
+_compiled: tuple[Any, Any] | None = None  # the encode and apply kernels, once compiled
+_compile_lock = threading.Lock()
+
+
+@functools.cache
+def numba_installed() -> bool:
+    """Whether numba can be imported (found, not imported: that costs 0.6 s of CPU, which
+    only a process that encodes or applies on the host pays)."""
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):  # pragma: no cover
+        return False
+
+
+def _kernels() -> tuple[Any, Any]:
+    """numba's encode and apply, compiled on first use (or loaded from its cache)."""
+    global _compiled
+    with _compile_lock:
+        if _compiled is None:
+            import numba
+
+            jit = numba.njit(nogil=True, cache=True)
+            _compiled = (jit(_encode_impl), jit(_apply_impl))
+        return _compiled
 
 
 def kernel_name() -> str:
@@ -49,12 +71,12 @@ def kernel_name() -> str:
             f"{KERNEL_ENV}={os.environ[KERNEL_ENV]!r} is not a delta kernel; "
             "set it to 'numba' or 'numpy', or unset it (numba where installed)"
         )
-    if asked == "numba" and numba is None:
+    if asked == "numba" and not numba_installed():
         raise ValueError(
             f"{KERNEL_ENV}=numba, but numba is not installed: "
             "pip install 'obsckpt[fast]', or unset it"
         )
-    if asked == "numpy" or numba is None:
+    if asked == "numpy" or not numba_installed():
         return "numpy"
     return "numba"
 
@@ -131,13 +153,6 @@ def _apply_impl(target, diffs, small_gaps, whole, whole_gaps) -> int:
     return -1
 
 
-if numba is not None:
-    _encode = numba.njit(nogil=True, cache=True)(_encode_impl)
-    _apply = numba.njit(nogil=True, cache=True)(_apply_impl)
-else:  # pragma: no cover
-    _encode = _apply = None
-
-
 def _buffers(n: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
     """This thread's work arrays for a block of ``n`` values, kept between blocks (only
     the pages a block touches are ever backed)."""
@@ -163,7 +178,8 @@ def encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
     per = 8 // new.itemsize
     words = new.size - new.size % per
     idx, diffs, small_gaps, whole, whole_gaps = _buffers(new.size, new.dtype)
-    ns, nw, count = _encode(
+    encode, _ = _kernels()
+    ns, nw, count = encode(
         new, base, new[:words].view(np.int64), base[:words].view(np.int64), per,
         idx, diffs, small_gaps, whole, whole_gaps,
     )  # fmt: skip
@@ -187,6 +203,7 @@ def apply_block(
     Raises:
         ValueError: a stream runs past the block's end (nothing is written then).
     """
-    past = _apply(target, diffs.view(np.int8), small_gaps, whole.view(target.dtype), whole_gaps)
+    _, apply = _kernels()
+    past = apply(target, diffs.view(np.int8), small_gaps, whole.view(target.dtype), whole_gaps)
     if past >= 0:
         raise ValueError(f"delta block {k} runs past its end ({int(past)})")
