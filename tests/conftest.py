@@ -91,3 +91,33 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when == "call":
         item.obsckpt_failed = report.failed
+
+
+@pytest.fixture(scope="module")
+def _module_actors(ray_cluster):
+    held: dict[str, list] = {}
+    yield held
+    for actors in held.values():
+        for actor in actors:
+            ray_cluster.kill(actor)
+
+
+@pytest.fixture
+def shared_actors(_module_actors, request, ray_cluster):
+    """``get(key, make)``: the actors ``make()`` returns, shared by a module's tests under
+    ``key`` (starting processes that import torch and join a gloo group costs more than
+    many tests do); made anew after a test that failed, when one may be stuck in a
+    collective its peer left. A test that shares them starts them over itself."""
+    used: list[str] = []
+
+    def get(key: str, make):
+        if key not in _module_actors:
+            _module_actors[key] = list(make())
+        used.append(key)
+        return _module_actors[key]
+
+    yield get
+    if getattr(request.node, "obsckpt_failed", True):
+        for key in used:
+            for actor in _module_actors.pop(key, []):
+                ray_cluster.kill(actor)

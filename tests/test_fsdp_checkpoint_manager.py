@@ -212,28 +212,11 @@ def same(a: dict, b: dict) -> list:
 RANK_CALL_S = 300.0
 
 
-@pytest.fixture(scope="module")
-def fsdp_ranks(ray_cluster):
-    """The two ranks this module's jobs share (starting two processes that import verl and
-    join a gloo group costs more than most of these tests): see :func:`ranks_for`."""
-    held: list = []
-    yield held
-    for r in held:
-        ray.kill(r)
-
-
 @pytest.fixture
-def ranks(fsdp_ranks, request):
-    """The shared ranks, made anew after a test that failed (one may be stuck in a
-    collective its peer left)."""
-    if not fsdp_ranks:
-        port = free_port()
-        fsdp_ranks.extend(Rank.remote(r, port) for r in range(2))
-    yield fsdp_ranks
-    if getattr(request.node, "obsckpt_failed", True):
-        for r in fsdp_ranks:
-            ray.kill(r)
-        fsdp_ranks.clear()
+def ranks(shared_actors):
+    """The two ranks this module's jobs share (each job starts them over: ``start_job``)."""
+    port = free_port()
+    return shared_actors("fsdp ranks", lambda: [Rank.remote(r, port) for r in range(2)])
 
 
 @pytest.fixture

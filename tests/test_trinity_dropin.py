@@ -118,23 +118,31 @@ class Engine:
 class Worker:
     """One rank of Trinity's actor worker: saves as its save_state_dict / save_checkpoint do."""
 
-    def __init__(self, namespace: str, rank: int, world_size: int, port: int) -> None:
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
         from workers import cpu_fsdp_group
 
         torch.set_num_threads(1)
-        mesh = cpu_fsdp_group(rank, world_size, port)
+        self.mesh = cpu_fsdp_group(rank, world_size, port)
+        self.rank, self.world = rank, world_size
+        self.coordinator = None
+        self.log = logging.getLogger(f"worker{rank}")
+
+    def reset(self, namespace: str) -> None:
+        """A new job on this process (the tests share the workers): the seeded model, and
+        no coordinator until the job's first save (the previous job's is closed)."""
+        from torch.distributed.fsdp import fully_shard
+
+        if self.coordinator is not None:
+            self.coordinator.close(timeout=60)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Linear(7, 5))
         for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.engine = Engine(model, rank)
-        self.rank, self.world = rank, world_size
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        self.engine = Engine(model, self.rank)
         self.namespace = namespace
         self.coordinator = None
         self.previous_state_dict_step: int | None = None
-        self.log = logging.getLogger(f"worker{rank}")
 
     def _get_coordinator(self) -> CheckpointCoordinator:
         if self.coordinator is None:
@@ -266,10 +274,17 @@ def file_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_path):
-    root = tmp_path / "ckpt"
+@pytest.fixture
+def workers(shared_actors, namespace):
+    """Two ranks of Trinity's actor worker, shared by this module's jobs, started over."""
     port = free_port()
-    workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
+    made = shared_actors("workers", lambda: [Worker.remote(r, 2, port) for r in range(2)])
+    ray.get([w.reset.remote(namespace) for w in made], timeout=120)
+    return made
+
+
+def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_path, workers):
+    root = tmp_path / "ckpt"
     trainer = Trainer(namespace, root, workers)
     sync = Synchronizer.get_actor(
         namespace=namespace, default_local_dir=str(root), poll_interval_s=0.05
@@ -342,19 +357,15 @@ def test_trinity_call_sequence_with_resave_final_save_and_resume(namespace, tmp_
     status = ray.get(resumed.monitor.status.remote())
     assert status["failed"] == [] and status["pending"] == []
     assert status["latest"] == {"checkpoint": 7, "state_dict": 7}
-    for w in workers:
-        ray.kill(w)
 
 
-def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path):
+def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path, workers):
     """The trainer registers and submits while rank 1 has not even started its save.
 
     Rank 0's shard is written and reported first; the step stays open until
     rank 1's part is durable too, and then every shard is in the manifest.
     """
     root = tmp_path / "ckpt"
-    port = free_port()
-    workers = [Worker.remote(namespace, r, 2, port) for r in range(2)]
     trainer = Trainer(namespace, root, workers)
     path = trainer.actor_path(1)
     gate = tmp_path / "rank1_may_start"
@@ -398,8 +409,6 @@ def test_late_rank_neither_errors_nor_commits_a_partial_step(namespace, tmp_path
     merged = load_sharded_state_dict(path, manifest_dir=step_dir)
     expected = ray.get([w.full.remote() for w in workers])[0]
     assert all(torch.equal(merged[k], v) for k, v in expected.items())
-    for w in workers:
-        ray.kill(w)
 
 
 class TestMegatronReportsOnce:
