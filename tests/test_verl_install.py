@@ -37,12 +37,27 @@ class VerlWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, port: int) -> None:
         verl_install.worker_setup()  # what Ray runs in each worker process after install()
-        from verl.workers.engine.fsdp import transformer_impl
-        from workers import cpu_fsdp_group, tiny_fsdp_llama
+        from workers import cpu_fsdp_group
 
         torch.set_num_threads(1)
+        self.role = role
+        self.mesh = cpu_fsdp_group(rank, world_size, port)
+
+    def reset(self) -> None:
+        """A new job on this process (the tests share the workers): the seeded model, a new
+        optimizer, scheduler and checkpoint manager, and file writes no longer held."""
+        from verl.workers.engine.fsdp import transformer_impl
+        from workers import tiny_fsdp_llama
+
+        import obsckpt.store.torchfile as torchfile
+
+        self.unheld = getattr(self, "unheld", torchfile.write_torch_file)
+        torchfile.write_torch_file = self.unheld  # block_writes() of a previous job undone
+        if hasattr(self, "engine"):
+            self.engine.checkpoint_manager.coordinator.close(timeout=60)
+        role = self.role
         # verl's critic: a token-classification value head
-        model = tiny_fsdp_llama(cpu_fsdp_group(rank, world_size, port), value_head=role == "critic")
+        model = tiny_fsdp_llama(self.mesh, value_head=role == "critic")
         contents = ["model", "optimizer", "extra"] + (["hf_model"] if role == "critic" else [])
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -276,8 +291,17 @@ def test_install_reaches_ray_workers_of_the_job(ray_cluster):
     ]
 
 
+def make_workers() -> list:
+    """verl's actor (two FSDP2 ranks) and critic (one), in processes the tests share."""
+    port = free_port()
+    actor = [VerlWorker.remote("actor", r, 2, port) for r in (0, 1)]
+    return actor + [VerlWorker.remote("critic", 0, 1, free_port())]
+
+
 @pytest.mark.parametrize("kind", ["v1", "legacy"])
-def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_path, monkeypatch):
+def test_verl_trainer_saves_and_resumes_through_obsckpt(
+    kind, ray_cluster, tmp_path, monkeypatch, shared_actors
+):
     verl_install.patch()  # install() does this in the driver
     Trainer, module = trainer_class(kind, monkeypatch)
 
@@ -287,9 +311,9 @@ def test_verl_trainer_saves_and_resumes_through_obsckpt(kind, ray_cluster, tmp_p
     trainer = make_trainer(root, None, None, v1=kind == "v1")
     monitor = verl_install.monitor_for(trainer)  # init_workers does this before the workers
     try:
-        actor = [VerlWorker.remote("actor", r, 2, port) for port in [free_port()] for r in (0, 1)]
-        critic = [VerlWorker.remote("critic", 0, 1, free_port())]
-        workers = actor + critic
+        workers = shared_actors("verl workers", make_workers)
+        ray.get([w.reset.remote() for w in workers], timeout=120)
+        actor, critic = workers[:2], workers[2:]
         assert set(ray.get([w.info.remote() for w in workers])) == {
             "obsckpt.integrations.fsdp_checkpoint_manager.FSDPCheckpointManager"
         }
