@@ -151,12 +151,12 @@ def test_fsdp_manager_saves_commits_and_resumes_on_s3(namespace, seaweed_server:
     "kind,where", [("legacy", "default_hdfs_dir"), ("v1", "default_local_dir")]
 )
 def test_verl_trainer_saves_and_resumes_on_s3(
-    kind, where, ray_cluster, seaweed_server: SeaweedServer, tmp_path, monkeypatch
+    kind, where, ray_cluster, seaweed_server: SeaweedServer, tmp_path, monkeypatch, shared_actors
 ):
     """verl's own trainer code with its checkpoints on S3: ``default_hdfs_dir`` set to an
     ``s3://`` URL (the local directory verl also names receives nothing), or
     ``default_local_dir`` itself an ``s3://`` URL; then verl's resume from the store."""
-    from test_verl_install import VerlWorker, WorkerGroup, make_trainer, params, trainer_class
+    from test_verl_install import WorkerGroup, make_trainer, make_workers, params, trainer_class
     from workers import kill_named
 
     from obsckpt.integrations import verl_install
@@ -177,9 +177,9 @@ def test_verl_trainer_saves_and_resumes_on_s3(
     store = open_s3_root(root)
     try:
         assert ray.get(monitor.checkpoint_root.remote()) == root
-        actor = [VerlWorker.remote("actor", r, 2, port) for port in [free_port()] for r in (0, 1)]
-        critic = [VerlWorker.remote("critic", 0, 1, free_port())]
-        workers = actor + critic
+        workers = shared_actors("verl workers", make_workers)  # its two cases share them
+        ray.get([w.reset.remote() for w in workers], timeout=120)
+        actor, critic = workers[:2], workers[2:]
         trainer.actor_rollout_wg, trainer.critic_wg = WorkerGroup(actor), WorkerGroup(critic)
         for step in (1, 2):
             ray.get([w.train.remote(step) for w in workers])
