@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from docs_samples import block_with, missing_shapes
@@ -524,6 +526,26 @@ def test_summary_shows_no_version_before_one_is_reported():
     assert "model version: trainer -, rollout -" in format_table(summary)
 
 
+def demo_ranks(pid: int, timeout: float = 60.0) -> list:
+    """The trainer rank processes of the demo whose driver is ``pid`` (its own cluster's
+    workers: Ray titles them ``ray::TrainerRank``)."""
+    import time
+
+    def ranks() -> list:
+        found = []
+        for p in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::TrainerRank"):
+                    found.append(p)
+        return found
+
+    deadline = time.monotonic() + timeout
+    while len(found := ranks()) < 2:
+        assert time.monotonic() < deadline, f"the demo's two ranks not found: {found}"
+        time.sleep(0.1)
+    return found
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once(tmp_path):
     """Two Ctrl-Cs: exit 130, and the last line names the checkpoint the iteration file
@@ -561,11 +583,27 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
             assert proc.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "no commit within 240 s"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        # Two signals sent at once arrive as one: the second goes once the first is handled,
-        # while the step in progress (a train step and a save) still runs.
-        assert first_seen.wait(60), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        # The demo's ranks are held (SIGSTOP) while the two signals come, so the step in
+        # progress cannot end between them: on a loaded machine the first one's step and
+        # drain could otherwise be over before the second is sent, and the run would end as
+        # one Ctrl-C ends it.
+        ranks = demo_ranks(proc.pid)
+        for rank in ranks:
+            rank.suspend()
+        try:
+            proc.send_signal(signal.SIGINT)
+            # Two signals sent at once arrive as one: the second goes once the first is
+            # handled, while the step in progress still runs.
+            assert first_seen.wait(60), "".join(lines)
+            proc.send_signal(signal.SIGINT)
+            until = time.monotonic() + 60
+            while not any(line.startswith("stopped at once") for line in lines):
+                assert time.monotonic() < until, "".join(lines)
+                time.sleep(0.05)
+        finally:
+            for rank in ranks:
+                with contextlib.suppress(psutil.Error):
+                    rank.resume()
         proc.wait(timeout=120)
         stderr_reader.join(30)
         err = "".join(lines)
