@@ -48,6 +48,7 @@ import torch
 from obsckpt.store.reader import crc32
 from obsckpt.sync import delta_kernels as kernels
 from obsckpt.sync.buckets import TensorMeta
+from obsckpt.sync.delta_kernels import GAP_MAX
 
 __all__ = [
     "GAP_MAX",
@@ -59,7 +60,6 @@ __all__ = [
     "encode_delta",
 ]
 
-GAP_MAX = 255
 BLOCK = 1 << 22  # values per block: encoded and applied as one unit, in parallel
 _ALIGN = 8
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KERNEL_ENV", "apply_block", "encode_block", "kernel_name", "numba_installed"]
+__all__ = ["GAP_MAX", "KERNEL_ENV", "apply_block", "encode_block", "kernel_name", "numba_installed"]
 
 KERNEL_ENV = "OBSCKPT_DELTA_KERNEL"
-_GAP_MAX = 255  # delta.GAP_MAX: one byte per gap
-_BLOCK = 1 << 22  # delta.BLOCK: the values of a block
+# The longest gap one byte holds (a longer one is bridged): part of the encoding, which
+# delta.py's numpy path shares from here (a global the compiled kernel reads).
+GAP_MAX = 255
 _local = threading.local()  # each encoding thread's work arrays
 
 _compiled: tuple[Any, Any] | None = None  # the encode and apply kernels, once compiled
@@ -107,23 +108,23 @@ def _encode_impl(new, base, new_words, base_words, per, idx, diffs, small_gaps, 
         d = np.int64(a) - np.int64(base[i])  # wraps for 8-byte values, as the receiver's add
         if d >= -127 and d <= 127:
             gap = i - last_small
-            while gap > _GAP_MAX:  # a bridging entry adds 0
-                small_gaps[ns] = _GAP_MAX
+            while gap > GAP_MAX:  # a bridging entry adds 0
+                small_gaps[ns] = GAP_MAX
                 diffs[ns] = 0
                 ns += 1
-                gap -= _GAP_MAX
+                gap -= GAP_MAX
             small_gaps[ns] = gap
             diffs[ns] = d
             ns += 1
             last_small = i
         else:
             gap = i - last_whole
-            while gap > _GAP_MAX:  # a bridging entry writes the value already there
-                last_whole += _GAP_MAX
-                whole_gaps[nw] = _GAP_MAX
+            while gap > GAP_MAX:  # a bridging entry writes the value already there
+                last_whole += GAP_MAX
+                whole_gaps[nw] = GAP_MAX
                 whole[nw] = new[last_whole]
                 nw += 1
-                gap -= _GAP_MAX
+                gap -= GAP_MAX
             whole_gaps[nw] = gap
             whole[nw] = a
             nw += 1
@@ -156,13 +157,11 @@ def _apply_impl(target, diffs, small_gaps, whole, whole_gaps) -> int:
 def _buffers(n: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
     """This thread's work arrays for a block of ``n`` values, kept between blocks (only
     the pages a block touches are ever backed)."""
-    room = n + n // _GAP_MAX + 1  # every value changed, and the bridges of the longest gaps
+    room = n + n // GAP_MAX + 1  # every value changed, and the bridges of the longest gaps
     held = getattr(_local, "buffers", None)
-    if held is None or held[0].size < n:
-        size = max(n, _BLOCK)
-        room = size + size // _GAP_MAX + 1
+    if held is None or held[0].size < n:  # sized for the largest block seen
         held = _local.buffers = (
-            np.empty(size, dtype=np.int32),
+            np.empty(n, dtype=np.int32),
             np.empty(room, dtype=np.int8),
             np.empty(room, dtype=np.uint8),
             np.empty(room * 8, dtype=np.uint8),
