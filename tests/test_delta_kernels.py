@@ -34,6 +34,21 @@ def pair(n: int, dtype, fraction: float, seed: int) -> tuple[np.ndarray, np.ndar
     return new, base
 
 
+def encodes_and_applies_alike(new: np.ndarray, base: np.ndarray) -> None:
+    """The kernel's streams are the numpy encoder's, byte for byte, and its apply
+    takes ``base`` to ``new``."""
+    want, got = delta._encode_block(new, base), kernels.encode_block(new, base)
+    assert (want is None) == (got is None)
+    if want is None:
+        return
+    for w, g in zip(want[:4], got[:4], strict=True):
+        assert w.dtype == g.dtype and np.array_equal(w, g)
+    assert want[4] == got[4]
+    target = base.copy()
+    kernels.apply_block(target, *got[:4], k=0)
+    assert np.array_equal(target, new)
+
+
 def test_this_environment_has_the_compiled_kernels():
     """`make test` installs the `fast` extra: the kernels must run here, not be skipped."""
     assert kernels.numba_installed(), "numba is missing: pip install 'obsckpt[fast]'"
@@ -58,17 +73,7 @@ def test_importing_the_sync_modules_leaves_numba_unimported():
 def test_encode_gives_the_numpy_bytes(dtype, n, fraction):
     new, base = pair(n, dtype, fraction, seed=n)
     for off in (0, 1, 3):  # views starting off a word's boundary
-        a, b = new[off:], base[off:]
-        want, got = delta._encode_block(a, b), kernels.encode_block(a, b)
-        assert (want is None) == (got is None)
-        if want is None:
-            continue
-        for w, g in zip(want[:4], got[:4], strict=True):
-            assert w.dtype == g.dtype and np.array_equal(w, g)
-        assert want[4] == got[4]
-        target = b.copy()
-        kernels.apply_block(target, *got[:4], k=0)
-        assert np.array_equal(target, a)
+        encodes_and_applies_alike(new[off:], base[off:])
 
 
 @pytest.mark.parametrize("dtype", WIDTHS)
@@ -83,6 +88,24 @@ def test_long_runs_and_every_gap_length_bridge_alike(dtype):
     want, got = delta._encode_block(new, base), kernels.encode_block(new, base)
     for w, g in zip(want[:4], got[:4], strict=True):
         assert np.array_equal(w, g)
+
+
+@pytest.mark.parametrize("dtype", WIDTHS)
+def test_gaps_and_streams_carry_across_tiles(dtype):
+    """The kernel works a tile of words at a time: a gap that spans a tile's end (bridged
+    or not), a change in a tile's first and last value, a block of several tiles."""
+    from obsckpt.sync.delta_jit import TILE
+
+    per = 8 // np.dtype(dtype).itemsize
+    edge = TILE * per  # the first value of the second tile
+    n = 3 * edge + 5
+    new, base = pair(n, dtype, 0.001, seed=per)
+    info = np.iinfo(dtype)
+    for p, v in [(edge - 1, 5), (edge, info.max), (edge + 300, 9), (2 * edge - 1, info.min)]:
+        new[p] = base[p] + 1 if v == 5 or v == 9 else v
+    new[2 * edge : 2 * edge + 600] = base[2 * edge : 2 * edge + 600]  # a long quiet gap
+    new[n - 1] = base[n - 1] ^ 1
+    encodes_and_applies_alike(new, base)
 
 
 @pytest.mark.parametrize("kernel", ["numba", "numpy"])

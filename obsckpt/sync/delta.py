@@ -48,9 +48,10 @@ import torch
 from obsckpt.store.reader import crc32
 from obsckpt.sync import delta_kernels as kernels
 from obsckpt.sync.buckets import TensorMeta
-from obsckpt.sync.delta_kernels import GAP_MAX
+from obsckpt.sync.delta_format import BLOCK, GAP_MAX
 
 __all__ = [
+    "BLOCK",
     "GAP_MAX",
     "DeltaPlan",
     "apply_delta",
@@ -60,7 +61,6 @@ __all__ = [
     "encode_delta",
 ]
 
-BLOCK = 1 << 22  # values per block: encoded and applied as one unit, in parallel
 _ALIGN = 8
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}

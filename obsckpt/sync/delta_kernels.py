@@ -1,18 +1,19 @@
-"""Compiled delta kernels: two passes over a block encode it, one walk applies it.
+"""Compiled delta kernels: one pass over a block's tiles encodes it, one walk applies it.
 
 :mod:`obsckpt.sync.delta` encodes a block with numpy, one whole-array operation
 after another (compare, scan the mask, gather, subtract, classify, make the gap
 streams): each reads and writes the block's changed values again, and the
 compare's mask is written and scanned as well. Where numba is installed (the
 ``fast`` extra; vLLM, the usual rollout engine, depends on it anyway) these
-kernels do the same work in two passes over a block: the first compares eight
-bytes at a time and collects the changed positions, the second writes both
-streams from them; the apply walks each stream once.
+kernels (:mod:`obsckpt.sync.delta_jit`) do the same work tile by tile, in the
+core's cache: compare eight bytes at a time and keep the changed words without
+a branch, split their lanes into changed positions and differences, write both
+streams; the apply walks each stream once.
 Their output is byte for byte the numpy path's (the tests compare them), so a
 sender with numba and a receiver without it (or the other way round) agree.
 
 ``OBSCKPT_DELTA_KERNEL=numpy`` turns them off. Compiled on first use and cached
-beside this file (numba's ``cache=True``; a user-wide cache where that folder is
+beside delta_jit (numba's ``cache=True``; a user-wide cache where that folder is
 read-only), so a process pays for the compile once per machine, not per sync.
 """
 
@@ -26,15 +27,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GAP_MAX", "KERNEL_ENV", "apply_block", "encode_block", "kernel_name", "numba_installed"]
+from obsckpt.sync.delta_format import GAP_MAX
+
+__all__ = [
+    "KERNEL_ENV",
+    "apply_block",
+    "encode_block",
+    "kernel_name",
+    "numba_installed",
+]
 
 KERNEL_ENV = "OBSCKPT_DELTA_KERNEL"
-# The longest gap one byte holds (a longer one is bridged): part of the encoding, which
-# delta.py's numpy path shares from here (a global the compiled kernel reads).
-GAP_MAX = 255
 _local = threading.local()  # each encoding thread's work arrays
 
-_compiled: tuple[Any, Any] | None = None  # the encode and apply kernels, once compiled
+_compiled: Any = None  # obsckpt.sync.delta_jit, once imported (its kernels compiled on first use)
 _compile_lock = threading.Lock()
 
 
@@ -48,15 +54,15 @@ def numba_installed() -> bool:
         return False
 
 
-def _kernels() -> tuple[Any, Any]:
-    """numba's encode and apply, compiled on first use (or loaded from its cache)."""
+def _kernels() -> Any:
+    """The module of numba's encode and apply (:mod:`obsckpt.sync.delta_jit`), imported on
+    first use; its kernels compile on their first call (or load from numba's cache)."""
     global _compiled
     with _compile_lock:
         if _compiled is None:
-            import numba
+            from obsckpt.sync import delta_jit
 
-            jit = numba.njit(nogil=True, cache=True)
-            _compiled = (jit(_encode_impl), jit(_apply_impl))
+            _compiled = delta_jit
         return _compiled
 
 
@@ -82,93 +88,30 @@ def kernel_name() -> str:
     return "numba"
 
 
-def _encode_impl(new, base, new_words, base_words, per, idx, diffs, small_gaps, whole, whole_gaps):
-    """Both streams of one block, as delta._encode_block makes them; returns their
-    lengths and the count of changed values."""
-    # The changed positions: eight bytes compared at once (most words are unchanged),
-    # then the values of a changed word, written without a branch; then the values
-    # after the last whole word.
-    k = 0
-    for w in range(new_words.size):
-        if new_words[w] != base_words[w]:
-            o = w * per
-            for j in range(per):
-                idx[k] = o + j
-                k += new[o + j] != base[o + j]
-    for i in range(new_words.size * per, new.size):
-        idx[k] = i
-        k += new[i] != base[i]
-    ns = 0
-    nw = 0
-    last_small = -1
-    last_whole = -1
-    for t in range(k):
-        i = idx[t]
-        a = new[i]
-        d = np.int64(a) - np.int64(base[i])  # wraps for 8-byte values, as the receiver's add
-        if d >= -127 and d <= 127:
-            gap = i - last_small
-            while gap > GAP_MAX:  # a bridging entry adds 0
-                small_gaps[ns] = GAP_MAX
-                diffs[ns] = 0
-                ns += 1
-                gap -= GAP_MAX
-            small_gaps[ns] = gap
-            diffs[ns] = d
-            ns += 1
-            last_small = i
-        else:
-            gap = i - last_whole
-            while gap > GAP_MAX:  # a bridging entry writes the value already there
-                last_whole += GAP_MAX
-                whole_gaps[nw] = GAP_MAX
-                whole[nw] = new[last_whole]
-                nw += 1
-                gap -= GAP_MAX
-            whole_gaps[nw] = gap
-            whole[nw] = a
-            nw += 1
-            last_whole = i
-    return ns, nw, k
-
-
-def _apply_impl(target, diffs, small_gaps, whole, whole_gaps) -> int:
-    """Add the differences and write the whole values into ``target`` (one block's
-    bits). Returns -1, or, where a stream runs past the block (checked before
-    anything is written), the position it reaches."""
-    room = target.size
-    for gaps in (small_gaps, whole_gaps):
-        pos = -1
-        for j in range(gaps.size):
-            pos += gaps[j]
-        if pos >= room:
-            return pos
-    pos = -1
-    for j in range(small_gaps.size):
-        pos += small_gaps[j]
-        target[pos] += diffs[j]  # wraps in the target's width, as the sender's difference
-    pos = -1
-    for j in range(whole_gaps.size):
-        pos += whole_gaps[j]
-        target[pos] = whole[j]
-    return -1
-
-
-def _buffers(n: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
-    """This thread's work arrays for a block of ``n`` values, kept between blocks (only
-    the pages a block touches are ever backed)."""
+def _buffers(n: int, dtype: np.dtype, tile: int) -> tuple[tuple[np.ndarray, ...], ...]:
+    """This thread's work arrays for a block of ``n`` values, kept between blocks: a
+    tile's (``tile`` words, see :mod:`obsckpt.sync.delta_jit`), and the streams (only
+    the pages a block's streams reach are ever backed)."""
     room = n + n // GAP_MAX + 1  # every value changed, and the bridges of the longest gaps
     held = getattr(_local, "buffers", None)
-    if held is None or held[0].size < n:  # sized for the largest block seen
+    if held is None or held[2][0].size < room:  # sized for the largest block seen
+        lane_room = tile * 8 + 8  # a tile's lanes, and the values after the last word
         held = _local.buffers = (
-            np.empty(n, dtype=np.int32),
-            np.empty(room, dtype=np.int8),
-            np.empty(room, dtype=np.uint8),
-            np.empty(room * 8, dtype=np.uint8),
-            np.empty(room, dtype=np.uint8),
+            (np.empty(tile, np.int32), np.empty(tile, np.int64), np.empty(tile, np.int64)),
+            (np.empty(lane_room, np.int32), np.empty(lane_room, np.int64)),
+            (
+                np.empty(room, dtype=np.int8),
+                np.empty(room, dtype=np.uint8),
+                np.empty(room * 8, dtype=np.uint8),
+                np.empty(room, dtype=np.uint8),
+            ),
         )
-    idx, diffs, small_gaps, whole, whole_gaps = held
-    return idx, diffs, small_gaps, whole[: room * dtype.itemsize].view(dtype), whole_gaps
+    words, values, (diffs, small_gaps, whole, whole_gaps) = held
+    return (
+        words,
+        values,
+        (diffs, small_gaps, whole[: room * dtype.itemsize].view(dtype), whole_gaps),
+    )
 
 
 def encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
@@ -176,12 +119,13 @@ def encode_block(new: np.ndarray, base: np.ndarray) -> tuple[Any, ...] | None:
     values, their gaps, changed)``; None when nothing changed."""
     per = 8 // new.itemsize
     words = new.size - new.size % per
-    idx, diffs, small_gaps, whole, whole_gaps = _buffers(new.size, new.dtype)
-    encode, _ = _kernels()
-    ns, nw, count = encode(
-        new, base, new[:words].view(np.int64), base[:words].view(np.int64), per,
-        idx, diffs, small_gaps, whole, whole_gaps,
+    jit = _kernels()
+    work_words, work_values, streams = _buffers(new.size, new.dtype, jit.TILE)
+    ns, nw, count = jit.encode(
+        new, base, new[:words].view(np.int64), base[:words].view(np.int64),
+        work_words, work_values, streams,
     )  # fmt: skip
+    diffs, small_gaps, whole, whole_gaps = streams
     if count == 0:
         return None
     return (
@@ -202,7 +146,8 @@ def apply_block(
     Raises:
         ValueError: a stream runs past the block's end (nothing is written then).
     """
-    _, apply = _kernels()
-    past = apply(target, diffs.view(np.int8), small_gaps, whole.view(target.dtype), whole_gaps)
+    past = _kernels().apply(
+        target, diffs.view(np.int8), small_gaps, whole.view(target.dtype), whole_gaps
+    )
     if past >= 0:
         raise ValueError(f"delta block {k} runs past its end ({int(past)})")
