@@ -53,6 +53,13 @@ def model_tensors(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def relayout() -> dict[str, torch.Tensor]:
+    """model_tensors(3)'s floating tensors and one more: a layout the sender has not seen."""
+    out = {n: t for n, t in model_tensors(3).items() if t.is_floating_point()}
+    out["extra"] = torch.arange(15.0).reshape(5, 3)
+    return out
+
+
 # ----------------------------------------------------------------------
 # Child processes
 # ----------------------------------------------------------------------
@@ -74,6 +81,8 @@ def _roundtrip(rank: int, port: int) -> dict:
             b.send(((n, t) for n, t in second.items()), meta=meta, step=9)
             b.send(first, step=10)
             b.send(second, step=11)
+            # Another layout, as parameters that require grad: packed anew, not by autograd.
+            b.send({n: torch.nn.Parameter(t) for n, t in relayout().items()}, step=12)
             reg = metrics.registry
             report["bytes_total"] = reg.get_sample_value(
                 "obsckpt_broadcast_bytes_total", {"backend": "gloo", "method": "broadcast"}
@@ -108,6 +117,7 @@ def _roundtrip(rank: int, port: int) -> dict:
                 area["embed.weight"].data_ptr() == got["embed.weight"].data_ptr()
             )
             report["area"] = same_bits(second, area)
+            report["relayout"] = same_bits(relayout(), b.recv(clone=True))
         report["spans"] = [
             (s["name"], s["attributes"].get("obsckpt.bytes"), s["attributes"].get("obsckpt.step"))
             for s in tracing.finished_spans()
@@ -260,6 +270,9 @@ class TestBitIdentical:
         assert roundtrip[1]["area"] == []
         assert roundtrip[1]["area_reused"]
 
+    def test_a_new_layout_of_parameters_that_require_grad(self, roundtrip):
+        assert roundtrip[1]["relayout"] == []
+
 
 class TestTelemetry:
     """The sender records each broadcast's duration and bytes; both sides trace it."""
@@ -268,14 +281,15 @@ class TestTelemetry:
         sender = roundtrip[0]
         expected = sum(t.numel() * t.element_size() for t in model_tensors(1).values())
         assert sender["nbytes"] == expected
-        assert sender["duration_count"] == 5
+        assert sender["duration_count"] == 6
         per_call = [
             expected,
             *[sum(t.numel() * t.element_size() for t in model_tensors(2).values())] * 2,
         ]
-        assert sender["bytes_total"] == sum(per_call) + expected + per_call[1]
-        # The last sync's bytes (model_tensors(2) at step 11), kept until the next.
-        assert sender["last_bytes"] == per_call[1]
+        last = sum(t.numel() * t.element_size() for t in relayout().values())
+        assert sender["bytes_total"] == sum(per_call) + expected + per_call[1] + last
+        # The last sync's bytes (relayout() at step 12), kept until the next.
+        assert sender["last_bytes"] == last
 
     def test_collectives(self, roundtrip):
         """Bucketed: one collective per bucket of the plan; per tensor: one per tensor.
@@ -291,7 +305,7 @@ class TestTelemetry:
     def test_spans(self, roundtrip):
         for rank in (0, 1):
             spans = [s for s in roundtrip[rank]["spans"] if s[0] == "obsckpt.broadcast"]
-            assert len(spans) == 5
+            assert len(spans) == 6
             assert spans[0][1] == roundtrip[0]["nbytes"]
             assert spans[0][2] == 7
 

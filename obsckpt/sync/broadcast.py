@@ -5,8 +5,9 @@ once every member has checked in, every wait bounded by a deadline).
 
 :class:`WeightBroadcaster` sends a whole model as a few large flat buckets,
 one dtype per bucket: the sender packs tensors into two reusable buffers of
-``bucket_bytes`` with one ``torch.cat`` per bucket, while the previous bucket is
-still on the wire; the receiver gets the names, dtypes and shapes in a small
+``bucket_bytes`` with one copy per bucket (``torch._foreach_copy_`` into views
+shaped as its tensors; ``torch.cat`` for a lazy stream), while the previous bucket
+is still on the wire; the receiver gets the names, dtypes and shapes in a small
 header and rebuilds named tensors as views of the received buckets (or copies
 them into tensors it already holds, ``recv(into=...)``). Tensors larger than a
 bucket go alone, without a copy. ``mode="per_tensor"`` sends one collective per
@@ -105,6 +106,10 @@ class WeightBroadcaster(BroadcastReceiving):
         )
         self._send_cache: tuple[tuple[Any, ...], bytes, list[Bucket] | None] | None = None
         self._where: list[int] | None = None  # for the cached plan
+        self._state_bytes = 0  # of the cached header's tensors (their names checked unique)
+        # Per bucket of the cached plan: send buffers and their views shaped as the
+        # bucket's tensors, which a whole state is copied into in one call.
+        self._pack_views: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
 
     # -- sender --------------------------------------------------------
 
@@ -146,8 +151,11 @@ class WeightBroadcaster(BroadcastReceiving):
             meta = tensor_meta(items)
         else:
             items = _announced(items, meta)
-        validate_unique_names(meta)
-        nbytes = sum(m.nbytes for m in meta)
+        cached = self._send_cache
+        if cached is None or cached[0][2] != meta:  # a new layout (else checked last time)
+            validate_unique_names(meta)
+            self._state_bytes = sum(m.nbytes for m in meta)
+        nbytes = self._state_bytes
         attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.RANK: self.group.rank}
         with (
             tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp,
@@ -184,6 +192,7 @@ class WeightBroadcaster(BroadcastReceiving):
             plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
             self._send_cache = (key, payload, plan)
             self._where = None
+            self._pack_views = {}
         # The step travels in the preamble, so an unchanged model reuses its header bytes.
         device = self.group.device  # NCCL moves only device tensors
         preamble = torch.tensor(wire.encode_preamble(len(payload), step), dtype=torch.int64).to(
@@ -225,6 +234,8 @@ class WeightBroadcaster(BroadcastReceiving):
         ``items`` may be a lazy stream; with ``check`` each tensor is checked
         against the metadata announced in the header.
         """
+        if not check and isinstance(items, list):
+            return self._send_whole(items, meta, plan, deadline)
         where = self._where
         if where is None or len(where) != len(meta):
             where = [0] * len(meta)  # tensor index -> bucket index
@@ -237,14 +248,6 @@ class WeightBroadcaster(BroadcastReceiving):
         free = list(self._pool)
         issued = 0
         seen = 0
-
-        def drain_one() -> None:
-            work, buf, b = inflight.popleft()
-            self.group.wait(
-                work, deadline, lambda t: self._progress("bucket", b, len(plan), meta, t)
-            )
-            if buf is not None:
-                free.append(buf)
 
         for i, (name, t) in enumerate(items):
             if check:
@@ -267,7 +270,7 @@ class WeightBroadcaster(BroadcastReceiving):
                     continue
                 del pending[b]
                 while not free and len(self._pool) >= _SEND_BUFFERS and inflight:
-                    drain_one()
+                    self._drain(inflight, free, deadline, plan, meta)
                 buf = free.pop() if free else self._new_buffer()
                 out = buf[: bucket.nbytes].view(bucket.dtype)
                 torch.cat(parts, out=out)
@@ -275,16 +278,84 @@ class WeightBroadcaster(BroadcastReceiving):
                 inflight.append((self._issue(out, deadline), buf, b))
                 issued += 1
             while len(inflight) > _SEND_BUFFERS:
-                drain_one()
+                self._drain(inflight, free, deadline, plan, meta)
         self._check_count(seen, meta)
         while inflight:
-            drain_one()
+            self._drain(inflight, free, deadline, plan, meta)
         return issued
+
+    def _send_whole(
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        meta: list[TensorMeta],
+        plan: list[Bucket],
+        deadline: float,
+    ) -> int:
+        """Bucketed send of a whole state at hand (its metadata made from it): each
+        bucket is packed by one copy into views of a send buffer kept per bucket, not
+        tensor by tensor, and goes while the next is packed. Same collectives, same
+        order as :meth:`_send_bucketed`."""
+        device = self.group.device
+        tensors = [t if t.device == device else t.to(device) for _, t in items]
+        inflight: deque[tuple[Any, torch.Tensor | None, int]] = deque()
+        free = list(self._pool)
+        with torch.no_grad():
+            for b, bucket in enumerate(plan):
+                if bucket.solo:
+                    flat = tensors[bucket.indices[0]].detach().contiguous().view(-1)
+                    inflight.append((self._issue(flat, deadline), None, b))
+                    continue
+                while not free and len(self._pool) >= _SEND_BUFFERS and inflight:
+                    self._drain(inflight, free, deadline, plan, meta)
+                buf = free.pop() if free else self._new_buffer()
+                out, views = self._bucket_views(b, bucket, buf, tensors)
+                torch._foreach_copy_(views, [tensors[i] for i in bucket.indices])
+                inflight.append((self._issue(out, deadline), buf, b))
+                while len(inflight) > _SEND_BUFFERS:
+                    self._drain(inflight, free, deadline, plan, meta)
+            while inflight:
+                self._drain(inflight, free, deadline, plan, meta)
+        return len(plan)
+
+    def _bucket_views(
+        self, b: int, bucket: Bucket, buf: torch.Tensor, tensors: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Bucket ``b``'s part of ``buf`` and its views shaped as the bucket's tensors."""
+        out = buf[: bucket.nbytes].view(bucket.dtype)
+        held = self._pack_views.setdefault(b, [])
+        for kept, views in held:
+            if kept is buf:
+                return out, views
+        views = [
+            out[off : off + tensors[i].numel()].view(tensors[i].shape)
+            for i, off in zip(bucket.indices, bucket.offsets, strict=True)
+        ]
+        held.append((buf, views))
+        return out, views
+
+    def _drain(
+        self,
+        inflight: deque[tuple[Any, torch.Tensor | None, int]],
+        free: list[torch.Tensor],
+        deadline: float,
+        plan: list[Bucket],
+        meta: list[TensorMeta],
+    ) -> None:
+        work, buf, b = inflight.popleft()
+        self.group.wait(work, deadline, lambda t: self._progress("bucket", b, len(plan), meta, t))
+        if buf is not None:
+            free.append(buf)
 
     def _new_buffer(self) -> torch.Tensor:
         buf = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
         self._pool.append(buf)
+        self._pack_views = {}  # views of the buffers that were, if any
         return buf
+
+    def release_buffers(self) -> None:
+        """Drop the reusable buffers and everything viewing them (allocated again when needed)."""
+        super().release_buffers()
+        self._pack_views = {}
 
     def _check_item(self, i: int, name: str, t: torch.Tensor, meta: list[TensorMeta]) -> None:
         m = meta[i]
