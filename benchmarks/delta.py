@@ -15,7 +15,8 @@ Two states are measured:
 target <= 2). ``delta_sync_vs_full``: a delta sync's time over a full
 bucketed broadcast of the same state, two processes on gloo over loopback,
 each sample the slower side, interleaved repetition by repetition (target
-<= 0.5).
+<= 0.5); before each sample the sender's base has finished moving to the last
+delta's version (a job does that in the background, while training goes on).
 """
 
 from __future__ import annotations
@@ -200,6 +201,11 @@ def _worker(rank: int, port: int, nbytes: int, reps: int, q) -> None:
         step = 0
 
         def timed(fn) -> float:
+            if rank == 0:
+                # The sender's base moves to the last delta's version in the background
+                # (while training goes on, in a job): finished before the next sample,
+                # so that no sample, full or delta, shares the cores with it.
+                deltas._settle_base()
             group.broadcast(tick, 0)
             t0 = time.perf_counter()
             fn()
