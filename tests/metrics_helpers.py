@@ -1,7 +1,9 @@
-"""Reading a monitor's /metrics in tests: samples keyed by (name, sorted label items)."""
+"""Reading a monitor's /metrics in tests: samples keyed by (name, sorted label items);
+and a local port where nothing listens."""
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import ray
@@ -27,3 +29,11 @@ def scrape(monitor) -> Samples:
 
 def value(found: Samples, name: str, **labels: str) -> float | None:
     return found.get((name, tuple(sorted(labels.items()))))
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago and where nothing listens: a
+    connection is refused at once (a dead scrape target, an exporter's absent collector)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the block ends

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import ray
+from metrics_helpers import closed_port
 from reliability_helpers import (
     assert_root_consistent,
     rank_worker_class,
@@ -22,12 +23,6 @@ from reliability_helpers import (
 from obsckpt import CheckpointCoordinator, CheckpointMonitor, SaveStrategy
 from obsckpt.monitor import ACTOR_NAME
 from obsckpt.store import layout, reader
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed when the block ends: nothing listens there
 
 
 def _latest(monitor) -> int | None:
@@ -46,7 +41,7 @@ class TestUnreachableCollector:
         namespace = f"otlp-{uuid.uuid4().hex[:8]}"
         root = str(tmp_path / "root")
         env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }

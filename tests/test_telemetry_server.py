@@ -17,6 +17,7 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
+from metrics_helpers import closed_port
 from prometheus_client import CollectorRegistry, Counter
 
 import obsckpt.telemetry.server as telemetry_server
@@ -161,12 +162,6 @@ class TestFinalScrape:
 class TestSharedFileSd:
     """Jobs sharing one file_sd file (OBSCKPT_FILE_SD_PATH set cluster-wide) each stay a target."""
 
-    @staticmethod
-    def closed_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     def test_each_root_keeps_its_own_entry(self, tmp_path):
         sd = tmp_path / "sd" / "obsckpt.json"
         with socket.socket() as a, socket.socket() as b:
@@ -194,7 +189,7 @@ class TestSharedFileSd:
 
     def test_entries_of_monitors_that_are_gone_are_dropped(self, tmp_path, caplog):
         sd = tmp_path / "obsckpt.json"
-        dead = f"127.0.0.1:{self.closed_port()}"  # the host answers, nothing listens
+        dead = f"127.0.0.1:{closed_port()}"  # the host answers, nothing listens
         # Another machine's address: never taken for gone (a firewall may refuse it).
         unreachable = next(
             f"{ip}:9400" for ip in ("192.0.2.1", "198.51.100.1", "203.0.113.1") if not _is_local(ip)
@@ -229,7 +224,7 @@ class TestSharedFileSd:
         """A job's stop withdraws what its monitors left (the one Ray restarted at a new
         address included) by root; a monitor still serving there and other roots stay."""
         sd = tmp_path / "obsckpt.json"
-        first, restarted = (f"127.0.0.1:{self.closed_port()}" for _ in range(2))
+        first, restarted = (f"127.0.0.1:{closed_port()}" for _ in range(2))
         with socket.socket() as live:
             live.bind(("127.0.0.1", 0))
             live.listen()
@@ -242,7 +237,7 @@ class TestSharedFileSd:
                 json.dumps(
                     json.loads(sd.read_text())
                     + [
-                        {"targets": [f"127.0.0.1:{self.closed_port()}"], "labels": {}},
+                        {"targets": [f"127.0.0.1:{closed_port()}"], "labels": {}},
                         {"targets": [serving], "labels": {"__meta_obsckpt_root": "/ckpt/b"}},
                     ]
                 )
