@@ -104,9 +104,9 @@ class WeightBroadcaster(BroadcastReceiving):
             metrics=metrics,
             monitor=monitor,
         )
-        self._send_cache: tuple[tuple[Any, ...], bytes, list[Bucket] | None] | None = None
+        # The last layout sent: its key, header bytes, bucket plan and byte count.
+        self._send_cache: tuple[tuple[Any, ...], bytes, list[Bucket] | None, int] | None = None
         self._where: list[int] | None = None  # for the cached plan
-        self._state_bytes = 0  # of the cached header's tensors (their names checked unique)
         # Per bucket of the cached plan: send buffers and their views shaped as the
         # bucket's tensors, which a whole state is copied into in one call.
         self._pack_views: dict[int, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
@@ -151,11 +151,7 @@ class WeightBroadcaster(BroadcastReceiving):
             meta = tensor_meta(items)
         else:
             items = _announced(items, meta)
-        cached = self._send_cache
-        if cached is None or cached[0][2] != meta:  # a new layout (else checked last time)
-            validate_unique_names(meta)
-            self._state_bytes = sum(m.nbytes for m in meta)
-        nbytes = self._state_bytes
+        payload, plan, nbytes = self._layout(meta, mode)
         attrs = {span_attr.STEP: step, span_attr.BYTES: nbytes, span_attr.RANK: self.group.rank}
         with (
             tracing.span("obsckpt.broadcast", carrier=trace_context, attributes=attrs) as sp,
@@ -166,7 +162,7 @@ class WeightBroadcaster(BroadcastReceiving):
             sp.set_attribute(span_attr.MODE, mode)
             t0 = time.perf_counter()
             deadline = self.group.deadline(self.timeout_s)
-            plan = self._send_header(meta, mode, step, deadline)
+            self._send_header(payload, step, deadline)
             if mode == "per_tensor":
                 count = self._send_per_tensor(items, meta, deadline)
             else:
@@ -180,19 +176,27 @@ class WeightBroadcaster(BroadcastReceiving):
         self.telemetry.broadcast(self.group.backend, seconds, nbytes, "broadcast")
         return BroadcastResult(seconds, nbytes, len(meta), count, self.group.backend, mode)
 
-    def _send_header(
-        self, meta: list[TensorMeta], mode: str, step: int | None, deadline: float
-    ) -> list[Bucket] | None:
+    def _layout(self, meta: list[TensorMeta], mode: str) -> tuple[bytes, list[Bucket] | None, int]:
+        """The header bytes, bucket plan and byte count of ``meta`` sent in ``mode``: made
+        (and the names checked unique) for a new layout, the last ones for the same.
+
+        Raises:
+            ValueError: a name appears twice (nothing was sent).
+        """
         key = (mode, self.bucket_bytes, meta)
         cached = self._send_cache
         if cached is not None and cached[0] == key:
-            payload, plan = cached[1], cached[2]
-        else:
-            payload = wire.encode_header(mode, self.bucket_bytes, meta)
-            plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
-            self._send_cache = (key, payload, plan)
-            self._where = None
-            self._pack_views = {}
+            return cached[1], cached[2], cached[3]
+        validate_unique_names(meta)
+        payload = wire.encode_header(mode, self.bucket_bytes, meta)
+        plan = plan_buckets(meta, self.bucket_bytes) if mode == "bucketed" else None
+        nbytes = sum(m.nbytes for m in meta)
+        self._send_cache = (key, payload, plan, nbytes)
+        self._where = None
+        self._pack_views = {}
+        return payload, plan, nbytes
+
+    def _send_header(self, payload: bytes, step: int | None, deadline: float) -> None:
         # The step travels in the preamble, so an unchanged model reuses its header bytes.
         device = self.group.device  # NCCL moves only device tensors
         preamble = torch.tensor(wire.encode_preamble(len(payload), step), dtype=torch.int64).to(
@@ -201,7 +205,6 @@ class WeightBroadcaster(BroadcastReceiving):
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         self._broadcast_now(preamble, deadline, "header")
         self._broadcast_now(body, deadline, "header")
-        return plan
 
     def _send_per_tensor(
         self,
